@@ -1,0 +1,245 @@
+"""Benchmark DSA on one GPU: lightning indexer (LI), sparse attention forward (SFA) and
+backward (SFAG), the whole layer fwd+bwd; ours (Triton) vs the PyTorch composition a
+user would write vs dense causal SDPA.
+
+    python benchmarks/bench_dsa.py --out results.json [--T 8192 32768 131072] [--H 64 128] [--sweep]
+
+MQA/MLA form: B = 1, HK = 1, D = 576 (512 latent + 64 rope), DV = 512 (v = kv[..., :512]),
+topk = 2048, indexer HI = 64, DI = 128, bf16. Imports only torch/triton and moeadapt.ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moeadapt.ops.dsa import triton_sparse_attn as tsa
+from moeadapt.ops.dsa.triton_indexer import lightning_indexer_triton
+
+PEAK_TFLOPS = 790.0  # H200 bf16 dense, measured ceiling used in this repo
+D, DV, TOPK, HI, DI = 576, 512, 2048, 64, 128
+
+
+def timeit(fn, reps=3, warmup=1):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return min(ts)
+
+
+def peak_mem(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def pairs(T, topk):
+    n = min(T, topk)
+    return n * (n + 1) // 2 + (T - n) * topk
+
+
+# ------------------------------------------------------------ (b) PyTorch composition
+def li_torch(q_idx, k_idx, w_idx, topk, block=512):
+    T = q_idx.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
+    pos = torch.arange(T, device=q_idx.device)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        s = torch.einsum("qhd,sd->qhs", q_idx[0, t0:t1], k_idx[0, :t1]).relu()
+        s = (s * w_idx[0, t0:t1, :, None]).sum(1).float()
+        s = s.masked_fill(pos[None, :t1] > pos[t0:t1, None], float("-inf"))
+        k = min(topk, t1)
+        v, i = s.topk(k, dim=-1)
+        out[t0:t1, :k] = torch.where(v > float("-inf"), i, -1).int()
+    return out[None]
+
+
+def sfa_torch(q, kv, indices, scale):
+    idx = indices[0].long()
+    valid = idx >= 0
+    kvg = kv[0, idx.clamp(min=0), 0]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q[0], kvg) * scale
+    s = s.masked_fill(~valid[:, None], float("-inf"))
+    p = s.float().softmax(-1).to(q.dtype)
+    return torch.einsum("thk,tkd->thd", p, kvg[..., :DV])[None]
+
+
+def sdpa_dense(q, kv, scale):
+    H = q.shape[2]
+    qh = q.transpose(1, 2)
+    kh = kv.transpose(1, 2).expand(-1, H, -1, -1)
+    return F.scaled_dot_product_attention(qh, kh, kh[..., :DV], is_causal=True, scale=scale)
+
+
+# ------------------------------------------------------------ runs
+def try_run(name, fn, log):
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        log(f"  {name}: OOM")
+    except Exception as e:  # noqa: BLE001  (record, keep benchmarking)
+        log(f"  {name}: {type(e).__name__}: {str(e)[:200]}")
+    finally:
+        torch.cuda.empty_cache()
+    return None
+
+
+def sweep(log, T=32768, H=128):
+    torch.manual_seed(0)
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T, 1, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.sort(torch.randint(0, T, (1, T, TOPK), device="cuda"), -1).values.int()
+    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)
+    scale = D**-0.5
+    fl = 2 * T * TOPK * H * (D + DV)
+    best = {}
+    fwd_cfgs = [dict(BLOCK_H=64, BLOCK_K=k, num_warps=w, num_stages=s) for k, w, s in
+                [(32, 8, 2), (32, 8, 1), (64, 8, 1), (16, 4, 2), (32, 4, 2), (64, 8, 2)]]
+    for cfg in fwd_cfgs:
+        ms = try_run(f"fwd {cfg}", lambda: timeit(lambda: tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, cfg)), log)
+        if ms is not None:
+            log(f"  sweep SFA fwd {cfg}: {ms:.2f} ms {fl / ms / 1e9:.0f} TFLOP/s")
+            if "fwd" not in best or ms < best["fwd"][0]:
+                best["fwd"] = (ms, cfg)
+    o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, best["fwd"][1])
+    do = torch.randn_like(o)
+    flb = 2 * T * TOPK * H * (3 * D + 2 * DV)
+    bwd_cfgs = [dict(BLOCK_H=64, BLOCK_K=k, num_warps=w, num_stages=s) for k, w, s in
+                [(32, 8, 1), (16, 8, 1), (32, 8, 2), (16, 4, 1), (64, 8, 1)]]
+    for cfg in bwd_cfgs:
+        ms = try_run(f"bwd {cfg}", lambda: timeit(
+            lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, scale, cfg), reps=2), log)
+        if ms is not None:
+            log(f"  sweep SFAG {cfg}: {ms:.2f} ms {flb / ms / 1e9:.0f} TFLOP/s")
+            if "bwd" not in best or ms < best["bwd"][0]:
+                best["bwd"] = (ms, cfg)
+    tsa.FWD_CONFIG.update(best["fwd"][1])
+    tsa.BWD_CONFIG.update(best["bwd"][1])
+    log(f"best fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG}")
+    return {k: v[1] for k, v in best.items()}
+
+
+def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    r = {"T": T, "H": H}
+    q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
+    k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
+    w_idx = torch.randn(1, T, HI, device=dev, dtype=dt) * (HI**-0.5 * DI**-0.5)
+    q = torch.randn(1, T, H, D, device=dev, dtype=dt, requires_grad=True)
+    kv = torch.randn(1, T, 1, D, device=dev, dtype=dt, requires_grad=True)
+    scale = D**-0.5
+    np_ = pairs(T, TOPK)
+    fl_li = 2 * HI * DI * T * (T + 1) / 2
+    fl_f = 2 * np_ * H * (D + DV)
+    fl_b = 2 * np_ * H * (3 * D + 2 * DV)
+    reps = 3 if T <= 32768 else 1
+
+    li = lambda: lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)  # noqa: E731
+    r["li_ms"] = timeit(li, reps=reps)
+    r["li_tflops"] = fl_li / r["li_ms"] / 1e9
+    idx = li()
+    fwd = lambda: tsa.sfa_forward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, scale)  # noqa: E731
+    r["sfa_ms"] = timeit(fwd, reps=reps)
+    r["sfa_tflops"] = fl_f / r["sfa_ms"] / 1e9
+    o, lse = fwd()
+    do = torch.randn_like(o)
+    bwd = lambda: tsa.sfa_backward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, o, lse, do, scale)  # noqa: E731
+    r["sfag_ms"] = timeit(bwd, reps=reps)
+    r["sfag_tflops"] = fl_b / r["sfag_ms"] / 1e9
+
+    def layer():
+        ix = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
+        out = tsa.sparse_attention_triton(q, kv, kv[..., :DV], ix, scale)
+        out.backward(do)
+
+    r["layer_ms"] = timeit(layer, reps=reps)
+    r["layer_tflops"] = (fl_li + fl_f + fl_b) / r["layer_ms"] / 1e9
+    r["layer_gib"] = peak_mem(layer)
+    log(f"T={T} H={H} ours: LI {r['li_ms']:.1f} ms ({r['li_tflops']:.0f} TF/s), SFA {r['sfa_ms']:.1f} ms "
+        f"({r['sfa_tflops']:.0f}), SFAG {r['sfag_ms']:.1f} ms ({r['sfag_tflops']:.0f}), layer {r['layer_ms']:.1f} ms "
+        f"({r['layer_tflops']:.0f}), peak {r['layer_gib']:.1f} GiB")
+    q.grad = kv.grad = None
+
+    if run_torch:
+        r["li_torch_ms"] = try_run("li_torch", lambda: timeit(lambda: li_torch(q_idx, k_idx, w_idx, TOPK), reps=1), log)
+        ref_idx = li_torch(q_idx, k_idx, w_idx, TOPK) if r["li_torch_ms"] else None
+        if ref_idx is not None:  # selection agreement (ties/rounding may differ slightly)
+            a = torch.sort(idx[0].long(), -1).values
+            b = torch.sort(ref_idx[0].long(), -1).values
+            r["li_agree"] = (a == b).float().mean().item()
+
+        def layer_torch():
+            ix = li_torch(q_idx, k_idx, w_idx, TOPK)
+            sfa_torch(q, kv, ix, scale).backward(do)
+
+        r["sfa_torch_ms"] = try_run("sfa_torch fwd", lambda: timeit(lambda: sfa_torch(q.detach(), kv.detach(), idx, scale), reps=1), log)
+        r["layer_torch_ms"] = try_run("layer_torch", lambda: timeit(layer_torch, reps=1), log)
+        if r["layer_torch_ms"]:
+            r["layer_torch_gib"] = peak_mem(layer_torch)
+            o_t = sfa_torch(q.detach(), kv.detach(), idx, scale)
+            r["sfa_maxerr_vs_torch"] = (o_t.float() - o.float()).abs().max().item()
+        q.grad = kv.grad = None
+        log(f"  torch: LI {r.get('li_torch_ms')} SFA {r.get('sfa_torch_ms')} layer {r.get('layer_torch_ms')} "
+            f"agree {r.get('li_agree')} err {r.get('sfa_maxerr_vs_torch')}")
+    if run_sdpa:
+        def dense():
+            sdpa_dense(q, kv, scale).backward(do.transpose(1, 2))
+
+        r["sdpa_layer_ms"] = try_run("sdpa", lambda: timeit(dense, reps=1), log)
+        if r["sdpa_layer_ms"]:
+            r["sdpa_layer_gib"] = peak_mem(dense)
+        q.grad = kv.grad = None
+        log(f"  sdpa fwd+bwd {r.get('sdpa_layer_ms')}")
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--H", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default="bench_dsa.json")
+    ap.add_argument("--budget_s", type=float, default=400.0)
+    a = ap.parse_args()
+    t_start = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)
+
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    import triton
+
+    res["triton"] = triton.__version__
+    if a.sweep:
+        res["sweep"] = try_run("sweep", lambda: sweep(log), log)
+    for T in a.T:
+        for H in a.H:
+            if time.time() - t_start > a.budget_s:
+                log(f"budget reached, skipping T={T} H={H}")
+                continue
+            row = try_run(f"T={T} H={H}", lambda: bench_shape(T, H, log, run_torch=T <= 32768, run_sdpa=T <= 32768), log)
+            if row:
+                res["rows"].append(row)
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

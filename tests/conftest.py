@@ -1,0 +1,29 @@
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test, printed so a failure can be replayed."""
+    s = random.SystemRandom().randrange(2**31)
+    print(f"seed={s}")
+    torch.manual_seed(s)
+    return s
+
+
+def micro_spec(**kw):
+    """A very small hybrid model for fast CPU tests: 2 KDA + 1 DSA... layers as requested."""
+    from moeadapt.config import ModelSpec
+
+    base = dict(name="micro", vocab_size=264, hidden_size=32, n_layers=4, kda_n_heads=2, kda_head_dim=8,
+                n_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                index_n_heads=2, index_head_dim=8, index_topk=8, first_k_dense=1, intermediate_size=48,
+                n_routed_experts=4, n_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, latent_dim=16,
+                max_position_embeddings=256)
+    base.update(kw)
+    return ModelSpec(**base)

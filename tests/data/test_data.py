@@ -1,0 +1,61 @@
+import json
+
+import pytest
+import torch
+
+from moeadapt.data.dataset import PackedDataset, Sampler, encode_record, pack, read_jsonl
+from moeadapt.data.tokenizer import ByteTokenizer
+
+
+def test_chat_loss_only_on_assistant():
+    tok = ByteTokenizer()
+    rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ids, mask = encode_record(rec, tok)
+    assert tok.decode(ids) == "<|user|>hi<|end|><|assistant|>yo<|end|><eos>"
+    learned = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert learned == "yo<|end|>"
+
+
+def test_pack_shift_and_mask():
+    tok = ByteTokenizer()
+    recs = [{"text": "abcdefgh"}, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    x, y = pack(recs, tok, seq_len=4)
+    flat_x, flat_y = x.flatten(), y.flatten()
+    ids = [ord(c) for c in "abcdefgh"] + [tok.eos_id]
+    assert flat_x[:8].tolist() == ids[:8]
+    assert flat_y[:8].tolist() == ids[1:9]
+    # the user turn is never a target
+    assert (flat_y == ord("q")).sum() == 0
+
+
+def test_bad_jsonl_is_named(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid JSON"):
+        read_jsonl(str(p))
+    p.write_text(json.dumps({"foo": 1}) + "\n")
+    with pytest.raises(ValueError, match="needs a 'text' string or a 'messages' list"):
+        read_jsonl(str(p))
+    with pytest.raises(FileNotFoundError, match="no built-in dataset"):
+        read_jsonl("builtin:nope")
+
+
+def test_sampler_resume_is_exact():
+    ds = PackedDataset(torch.arange(40).view(10, 4), torch.arange(40).view(10, 4))
+    a = Sampler(ds, 3, seed=7)
+    seq = [a.next()[0][:, 0].tolist() for _ in range(5)]
+    b = Sampler(ds, 3, seed=7)
+    for _ in range(2):
+        b.next()
+    c = Sampler(ds, 3, seed=7)
+    c.load_state(b.state())
+    assert [c.next()[0][:, 0].tolist() for _ in range(3)] == seq[2:]
+
+
+def test_builtin_data_is_reproducible(tmp_path):
+    from moeadapt.data.dataset import BUILTIN_DIR
+    from moeadapt.data.synth import generate
+
+    generate(tmp_path)
+    for name in ("tinystories.jsonl", "recall_qa.jsonl"):
+        assert (tmp_path / name).read_bytes() == (BUILTIN_DIR / name).read_bytes()

@@ -1,0 +1,111 @@
+"""GPU tests: Triton DSA kernels vs the PyTorch reference on CUDA (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moeadapt.ops.dsa import (
+    indexer_kl_loss,
+    indexer_scores_reference,
+    lightning_indexer,
+    sparse_attention,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SEED = int.from_bytes(os.urandom(4), "little")
+print(f"test_dsa_gpu seed={SEED}")
+
+
+def _check_topk(idx, q_idx, k_idx, w_idx, topk, starts, rtol=1e-3):
+    """Each row: right count, causal, unique, and every pick scores >= the k-th best (to rounding)."""
+    T = q_idx.shape[1]
+    sc = indexer_scores_reference(q_idx, k_idx, w_idx)[0]  # [T, T] fp32
+    pos = torch.arange(T, device=sc.device)
+    vis = (pos[None] <= pos[:, None]) & (pos[None] >= starts[:, None])
+    sc = sc.masked_fill(~vis, float("-inf"))
+    n = vis.sum(-1).clamp(max=topk)
+    got = idx[0].long()
+    ok = got >= 0
+    assert torch.equal(ok.sum(-1), n)
+    assert torch.all(torch.where(ok, vis.gather(1, got.clamp(min=0)), True))
+    srt = torch.sort(torch.where(ok, got, T + pos[:, None] * 0 + torch.arange(topk, device=sc.device)), -1).values
+    assert torch.all(srt[:, 1:] != srt[:, :-1])
+    kth = sc.topk(topk, -1).values.gather(1, (n - 1)[:, None])
+    picked = torch.where(ok, sc.gather(1, got.clamp(min=0)), float("inf"))
+    tol = rtol * sc.masked_fill(~vis, 0).abs().amax(-1, keepdim=True)
+    assert torch.all(picked >= kth - tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_gpu(dtype):
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    T, HI, DI, topk = 3000, 8, 64, 256
+    cu = torch.tensor([0, 100, 1700, 3000], device="cuda", dtype=torch.int32)
+    q_idx = torch.randn(1, T, HI, DI, device="cuda", generator=g).to(dtype)
+    k_idx = torch.randn(1, T, DI, device="cuda", generator=g).to(dtype)
+    w_idx = torch.randn(1, T, HI, device="cuda", generator=g).to(dtype)
+    for c in (None, cu):
+        idx = lightning_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens=c)
+        starts = torch.zeros(T, dtype=torch.long, device="cuda")
+        if c is not None:
+            for a in c[:-1].tolist():
+                starts[a:] = a
+        _check_topk(idx, q_idx, k_idx, w_idx, topk, starts)
+        if dtype == torch.float32:
+            ref = lightning_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens=c, backend="reference")
+            assert (idx == ref).float().mean() > 0.999
+
+
+def _rand_indices(T, topk, g):
+    r = torch.randint(0, 1 << 30, (1, T, topk), device="cuda", generator=g)
+    idx = r % (torch.arange(T, device="cuda")[None, :, None] + 1)
+    idx = torch.sort(idx, -1).values
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    return torch.where(dup, -1, idx).int()
+
+
+@pytest.mark.parametrize("dtype,H,D,DV,shared", [
+    (torch.float32, 8, 96, 64, False),
+    (torch.bfloat16, 16, 576, 512, True),
+    (torch.bfloat16, 128, 576, 512, True),
+])
+def test_sparse_attention_gpu(dtype, H, D, DV, shared):
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    T, topk = 600, 128
+    q = torch.randn(1, T, H, D, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(1, T, 1, D, device="cuda", generator=g).to(dtype)
+    v0 = torch.randn(1, T, 1, DV, device="cuda", generator=g).to(dtype)
+    do = torch.randn(1, T, H, DV, device="cuda", generator=g).to(dtype)
+    idx = _rand_indices(T, topk, g)
+    res = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = q.clone().requires_grad_(), kv.clone().requires_grad_(), v0.clone().requires_grad_()
+        v = kk[..., :DV] if shared else vv
+        o = sparse_attention(qq, kk, v, idx, backend=backend)
+        grads = torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do)
+        res.append((o, *grads))
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for a, b in zip(*res):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_kl_loss_gpu():
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    T, H, D, HI, DI, topk = 500, 16, 96, 8, 64, 64
+    q = torch.randn(1, T, H, D, device="cuda", generator=g)
+    k = torch.randn(1, T, 1, D, device="cuda", generator=g)
+    q_idx = torch.randn(1, T, HI, DI, device="cuda", generator=g)
+    k_idx = torch.randn(1, T, DI, device="cuda", generator=g)
+    w_idx = torch.randn(1, T, HI, device="cuda", generator=g) * 0.1
+    idx = lightning_indexer(q_idx, k_idx, w_idx, topk)
+    res = []
+    for backend in ("triton", "reference"):
+        xs = [x.clone().requires_grad_() for x in (q_idx, k_idx, w_idx)]
+        loss = indexer_kl_loss(q, k, idx, *xs, backend=backend)
+        res.append((loss, *torch.autograd.grad(loss, xs)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)

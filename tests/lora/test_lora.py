@@ -1,0 +1,101 @@
+import json
+
+import pytest
+import torch
+
+from moeadapt.config import LoRASpec
+from moeadapt.lora import GroupedLoRALinear, LoRALinear, export_peft, inject_lora, load_peft, merge_lora
+from moeadapt.models.model import build_model, materialize
+from tests.conftest import micro_spec
+
+TARGETS = ["attn.q_proj", "attn.o_proj", "attn.wq_b", "attn.wkv_a", "attn.wo", "experts.w1", "experts.w2", "experts.w3"]
+
+
+def model_with_lora(seed, rank=4):
+    m = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed)
+    names = inject_lora(m, LoRASpec(rank=rank, alpha=2 * rank, targets=TARGETS))
+    with torch.no_grad():  # non-zero B so the adapters matter
+        for mod in m.modules():
+            if isinstance(mod, (LoRALinear, GroupedLoRALinear)):
+                (mod.lora_B.weight if isinstance(mod, LoRALinear) else mod.lora_B).normal_(std=0.2)
+    return m, names
+
+
+def test_injected_names_and_only_adapters_train(seed):
+    m, names = model_with_lora(seed)
+    assert any(n.endswith("experts.w1") for n in names) and any(n.endswith("attn.q_proj") for n in names)
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A" in n or ".lora_B" in n for n in trainable)
+    x = torch.randint(0, 256, (2, 16))
+    out = m(x, x)
+    out.loss.backward()
+    assert all(p.grad is None for n, p in m.named_parameters() if not p.requires_grad)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in m.named_parameters() if p.requires_grad)
+
+
+def test_zero_init_b_is_identity(seed):
+    m = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed).eval()
+    x = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        before = m(x).logits
+        inject_lora(m, LoRASpec(rank=4, targets=TARGETS))
+        torch.testing.assert_close(m(x).logits, before)
+
+
+def test_grouped_lora_matches_explicit_delta(seed):
+    m, _ = model_with_lora(seed)
+    g = next(mod for mod in m.modules() if isinstance(mod, GroupedLoRALinear))
+    E, I = g.n_experts, g.in_features
+    counts = torch.tensor([3, 0, 5, 2])[:E]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), I)
+    y = g(x, offs)
+    ref, start = [], 0
+    for e in range(E):
+        xe = x[start:start + counts[e]].double()
+        w = g.weight[e].double() + g.delta_weight()[e].double()
+        ref.append(xe @ w.T)
+        start += counts[e]
+    torch.testing.assert_close(y.double(), torch.cat(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_equals_adapter_output(seed):
+    m, _ = model_with_lora(seed)
+    m.eval()
+    x = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        a = m(x).logits
+        assert merge_lora(m) > 0
+        assert not any(isinstance(mod, (LoRALinear, GroupedLoRALinear)) for mod in m.modules())
+        torch.testing.assert_close(m(x).logits, a, rtol=1e-4, atol=1e-4)
+
+
+def test_peft_roundtrip(tmp_path, seed):
+    m, _ = model_with_lora(seed)
+    m.eval()
+    spec = LoRASpec(rank=4, alpha=8, targets=TARGETS)
+    d = export_peft(m, spec, tmp_path / "adapter", base_model="micro")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    from safetensors.torch import load_file
+    t = load_file(str(d / "adapter_model.safetensors"))
+    k = next(k for k in t if k.endswith("attn.q_proj.lora_A.weight"))
+    assert k.startswith("base_model.model.layers.") and t[k].shape == (4, 32)  # PEFT layout [r, in]
+    kg = next(k for k in t if k.endswith("experts.w1.lora_A.weight"))
+    assert t[kg].shape == (4, 4, 16)  # [E, r, in]
+    m2 = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed).eval()
+    m2.load_state_dict({k: v for k, v in m.state_dict().items() if "lora_" not in k}, strict=False)
+    load_peft(m2, d)
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(x).logits, m(x).logits)
+    # a corrupt adapter file names the problem
+    (d / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_peft(m2, d)
+
+
+def test_no_target_matches_is_clear():
+    m = materialize(build_model(micro_spec(), "meta"), "cpu")
+    with pytest.raises(ValueError, match="matched no module"):
+        inject_lora(m, LoRASpec(targets=["attn.nothing"]))

@@ -1,0 +1,120 @@
+import math
+
+import pytest
+import torch
+
+from moeadapt.models.router import Router, update_expert_bias
+from tests.conftest import micro_spec
+
+
+def router(**kw):
+    spec = micro_spec(hidden_size=16, n_routed_experts=8, n_experts_per_tok=2, **kw)
+    r = Router(spec).double()
+    r.reset_parameters()
+    with torch.no_grad():
+        r.weight.normal_()
+    return r
+
+
+def test_gate_values_and_selection_bias(seed):
+    r = router(routed_scaling_factor=2.0)
+    x = torch.randn(50, 16, dtype=torch.float64)
+    out = r(x)
+    s = torch.sigmoid(x @ r.weight.T)
+    top = s.topk(2, dim=-1)
+    assert torch.equal(out.expert_ids_TK.sort(-1).values, top.indices.sort(-1).values)
+    w = top.values / top.values.sum(-1, keepdim=True) * 2.0
+    torch.testing.assert_close(out.weights_TK.double().sort(-1).values, w.sort(-1).values)
+    # a large bias forces expert 3 into every selection but never changes gate values
+    r.expert_bias[3] = 100.0
+    out2 = r(x)
+    assert (out2.expert_ids_TK == 3).any(-1).all()
+    sel = out2.expert_ids_TK
+    g = s.gather(1, sel)
+    torch.testing.assert_close(out2.weights_TK.double(), g / g.sum(-1, keepdim=True) * 2.0)
+
+
+def test_group_limited_routing(seed):
+    r = router(n_group=4, topk_group=1)
+    out = r(torch.randn(64, 16, dtype=torch.float64))
+    groups = out.expert_ids_TK // 2
+    assert (groups[:, 0] == groups[:, 1]).all()
+
+
+def test_aux_losses_match_formula(seed):
+    r = router(aux_loss_coef=0.5, seq_aux_loss_coef=0.25, z_loss_coef=0.1)
+    B, S, E, K = 3, 10, 8, 2
+    x = torch.randn(B * S, 16, dtype=torch.float64)
+    out = r(x, batch_size=B)
+    logits = x @ r.weight.T
+    s = logits.sigmoid()
+    p = s / s.sum(-1, keepdim=True)
+    ids = out.expert_ids_TK
+    f = torch.stack([(ids == e).sum() for e in range(E)]).double() / (B * S * K)
+    torch.testing.assert_close(out.aux["aux_loss"], 0.5 * E * (f * p.mean(0)).sum())
+    seq = []
+    for b in range(B):
+        ib, pb = ids[b * S:(b + 1) * S], p[b * S:(b + 1) * S]
+        fb = torch.stack([(ib == e).sum() for e in range(E)]).double() / (S * K)
+        seq.append(E * (fb * pb.mean(0)).sum())
+    torch.testing.assert_close(out.aux["seq_aux_loss"], 0.25 * torch.stack(seq).mean())
+    torch.testing.assert_close(out.aux["z_loss"], 0.1 * torch.logsumexp(logits, -1).pow(2).mean())
+
+
+def skewed(r, T=64):
+    x = torch.randn(T, 16, dtype=torch.float64)
+    with torch.no_grad():
+        r.weight[0] = x.mean(0) * 4  # expert 0 is popular
+        r.weight[1] = x.mean(0) * 3
+    return x
+
+
+@pytest.mark.parametrize("policy", ["probs", "position", "reroute"])
+def test_capacity_policies(seed, policy):
+    r = router(capacity_factor=1.0, drop_policy=policy)
+    x = skewed(r)
+    T, K, E = 64, 2, 8
+    cap = math.ceil(1.0 * T * K / E)
+    free = router()
+    free.load_state_dict(r.state_dict())
+    base = free(x)
+    out = r(x)
+    ids, w = out.expert_ids_TK, out.weights_TK
+    counts = torch.bincount(ids[ids >= 0], minlength=E)
+    assert counts.max() <= cap and int(out.counts_E.sum()) == int((ids >= 0).sum())
+    dropped = ids < 0
+    assert (w[dropped] == 0).all()
+    assert float(out.drop_rate) == pytest.approx(dropped.double().mean().item())
+    kept = ~dropped & (ids == base.expert_ids_TK)
+    # kept choices keep their original gate value: no renormalisation onto survivors
+    torch.testing.assert_close(w[kept], base.weights_TK[kept])
+    if policy in ("probs", "position"):
+        assert ((ids == base.expert_ids_TK) | dropped).all()
+        for e in range(E):
+            chosen = base.expert_ids_TK == e
+            if chosen.sum() <= cap:
+                continue
+            t_kept = (ids == e).nonzero()[:, 0]
+            t_drop = (chosen & dropped).nonzero()[:, 0]
+            if policy == "position":
+                assert t_kept.max() < t_drop.min()
+            else:
+                assert base.weights_TK[ids == e].min() >= base.weights_TK[chosen & dropped].max()
+    else:
+        probs = router(capacity_factor=1.0, drop_policy="probs")
+        probs.load_state_dict(r.state_dict())
+        assert float(out.drop_rate) <= float(probs(x).drop_rate)
+        # no token uses the same expert twice
+        for t in range(T):
+            v = ids[t][ids[t] >= 0]
+            assert v.unique().numel() == v.numel()
+
+
+def test_bias_update_sign_and_recentre():
+    r = router(bias_update_rate=0.1)
+    r.train()
+    r.tokens_per_expert.copy_(torch.tensor([10, 0, 5, 5, 5, 5, 5, 5], dtype=torch.float32))
+    update_expert_bias(r)
+    b = r.expert_bias
+    assert b[0] < b[2] < b[1] and abs(float(b.mean())) < 1e-6
+    assert float(r.tokens_per_expert.sum()) == 0

@@ -1,0 +1,297 @@
+"""Tests for moeadapt.ops.dsa against float64 brute force (dense masked [T, T] math).
+
+Triton tests run when CUDA is present or under TRITON_INTERPRET=1 (tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from moeadapt.ops.dsa import (
+    indexer_kl_loss,
+    indexer_scores_reference,
+    lightning_indexer,
+    sparse_attention,
+)
+
+SEED = int.from_bytes(os.urandom(4), "little")
+print(f"test_dsa seed={SEED}")
+
+RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(SEED)
+
+
+def _rand(gen, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _starts(T, cu_seqlens):
+    st = np.zeros(T, dtype=np.int64)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            st[a:b] = a
+    return st
+
+
+def brute_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens=None):
+    """Row-by-row exact top-k with (-score, index) lexicographic order."""
+    B, T = q_idx.shape[:2]
+    sc = indexer_scores_reference(q_idx.double(), k_idx.double(), w_idx.double()).numpy()
+    st = _starts(T, cu_seqlens)
+    out = np.full((B, T, topk), -1, dtype=np.int64)
+    for b in range(B):
+        for t in range(T):
+            cand = np.arange(st[t], t + 1)
+            s = sc[b, t, cand]
+            order = np.lexsort((cand, -s))[:topk]
+            picked = np.sort(cand[order])
+            out[b, t, : len(picked)] = picked
+    return torch.from_numpy(out)
+
+
+def dense_sparse_attention(q, k, v, indices, scale=None):
+    """Dense [T, T] softmax attention masked to the index set, float64."""
+    B, T, HQ, D = q.shape
+    HK = k.shape[2]
+    G = HQ // HK
+    scale = D**-0.5 if scale is None else scale
+    idx = indices if indices.dim() == 4 else indices[:, :, None].expand(-1, -1, HK, -1)
+    mask = torch.zeros(B, T, HK, T + 1, dtype=torch.bool)
+    mask.scatter_(-1, torch.where(idx < 0, T, idx).long(), True)
+    mask = mask[..., :T].repeat_interleave(G, dim=2)  # [B,T,HQ,S]
+    kk = k.repeat_interleave(G, dim=2)
+    vv = v.repeat_interleave(G, dim=2)
+    s = torch.einsum("bthd,bshd->bths", q, kk) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bths,bshd->bthd", p, vv)
+
+
+def dense_kl(q, k, indices, q_idx, k_idx, w_idx, scale=None):
+    B, T, HQ, D = q.shape
+    HK = k.shape[2]
+    G = HQ // HK
+    scale = D**-0.5 if scale is None else scale
+    mask = torch.zeros(B, T, T + 1, dtype=torch.bool)
+    mask.scatter_(-1, torch.where(indices < 0, T, indices).long(), True)
+    mask = mask[..., :T]
+    with torch.no_grad():
+        s = torch.einsum("bthd,bshd->bths", q, k.repeat_interleave(G, dim=2)) * scale
+        p = torch.softmax(s.masked_fill(~mask[:, :, None], float("-inf")), -1).nan_to_num(0.0).sum(2)
+        p = p / p.sum(-1, keepdim=True)
+    i = indexer_scores_reference(q_idx, k_idx, w_idx).masked_fill(~mask, float("-inf"))
+    logq = torch.log_softmax(i, -1)
+    kl = torch.where(mask & (p > 0), p * (torch.log(p) - logq), torch.zeros_like(p)).sum(-1)
+    return kl.sum() / mask.any(-1).sum()
+
+
+def _indexer_inputs(gen, B, T, HI, DI, dtype=torch.float64):
+    return _rand(gen, B, T, HI, DI, dtype=dtype), _rand(gen, B, T, DI, dtype=dtype), _rand(gen, B, T, HI, dtype=dtype).abs()
+
+
+@pytest.mark.parametrize("T,topk", [(5, 8), (37, 8), (64, 16)])
+def test_indexer_matches_brute_force(gen, T, topk):
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, 2, T, 3, 8)
+    got = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="reference")
+    assert got.dtype == torch.int32 and got.shape == (2, T, topk)
+    assert torch.equal(got.long(), brute_indexer(q_idx, k_idx, w_idx, topk))
+
+
+def test_indexer_varlen_and_blocks(gen):
+    T = 50
+    cu = torch.tensor([0, 7, 30, 31, 50], dtype=torch.int32)
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, 1, T, 2, 4)
+    got = lightning_indexer(q_idx, k_idx, w_idx, 6, cu_seqlens=cu, backend="reference")
+    assert torch.equal(got.long(), brute_indexer(q_idx, k_idx, w_idx, 6, cu))
+    from moeadapt.ops.dsa.reference import lightning_indexer_reference
+
+    small_blocks = lightning_indexer_reference(q_idx, k_idx, w_idx, 6, cu, block=7)
+    assert torch.equal(small_blocks, got)
+
+
+def test_indexer_exact_ties_lower_index_wins(gen):
+    T, topk = 20, 4
+    q_idx = torch.ones(1, T, 2, 4)
+    k_idx = torch.ones(1, T, 4)
+    k_idx[0, 9] = 2.0  # one clear winner; the rest tie
+    w_idx = torch.ones(1, T, 2)
+    got = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="reference")
+    assert got[0, 19].tolist() == [0, 1, 2, 9]
+    assert got[0, 2].tolist() == [0, 1, 2, -1]
+    assert torch.equal(got.long(), brute_indexer(q_idx, k_idx, w_idx, topk))
+
+
+def _attn_inputs(gen, B, T, HQ, HK, D, DV, topk, per_head=False, dtype=torch.float64):
+    q, k, v = _rand(gen, B, T, HQ, D, dtype=dtype), _rand(gen, B, T, HK, D, dtype=dtype), _rand(gen, B, T, HK, DV, dtype=dtype)
+    # random causal index sets with -1 holes, ascending
+    shape = (B, T, HK, topk) if per_head else (B, T, topk)
+    r = torch.rand(*shape, generator=gen)
+    t = torch.arange(T).view(1, T, *([1] * (len(shape) - 2)))
+    idx = (r * (t + 1)).long()
+    idx = torch.where(torch.rand(*shape, generator=gen) < 0.2, -1, idx)
+    idx = torch.sort(torch.where(idx < 0, T, idx), -1).values
+    # deduplicate: repeated keys would double-count in the dense comparison
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    idx = torch.where(dup | (idx == T), -1, idx)
+    return q, k, v, idx.to(torch.int32)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sparse_attention_values_and_grads(gen, per_head):
+    q, k, v, idx = _attn_inputs(gen, 2, 23, 4, 2, 12, 8, 6, per_head)
+    idx[0, 5] = -1  # a query with no key gives 0 and no NaN
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    do = _rand(gen, 2, 23, 4, 8)
+    o = sparse_attention(q, k, v, idx, scale=0.3, backend="reference")
+    o_ref = dense_sparse_attention(q, k, v, idx, scale=0.3)
+    torch.testing.assert_close(o, o_ref)
+    assert torch.all(o[0, 5] == 0)
+    g = torch.autograd.grad(o, (q, k, v), do)
+    g_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_kl_loss_value_and_grads(gen):
+    B, T, HQ, HK, D, HI, DI, topk = 2, 19, 4, 2, 8, 3, 6, 5
+    q, k, _, _ = _attn_inputs(gen, B, T, HQ, HK, D, D, topk)
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, B, T, HI, DI)
+    idx = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="reference")
+    for x in (q, k, q_idx, k_idx, w_idx):
+        x.requires_grad_(True)
+    loss = indexer_kl_loss(q, k, idx, q_idx, k_idx, w_idx, backend="reference")
+    loss_ref = dense_kl(q, k, idx, q_idx, k_idx, w_idx)
+    torch.testing.assert_close(loss.double(), loss_ref, rtol=1e-5, atol=1e-6)
+    g = torch.autograd.grad(loss, (q_idx, k_idx, w_idx, q, k), allow_unused=True)
+    g_ref = torch.autograd.grad(loss_ref, (q_idx, k_idx, w_idx))
+    for a, b in zip(g[:3], g_ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    assert g[3] is None and g[4] is None  # main attention gets no gradient
+
+
+def test_validation_messages():
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="k_idx"):
+        lightning_indexer(q, torch.zeros(1, 4, 7), torch.zeros(1, 4, 2), 2)
+    with pytest.raises(ValueError, match="HQ = 2"):
+        sparse_attention(q, torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="indices"):
+        sparse_attention(q, q[:, :, :1], q[:, :, :1], torch.zeros(1, 5, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend"):
+        sparse_attention(q, q, q, torch.zeros(1, 4, 2, dtype=torch.int32), backend="cuda")
+
+
+# ---------------------------------------------------------------- Triton (tiny shapes)
+
+triton_only = pytest.mark.skipif(not RUN_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _check_selection(got, q_idx, k_idx, w_idx, topk, cu_seqlens=None, tol=1e-4):
+    """got must equal brute force except where scores tie within tol."""
+    exact = brute_indexer(q_idx.cpu(), k_idx.cpu(), w_idx.cpu(), topk, cu_seqlens)
+    got = got.cpu().long()
+    if torch.equal(got, exact):
+        return
+    sc = indexer_scores_reference(q_idx.cpu().double(), k_idx.cpu().double(), w_idx.cpu().double())
+    for b, t in zip(*torch.nonzero((got != exact).any(-1), as_tuple=True)):
+        g, e = got[b, t], exact[b, t]
+        assert (g >= 0).sum() == (e >= 0).sum()
+        sg = sc[b, t][g[g >= 0]].sort().values
+        se = sc[b, t][e[e >= 0]].sort().values
+        torch.testing.assert_close(sg, se, atol=tol, rtol=tol)
+
+
+@triton_only
+@pytest.mark.parametrize("T,topk,cu", [(40, 8, None), (13, 16, None), (45, 8, [0, 9, 10, 45])])
+def test_triton_indexer(gen, T, topk, cu):
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    B = 2 if cu is None else 1
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, B, T, 4, 32, torch.float32)
+    args = [x.to(DEV) for x in (q_idx, k_idx, w_idx)]
+    got = lightning_indexer(*args, topk, cu_seqlens=None if cu_t is None else cu_t.to(DEV), backend="triton")
+    _check_selection(got, q_idx, k_idx, w_idx, topk, cu_t)
+
+
+@triton_only
+def test_triton_indexer_ties():
+    T, topk = 40, 8
+    q_idx = torch.ones(1, T, 2, 16, device=DEV)
+    k_idx = torch.ones(1, T, 16, device=DEV)
+    k_idx[0, 30] = 2.0
+    w_idx = torch.ones(1, T, 2, device=DEV)
+    got = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="triton").cpu()
+    assert got[0, 39].tolist() == [0, 1, 2, 3, 4, 5, 6, 30]
+    assert torch.equal(got.long(), brute_indexer(q_idx.cpu(), k_idx.cpu(), w_idx.cpu(), topk))
+
+
+@triton_only
+@pytest.mark.parametrize("HQ,HK,per_head", [(4, 1, False), (4, 2, True)])
+def test_triton_sparse_attention(gen, HQ, HK, per_head):
+    T, D, DV, topk = 40, 48, 32, 8
+    q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    q, k, v, idx, do = (x.to(DEV) for x in (q, k, v, idx, do))
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = sparse_attention(qq, kk, vv, idx, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (qq, kk, vv), do)))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+@triton_only
+def test_triton_sparse_attention_mla_shared_kv(gen):
+    """MQA/MLA form: v is the leading DV channels of k (one latent); grads reach kv."""
+    T, HQ, D, DV, topk = 40, 4, 48, 32, 8
+    q, kv, _, idx = _attn_inputs(gen, 1, T, HQ, 1, D, DV, topk, dtype=torch.float32)
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    q, kv, idx, do = (x.to(DEV) for x in (q, kv, idx, do))
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        o = sparse_attention(qq, kk, kk[..., :DV], idx, scale=0.2, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (qq, kk), do)))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+@triton_only
+def test_triton_indexer_many_exact_ties(gen):
+    """Small-integer scores: many exact ties straddling the k-th value, varlen."""
+    T, topk = 70, 8
+    cu = torch.tensor([0, 33, 70], dtype=torch.int32)
+    q_idx = torch.randint(-2, 3, (1, T, 3, 16), generator=gen).float()
+    k_idx = torch.randint(-1, 2, (1, T, 16), generator=gen).float()
+    w_idx = torch.randint(-2, 3, (1, T, 3), generator=gen).float()
+    got = lightning_indexer(q_idx.to(DEV), k_idx.to(DEV), w_idx.to(DEV), topk, cu_seqlens=cu.to(DEV), backend="triton")
+    assert torch.equal(got.cpu().long(), brute_indexer(q_idx, k_idx, w_idx, topk, cu))
+
+
+@triton_only
+def test_triton_kl_loss(gen):
+    T, HQ, HK, D, HI, DI, topk = 40, 4, 1, 48, 3, 16, 8
+    q, k, _, _ = _attn_inputs(gen, 1, T, HQ, HK, D, D, topk, dtype=torch.float32)
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, 1, T, HI, DI, torch.float32)
+    idx = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="reference")
+    idx[0, 3] = -1  # a query without keys is left out of the mean
+    q, k, idx, q_idx, k_idx, w_idx = (x.to(DEV) for x in (q, k, idx, q_idx, k_idx, w_idx))
+    res = []
+    for backend in ("triton", "reference"):
+        xs = [x.clone().requires_grad_(True) for x in (q_idx, k_idx, w_idx)]
+        loss = indexer_kl_loss(q, k, idx, *xs, scale=0.3, backend=backend)
+        res.append((loss, *torch.autograd.grad(2.0 * loss, xs)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,258 @@
+"""moeadapt.ops.moe against float64 per-token loops: values and gradients, every CPU backend.
+
+The Triton backend runs only under TRITON_INTERPRET=1 (as `make test` sets it). Inputs are fresh
+random each run; the seed is printed so a failure can be replayed with MOE_TEST_SEED=<seed>.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, unpermute
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
+
+
+@pytest.fixture
+def gen():
+    seed = int(os.environ.get("MOE_TEST_SEED", random.randrange(2**31)))
+    print(f"MOE_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _routing(gen, T, K, E, drop=0.2, empty=(1,)):
+    """Distinct experts per token, some choices dropped (-1), experts in `empty` get no token."""
+    allowed = torch.tensor([e for e in range(E) if e not in empty])
+    scores = torch.rand(T, len(allowed), generator=gen)
+    ids_TK = allowed[scores.topk(K, dim=1).indices]
+    ids_TK[torch.rand(T, K, generator=gen) < drop] = -1
+    return ids_TK
+
+
+# ------------------------------------------------------------------ float64 per-token loops
+def _permute_loop(x_TD, ids_TK, E):
+    T, K = ids_TK.shape
+    rows, index = [], []
+    for e in range(E):
+        for t in range(T):
+            for k in range(K):
+                if ids_TK[t, k] == e:
+                    rows.append(x_TD[t])
+                    index.append(t * K + k)
+    counts = torch.bincount(ids_TK[ids_TK >= 0].flatten(), minlength=E)
+    return torch.stack(rows), torch.tensor(index), counts
+
+
+def _unpermute_loop(y_ND, row_index_N, w_TK, T):
+    K = w_TK.shape[1]
+    pos = {int(m): n for n, m in enumerate(row_index_N)}
+    out = []
+    for t in range(T):
+        acc = torch.zeros(y_ND.shape[1], dtype=torch.float64)
+        for k in range(K):
+            if t * K + k in pos:
+                acc = acc + w_TK[t, k].double() * y_ND[pos[t * K + k]].double()
+        out.append(acc)
+    return torch.stack(out)
+
+
+def _grouped_loop(x_NI, w_EIO, offsets_E):
+    out, start = [], 0
+    for e, end in enumerate(offsets_E.tolist()):
+        for n in range(start, end):
+            out.append(x_NI[n].double() @ w_EIO[e].double())
+        start = end
+    return torch.stack(out)
+
+
+def _leaf(t, dtype=torch.float32):
+    return t.to(dtype).detach().clone().requires_grad_(True)
+
+
+def _close(a, b, tol):
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------ permute / unpermute
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,K,E,D", [(37, 3, 8, 24), (50, 1, 5, 16), (200, 2, 16, 8)])
+def test_permute_unpermute(gen, backend, T, K, E, D):
+    ids_TK = _routing(gen, T, K, E)
+    x_TD = torch.randn(T, D, generator=gen)
+    w_TK = torch.rand(T, K, generator=gen)
+    dy_TD = torch.randn(T, D, generator=gen)
+
+    x = _leaf(x_TD)
+    xs, row_index, counts = permute(x, ids_TK, E, backend=backend)
+    x64 = _leaf(x_TD, torch.float64)
+    xs_ref, row_ref, counts_ref = _permute_loop(x64, ids_TK, E)
+    assert torch.equal(row_index, row_ref) and row_index.dtype == torch.int64
+    assert torch.equal(counts, counts_ref) and counts.dtype == torch.int64 and counts[1] == 0
+    _close(xs, xs_ref, 0)
+
+    # unpermute on a function of xs, so the gradient flows through both ops
+    ys = xs * 2.0 + 1.0
+    w = _leaf(w_TK)
+    y = unpermute(ys, row_index, w, T, backend=backend)
+    assert y.dtype == ys.dtype and y.shape == (T, D)
+    w64 = _leaf(w_TK, torch.float64)
+    y_ref = _unpermute_loop(xs_ref * 2.0 + 1.0, row_ref, w64, T)
+    _close(y, y_ref, 1e-5)
+    (y * dy_TD).sum().backward()
+    (y_ref * dy_TD.double()).sum().backward()
+    _close(x.grad, x64.grad, 1e-5)
+    _close(w.grad, w64.grad, 1e-5)
+    # a dropped choice gets no weight gradient
+    assert torch.all(w.grad[ids_TK < 0] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_bf16_matches_reference(gen, backend):
+    T, K, E, D = 64, 4, 6, 40
+    ids_TK = _routing(gen, T, K, E, empty=())
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w_TK = torch.rand(T, K, generator=gen)
+    xs, ri, _ = permute(x, ids_TK, E, backend=backend)
+    xs_r, ri_r, _ = permute(x, ids_TK, E, backend="reference")
+    assert torch.equal(xs, xs_r) and torch.equal(ri, ri_r)
+    y = unpermute(xs, ri, w_TK, T, backend=backend)
+    y_r = unpermute(xs_r, ri_r, w_TK, T, backend="reference")
+    assert y.dtype == torch.bfloat16
+    _close(y, y_r, 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_rejects_bad_input(backend):
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="ids"):
+        permute(x, torch.tensor([[0, 1], [2, 5], [0, -1], [1, 1]]), 4, backend=backend)
+    with pytest.raises(ValueError, match="ids"):
+        permute(x, torch.tensor([[0, -2], [0, 1], [0, 1], [0, 1]]), 4, backend=backend)
+    with pytest.raises(ValueError, match="same T"):
+        permute(x, torch.zeros(3, 2, dtype=torch.long), 4, backend=backend)
+    with pytest.raises(ValueError, match="integer"):
+        permute(x, torch.zeros(4, 2), 4, backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        permute(x, torch.zeros(4, 2, dtype=torch.long), 4, backend="cuda")
+
+
+# ------------------------------------------------------------------ grouped matmul / LoRA
+def _counts(gen, E, N_max):
+    counts = torch.randint(0, N_max // E * 2 + 1, (E,), generator=gen)
+    counts[0] = 0  # an empty expert first, and one in the middle
+    counts[E // 2] = 0
+    counts[-1] = max(int(counts[-1]), 1)
+    return counts
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("E,I,O,transposed,w_grad", [(5, 24, 40, False, True), (8, 64, 33, True, True),
+                                                     (3, 16, 16, True, False)])
+def test_grouped_mm(gen, backend, E, I, O, transposed, w_grad):
+    counts = _counts(gen, E, 60)
+    offsets = offsets_from_counts(counts)
+    assert offsets.dtype == torch.int32
+    N = int(counts.sum())
+    x_NI = torch.randn(N, I, generator=gen)
+    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5  # stored as [E, out, in] like the model
+    dy_NO = torch.randn(N, O, generator=gen)
+
+    x = _leaf(x_NI)
+    w_param = w_EOI.clone().requires_grad_(w_grad)
+    w_EIO = w_param.transpose(1, 2) if transposed else w_param.transpose(1, 2).contiguous()
+    y = grouped_mm(x, w_EIO, offsets, backend=backend)
+    x64, w64 = _leaf(x_NI, torch.float64), _leaf(w_EOI, torch.float64)
+    y_ref = _grouped_loop(x64, w64.transpose(1, 2), offsets)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    _close(x.grad, x64.grad, 1e-4)
+    if w_grad:
+        _close(w_param.grad, w64.grad, 1e-4)
+    else:
+        assert w_param.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("R", [4, 16])
+def test_grouped_lora(gen, backend, with_base, R):
+    E, I, O, scaling = 6, 32, 24, 2.0
+    counts = _counts(gen, E, 50)
+    offsets = offsets_from_counts(counts)
+    N = int(counts.sum())
+    x_NI = torch.randn(N, I, generator=gen)
+    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
+    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
+    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    dy_NO = torch.randn(N, O, generator=gen)
+
+    x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
+    w_frozen = w_EOI.transpose(1, 2) if with_base else None  # frozen base: no grad requested
+    y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_frozen, backend=backend)
+    x64, A64, B64 = _leaf(x_NI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
+    y_ref = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
+    if with_base:
+        y_ref = y_ref + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    for got, want in [(x.grad, x64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
+        _close(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_lora_trains_base_when_asked(gen, backend):
+    E, I, O, R = 3, 16, 16, 4
+    counts = torch.tensor([5, 0, 7])
+    offsets = offsets_from_counts(counts)
+    x = torch.randn(12, I, generator=gen)
+    A, B = torch.randn(E, I, R, generator=gen), torch.randn(E, R, O, generator=gen)
+    w = torch.randn(E, I, O, generator=gen, requires_grad=True)
+    grouped_lora(x, A, B, offsets, 0.5, w_EIO=w, backend=backend).sum().backward()
+    w_ref = w.detach().clone().requires_grad_(True)
+    grouped_mm(x, w_ref, offsets, backend="reference").sum().backward()
+    _close(w.grad, w_ref.grad, 1e-5)
+
+
+def test_grouped_rejects_bad_shapes():
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+    with pytest.raises(ValueError, match="same I"):
+        grouped_mm(torch.randn(10, 7), w, torch.tensor([3, 6, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        grouped_mm(x, w, torch.tensor([3, 6, 10]))
+    with pytest.raises(ValueError, match=r"\[E=3\]"):
+        grouped_mm(x, w, torch.tensor([3, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="B_ERO"):
+        grouped_lora(x, torch.randn(3, 8, 2), torch.randn(3, 4, 4), torch.tensor([3, 6, 10], dtype=torch.int32), 1.0)
+
+
+def test_auto_is_reference_on_cpu(gen):
+    ids = _routing(gen, 20, 2, 4, empty=())
+    x = torch.randn(20, 8, generator=gen)
+    a = permute(x, ids, 4)
+    b = permute(x, ids, 4, backend="reference")
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("N,F", [(37, 24), (5, 300)])
+def test_swiglu(gen, backend, N, F):
+    gu_NF2 = torch.randn(N, 2 * F, generator=gen) * 3
+    da_NF = torch.randn(N, F, generator=gen)
+    gu = _leaf(gu_NF2)
+    a = swiglu(gu, backend=backend)
+    gu64 = _leaf(gu_NF2, torch.float64)
+    g, u = gu64[:, :F], gu64[:, F:]
+    a_ref = g / (1 + torch.exp(-g)) * u
+    _close(a, a_ref, 1e-5)
+    (a * da_NF).sum().backward()
+    (a_ref * da_NF.double()).sum().backward()
+    _close(gu.grad, gu64.grad, 1e-5)
+    with pytest.raises(ValueError, match="2F"):
+        swiglu(torch.randn(3, 5), backend=backend)

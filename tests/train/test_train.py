@@ -1,0 +1,98 @@
+import json
+
+import pytest
+import torch
+
+from moeadapt import api
+from moeadapt.config import build_run_config
+from moeadapt.train.metrics import load_quantiles, read_metrics
+from moeadapt.train.trainer import TrainingError
+from tests.conftest import micro_spec
+
+
+def cfg(tmp_path, **train):
+    t = dict(steps=12, lr=3e-3, warmup_steps=2, micro_batch_size=4, seq_len=32, log_every=1, eval_batches=2,
+             output_dir=str(tmp_path / "run"), seed=3)
+    t.update(train)
+    t["warmup_steps"] = min(t["warmup_steps"], t["steps"])
+    return build_run_config({"model": micro_spec().model_dump(), "train": t,
+                             "data": {"train": "builtin:tinystories", "eval_fraction": 0.01}})
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def test_loss_falls_and_outputs(tmp_path):
+    r = api.train(cfg(tmp_path, steps=40), quiet=True)
+    ls = losses(r.output_dir)
+    assert sum(list(ls.values())[-5:]) / 5 < ls[1] - 1.0
+    assert r.eval_after < r.eval_before - 0.5
+    for f in ("model/model.safetensors", "model/config.json", "report.png", "summary.json", "config.yaml"):
+        assert (r.output_dir / f).is_file(), f
+    rec = [x for x in read_metrics(r.output_dir / "metrics.jsonl") if x["kind"] == "train"][-1]
+    assert {"p50", "p90", "p99", "max", "min", "zero_frac", "drop_rate"} <= set(rec["moe"][0])
+    assert rec["tokens_per_s"] > 0
+
+
+def test_resume_reproduces_losses_exactly(tmp_path):
+    c = cfg(tmp_path, save_every=6)
+    api.train(c, quiet=True)
+    full = losses(tmp_path / "run")
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / "latest").write_text("step_0000006")
+    c2 = cfg(tmp_path, save_every=6, resume=True)
+    api.train(c2, quiet=True)
+    recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert {"kind": "resume", "step": 6} in recs
+    resumed = losses(tmp_path / "run")
+    assert sorted(resumed) == list(range(1, 13))
+    for s in range(7, 13):
+        assert resumed[s] == full[s], (s, resumed[s], full[s])
+
+
+def test_lora_finetune_from_base(tmp_path):
+    base = api.train(cfg(tmp_path, steps=3), quiet=True).output_dir / "model"
+    c = build_run_config({"model": str(base), "lora": {"rank": 4, "targets": ["attn.q_proj", "experts.w1"]},
+                          "train": dict(steps=3, micro_batch_size=2, seq_len=32, init_from=str(base),
+                                        output_dir=str(tmp_path / "ft"), eval_batches=1),
+                          "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+    r = api.train(c, quiet=True)
+    assert (r.output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    out = api.generate(base, "Lily has", adapter=r.output_dir / "adapter", max_new_tokens=5)
+    assert isinstance(out, str)
+    merged = api.merge_adapter(base, r.output_dir / "adapter", tmp_path / "merged")
+    ev_a = api.evaluate(base, "builtin:recall_qa", adapter=r.output_dir / "adapter", seq_len=32, max_batches=2)
+    ev_m = api.evaluate(merged, "builtin:recall_qa", seq_len=32, max_batches=2)
+    assert ev_a["loss"] == pytest.approx(ev_m["loss"], rel=1e-4)
+
+
+def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
+    from moeadapt.models import model as model_mod
+
+    orig = model_mod.HybridMoEModel.forward
+
+    def nan_forward(self, *a, **k):
+        out = orig(self, *a, **k)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(model_mod.HybridMoEModel, "forward", nan_forward)
+    with pytest.raises(TrainingError, match="3 NaN/Inf losses in a row"):
+        api.train(cfg(tmp_path, max_bad_steps=3), quiet=True)
+
+
+def test_load_quantiles():
+    q = load_quantiles(torch.tensor([0, 2, 2, 4, 12]))
+    assert q["max"] == pytest.approx(3.0) and q["min"] == 0 and q["zero_frac"] == pytest.approx(0.2)
+    assert q["p50"] == pytest.approx(0.5)
+
+
+def test_init_from_wrong_model_is_clear(tmp_path):
+    base = api.train(cfg(tmp_path, steps=1), quiet=True).output_dir / "model"
+    c = build_run_config({"model": micro_spec(hidden_size=48).model_dump(),
+                          "train": dict(steps=1, micro_batch_size=2, seq_len=32, init_from=str(base),
+                                        output_dir=str(tmp_path / "x"))})
+    with pytest.raises(ValueError, match="has shape"):
+        api.train(c, quiet=True)
+    assert json.loads((base / "config.json").read_text())["moeadapt"]["hidden_size"] == 32
