@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moeadapt.ops.dsa import triton_indexer as ti
 from moeadapt.ops.dsa import triton_sparse_attn as tsa
 from moeadapt.ops.dsa.triton_indexer import lightning_indexer_triton
 
@@ -39,13 +40,13 @@ def timeit(fn, reps=3, warmup=1):
     return min(ts)
 
 
-def peak_mem(fn):
+def timed_peak(fn, reps=1, warmup=1):
+    """(best ms, peak GiB allocated above what was live before the call)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = timeit(fn, reps=reps, warmup=warmup)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def pairs(T, topk):
@@ -99,7 +100,30 @@ def try_run(name, fn, log):
     return None
 
 
-def sweep(log, T=32768, H=128):
+FWD_CANDIDATES = [
+    dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),  # wgmma, small spill
+    dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),  # mma.sync, no spill
+    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2),
+]
+LI_CANDIDATES = [
+    dict(BLOCK_S=128, progs_per_sm=4, num_warps=4),
+    dict(BLOCK_S=64, progs_per_sm=4, num_warps=4),
+    dict(BLOCK_S=128, progs_per_sm=2, num_warps=8),
+]
+BWD_CANDIDATES = [
+    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
+    dict(BLOCK_H=32, BLOCK_K=16, num_warps=8, num_stages=1, FUSED=True, DKV_T=False),
+    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=False,
+         DQ_CFG=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
+         DKV_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=4, num_stages=2, DKV_T=True)),
+    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=False,
+         DQ_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2),
+         DKV_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, DKV_T=True)),
+]
+
+
+def sweep(log, T=16384, H=128):
+    """Time the candidate launch configs once and keep the fastest (module-level configs)."""
     torch.manual_seed(0)
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, T, 1, D, device="cuda", dtype=torch.bfloat16)
@@ -108,29 +132,43 @@ def sweep(log, T=32768, H=128):
     scale = D**-0.5
     fl = 2 * T * TOPK * H * (D + DV)
     best = {}
-    fwd_cfgs = [dict(BLOCK_H=64, BLOCK_K=k, num_warps=w, num_stages=s) for k, w, s in
-                [(32, 8, 2), (32, 8, 1), (64, 8, 1), (16, 4, 2), (32, 4, 2), (64, 8, 2)]]
-    for cfg in fwd_cfgs:
-        ms = try_run(f"fwd {cfg}", lambda: timeit(lambda: tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, cfg)), log)
+    for n, cfg in enumerate(FWD_CANDIDATES):
+        ms = try_run(f"fwd {cfg}", lambda cfg=cfg: timeit(lambda: tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, cfg)), log)
         if ms is not None:
-            log(f"  sweep SFA fwd {cfg}: {ms:.2f} ms {fl / ms / 1e9:.0f} TFLOP/s")
+            log(f"  sweep SFA fwd #{n} {cfg}: {ms:.2f} ms {fl / ms / 1e9:.0f} TFLOP/s (random idx, half masked)")
             if "fwd" not in best or ms < best["fwd"][0]:
                 best["fwd"] = (ms, cfg)
     o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, best["fwd"][1])
     do = torch.randn_like(o)
     flb = 2 * T * TOPK * H * (3 * D + 2 * DV)
-    bwd_cfgs = [dict(BLOCK_H=64, BLOCK_K=k, num_warps=w, num_stages=s) for k, w, s in
-                [(32, 8, 1), (16, 8, 1), (32, 8, 2), (16, 4, 1), (64, 8, 1)]]
-    for cfg in bwd_cfgs:
-        ms = try_run(f"bwd {cfg}", lambda: timeit(
-            lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, scale, cfg), reps=2), log)
+    ref = None
+    for n, cfg in enumerate(BWD_CANDIDATES):
+        def run(cfg=cfg):
+            return tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, scale, cfg)
+        ms = try_run(f"bwd #{n}", lambda: timeit(run, reps=2), log)
         if ms is not None:
-            log(f"  sweep SFAG {cfg}: {ms:.2f} ms {flb / ms / 1e9:.0f} TFLOP/s")
+            dq, dk, _ = run()
+            ref = ref or (dq.float(), dk.float())
+            err = max((dq.float() - ref[0]).abs().max().item(), (dk.float() - ref[1]).abs().max().item())
+            log(f"  sweep SFAG #{n}: {ms:.2f} ms {flb / ms / 1e9:.0f} TFLOP/s, max diff vs #0-ok {err:.3g}")
             if "bwd" not in best or ms < best["bwd"][0]:
                 best["bwd"] = (ms, cfg)
+    li_fl = 2 * HI * DI * T * (T + 1) / 2
+    q_idx = torch.randn(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
+    k_idx = torch.randn(1, T, DI, device="cuda", dtype=torch.bfloat16)
+    w_idx = torch.randn(1, T, HI, device="cuda", dtype=torch.bfloat16)
+    for cfg in LI_CANDIDATES:
+        ms = try_run(f"li {cfg}", lambda cfg=cfg: timeit(lambda: ti.lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK, cfg=cfg)), log)
+        if ms is not None:
+            log(f"  sweep LI {cfg}: {ms:.2f} ms {li_fl / ms / 1e9:.0f} TFLOP/s")
+            if "li" not in best or ms < best["li"][0]:
+                best["li"] = (ms, cfg)
+    ti.LI_CONFIG.update(best["li"][1])
+    tsa.FWD_CONFIG.clear()
     tsa.FWD_CONFIG.update(best["fwd"][1])
+    tsa.BWD_CONFIG.clear()
     tsa.BWD_CONFIG.update(best["bwd"][1])
-    log(f"best fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG}")
+    log(f"best fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} li {ti.LI_CONFIG}")
     return {k: v[1] for k, v in best.items()}
 
 
@@ -148,19 +186,19 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
     fl_li = 2 * HI * DI * T * (T + 1) / 2
     fl_f = 2 * np_ * H * (D + DV)
     fl_b = 2 * np_ * H * (3 * D + 2 * DV)
-    reps = 3 if T <= 32768 else 1
+    reps, wu = (3, 1) if T <= 32768 else (1, 0)  # big T: kernels already compiled at smaller T
 
     li = lambda: lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)  # noqa: E731
-    r["li_ms"] = timeit(li, reps=reps)
+    r["li_ms"] = timeit(li, reps=reps, warmup=wu)
     r["li_tflops"] = fl_li / r["li_ms"] / 1e9
     idx = li()
     fwd = lambda: tsa.sfa_forward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, scale)  # noqa: E731
-    r["sfa_ms"] = timeit(fwd, reps=reps)
+    r["sfa_ms"] = timeit(fwd, reps=reps, warmup=wu)
     r["sfa_tflops"] = fl_f / r["sfa_ms"] / 1e9
     o, lse = fwd()
     do = torch.randn_like(o)
     bwd = lambda: tsa.sfa_backward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, o, lse, do, scale)  # noqa: E731
-    r["sfag_ms"] = timeit(bwd, reps=reps)
+    r["sfag_ms"] = timeit(bwd, reps=reps, warmup=wu)
     r["sfag_tflops"] = fl_b / r["sfag_ms"] / 1e9
 
     def layer():
@@ -168,9 +206,8 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
         out = tsa.sparse_attention_triton(q, kv, kv[..., :DV], ix, scale)
         out.backward(do)
 
-    r["layer_ms"] = timeit(layer, reps=reps)
+    r["layer_ms"], r["layer_gib"] = timed_peak(layer, reps=reps, warmup=wu)
     r["layer_tflops"] = (fl_li + fl_f + fl_b) / r["layer_ms"] / 1e9
-    r["layer_gib"] = peak_mem(layer)
     log(f"T={T} H={H} ours: LI {r['li_ms']:.1f} ms ({r['li_tflops']:.0f} TF/s), SFA {r['sfa_ms']:.1f} ms "
         f"({r['sfa_tflops']:.0f}), SFAG {r['sfag_ms']:.1f} ms ({r['sfag_tflops']:.0f}), layer {r['layer_ms']:.1f} ms "
         f"({r['layer_tflops']:.0f}), peak {r['layer_gib']:.1f} GiB")
@@ -180,8 +217,8 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
         r["li_torch_ms"] = try_run("li_torch", lambda: timeit(lambda: li_torch(q_idx, k_idx, w_idx, TOPK), reps=1), log)
         ref_idx = li_torch(q_idx, k_idx, w_idx, TOPK) if r["li_torch_ms"] else None
         if ref_idx is not None:  # selection agreement (ties/rounding may differ slightly)
-            a = torch.sort(idx[0].long(), -1).values
-            b = torch.sort(ref_idx[0].long(), -1).values
+            a = torch.sort(torch.where(idx[0] < 0, T, idx[0]).long(), -1).values
+            b = torch.sort(torch.where(ref_idx[0] < 0, T, ref_idx[0]).long(), -1).values
             r["li_agree"] = (a == b).float().mean().item()
 
         def layer_torch():
@@ -189,9 +226,9 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
             sfa_torch(q, kv, ix, scale).backward(do)
 
         r["sfa_torch_ms"] = try_run("sfa_torch fwd", lambda: timeit(lambda: sfa_torch(q.detach(), kv.detach(), idx, scale), reps=1), log)
-        r["layer_torch_ms"] = try_run("layer_torch", lambda: timeit(layer_torch, reps=1), log)
-        if r["layer_torch_ms"]:
-            r["layer_torch_gib"] = peak_mem(layer_torch)
+        lt = try_run("layer_torch", lambda: timed_peak(layer_torch), log)
+        r["layer_torch_ms"], r["layer_torch_gib"] = lt or (None, None)
+        if lt:
             o_t = sfa_torch(q.detach(), kv.detach(), idx, scale)
             r["sfa_maxerr_vs_torch"] = (o_t.float() - o.float()).abs().max().item()
         q.grad = kv.grad = None
@@ -201,9 +238,8 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
         def dense():
             sdpa_dense(q, kv, scale).backward(do.transpose(1, 2))
 
-        r["sdpa_layer_ms"] = try_run("sdpa", lambda: timeit(dense, reps=1), log)
-        if r["sdpa_layer_ms"]:
-            r["sdpa_layer_gib"] = peak_mem(dense)
+        sd = try_run("sdpa", lambda: timed_peak(dense), log)
+        r["sdpa_layer_ms"], r["sdpa_layer_gib"] = sd or (None, None)
         q.grad = kv.grad = None
         log(f"  sdpa fwd+bwd {r.get('sdpa_layer_ms')}")
     return r
@@ -233,7 +269,7 @@ def main():
             if time.time() - t_start > a.budget_s:
                 log(f"budget reached, skipping T={T} H={H}")
                 continue
-            row = try_run(f"T={T} H={H}", lambda: bench_shape(T, H, log, run_torch=T <= 32768, run_sdpa=T <= 32768), log)
+            row = try_run(f"T={T} H={H}", lambda T=T, H=H: bench_shape(T, H, log, run_torch=T <= 32768, run_sdpa=T <= 32768), log)
             if row:
                 res["rows"].append(row)
             with open(a.out, "w") as f:

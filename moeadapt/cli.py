@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and type(e).__name__ not in ("TrainingError",):
             raise
-        console.print(f"[red]error:[/] {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -33,7 +33,7 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     n_layers: int = Field(gt=0)
-    layer_types: list[Literal["kda", "dsa"]] | None = None
+    layer_types: list[Literal["kda", "dsa", "gqa"]] | None = None
     dsa_every: int = Field(default=4, ge=1)
     max_position_embeddings: int = Field(default=4096, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -59,6 +59,12 @@ class ModelSpec(_Strict):
     index_loss_coef: float = Field(default=0.0, ge=0)
 
     attn_output_gate: bool = Field(default=True, description="sigmoid(x W_gate) head-wise output gate on DSA")
+
+    # plain grouped-query attention ("gqa" layers; query heads = n_heads), for onboarded families such as
+    # qwen3_moe: q/k/v/o projections, optional per-head RMSNorm on q and k, half-split RoPE on the head dim
+    gqa_n_kv_heads: int = Field(default=2, gt=0)
+    gqa_head_dim: int = Field(default=32, gt=0)
+    gqa_qk_norm: bool = True
 
     # FFN / MoE
     first_k_dense: int = Field(default=1, ge=0)
@@ -87,8 +93,14 @@ class ModelSpec(_Strict):
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
-                "give one 'kda' or 'dsa' per layer, or drop layer_types to use dsa_every"
+                "give one 'kda', 'dsa' or 'gqa' per layer, or drop layer_types to use dsa_every"
             )
+        if self.layer_types is not None and "gqa" in self.layer_types:
+            if self.n_heads % self.gqa_n_kv_heads:
+                raise ValueError(f"gqa_n_kv_heads={self.gqa_n_kv_heads} does not divide n_heads={self.n_heads}; "
+                                 "choose a divisor of n_heads")
+            if self.gqa_head_dim % 2:
+                raise ValueError(f"gqa_head_dim={self.gqa_head_dim} must be even (RoPE rotates pairs)")
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
         if self.first_k_dense < self.n_layers:

@@ -1,6 +1,7 @@
 """HybridMoEModel: embeddings -> N blocks -> RMSNorm -> LM head (DESIGN.md §3).
 
-Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types,
+Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types
+(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py),
 ffn is a dense SwiGLU for the first `first_k_dense` layers and LatentMoE after.
 Buildable on the meta device (`build_model(spec, device="meta")`) and materialised later with
 `materialize(model, device)`. Never imports parallel/: parallelism is applied to a built model.
@@ -17,6 +18,7 @@ from torch import nn
 from ..config import ModelSpec
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
+from .gqa_attn import GQAAttention
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear, LatentMoE
 from .router import Router
@@ -28,7 +30,7 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.attn_type = spec.resolved_layer_types()[layer_id]
         self.attn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.attn = KDAAttention(spec) if self.attn_type == "kda" else DSAAttention(spec)
+        self.attn = {"kda": KDAAttention, "dsa": DSAAttention, "gqa": GQAAttention}[self.attn_type](spec)
         self.ffn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.is_moe = spec.is_moe_layer(layer_id)
         self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_sparse_attn import use_ieee
+
 
 @triton.jit
 def _sortable(x):
@@ -82,7 +84,7 @@ def _indexer_kernel(
                 kt = tl.load(kbase + (start + j).to(tl.int64)[:, None] * sk_t + offs_d[None, :],
                              mask=valid[:, None], other=0.0)
                 if IEEE:
-                    sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                    sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
                 else:
                     sc = tl.dot(q, tl.trans(kt))
                 score = tl.sum(tl.maximum(sc, 0.0) * w[:, None], 0)
@@ -129,8 +131,14 @@ def _indexer_kernel(
                 ties += tl.sum(eq, 0)
 
 
-def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, block_s: int = 128, progs_per_sm: int = 4):
+# Launch configuration (BLOCK_S keys per tile, resident programs per SM); see benchmarks/RESULTS.md.
+LI_CONFIG = {"BLOCK_S": 128, "progs_per_sm": 4, "num_warps": 4}
+
+
+def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None):
     """Triton lightning indexer; same contract as `lightning_indexer_reference`."""
+    cfg = cfg or LI_CONFIG
+    block_s, progs_per_sm = cfg["BLOCK_S"], cfg["progs_per_sm"]
     B, T, HI, DI = q_idx.shape
     if DI & (DI - 1):
         raise ValueError(f"q_idx head dim DI = {DI} must be a power of two for the Triton indexer")
@@ -156,7 +164,7 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, block_s
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), out.stride(1), scratch.stride(0),
         T, B * T, HI, topk, nprog,
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=use_ieee(q), num_warps=cfg["num_warps"],
     )
     # rows of n > topk wrote exactly topk entries; shorter rows were padded in-kernel
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_sparse_attn import LOG2E, _common, _launch_args, _mm, _prep
+from .triton_sparse_attn import LOG2E, _common, _launch_args, _mm, _prep, use_ieee
 
 TARGET_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 1}
 
@@ -143,7 +143,7 @@ def kl_target_triton(q, k, indices, scale, cfg=None):
         q, k, idx, p,
         q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), idx.stride(1), si_h, p.stride(1),
         T, G, idx.shape[-1], D, nhb, scale * LOG2E,
-        D1=d1, D2=d2, BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"], IEEE=q.dtype == torch.float32,
+        D1=d1, D2=d2, BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"], IEEE=use_ieee(q),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return p / p.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -168,7 +168,7 @@ class IndexerKLFunction(torch.autograd.Function):
             qi, ki, wi, idx, p, loss_r, dq, dk, dw,
             qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), wi.stride(0), idx.stride(1), p.stride(1),
             dk.stride(0), T, HI, idx.shape[-1],
-            DI=DI, BLOCK_HI=bhi, BLOCK_K=32, IEEE=qi.dtype == torch.float32, num_warps=4,
+            DI=DI, BLOCK_HI=bhi, BLOCK_K=32, IEEE=use_ieee(qi), num_warps=4,
         )
         n = (indices >= 0).any(-1).sum().clamp(min=1).float()
         ctx.save_for_backward(dq[:, :HI].reshape(q_idx.shape), dk, dw[:, :HI].reshape(w_idx.shape), n)

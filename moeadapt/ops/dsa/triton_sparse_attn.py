@@ -23,6 +23,7 @@ unchanged.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -30,13 +31,19 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# The Triton 3.9 interpreter computes bf16/fp16 tl.dot wrongly; under it every product runs in fp32.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_ieee(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 or INTERPRET
 
 
 @triton.jit
 def _mm(a, b, IEEE: tl.constexpr, acc=None):
-    """a @ b (+ acc, accumulated in place by the MMA); exact fp32 products for fp32 inputs."""
+    """a @ b (+ acc, accumulated in place by the MMA); IEEE: fp32 operands, exact fp32 products."""
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
@@ -261,7 +268,7 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
         T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=triton.next_power_of_2(DV), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
-        V_FROM_K=vk, IEEE=q.dtype == torch.float32, I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+        V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -289,7 +296,7 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
             D1=d1, D2=d2, BLOCK_DV=triton.next_power_of_2(DV), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
-            V_FROM_K=vk, IEEE=q.dtype == torch.float32, I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+            V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
             DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
