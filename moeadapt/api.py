@@ -70,12 +70,12 @@ def load_model_dir(model: str | Path, adapter: str | Path | None = None, device:
 
 
 def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, seq_len: int = 256,
-             batch_size: int = 8, max_batches: int = 16, tokenizer: str = "byte") -> dict:
+             batch_size: int = 8, max_batches: int = 16, tokenizer: str = "auto") -> dict:
     from .config import TrainSpec
     from .train.trainer import evaluate as _eval
 
     m = load_model_dir(model, adapter)
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, model)
     ds = PackedDataset(*pack(read_jsonl(data), tok, seq_len))
     cfg = RunConfig(model=m.spec, train=TrainSpec(micro_batch_size=batch_size, seq_len=seq_len, eval_batches=max_batches))
     loss = _eval(m, ds, cfg, torch.device("cpu"))
@@ -84,10 +84,10 @@ def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, se
 
 @torch.no_grad()
 def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, max_new_tokens: int = 64,
-             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "byte") -> str:
+             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto") -> str:
     """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models."""
     m = load_model_dir(model, adapter)
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, model)
     ids = ([tok.role_id("user")] + tok.encode(prompt) + [tok.end_id, tok.role_id("assistant")]) if chat \
         else tok.encode(prompt)
     g = torch.Generator().manual_seed(seed)
@@ -108,8 +108,8 @@ def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, 
 
 def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
     """Write the PEFT adapter of a LoRA run's latest checkpoint (or its final adapter) to `out`."""
-    from .train.checkpoint import latest_checkpoint
     from .io import load_tensors
+    from .train.checkpoint import latest_checkpoint
 
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.yaml"

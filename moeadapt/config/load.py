@@ -32,7 +32,8 @@ def format_validation_error(err: ValidationError, where: str) -> str:
 
 
 def model_spec_from_dir(path: str | Path) -> ModelSpec:
-    """A model directory written by moeadapt (config.json holding our ModelSpec)."""
+    """A model directory: ours (config.json holding our ModelSpec) or a Hugging Face checkpoint of a family
+    `moeadapt onboard` maps (deepseek_v3, deepseek_v32, kimi_k2, kimi_linear, qwen3_moe)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -42,10 +43,13 @@ def model_spec_from_dir(path: str | Path) -> ModelSpec:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{cfg_file} is not valid JSON ({e}); re-export the model") from e
-    if "moeadapt" not in cfg:
-        mt = cfg.get("model_type", "?")
-        raise ConfigError(f"{cfg_file} is a Hugging Face config (model_type={mt!r}), not a moeadapt model; "
-                          f"convert it first with `moeadapt onboard {path}`")
+    if "moeadapt" not in cfg:  # a Hugging Face checkpoint: map it through onboarding (lazy: onboard imports torch)
+        from ..onboard.families import OnboardError, read_family
+
+        try:
+            return read_family(cfg, name=path.name).spec
+        except OnboardError as e:
+            raise ConfigError(f"{cfg_file}: {e}; inspect it with `moeadapt onboard {path}`") from None
     try:
         return ModelSpec(**cfg["moeadapt"])
     except ValidationError as e:

@@ -207,7 +207,8 @@ class DataSpec(_Strict):
     train: str = "builtin:tinystories"
     eval: str | None = None
     format: Literal["auto", "text", "chat"] = "auto"
-    tokenizer: str = Field(default="byte", description="'byte' or a path holding tokenizer.json")
+    tokenizer: str = Field(default="auto", description="'auto' (tokenizer.json of train.init_from if present, "
+                           "else byte-level), 'byte', or a path holding tokenizer.json")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="held-out share when eval is unset")
 
 

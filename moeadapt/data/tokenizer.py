@@ -87,7 +87,12 @@ class HFTokenizer:
         return self._end
 
 
-def get_tokenizer(name: str = "byte"):
+def get_tokenizer(name: str = "byte", model_dir: str | Path | None = None):
+    """'auto' takes the model directory's tokenizer.json when it has one, else the byte tokenizer."""
+    if name == "auto":
+        if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+            return HFTokenizer(model_dir)
+        return ByteTokenizer()
     if name == "byte":
         return ByteTokenizer()
     return HFTokenizer(name)

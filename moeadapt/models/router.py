@@ -46,6 +46,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, spec.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # parallel/ may set this to an all-reduce over the data-parallel ranks, which makes `aux_loss` a
+        # true global-batch loss (f_e from every rank's tokens); the model never talks to other ranks itself.
+        self.global_counts_reduce = None
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.spec.initializer_range)
@@ -82,8 +85,14 @@ class Router(nn.Module):
 
         aux: dict[str, torch.Tensor] = {}
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if spec.score_func == "sigmoid" else scores_TE
-        if spec.aux_loss_coef > 0:  # global-batch: E * sum_e f_e * P_e over all tokens of the micro-batch
-            f_E = torch.bincount(ids_TK.flatten(), minlength=E).to(acc) / (T * K)
+        if spec.aux_loss_coef > 0:  # global-batch: E * sum_e f_e * P_e, f from all ranks' tokens when reduced
+            with torch.no_grad():
+                c_E = torch.bincount(ids_TK.flatten(), minlength=E).to(acc)
+                n = torch.tensor([float(T * K)], dtype=acc, device=c_E.device)
+                if self.global_counts_reduce is not None:
+                    self.global_counts_reduce(c_E)
+                    self.global_counts_reduce(n)
+                f_E = c_E / n
             aux["aux_loss"] = spec.aux_loss_coef * E * (f_E * probs_TE.mean(0)).sum()
         if spec.seq_aux_loss_coef > 0:  # the same per sequence, averaged over sequences
             S = T // batch_size

@@ -136,7 +136,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     torch.manual_seed(t.seed)
     out_dir = Path(t.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = get_tokenizer(cfg.data.tokenizer)
+    tok = get_tokenizer(cfg.data.tokenizer, t.init_from)
     if tok.vocab_size > cfg.model.vocab_size:
         raise TrainingError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
                             "raise vocab_size or use a matching tokenizer")

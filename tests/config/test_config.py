@@ -1,7 +1,15 @@
 import pytest
 import yaml
 
-from moeadapt.config import ConfigError, LoRASpec, ModelSpec, ParallelSpec, TrainSpec, get_preset, load_run_config
+from moeadapt.config import (
+    ConfigError,
+    LoRASpec,
+    ModelSpec,
+    ParallelSpec,
+    TrainSpec,
+    get_preset,
+    load_run_config,
+)
 
 
 def write(tmp_path, obj):

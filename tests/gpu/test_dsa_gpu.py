@@ -88,9 +88,12 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared):
         o = sparse_attention(qq, kk, v, idx, backend=backend)
         grads = torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do)
         res.append((o, *grads))
-    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for a, b in zip(*res):
-        torch.testing.assert_close(a.float(), b.float(), **tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+        else:  # bf16 rounding of P and dS: compare against the tensor's scale
+            err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+            assert err < 2e-2, f"relative max error {err:.3g}"
 
 
 def test_kl_loss_gpu():

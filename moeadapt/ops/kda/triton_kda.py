@@ -26,8 +26,8 @@ BT = 64
 BC = 16
 # Launch parameters (the benchmark may override them to compare variants).
 CONFIG = dict(
-    intra_BK=16, intra_warps=8, h_BV=64, h_warps=4, o_BV=64, o_warps=4,
-    dh_warps=4, local_BK=64, local_BK2=16, local_BV=64, local_warps=8,
+    intra_BK=16, intra_warps=4, h_BV=32, h_warps=4, o_BV=64, o_warps=4,
+    dh_warps=4, local_BK=64, local_BK2=16, local_BV=64, local_warps=4, intra2_warps=4,
     save_h=True,  # keep the per-chunk states h and d from forward (h is T/64*K*V per head) instead of recomputing
 )
 
@@ -42,7 +42,7 @@ def _diag_exp(G3, BCc: tl.constexpr):
 
 @triton.jit
 def _fwd_intra(
-    g, q, k, v, beta, Gc, Aqk, Ti, w, u, cu, cidx,
+    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -71,7 +71,6 @@ def _fwd_intra(
         o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
         b_g = tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_G = tl.cumsum(b_g, axis=0)
-        tl.store(Gc + o_g, b_G, mask=rmask[:, None])
         b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         # diagonal sub-chunks, elementwise
@@ -123,8 +122,14 @@ def _fwd_intra(
         o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
         b_G = tl.cumsum(tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32), axis=0)
         b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_w = tl.dot(b_Ti, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        eG = tl.exp(b_G)
+        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
         tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
+        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
+        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
     for vb in tl.static_range(0, V, BV):
         cv = vb + tl.arange(0, BV)
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
@@ -135,15 +140,14 @@ def _fwd_intra(
 
 @triton.jit
 def _fwd_h(
-    k, w, u, Gc, h, vn, h0, ht, cu, coff,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    kd, w, u, gl, h, vn, h0, ht, cu, coff,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
@@ -169,23 +173,20 @@ def _fwd_h(
         b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_d -= tl.dot(b_w, b_S.to(DT), input_precision=PREC)
         tl.store(vn + o_v, b_d.to(vn.dtype.element_ty), mask=rmask[:, None])
-        b_G = tl.load(Gc + o_k, mask=rmask[:, None], other=0.0)
-        gam = tl.load(Gc + (t0 + L - 1) * (HV * K) + i_hv * K + ck)
-        b_k = tl.load(k + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=rmask[:, None], other=0.0)
-        kd = b_k.to(tl.float32) * tl.exp(gam[None, :] - b_G)
-        b_S = b_S * tl.exp(gam)[:, None] + tl.dot(tl.trans(kd.to(DT)), b_d.to(DT), input_precision=PREC)
+        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
+        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
+        b_S = b_S * tl.exp(gam)[:, None] + tl.dot(tl.trans(b_kd), b_d.to(DT), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + (i_n * HV + i_hv) * K * V + o_s, b_S)
 
 
 @triton.jit
 def _fwd_o(
-    q, Gc, h, vn, Aqk, o, cu, cidx, scale,
+    qg, h, vn, Aqk, o, cu, cidx, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     i_n = tl.load(cidx + 2 * i_c)
     i_t = tl.load(cidx + 2 * i_c + 1)
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -197,20 +198,18 @@ def _fwd_o(
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
     DT = vn.dtype.element_ty
-    b_q = tl.load(q + tok[:, None] * (H * K) + i_h * K + ck[None, :], mask=rmask[:, None], other=0.0)
-    b_G = tl.load(Gc + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=rmask[:, None], other=0.0)
-    qg = (b_q.to(tl.float32) * tl.exp(b_G)).to(DT)
+    b_qg = tl.load(qg + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=rmask[:, None], other=0.0)
     b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_hv) * K * V + ck[:, None] * V + cv[None, :])
     o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
     b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0)
     b_A = tl.load(Aqk + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
-    b_o = tl.dot(qg, b_h.to(DT), input_precision=PREC) + tl.dot(b_A.to(DT), b_d, input_precision=PREC)
+    b_o = tl.dot(b_qg, b_h.to(DT), input_precision=PREC) + tl.dot(b_A.to(DT), b_d, input_precision=PREC)
     tl.store(o + o_v, (b_o * scale).to(o.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
 def _bwd_dh(
-    q, k, w, Gc, Aqk, do, dh, dd, dht, dh0, cu, coff, scale,
+    qg, kd, w, gl, Aqk, do, dh, dd, dht, dh0, cu, coff, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
@@ -218,7 +217,6 @@ def _bwd_dh(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
@@ -240,34 +238,119 @@ def _bwd_dh(
         tok = t0 + rows
         tl.store(dh + ((c0 + it) * HV + i_hv) * K * V + o_s, b_dS.to(dh.dtype.element_ty))
         o_k = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         b_do = (tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(tl.float32) * scale).to(DT)
         b_A = tl.load(Aqk + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
-        b_G = tl.load(Gc + o_k, mask=rmask[:, None], other=0.0)
-        gam = tl.load(Gc + (t0 + L - 1) * (HV * K) + i_hv * K + ck)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
+        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
+        b_qg = tl.load(qg + o_k, mask=rmask[:, None], other=0.0)
         b_w = tl.load(w + o_k, mask=rmask[:, None], other=0.0)
-        kd = (b_k * tl.exp(gam[None, :] - b_G)).to(DT)
-        qg = (b_q * tl.exp(b_G)).to(DT)
         b_dd = tl.dot(tl.trans(b_A.to(DT)), b_do, input_precision=PREC)
-        b_dd += tl.dot(kd, b_dS.to(DT), input_precision=PREC)
+        b_dd += tl.dot(b_kd, b_dS.to(DT), input_precision=PREC)
         tl.store(dd + o_v, b_dd, mask=rmask[:, None])
-        b_dS = b_dS * tl.exp(gam)[:, None] + tl.dot(tl.trans(qg), b_do, input_precision=PREC)
+        b_dS = b_dS * tl.exp(gam)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
         b_dS -= tl.dot(tl.trans(b_w), b_dd.to(DT), input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s, b_dS)
 
 
 @triton.jit
-def _bwd_local(
-    q, k, v, g, beta, Ti, Aqk, h, dh, vn, dd, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+def _bwd_wy(
+    q, k, v, g, beta, Ti, h, dh, vn, dd, do, dq, dk, dv, dg, db, dAqk, dAkk, cu, cidx, scale, T_total,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    """Per (chunk, head, K-block): state and WY terms of dq, dk, dg (partial), dbeta (partial);
+    the K-block-0 program also writes dv, dAqk = scale dO d^T and dAkk = -(Ti^T dd) d^T."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    L = tl.minimum(eos - t0, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < L
+    tok = t0 + rows
+    DT = vn.dtype.element_ty
+    o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+    b_Ti = tl.load(Ti + o_A, mask=rmask[:, None], other=0.0)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
+    o_hc = (i_c.to(tl.int64) * HV + i_hv) * K * V
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    if i_k == 0:
+        b_dAkk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+        for vb in tl.static_range(0, V, BV):
+            cv = vb + tl.arange(0, BV)
+            o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+            b_dd = tl.load(dd + o_v, mask=rmask[:, None], other=0.0)
+            b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0)
+            b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(DT)
+            b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+            dRu = tl.dot(tl.trans(b_Ti), b_dd, input_precision=PREC)
+            tl.store(dv + o_v, dRu * b_beta[:, None], mask=rmask[:, None])
+            b_db += tl.sum(dRu * b_v, axis=1)
+            b_dAkk -= tl.dot(dRu.to(DT), tl.trans(b_d), input_precision=PREC)
+            b_dAqk += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
+        b_dAqk = tl.where(rows[:, None] >= rows[None, :], b_dAqk * scale, 0.0)
+        b_dAkk = tl.where(rows[:, None] > rows[None, :], b_dAkk, 0.0)
+        tl.store(dAqk + o_A, b_dAqk, mask=rmask[:, None])
+        tl.store(dAkk + o_A, b_dAkk, mask=rmask[:, None])
+    ck = i_k * BK + tl.arange(0, BK)
+    o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    b_G = tl.cumsum(tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32), axis=0)
+    gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+    b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    dRw = tl.zeros([BT, BK], dtype=tl.float32)
+    dgs = tl.zeros([BK], dtype=tl.float32)
+    for vb in tl.static_range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        o_s = o_hc + ck[:, None] * V + cv[None, :]
+        b_h = tl.load(h + o_s)
+        b_dh = tl.load(dh + o_s)
+        b_dd = tl.load(dd + o_v, mask=rmask[:, None], other=0.0)
+        b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0)
+        b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(DT)
+        dRu = tl.dot(tl.trans(b_Ti), b_dd, input_precision=PREC)
+        dqg += tl.dot(b_do, tl.trans(b_h.to(DT)), input_precision=PREC)
+        dkd += tl.dot(b_d, tl.trans(b_dh.to(DT)), input_precision=PREC)
+        dRw -= tl.dot(dRu.to(DT), tl.trans(b_h.to(DT)), input_precision=PREC)
+        dgs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    eG = tl.exp(b_G)
+    b_dq = dqg * scale * eG
+    dG = b_q * b_dq
+    ed = tl.exp(gam[None, :] - b_G)
+    kd = b_k * ed
+    b_dk = dkd * ed
+    dG -= kd * dkd
+    dgam = tl.exp(gam) * dgs + tl.sum(kd * dkd, axis=0)
+    rw = b_k * eG
+    b_dk += b_beta[:, None] * eG * dRw
+    dG += b_beta[:, None] * rw * dRw
+    b_db += tl.sum(dRw * rw, axis=1)
+    dG += tl.where((rows == L - 1)[:, None], dgam[None, :], 0.0)
+    tl.store(dq + o_g, b_dq, mask=rmask[:, None])
+    tl.store(dk + o_g, b_dk, mask=rmask[:, None])
+    tl.store(dg + o_g, dG, mask=rmask[:, None])
+    tl.store(db + i_k * T_total * HV + tok * HV + i_hv, b_db, mask=rmask)
+
+
+@triton.jit
+def _bwd_intra(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per (chunk, head, K-block): the intra-chunk pair terms of Aqk and Akk added to dq, dk,
+    dg, dbeta, then dg = reverse cumsum of dG within the chunk."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
     i_n = tl.load(cidx + 2 * i_c)
@@ -281,118 +364,54 @@ def _bwd_local(
     blk = rows // BC
     tok = t0 + rows
     o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-    b_Ti = tl.load(Ti + o_A, mask=rmask[:, None], other=0.0)
+    b_dAqk = tl.load(dAqk + o_A, mask=rmask[:, None], other=0.0)
+    b_dAkk = tl.load(dAkk + o_A, mask=rmask[:, None], other=0.0)
     b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
-    o_hc = (i_c.to(tl.int64) * HV + i_hv) * K * V
-    # phase 1 (over V): dRu = Ti^T dd, dv, dbeta(v), dAkk = -dRu d^T, dAqk = scale dO d^T
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    dAkk = tl.zeros([BT, BT], dtype=tl.float32)
-    dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-    for vb in tl.static_range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        b_dd = tl.load(dd + o_v, mask=rmask[:, None], other=0.0)
-        b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dRu = tl.dot(tl.trans(b_Ti), b_dd, input_precision=PREC)
-        tl.store(dv + o_v, dRu * b_beta[:, None], mask=rmask[:, None])
-        b_db += tl.sum(dRu * b_v, axis=1)
-        dAkk -= tl.dot(dRu, tl.trans(b_d), input_precision=PREC)
-        dAqk += tl.dot(b_do, tl.trans(b_d), input_precision=PREC)
-    dAqk = tl.where(rows[:, None] >= rows[None, :], dAqk * scale, 0.0)
-    dAkk = tl.where(rows[:, None] > rows[None, :], dAkk, 0.0)
-    # phase 2 (over K blocks): state terms and the w-path
-    for kb in tl.static_range(0, K, BK):
-        ck = kb + tl.arange(0, BK)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_G = tl.cumsum(tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32), axis=0)
-        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        dqg = tl.zeros([BT, BK], dtype=tl.float32)
-        dkd = tl.zeros([BT, BK], dtype=tl.float32)
-        dRw = tl.zeros([BT, BK], dtype=tl.float32)
-        dgs = tl.zeros([BK], dtype=tl.float32)
-        for vb in tl.static_range(0, V, BV):
-            cv = vb + tl.arange(0, BV)
-            o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-            o_s = o_hc + ck[:, None] * V + cv[None, :]
-            b_h = tl.load(h + o_s).to(tl.float32)
-            b_dh = tl.load(dh + o_s).to(tl.float32)
-            b_dd = tl.load(dd + o_v, mask=rmask[:, None], other=0.0)
-            b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-            b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-            dRu = tl.dot(tl.trans(b_Ti), b_dd, input_precision=PREC)
-            dqg += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
-            dkd += tl.dot(b_d, tl.trans(b_dh), input_precision=PREC)
-            dRw -= tl.dot(dRu, tl.trans(b_h), input_precision=PREC)
-            dgs += tl.sum(b_h * b_dh, axis=1)
-        eG = tl.exp(b_G)
-        b_dq = dqg * scale * eG
-        dG = b_q * b_dq
-        kd = b_k * tl.exp(gam[None, :] - b_G)
-        b_dk = dkd * tl.exp(gam[None, :] - b_G)
-        dG -= kd * dkd
-        dgam = tl.exp(gam) * dgs + tl.sum(kd * dkd, axis=0)
-        rw = b_k * eG
-        b_dk += b_beta[:, None] * eG * dRw
-        dG += b_beta[:, None] * rw * dRw
-        b_db += tl.sum(dRw * rw, axis=1)
-        dG += tl.where((rows == L - 1)[:, None], dgam[None, :], 0.0)
-        tl.store(dq + o_g, b_dq, mask=rmask[:, None])
-        tl.store(dk + o_g, b_dk, mask=rmask[:, None])
-        tl.store(dg + o_g, dG, mask=rmask[:, None])
-    tl.debug_barrier()
-    # phase 3 (over small K blocks): the intra-chunk pair terms of Aqk and Akk, then dg = reverse cumsum
     eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-    Dqk = tl.sum(tl.where(eye_s, tl.reshape(dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
-    Dkk = tl.sum(tl.where(eye_s, tl.reshape(dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
-    dAkkb = dAkk * b_beta[:, None]
-    Dkkb = Dkk * tl.reshape(b_beta, (NS, BC))[:, :, None]
+    Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
+    Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
     ii = tl.arange(0, BC)
-    for kb in tl.static_range(0, K, BK2):
-        ck = kb + tl.arange(0, BK2)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_G = tl.cumsum(tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32), axis=0)
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        G3 = tl.reshape(b_G, (NS, BC, BK2))
-        q3 = tl.reshape(b_q, (NS, BC, BK2))
-        k3 = tl.reshape(b_k, (NS, BC, BK2))
-        E = _diag_exp(G3, BC)  # [a, i, j, c]
-        # row side: sum_j dA_ij X_j e^(G_i - G_j);  col side: sum_i dA_ij X_i e^(G_i - G_j)
-        rq = tl.reshape(tl.sum(Dqk[:, :, :, None] * k3[:, None, :, :] * E, axis=2), (BT, BK2))
-        rk = tl.reshape(tl.sum(Dkk[:, :, :, None] * k3[:, None, :, :] * E, axis=2), (BT, BK2))
-        cq = tl.reshape(tl.sum(Dqk[:, :, :, None] * q3[:, :, None, :] * E, axis=1), (BT, BK2))
-        ck_ = tl.reshape(tl.sum(Dkkb[:, :, :, None] * k3[:, :, None, :] * E, axis=1), (BT, BK2))
-        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK2]
-        r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-        for a in tl.static_range(1, NS):
-            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-            colf = tl.exp(tl.where((rows < a * BC)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
-            ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
-            rq += ef * tl.dot(dAqk, colf, input_precision=PREC)
-            rk += ef * tl.dot(dAkk, colf, input_precision=PREC)
-        for b in tl.static_range(0, NS - 1):
-            r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
-            later = (rows >= (b + 1) * BC)[:, None]
-            ex = tl.exp(tl.where(later, b_G - r_b[None, :], float("-inf")))
-            ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
-            cq += ef * tl.dot(tl.trans(dAqk), ex * b_q, input_precision=PREC)
-            ck_ += ef * tl.dot(tl.trans(dAkkb), ex * b_k, input_precision=PREC)
-        b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
-        b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ck_
-        dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)
-        dG += b_q * rq + b_k * (b_beta[:, None] * rk - cq - ck_)
-        b_db += tl.sum(b_k * rk, axis=1)
-        b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
-        tl.store(dq + o_g, b_dq, mask=rmask[:, None])
-        tl.store(dk + o_g, b_dk, mask=rmask[:, None])
-        tl.store(dg + o_g, b_dg, mask=rmask[:, None])
-    tl.store(dbeta + tok * HV + i_hv, b_db, mask=rmask)
+    ck = i_k * BK + tl.arange(0, BK)
+    o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    b_G = tl.cumsum(tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32), axis=0)
+    b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b_kb = b_k * b_beta[:, None]
+    G3 = tl.reshape(b_G, (NS, BC, BK))
+    q3 = tl.reshape(b_q, (NS, BC, BK))
+    k3 = tl.reshape(b_k, (NS, BC, BK))
+    kb3 = tl.reshape(b_kb, (NS, BC, BK))
+    E = _diag_exp(G3, BC)  # [a, i, j, c]
+    # row side: sum_j dA_ij X_j e^(G_i - G_j);  col side: sum_i dA_ij X_i e^(G_i - G_j)
+    kE = k3[:, None, :, :] * E
+    rq = tl.reshape(tl.sum(Dqk[:, :, :, None] * kE, axis=2), (BT, BK))
+    rk = tl.reshape(tl.sum(Dkk[:, :, :, None] * kE, axis=2), (BT, BK))
+    cq = tl.reshape(tl.sum(Dqk[:, :, :, None] * q3[:, :, None, :] * E, axis=1), (BT, BK))
+    ckk = tl.reshape(tl.sum(Dkk[:, :, :, None] * kb3[:, :, None, :] * E, axis=1), (BT, BK))
+    r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
+    r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+    for a in tl.static_range(1, NS):
+        r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+        colf = tl.exp(tl.where((rows < a * BC)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
+        ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
+        rq += ef * tl.dot(b_dAqk, colf, input_precision=PREC)
+        rk += ef * tl.dot(b_dAkk, colf, input_precision=PREC)
+    for b in tl.static_range(0, NS - 1):
+        r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
+        ex = tl.exp(tl.where((rows >= (b + 1) * BC)[:, None], b_G - r_b[None, :], float("-inf")))
+        ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
+        cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=PREC)
+        ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=PREC)
+    b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
+    b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
+    dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)
+    dG += b_q * rq + b_k * (b_beta[:, None] * rk - cq - ckk)
+    b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    tl.store(dq + o_g, b_dq, mask=rmask[:, None])
+    tl.store(dk + o_g, b_dk, mask=rmask[:, None])
+    tl.store(dg + o_g, b_dg, mask=rmask[:, None])
+    tl.store(db + i_k * T_total * HV + tok * HV + i_hv, tl.sum(b_k * rk, axis=1), mask=rmask)
 
 
 def _prep_varlen(B, T, cu_seqlens, device):
@@ -439,45 +458,45 @@ class ChunkKDAFunction(torch.autograd.Function):
         N = cu.numel() - 1
         cfg = _cfg(K, V, q.dtype)
         Tt = B * T
-        Gc = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
         Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
         Ti = torch.empty_like(Aqk)
-        w = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype)
+        w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
         u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
+        gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
         _fwd_intra[(NC, HV)](
-            g, q, k, v, beta, Gc, Aqk, Ti, w, u, cu, cidx,
+            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"],
             num_warps=cfg["intra_warps"],
         )
-        h, vn, ht = _run_fwd_h(k, w, u, Gc, h0, cu, coff, NC, N, H, HV, K, V, cfg, output_final_state)
+        h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
-            q, Gc, h, vn, Aqk, o, cu, cidx, scale,
+            qg, h, vn, Aqk, o, cu, cidx, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"],
         )
         keep = cfg["save_h"]
         ctx.save_for_backward(
-            q, k, v, g, beta, Gc, Aqk, Ti, w, u, h0, cu, cidx, coff, h if keep else None, vn if keep else None
+            q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff,
+            h if keep else None, vn if keep else None,
         )
         ctx.meta = (B, T, H, HV, K, V, NC, N, scale)
         return o.view(B, T, HV, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, Gc, Aqk, Ti, w, u, h0, cu, cidx, coff, h, vn = ctx.saved_tensors
+        q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff, h, vn = ctx.saved_tensors
         B, T, H, HV, K, V, NC, N, scale = ctx.meta
         dev = q.device
         cfg = _cfg(K, V, q.dtype)
-        BV = cfg["BV"]
         Tt = B * T
         do = do.contiguous()
         if h is None:
-            h, vn, _ = _run_fwd_h(k, w, u, Gc, h0, cu, coff, NC, N, H, HV, K, V, cfg, False)
+            h, vn, _ = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, False)
         dh = torch.empty_like(h)
         dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
         _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
-            q, k, w, Gc, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
+            qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
             cu, coff, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
             HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"],
         )
@@ -485,12 +504,21 @@ class ChunkKDAFunction(torch.autograd.Function):
         dk = torch.empty_like(dq)
         dg = torch.empty_like(dq)
         dv = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
-        dbeta = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
-        _bwd_local[(NC, HV)](
-            q, k, v, g, beta, Ti, Aqk, h, dh, vn, dd, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["local_BK"], BK2=cfg["local_BK2"], BV=BV,
-            PREC=cfg["PREC"], num_warps=cfg["local_warps"],
+        dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
+        dAkk = torch.empty_like(dAqk)
+        BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
+        db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
+        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+        _bwd_wy[(NC, HV, K // BK)](
+            q, k, v, g, beta, Ti, h, dh, vn, dd, do, dq, dk, dv, dg, db1, dAqk, dAkk, cu, cidx, scale, Tt,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"],
+            num_warps=cfg["local_warps"],
         )
+        _bwd_intra[(NC, HV, K // BK2)](
+            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], num_warps=cfg["intra2_warps"],
+        )
+        dbeta = db1.sum(0) + db2.sum(0)
         if HV != H:
             dq = dq.view(Tt, H, HV // H, K).sum(2)
             dk = dk.view(Tt, H, HV // H, K).sum(2)
@@ -501,15 +529,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
 
 
-def _run_fwd_h(k, w, u, Gc, h0, cu, coff, NC, N, H, HV, K, V, cfg, output_final_state):
-    dev = k.device
+def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state):
+    dev = kd.device
     BV = cfg["h_BV"]
-    h = torch.empty(NC, HV, K, V, device=dev, dtype=k.dtype)
+    h = torch.empty(NC, HV, K, V, device=dev, dtype=kd.dtype)
     vn = torch.empty(u.shape, device=dev, dtype=u.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _fwd_h[(triton.cdiv(V, BV), N * HV)](
-        k, w, u, Gc, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
-        H=H, HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
+        kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
         HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"],
     )
     return h, vn, ht

@@ -1,0 +1,65 @@
+"""Config mapping: every family, unknown types and fields, resolve_model on a Hugging Face directory."""
+
+import json
+
+import pytest
+import transformers
+
+from moeadapt.config import ConfigError, resolve_model
+from moeadapt.models import build_model, count_parameters
+from moeadapt.onboard import OnboardError, read_family
+
+
+def test_unknown_model_type_lists_families():
+    with pytest.raises(OnboardError, match=r"model_type='llama'.*qwen3_moe"):
+        read_family({"model_type": "llama"})
+
+
+def test_unmapped_fields_are_named():
+    cfg = transformers.Qwen3MoeConfig().to_dict()
+    cfg["frobnicate_heads"] = 3
+    cfg["use_sliding_window"] = True
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    with pytest.raises(OnboardError) as e:
+        read_family(cfg)
+    msg = str(e.value)
+    assert "frobnicate_heads (not understood)" in msg and "use_sliding_window=True" in msg and "'yarn'" in msg
+    fam = read_family(cfg, allow_unmapped=True)
+    assert any("frobnicate_heads" in n for n in fam.notes)
+
+
+def test_real_sized_families_map():
+    ds = read_family(transformers.DeepseekV3Config().to_dict()).spec
+    assert (ds.n_layers, ds.n_routed_experts, ds.first_k_dense, ds.n_group) == (61, 256, 3, 8)
+    assert ds.index_topk >= ds.max_position_embeddings  # MLA without indexer = dense DSA
+    total = count_parameters(build_model(ds, "meta"), ds)["total"]
+    assert abs(total - 671e9) / 671e9 < 0.01, total  # DeepSeek-V3 main model (MTP layer excluded)
+    v32 = read_family(transformers.DeepseekV32Config().to_dict()).spec
+    assert (v32.index_n_heads, v32.index_topk) == (64, 2048)
+    q = read_family(transformers.Qwen3MoeConfig().to_dict()).spec
+    assert set(q.resolved_layer_types()) == {"gqa"} and q.score_func == "softmax" and q.n_shared_experts == 0
+    klc = transformers.KimiLinearConfig().to_dict()
+    kl = read_family(klc)
+    assert kl.spec.resolved_layer_types().count("dsa") == klc["layer_types"].count("full_attention") and kl.notes
+    k2 = transformers.DeepseekV3Config().to_dict() | {"model_type": "kimi_k2", "n_routed_experts": 384}
+    assert read_family(k2).spec.n_routed_experts == 384
+
+
+def test_moonshot_kimi_linear_layout():
+    cfg = transformers.KimiLinearConfig(num_hidden_layers=4).to_dict()
+    for k in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        cfg.pop(k)
+    cfg["linear_attn_config"] = {"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 8, "head_dim": 64,
+                                 "short_conv_kernel_size": 4}
+    s = read_family(cfg).spec
+    assert s.resolved_layer_types() == ["kda", "kda", "kda", "dsa"] and s.kda_n_heads == 8
+
+
+def test_resolve_model_accepts_hf_dir(qwen_dir, tmp_path):
+    spec = resolve_model(str(qwen_dir))
+    assert spec.n_routed_experts == 4 and spec.resolved_layer_types() == ["gqa", "gqa"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ConfigError, match="moeadapt onboard"):
+        resolve_model(str(bad))
