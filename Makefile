@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 	$(BIN)/moeadapt demo
 
 test: $(VENV)/.installed
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --timeout=900 tests
+	$(BIN)/python -m pytest -q --timeout=900 tests
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check moeadapt tests benchmarks

@@ -100,29 +100,31 @@ def try_run(name, fn, log):
     return None
 
 
+# Sweep at T=16384, H=128, random causal indices (half the slots -1), H200, Triton 3.6:
+# run 1: fwd (64,32,8,2) 210 TFLOP/s, (32,32,8,2) mma.sync 94, (64,16,8,2) 129;
+# run 2: fwd (64,64,8,1) 212, (64,64,8,2) 306, (64,32,8,3) 188; bwd (64,16,8,2) 102,
+#        bwd (64,32,8,1) illegal address (Triton 3.6). TFLOP/s count every slot.
+# run 3: fwd (64,64,8,2) 313, (64,64,8,3) 270, (64,128,8,1) 221; bwd (64,16,8,3) 100;
+#        LI (BLOCK_S, BLOCK_R, progs/SM, warps) (128,1024,4,4) 200, (64,1024,4,4) 163,
+#        (128,2048,2,8) 155, (64,64,4,4) 69.
 FWD_CANDIDATES = [
-    dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),  # wgmma, small spill
-    dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),  # mma.sync, no spill
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2),
+    dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_H=64, BLOCK_K=128, num_warps=8, num_stages=1),
 ]
-LI_CANDIDATES = [
-    dict(BLOCK_S=128, progs_per_sm=4, num_warps=4),
-    dict(BLOCK_S=64, progs_per_sm=4, num_warps=4),
-    dict(BLOCK_S=128, progs_per_sm=2, num_warps=8),
+LI_CANDIDATES = [  # run 1, old kernel (heads as MMA M, select tiles = BLOCK_S): best 41 TFLOP/s
+    dict(BLOCK_S=64, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
+    dict(BLOCK_S=128, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
+    dict(BLOCK_S=128, BLOCK_R=2048, progs_per_sm=2, num_warps=8),
+    dict(BLOCK_S=64, BLOCK_R=64, progs_per_sm=4, num_warps=4),
 ]
-BWD_CANDIDATES = [
+BWD_CANDIDATES = [  # run 1: #0 99 TFLOP/s, (32,16,8,1 mma.sync, dk=dS^T q) 71, split dq | dkv 90 / 69
     dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
-    dict(BLOCK_H=32, BLOCK_K=16, num_warps=8, num_stages=1, FUSED=True, DKV_T=False),
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=False,
-         DQ_CFG=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
-         DKV_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=4, num_stages=2, DKV_T=True)),
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=False,
-         DQ_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2),
-         DKV_CFG=dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, DKV_T=True)),
+    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=3, FUSED=True, DKV_T=True),
 ]
 
 
-def sweep(log, T=16384, H=128):
+def sweep(log, ops, T=16384, H=128):
     """Time the candidate launch configs once and keep the fastest (module-level configs)."""
     torch.manual_seed(0)
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -132,17 +134,17 @@ def sweep(log, T=16384, H=128):
     scale = D**-0.5
     fl = 2 * T * TOPK * H * (D + DV)
     best = {}
-    for n, cfg in enumerate(FWD_CANDIDATES):
+    for n, cfg in enumerate(FWD_CANDIDATES if "fwd" in ops else []):
         ms = try_run(f"fwd {cfg}", lambda cfg=cfg: timeit(lambda: tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, cfg)), log)
         if ms is not None:
             log(f"  sweep SFA fwd #{n} {cfg}: {ms:.2f} ms {fl / ms / 1e9:.0f} TFLOP/s (random idx, half masked)")
             if "fwd" not in best or ms < best["fwd"][0]:
                 best["fwd"] = (ms, cfg)
-    o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, best["fwd"][1])
+    o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, scale, best.get("fwd", (0, tsa.FWD_CONFIG))[1])
     do = torch.randn_like(o)
     flb = 2 * T * TOPK * H * (3 * D + 2 * DV)
     ref = None
-    for n, cfg in enumerate(BWD_CANDIDATES):
+    for n, cfg in enumerate(BWD_CANDIDATES if "bwd" in ops else []):
         def run(cfg=cfg):
             return tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, scale, cfg)
         ms = try_run(f"bwd #{n}", lambda: timeit(run, reps=2), log)
@@ -157,19 +159,38 @@ def sweep(log, T=16384, H=128):
     q_idx = torch.randn(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
     k_idx = torch.randn(1, T, DI, device="cuda", dtype=torch.bfloat16)
     w_idx = torch.randn(1, T, HI, device="cuda", dtype=torch.bfloat16)
-    for cfg in LI_CANDIDATES:
+    for cfg in LI_CANDIDATES if "li" in ops else []:
         ms = try_run(f"li {cfg}", lambda cfg=cfg: timeit(lambda: ti.lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK, cfg=cfg)), log)
         if ms is not None:
             log(f"  sweep LI {cfg}: {ms:.2f} ms {li_fl / ms / 1e9:.0f} TFLOP/s")
             if "li" not in best or ms < best["li"][0]:
                 best["li"] = (ms, cfg)
-    ti.LI_CONFIG.update(best["li"][1])
-    tsa.FWD_CONFIG.clear()
-    tsa.FWD_CONFIG.update(best["fwd"][1])
-    tsa.BWD_CONFIG.clear()
-    tsa.BWD_CONFIG.update(best["bwd"][1])
+    for name, conf in (("li", ti.LI_CONFIG), ("fwd", tsa.FWD_CONFIG), ("bwd", tsa.BWD_CONFIG)):
+        if name in best:
+            conf.clear()
+            conf.update(best[name][1])
     log(f"best fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} li {ti.LI_CONFIG}")
     return {k: v[1] for k, v in best.items()}
+
+
+def probe_bwd(log, T=16384, H=128):
+    """Where SFAG time goes: fused vs plain stores instead of atomics vs dq part alone vs dk/dv part alone."""
+    torch.manual_seed(0)
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, T, 1, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.sort(torch.randint(0, T, (1, T, TOPK), device="cuda"), -1).values.int()
+    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)
+    o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, D**-0.5)
+    do = torch.randn_like(o)
+    out = {}
+    for name, extra in [("fused", {}), ("stores_not_atomics", {"STORE_ONLY": True}),
+                        ("dq_part_only", {"ONLY": "dq"}), ("dkdv_part_only", {"ONLY": "dkv"})]:
+        cfg = {**tsa.BWD_CONFIG, **extra}
+        ms = try_run(name, lambda cfg=cfg: timeit(
+            lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, D**-0.5, cfg), reps=2), log)
+        out[name] = ms
+        log(f"  probe SFAG {name}: {ms} ms")
+    return out
 
 
 def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
@@ -195,11 +216,12 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
     fwd = lambda: tsa.sfa_forward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, scale)  # noqa: E731
     r["sfa_ms"] = timeit(fwd, reps=reps, warmup=wu)
     r["sfa_tflops"] = fl_f / r["sfa_ms"] / 1e9
-    o, lse = fwd()
-    do = torch.randn_like(o)
-    bwd = lambda: tsa.sfa_backward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, o, lse, do, scale)  # noqa: E731
+    st = dict(zip(("o", "lse"), fwd()))
+    do = torch.randn_like(st["o"])
+    bwd = lambda: tsa.sfa_backward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, st["o"], st["lse"], do, scale)  # noqa: E731
     r["sfag_ms"] = timeit(bwd, reps=reps, warmup=wu)
     r["sfag_tflops"] = fl_b / r["sfag_ms"] / 1e9
+    st.clear()  # keep the big-T layer run inside memory
 
     def layer():
         ix = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
@@ -230,15 +252,29 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
         r["layer_torch_ms"], r["layer_torch_gib"] = lt or (None, None)
         if lt:
             o_t = sfa_torch(q.detach(), kv.detach(), idx, scale)
-            r["sfa_maxerr_vs_torch"] = (o_t.float() - o.float()).abs().max().item()
+            o_f = tsa.sfa_forward(q.detach(), kv.detach(), kv.detach()[..., :DV], idx, scale)[0]
+            r["sfa_maxerr_vs_torch"] = (o_t.float() - o_f.float()).abs().max().item()
+            del o_t, o_f
         q.grad = kv.grad = None
         log(f"  torch: LI {r.get('li_torch_ms')} SFA {r.get('sfa_torch_ms')} layer {r.get('layer_torch_ms')} "
             f"agree {r.get('li_agree')} err {r.get('sfa_maxerr_vs_torch')}")
+    if T == 8192 and H == 128:  # indexer KL loss (fwd+bwd), Triton vs reference
+        from moeadapt.ops.dsa import indexer_kl_loss
+
+        xs = [x.detach().requires_grad_() for x in (q_idx, k_idx, w_idx)]
+        for be in ("triton", "reference"):
+            def kl(be=be):
+                indexer_kl_loss(q.detach(), kv.detach(), idx, *xs, scale=scale, backend=be).backward()
+
+            res = try_run(f"kl {be}", lambda kl=kl: timed_peak(kl), log)
+            r[f"kl_{be}_ms"], r[f"kl_{be}_gib"] = res or (None, None)
+        log(f"  KL loss fwd+bwd: triton {r.get('kl_triton_ms')} ms ({r.get('kl_triton_gib')} GiB), "
+            f"reference {r.get('kl_reference_ms')} ms ({r.get('kl_reference_gib')} GiB)")
     if run_sdpa:
         def dense():
             sdpa_dense(q, kv, scale).backward(do.transpose(1, 2))
 
-        sd = try_run("sdpa", lambda: timed_peak(dense), log)
+        sd = try_run("sdpa", lambda: timed_peak(dense, warmup=int(T < 32768)), log)
         r["sdpa_layer_ms"], r["sdpa_layer_gib"] = sd or (None, None)
         q.grad = kv.grad = None
         log(f"  sdpa fwd+bwd {r.get('sdpa_layer_ms')}")
@@ -249,9 +285,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--H", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="*", default=None, help="ops to sweep: fwd bwd li (none given: all)")
     ap.add_argument("--out", default="bench_dsa.json")
     ap.add_argument("--budget_s", type=float, default=400.0)
+    ap.add_argument("--probe", action="store_true", help="split SFAG time into its parts and exit")
+    ap.add_argument("--no-baselines", dest="baselines", action="store_false",
+                    help="time only ours (the PyTorch composition and SDPA do not change between runs)")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -262,14 +301,21 @@ def main():
     import triton
 
     res["triton"] = triton.__version__
-    if a.sweep:
-        res["sweep"] = try_run("sweep", lambda: sweep(log), log)
+    if a.probe:
+        res["probe"] = probe_bwd(log)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    if a.sweep is not None:
+        ops = set(a.sweep or ["fwd", "bwd", "li"])
+        res["sweep"] = try_run("sweep", lambda: sweep(log, ops=ops), log)
     for T in a.T:
         for H in a.H:
             if time.time() - t_start > a.budget_s:
                 log(f"budget reached, skipping T={T} H={H}")
                 continue
-            row = try_run(f"T={T} H={H}", lambda T=T, H=H: bench_shape(T, H, log, run_torch=T <= 32768, run_sdpa=T <= 32768), log)
+            row = try_run(f"T={T} H={H}", lambda T=T, H=H: bench_shape(T, H, log, run_torch=a.baselines and T <= 32768,
+                                                     run_sdpa=a.baselines and T <= 32768), log)
             if row:
                 res["rows"].append(row)
             with open(a.out, "w") as f:

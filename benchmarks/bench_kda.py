@@ -52,7 +52,16 @@ def flops_fwd(B, T, H, D, C=64):
     return B * T * H * (6 * C * D + 4 * C * D + 6 * D * D)
 
 
+def set_backend(backend):
+    """'triton:token' / 'triton:chunk' pick how the Triton path computes the diagonal 16x16 blocks."""
+    if backend.startswith("triton:"):
+        triton_kda.CONFIG["diag"] = backend.split(":")[1]
+        return "triton"
+    return backend
+
+
 def runner(backend, args, need_grad):
+    backend = set_backend(backend)
     q, k, v, g, beta, h0 = args
     xs = [x.detach().requires_grad_(need_grad) for x in (q, k, v, g, beta, h0)]
     do = torch.randn_like(v)
@@ -71,6 +80,7 @@ def runner(backend, args, need_grad):
 
 
 def outputs_and_grads(backend, args):
+    backend = set_backend(backend)
     q, k, v, g, beta, h0 = args
     xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     torch.manual_seed(123)
@@ -85,21 +95,23 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def check_vs_fla(args, shape):
+def check_vs_fla(args, shape, ours_backends):
     try:
-        ours, theirs = outputs_and_grads("triton", args), outputs_and_grads("fla", args)
+        theirs = outputs_and_grads("fla", args)
     except Exception as e:  # report and keep timing
-        print(f"{shape} check vs fla FAILED: {type(e).__name__}: {str(e)[:300]}")
+        print(f"{shape} fla FAILED: {type(e).__name__}: {str(e)[:300]}")
         return None
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    err = {n: rel_err(x, y) for n, x, y in zip(names, ours, theirs)}
-    print(f"{shape} ours vs fla (max abs err / max |fla|): " + " ".join(f"{n}={e:.1e}" for n, e in err.items()))
+    for b in ours_backends:
+        ours = outputs_and_grads(b, args)
+        err = {n: rel_err(x, y) for n, x, y in zip(names, ours, theirs)}
+        print(f"{shape} {b} vs fla (max abs err / max |fla|): " + " ".join(f"{n}={e:.1e}" for n, e in err.items()))
     return err
 
 
 def bench(fn, fast=True):
     if fast:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     fn()  # slow path (our PyTorch reference): one warm-up call, median of 3 timed calls
     ts = []
     for _ in range(3):
@@ -149,6 +161,7 @@ def sweep(shape):
         dict(intra_BK=32),
         dict(o_warps=8, h_warps=8, dh_warps=8),
         dict(save_h=False),
+        dict(diag="token"),
     ]
     best = (float("inf"), {})
     for var in variants:
@@ -176,6 +189,8 @@ def main():
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--sweep", action="store_true", help="try launch variants on the first shape first")
     p.add_argument("--profile", action="store_true", help="print per-kernel times")
+    p.add_argument("--diag", choices=["chunk", "token", "both"], default="both",
+                   help="how our Triton path computes the diagonal 16x16 blocks (both: time each)")
     a = p.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {torch.cuda.get_device_name()}  "
@@ -191,54 +206,42 @@ def main():
             print(f"# fla not importable: {e}")
     if a.sweep:
         sweep(shapes[0])
-    rows = []
-    for shape in shapes:
-        B, T, H, D = shape
-        args = make(*shape)
-        r = {"shape": shape}
-        if have_fla:
-            r["err"] = check_vs_fla(args, shape)
-        for backend in ["triton"] + (["fla"] if have_fla else []) + ([] if a.no_ref else ["reference"]):
+    res = {shape: {"shape": shape} for shape in shapes}
+    # one pass per backend (ours first), so a time limit cuts the least important numbers
+    ours = [f"triton:{d}" for d in (["chunk", "token"] if a.diag == "both" else [a.diag])]
+    for backend in ours + (["fla"] if have_fla else []) + ([] if a.no_ref else ["reference"]):
+        for shape in shapes:
+            r = res[shape]
+            args = make(*shape)
+            if backend == "fla":
+                r["err"] = check_vs_fla(args, shape, ours)
             try:
                 fwd, fwdbwd, _, _ = runner(backend, args, True)
-                fast = backend != "reference"
-                r[backend] = (bench(fwd, fast), bench(fwdbwd, fast), peak_mem(fwdbwd))
+                r[backend] = (bench(fwd, backend != "reference"), bench(fwdbwd, backend != "reference"), peak_mem(fwdbwd))
                 if a.profile and backend != "reference" and shape == shapes[0]:
                     try:
                         kernel_times(fwdbwd, f"{backend} fwd+bwd {shape}")
                     except Exception as e:
                         print(f"  profile failed: {type(e).__name__}: {str(e)[:200]}")
-            except torch.cuda.OutOfMemoryError:
-                r[backend] = None
-                print(f"{shape} {backend}: out of memory")
-            except Exception as e:
+            except Exception as e:  # out of memory, or a backend that fails: report and go on
                 r[backend] = None
                 print(f"{shape} {backend}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            t = r.get(backend)
+            if t:
+                fl = flops_fwd(*shape)
+                print(f"{shape} {backend}: fwd {t[0]:.2f} ms, fwd+bwd {t[1]:.2f} ms "
+                      f"({fl / t[0] / 1e9:.0f} / {3 * fl / t[1] / 1e9:.0f} TFLOP/s), peak fwd+bwd {t[2]:.2f} GiB",
+                      flush=True)
+            del args
             torch.cuda.empty_cache()
-        fl = flops_fwd(*shape)
-        t = r["triton"]
-        if t is None:
-            continue
-        line = (f"{shape}: ours fwd {t[0]:.2f} ms, fwd+bwd {t[1]:.2f} ms "
-                f"({fl / t[0] / 1e9:.0f} / {3 * fl / t[1] / 1e9:.0f} TFLOP/s), peak {t[2]:.2f} GiB")
-        if r.get("fla"):
-            f = r["fla"]
-            line += (f" | fla fwd {f[0]:.2f}, fwd+bwd {f[1]:.2f} ms, peak {f[2]:.2f} GiB"
-                     f" | ours/fla fwd {t[0] / f[0]:.2f}x, fwd+bwd {t[1] / f[1]:.2f}x")
-        if r.get("reference"):
-            f = r["reference"]
-            line += f" | ref fwd {f[0]:.1f}, fwd+bwd {f[1]:.1f} ms (ref/ours {f[1] / t[1]:.0f}x)"
-        print(line, flush=True)
-        rows.append(r)
-        del args
-        torch.cuda.empty_cache()
-    print("\n| B,T,H,D | ours fwd | ours fwd+bwd | fla fwd | fla fwd+bwd | ours/fla (f+b) | ref fwd+bwd | "
+    print("\n| B,T,H,D | ours | ours fwd | ours fwd+bwd | fla fwd | fla fwd+bwd | ours/fla (f+b) | ref fwd+bwd | "
           "ref/ours | TFLOP/s ours f+b | peak GiB ours/fla |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        t, f, c = r["triton"], r.get("fla"), r.get("reference")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape, b in [(s_, b) for s_ in shapes for b in ours if res[s_].get(b)]:
+        r = res[shape]
+        t, f, c = r[b], r.get("fla"), r.get("reference")
         fl = 3 * flops_fwd(*r["shape"])
-        print(f"| {','.join(map(str, r['shape']))} | {t[0]:.2f} | {t[1]:.2f} | "
+        print(f"| {','.join(map(str, r['shape']))} | {b} | {t[0]:.2f} | {t[1]:.2f} | "
               f"{f[0] if f else float('nan'):.2f} | {f[1] if f else float('nan'):.2f} | "
               f"{t[1] / f[1] if f else float('nan'):.2f} | {c[1] if c else float('nan'):.1f} | "
               f"{c[1] / t[1] if c else float('nan'):.0f} | {fl / t[1] / 1e9:.0f} | "

@@ -293,17 +293,17 @@ def sweep(T, L, Fh, log, E=64, K=8):
     wg_cfgs = [dict(BI=128, BO=128, BK=64, num_warps=8, num_stages=3),
                dict(BI=128, BO=256, BK=64, num_warps=8, num_stages=3),
                dict(BI=128, BO=128, BK=32, num_warps=4, num_stages=4)]
-    default_fwd, default_wg = dict(tg.FWD_WIDE), dict(tg.WGRAD_WIDE)
+    default_fwd, default_wg = dict(tg.FWD_WIDE_16BIT), dict(tg.WGRAD_WIDE)
     for name, (ours, theirs) in cases.items():
         for cfg in (wg_cfgs if name.startswith("dW") else fwd_cfgs):
-            (tg.WGRAD_WIDE if name.startswith("dW") else tg.FWD_WIDE).update(cfg)
+            (tg.WGRAD_WIDE if name.startswith("dW") else tg.FWD_WIDE_16BIT).update(cfg)
             try:
                 ms = triton.testing.do_bench(ours, warmup=10, rep=40)
             except Exception as exc:
                 ms = float("nan")
                 print(f"# sweep FAILED {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             log(dict(sweep=name, E=E, N=N, cfg=cfg, ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1)))
-        tg.FWD_WIDE.update(default_fwd)
+        tg.FWD_WIDE_16BIT.update(default_fwd)
         tg.WGRAD_WIDE.update(default_wg)
         try:
             ms = triton.testing.do_bench(theirs, warmup=10, rep=40)

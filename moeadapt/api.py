@@ -168,3 +168,72 @@ def demo(output_dir: str | Path = "runs/demo", rebuild_base: bool = False, quiet
                    quiet=quiet)
     summary = json.loads((Path(out) / "summary.json").read_text())
     return {"result": res, "summary": summary}
+
+
+def onboard(path: str | Path, validate: bool = False, write_config: str | Path | None = None,
+            allow_unmapped: bool = False, quiet: bool = False) -> dict:
+    """Map a checkpoint directory (HF families or ours) onto our model: spec, tensor-name check, op mapping;
+    optionally validate logits against transformers and write a run YAML. See moeadapt/onboard/."""
+    from . import onboard as ob
+
+    res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped)
+    if write_config:
+        res["config_written"] = ob.write_run_config(res["fam"], path, write_config)
+    if not quiet:
+        ob.report(res)
+    v = res.get("validation")
+    if v is not None and not v["passed"]:
+        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']} > tolerance {v.get('tolerance')}")
+    return res
+
+
+def plan(model: str, gpus: int, gpu_mem: str | float = "141GiB", lora: bool = False, lora_rank: int = 16,
+         seq_len: int | None = None, micro_batch: int | None = None, top: int = 5, as_json: bool = False,
+         quiet: bool = False) -> dict:
+    """Search parallel plans (EP / FSDP / CP / recompute / micro-batch) that fit `gpus` GPUs of `gpu_mem`,
+    ranked by estimated tokens/s/GPU. See moeadapt/plan/."""
+    from .config import LoRASpec
+    from .plan import print_result, search
+
+    spec = resolve_model(model)
+    res = search(spec, gpus, gpu_mem, LoRASpec(rank=lora_rank) if lora else None,
+                 seq_lens=[seq_len] if seq_len else None, micro_batches=[micro_batch] if micro_batch else None)
+    out = {"model": spec.name, "gpus": gpus, "gpu_mem_GiB": res.gpu_mem / 2**30, "lora_rank": lora_rank if lora else None,
+           "feasible": [c.row() for c in res.feasible[:top]], "n_feasible": len(res.feasible),
+           "smallest_rejected": [c.row() for c in res.rejected[:3]], "notes": res.notes}
+    if not quiet:
+        print(json.dumps(out, indent=2)) if as_json else print_result(res, spec, top)
+    return out
+
+
+def simulate_routing(experts: int = 896, top_k: int = 16, ep: int = 64, tokens: int = 65536, dist: str = "zipf:1.0",
+                     layer: int | None = None, latent: int = 3584, bytes_per_value: int = 2, png: str | None = None,
+                     as_json: bool = False, seed: int = 0, quiet: bool = False) -> list[dict]:
+    """Per-rank loads, straggler factor and all-to-all bytes under EP, dropless vs capacity factors and
+    contiguous vs spread expert placement. See moeadapt/plan/routing.py."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .plan.routing import plot, sweep
+
+    rows = sweep(experts, top_k, ep, tokens, dist, layer, latent, bytes_per_value, seed)
+    if png:
+        plot(rows, png)
+    if not quiet:
+        if as_json:
+            print(json.dumps([{k: v for k, v in r.items() if k != "rank_loads"} for r in rows], indent=2))
+        else:
+            t = Table(title=f"routing {dist}: {experts} experts top-{top_k}, EP{ep}, {tokens:,} tokens/step, "
+                            f"{latent} x {bytes_per_value} B per token-choice")
+            for c in ("placement", "capacity", "drop", "rank mean", "rank p99", "max/mean", "drop rate",
+                      "MB/pair mean", "MB/pair max"):
+                t.add_column(c, justify="right")
+            for r in rows:
+                t.add_row(r["placement"], str(r["capacity_factor"] or "dropless"), r["drop_policy"] or "-",
+                          f"{r['rank_load_mean']:.0f}", f"{r['rank_load_p99']:.0f}", f"{r['straggler_factor']:.3f}",
+                          f"{r['drop_rate']:.4f}", f"{r['a2a_bytes_per_pair_mean'] / 1e6:.2f}",
+                          f"{r['a2a_bytes_per_pair_max'] / 1e6:.2f}")
+            Console().print(t)
+            if png:
+                Console().print(f"plot written to {png}")
+    return rows

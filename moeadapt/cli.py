@@ -12,7 +12,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(soft_wrap=True)
 
 
 def _kv(items: list[str]) -> dict:
@@ -40,6 +40,43 @@ def _print_info(c: dict) -> None:
     t.add_row("[bold]total", f"[bold]{c['total']:,}", f"{c['total'] / 1e9:,.2f}B")
     t.add_row("[bold]active per token", f"[bold]{c['active_per_token']:,}", f"{c['active_per_token'] / 1e9:,.2f}B")
     console.print(t)
+
+
+def _add_plan_parsers(sub) -> None:
+    s = sub.add_parser("plan", help="search EP / FSDP / CP / recompute / micro-batch plans that fit the GPUs")
+    s.add_argument("--model", required=True, help="a preset name or a model directory")
+    s.add_argument("--gpus", type=int, required=True)
+    s.add_argument("--gpu-mem", default="141GiB", help="usable memory per GPU, e.g. 141GiB, 80GB")
+    s.add_argument("--lora", action="store_true", help="LoRA fine-tune (frozen base) instead of full training")
+    s.add_argument("--lora-rank", type=int, default=16)
+    s.add_argument("--seq-len", type=int, default=None, help="fix the sequence length (default: search 4K..64K)")
+    s.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: search)")
+    s.add_argument("--top", type=int, default=5)
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("simulate-routing", help="per-rank token loads and all-to-all volume under EP")
+    s.add_argument("--experts", type=int, default=896)
+    s.add_argument("--top-k", type=int, default=16)
+    s.add_argument("--ep", type=int, default=64)
+    s.add_argument("--tokens", type=int, default=65536, help="tokens per step (all ranks)")
+    s.add_argument("--dist", default="zipf:1.0", help="uniform | zipf:S | a metrics.jsonl path (per-expert counts)")
+    s.add_argument("--layer", type=int, default=None, help="MoE layer to take from a metrics.jsonl")
+    s.add_argument("--latent", type=int, default=3584, help="values per token-choice on the wire")
+    s.add_argument("--bytes-per-value", type=int, default=2)
+    s.add_argument("--png", default=None, help="write a plot here")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--seed", type=int, default=0)
+
+
+def _run_plan_command(args) -> None:
+    from . import api
+
+    if args.cmd == "plan":
+        api.plan(args.model, args.gpus, args.gpu_mem, lora=args.lora, lora_rank=args.lora_rank, seq_len=args.seq_len,
+                 micro_batch=args.micro_batch, top=args.top, as_json=args.json)
+    else:
+        api.simulate_routing(args.experts, args.top_k, args.ep, args.tokens, args.dist, layer=args.layer,
+                             latent=args.latent, bytes_per_value=args.bytes_per_value, png=args.png,
+                             as_json=args.json, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("demo", help="the built-in default job (LoRA fine-tune of the tiny model)")
     s.add_argument("--output-dir", default="runs/demo")
     s.add_argument("--rebuild-base", action="store_true", help="pre-train the tiny base again first")
+    s = sub.add_parser("onboard", help="map a Hugging Face (or moeadapt) checkpoint directory onto our model")
+    s.add_argument("path")
+    s.add_argument("--validate", action="store_true", help="compare logits with transformers on a tiny random model")
+    s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
+    s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
+    _add_plan_parsers(sub)
     args = p.parse_args(argv)
 
     from . import api
@@ -98,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(c, indent=2)) if args.json else _print_info(c)
         elif args.cmd == "demo":
             api.demo(args.output_dir, args.rebuild_base)
+        elif args.cmd == "onboard":
+            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped)
+            if r.get("config_written"):
+                console.print(f"run config written to {r['config_written']}")
+        elif args.cmd in ("plan", "simulate-routing"):
+            _run_plan_command(args)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and type(e).__name__ not in ("TrainingError",):
             raise

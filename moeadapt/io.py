@@ -19,6 +19,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
+def _normal_permissions(root: Path) -> None:
+    """mkdtemp makes 0700 dirs (and some writers 0600 files): give the result the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for p in root.rglob("*"):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `final` in one rename."""
@@ -27,6 +36,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        _normal_permissions(tmp)
         old = None
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")

@@ -76,7 +76,7 @@ class DSAAttention(nn.Module):
         q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
         q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
         k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
-        v_lat = kv_lat.unsqueeze(2)  # [B,T,1,kvl]
+        v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
 
         q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
         with torch.no_grad():

@@ -20,7 +20,7 @@ from .opmap import op_mapping, print_op_mapping
 
 __all__ = [
     "Family", "OnboardError", "Rule", "StreamingLoader", "build_rules", "checkpoint_index", "dequant_fp8",
-    "family_names", "load_into_model", "onboard", "onboard_model", "op_mapping", "peft_name_map",
+    "family_names", "load_into_model", "load_weights", "onboard", "onboard_model", "op_mapping", "peft_name_map",
     "print_op_mapping", "read_family", "read_family_dir", "reverse_module_map",
 ]
 
@@ -64,6 +64,14 @@ def onboard_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device:
     return model.eval(), summary
 
 
+def load_weights(path: str | Path, model, allow_unmapped: bool = False) -> dict:
+    """Stream a checkpoint directory's weights into an already built + materialised model of the mapped spec
+    (what a trainer's `init_from` needs for a Hugging Face directory). Returns the check summary."""
+    fam = read_family_dir(path, allow_unmapped)
+    dtype = next(model.parameters()).dtype
+    return load_into_model(model, StreamingLoader(path, fam, build_rules(fam), dtype=dtype))
+
+
 def peft_name_map(path: str | Path) -> dict[str, str]:
     """Our module names -> the checkpoint's, for `export_peft(..., name_map=...)`."""
     return reverse_module_map(build_rules(read_family_dir(path, allow_unmapped=True)))
@@ -77,6 +85,8 @@ def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
 
     spec = fam.spec.model_dump(mode="json")
     text = (f"# written by `moeadapt onboard {path}` (family {fam.model_type}); every field is a ModelSpec field\n"
+            "# init_from: a Hugging Face directory must be loaded with moeadapt.onboard.load_weights (streamed, mapped);\n"
+            "# the trainer does not dispatch to it yet\n"
             + "".join(f"# note: {n}\n" for n in fam.notes)
             + yaml.safe_dump({"model": spec, "train": {"init_from": str(Path(path).resolve())}}, sort_keys=False))
     atomic_write_text(out, text)

@@ -101,7 +101,7 @@ class StreamingLoader:
                 "absent_by_design": absent, "shards": len(set(self.index.values()))}
 
     def _check_shapes(self) -> list[str]:
-        by_shard: dict[str, list[tuple[str, tuple]]] = defaultdict(list)
+        by_shard: dict[str, list[tuple[str, tuple, str]]] = defaultdict(list)
         for r in self.rules:
             want = r.shape[1:] if r.stacked else r.shape
             for s in r.sources:

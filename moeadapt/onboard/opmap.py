@@ -21,7 +21,7 @@ def _triton_ok() -> tuple[bool, str]:
     return True, ""
 
 
-def op_mapping(spec: ModelSpec, device: str = "auto", notes: list[str] | None = None) -> list[dict]:
+def op_mapping(spec: ModelSpec, device: str = "auto") -> list[dict]:
     """One row per layer: attention type, attention ops and backend, FFN ops and backend, fallback reason."""
     ok, why = _triton_ok()
     if device == "cpu":
@@ -29,24 +29,36 @@ def op_mapping(spec: ModelSpec, device: str = "auto", notes: list[str] | None = 
     backend = "triton" if ok else "reference"
     rows = []
     for i, t in enumerate(spec.resolved_layer_types()):
-        fallback = [] if ok else [why]
+        moe = spec.is_moe_layer(i)
+        fallback = [f"reference: {why}"] if not ok and (t != "gqa" or moe) else []
         if t == "kda":
             attn, be = "chunk_kda", backend
         elif t == "dsa":
             attn, be = "lightning_indexer + sparse_attention (MQA on the kv latent)", backend
             if spec.index_topk >= spec.max_position_embeddings:
                 attn = "sparse_attention, dense causal (index_topk >= context: MLA without indexer)"
-                fallback.append("dense MLA via top-k=T selection: O(T * T) gather, fine below a few K tokens")
+                fallback.append("dense MLA via top-k = T selection: O(T^2) gather, fine below a few K tokens")
         else:
             attn, be = "scaled_dot_product_attention (GQA)", "torch-sdpa"
-            fallback = []
-        if spec.is_moe_layer(i):
+        if moe:
             ffn = f"router + permute + grouped_mm x3 ({spec.n_routed_experts} experts, top-{spec.n_experts_per_tok})"
         else:
             ffn = "dense SwiGLU (torch matmul)"
         rows.append({"layer": i, "attn": t, "attn_ops": attn, "attn_backend": be, "ffn": ffn,
-                     "ffn_backend": backend if spec.is_moe_layer(i) else "torch", "fallback": "; ".join(fallback)})
+                     "ffn_backend": backend if moe else "torch", "fallback": "; ".join(fallback)})
     return rows
+
+
+def _runs(rows: list[dict]) -> list[tuple[str, dict]]:
+    """Consecutive layers with the same mapping collapse into one row ('3-60')."""
+    out: list[tuple[int, int, dict]] = []
+    for r in rows:
+        key = {k: v for k, v in r.items() if k != "layer"}
+        if out and out[-1][2] == key and out[-1][1] == r["layer"] - 1:
+            out[-1] = (out[-1][0], r["layer"], key)
+        else:
+            out.append((r["layer"], r["layer"], key))
+    return [(f"{a}" if a == b else f"{a}-{b}", k) for a, b, k in out]
 
 
 def print_op_mapping(rows: list[dict], notes: list[str] | None = None, console=None) -> None:
@@ -57,8 +69,8 @@ def print_op_mapping(rows: list[dict], notes: list[str] | None = None, console=N
     t = Table(title="operator mapping")
     for c in ("layer", "attn", "attention ops", "backend", "ffn", "backend", "fallback / why"):
         t.add_column(c)
-    for r in rows:
-        t.add_row(str(r["layer"]), r["attn"], r["attn_ops"], r["attn_backend"], r["ffn"], r["ffn_backend"],
+    for layers, r in _runs(rows):
+        t.add_row(layers, r["attn"], r["attn_ops"], r["attn_backend"], r["ffn"], r["ffn_backend"],
                   r["fallback"] or "-")
     console.print(t)
     for n in notes or []:

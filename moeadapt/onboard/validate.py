@@ -9,7 +9,6 @@ do not map faithfully) get a forward-only smoke check of the tiny spec instead.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ TOL = 1e-4  # max |logit difference| in float32
 def _tiny_hf_config(fam: Family):
     import transformers
 
-    c, s = fam.raw, fam.spec
+    s = fam.spec
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   max_position_embeddings=64, rms_norm_eps=s.norm_eps, tie_word_embeddings=s.tie_word_embeddings,
                   rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, num_experts_per_tok=2)
@@ -110,16 +109,3 @@ def _smoke(fam: Family, seed: int, seq_len: int) -> dict:
     return {"family": fam.model_type, "reference": None, "passed": ok, "max_abs_diff": None,
             "note": "no faithful transformers reference for this family: forward smoke test of the tiny spec only"}
 
-
-def write_tiny_checkpoint(fam_cfg: dict, out: str | Path, seed: int = 0) -> Path:
-    """Helper for tests: save_pretrained of a tiny random transformers model for fam_cfg's family."""
-    import transformers
-
-    from .families import read_family
-
-    fam = read_family(fam_cfg, allow_unmapped=True)
-    cfg = _tiny_hf_config(fam)
-    hf = getattr(transformers, fam.hf_class)(cfg).float()
-    _randomise(hf, seed)
-    hf.save_pretrained(str(out))
-    return Path(out)

@@ -45,7 +45,10 @@ def _ignore_profiler_ops_in_sac() -> None:
     import torch.utils.checkpoint as ckpt
 
     if hasattr(ckpt, "SAC_IGNORED_OPS"):
-        ckpt.SAC_IGNORED_OPS.update(_ops("profiler._record_function_enter_new", "profiler._record_function_exit"))
+        for name in ("_record_function_enter_new", "_record_function_exit", "_record_function_enter"):
+            packet = getattr(torch.ops.profiler, name, None)
+            if packet is not None:
+                ckpt.SAC_IGNORED_OPS.update(getattr(packet, o) for o in packet.overloads())
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

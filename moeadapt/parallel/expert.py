@@ -60,6 +60,12 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int) -> list[GroupedExpert
     return out
 
 
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor (still in the autograd graph) from a possibly in-flight collective's output: Triton
+    kernels cannot take the AsyncCollectiveTensor wrapper."""
+    return t.trigger_wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `scale`."""
 
@@ -124,8 +130,7 @@ class EPDispatcher:
             counts_RE = recv_RCE[:, i]
             idx_M = _regroup_index(counts_RE).to(z_TL.device)
             t0 = time.perf_counter()
-            if isinstance(x_ML, funcol.AsyncCollectiveTensor):
-                x_ML.trigger_wait()  # (the autograd link stays on x_ML itself)
+            x_ML = _wait(x_ML)
             t1 = time.perf_counter()
             # expert weight grads sum the tokens of all ep ranks while FSDP averages over world/ep ranks only:
             # scale dW by 1/ep (gradient into the experts' output), and give dx its factor ep back
@@ -138,6 +143,6 @@ class EPDispatcher:
                 self.timing["wait_s"] = self.timing.get("wait_s", 0.0) + (t1 - t0)
                 self.timing["compute_s"] = self.timing.get("compute_s", 0.0) + (t2 - t1)
             outs.append(self._a2a(y_ML, in_splits, out_splits))  # combine overlaps the next chunk
-        ys = [unpermute(y, ri, w_TK[a:b], b - a, backend=backend)
+        ys = [unpermute(_wait(y), ri, w_TK[a:b], b - a, backend=backend)
               for y, (_, ri, _), a, b in zip(outs, perm, bounds, bounds[1:])]
         return ys[0] if C == 1 else torch.cat(ys)

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..models.moe import LatentMoE
+from ..models.router import Router
 from .activation import apply_activation_checkpointing
 from .expert import EPDispatcher, shard_experts
 from .mesh import ParallelDims
@@ -31,6 +32,9 @@ from .mesh import ParallelDims
 def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
     """In place; call after materialising (and LoRA injection), before building the optimizer."""
     spec = dims.spec
+    for m in model.modules():  # the global-batch aux loss counts every rank's tokens
+        if isinstance(m, Router) and hasattr(m, "global_counts_reduce"):
+            m.global_counts_reduce = counts_reduce
     if spec.ep > 1:
         shard_experts(model, spec.ep, dims.ep_rank)
         for m in model.modules():

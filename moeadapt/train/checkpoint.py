@@ -60,6 +60,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
     """Restore in place; returns (step, sampler_state)."""
     path = Path(path)
     state_file = path / "state.json"
+    if not state_file.is_file() and (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is a distributed (DCP) checkpoint written under torchrun; resume it with "
+                                "`torchrun --nproc_per_node N -m moeadapt train ...` (any N)")
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no state.json); was the save interrupted?")
     meta = json.loads(state_file.read_text())

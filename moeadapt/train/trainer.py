@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..models.stats import count_parameters
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, load_quantiles, plot_report
 
-console = Console()
+console = Console(soft_wrap=True)
 
 
 class TrainingError(RuntimeError):
@@ -133,6 +134,13 @@ def peak_flops(device: torch.device) -> float | None:
 def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     t = cfg.train
     device = pick_device(t.device)
+    dr = None  # under torchrun (even 1 process): FSDP2 + EP + DCP via moeadapt.parallel (docs/parallel.md)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from ..parallel import DistributedRun
+
+        dr = DistributedRun(cfg, device)
+        device, quiet = dr.device, quiet or not dr.is_main
+    world = dr.world if dr else 1
     torch.manual_seed(t.seed)
     out_dir = Path(t.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,11 +150,14 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                             "raise vocab_size or use a matching tokenizer")
     train_ds, eval_ds = build_datasets(cfg.data, tok, t.seq_len, t.seed)
     model = prepare_model(cfg, device)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fpt, n_total = flops_per_token(model, cfg), count_parameters(model, cfg.model)["total"]
+    if dr:
+        dr.parallelize(model)  # shards parameters: count them (above) before
     params = [p for p in model.parameters() if p.requires_grad]
-    n_train = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    sampler = Sampler(train_ds, t.micro_batch_size, t.seed)
+    sampler = Sampler(train_ds, t.micro_batch_size, t.seed, rank=dr.rank if dr else 0, world=world)
     ckpt_root = out_dir / "checkpoints"
     start = 0
     if t.resume:
@@ -154,17 +165,21 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
         if last is None:
             console.print(f"[yellow]resume: no checkpoint under {ckpt_root}; starting from step 0")
         else:
-            start, sstate = load_checkpoint(last, model, opt, sched)
+            start, sstate = dr.load(last, model, opt, sched) if dr else load_checkpoint(last, model, opt, sched)
             sampler.load_state(sstate)
             console.print(f"resumed from {last} at step {start}")
-    logger = MetricsLogger(out_dir, t.tensorboard)
+    if dr and not dr.is_main:
+        from ..parallel.run import NullLogger
+
+        logger = NullLogger()
+    else:
+        logger = MetricsLogger(out_dir, t.tensorboard)
     logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step
     if start:
         logger.log({"kind": "resume", "step": start})
-    fpt = flops_per_token(model, cfg)
     peak = peak_flops(device)
     if not quiet:
-        console.print(f"[bold]{cfg.model.name}[/]: {count_parameters(model, cfg.model)['total'] / 1e6:.2f}M params, "
+        console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {device}, "
                       f"{len(train_ds)} train rows x {t.seq_len} tokens")
     eval_before = evaluate(model, eval_ds, cfg, device)
@@ -190,7 +205,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                 with _autocast(device, t.dtype):
                     out = model(x, y, return_logits=False)
                     loss = out.loss + out.aux_loss
-                if not torch.isfinite(loss):
+                if not (dr.all_finite(loss) if dr else torch.isfinite(loss)):  # ranks must agree to skip
                     finite = False
                     break
                 (loss / t.grad_accum_steps).backward()
@@ -200,8 +215,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                 for m in out.moe:
                     step_counts[m["layer"]] = step_counts.get(m["layer"], 0) + m["counts"].float().cpu()
                     drops[m["layer"]] = drops.get(m["layer"], 0.0) + float(m["drop_rate"]) / t.grad_accum_steps
-                tokens_done += x.numel()
-                tok_log += x.numel()
+                tokens_done += x.numel() * world
+                tok_log += x.numel() * world
             if not finite:
                 bad += 1
                 opt.zero_grad(set_to_none=True)
@@ -211,11 +226,14 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                                         "grad_clip, or check the data and init_from checkpoint")
                 continue
             bad = 0
-            gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip else float("inf"))
+            if dr:  # global norm over dense and expert meshes; loss averaged over ranks for the log
+                gnorm, loss_sum = dr.clip(params, t.grad_clip), dr.mean(loss_sum)
+            else:
+                gnorm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip else float("inf"))
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            update_expert_bias(model)
+            update_expert_bias(model, counts_reduce=dr.counts_reduce if dr else None)
             last_loss = loss_sum
             progress.update(task, advance=1, info=f"loss {loss_sum:.3f}")
             if (step + 1) % t.log_every == 0 or step == t.steps - 1 or step == start:
@@ -224,10 +242,12 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                 rec = {"kind": "train", "step": step + 1, "loss": loss_sum, "lr": sched.get_last_lr()[0],
                        "grad_norm": float(gnorm), "tokens_per_s": tps, **{f"aux/{k}": v for k, v in aux_sum.items()}}
                 if peak:
-                    rec["mfu"] = tps * fpt / peak
+                    rec["mfu"] = tps * fpt / peak / world  # tps counts every rank; MFU is per GPU
                 if device.type == "cuda":
                     rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": drops[layer]}
+                rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": drops[layer],
+                               # raw per-expert counts for `moeadapt simulate-routing` (small models only)
+                               **({"counts": [int(x) for x in c.tolist()]} if c.numel() <= 1024 else {})}
                               for layer, c in sorted(step_counts.items())]
                 logger.log(rec)
                 t_log, tok_log = time.perf_counter(), 0
@@ -240,20 +260,24 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                 ev = evaluate(model, eval_ds, cfg, device)
                 logger.log({"kind": "eval", "step": step + 1, "eval_loss": ev})
             if t.save_every and (step + 1) % t.save_every == 0:
-                save_checkpoint(ckpt_root, step + 1, model, opt, sched, sampler.state())
+                (dr.save if dr else save_checkpoint)(ckpt_root, step + 1, model, opt, sched, sampler.state())
     elapsed = time.perf_counter() - t_start
     eval_after = evaluate(model, eval_ds, cfg, device)
     logger.log({"kind": "eval", "step": t.steps, "eval_loss": eval_after})
     logger.close()
-    if cfg.lora is not None:
-        export_peft(model, cfg.lora, out_dir / "adapter", base_model=t.init_from or cfg.model.name)
-    else:
-        save_model_dir(model, cfg.model.model_dump(), out_dir / "model")
-    plot_report(logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
     tps = tokens_done / max(elapsed, 1e-9)
-    summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
-               "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train}
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+    plain = dr.unsharded_copy(model) if dr else model  # (None on ranks other than 0: they write nothing)
+    if plain is not None:
+        if cfg.lora is not None:
+            export_peft(plain, cfg.lora, out_dir / "adapter", base_model=t.init_from or cfg.model.name)
+        else:
+            save_model_dir(plain, cfg.model.model_dump(), out_dir / "model")
+        plot_report(logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
+        summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
+                   "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train}
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+    if dr:
+        dr.finish()
     if not quiet:
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {tps:,.0f} tokens/s; "
                       f"results in {out_dir}/")

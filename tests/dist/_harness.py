@@ -27,7 +27,7 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
     from moeadapt.parallel import init_distributed
 
-    init_distributed("cpu", timeout_s=120)
+    init_distributed("cpu", timeout_s=float(os.environ.get("MOEADAPT_TEST_TIMEOUT", "120")))
     try:
         fn(rank, world, *args)
     finally:

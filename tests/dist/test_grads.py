@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import batch, build, expert_names, full_grads, micro_spec, reference, skew_router, spawn
 
 pytestmark = pytest.mark.dist
@@ -13,12 +12,12 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
-def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16):
+def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     from moeadapt.config import ParallelSpec
     from moeadapt.models.router import update_expert_bias
     from moeadapt.parallel import build_parallel_dims, clip_grad_norm_, counts_reduce, parallelize_model
 
-    spec = micro_spec()
+    spec = micro_spec(**spec_kw)
     pspec = ParallelSpec(**par)
     model = build(spec, lora)
     if skew:
@@ -26,6 +25,7 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16):
     x, y = batch(spec, rows, seq)
     ref, ref_loss, ref_grads = reference(model, x, y)
     ref_total = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 1e9)
+    ref_counts = [b.clone() for n, b in ref.named_buffers() if n.endswith("tokens_per_expert")]
     update_expert_bias(ref)
 
     dims = build_parallel_dims(pspec, spec, "cpu")
@@ -49,6 +49,10 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16):
         assert err < TOL, f"{what}: grad {n} differs by {err:.2e} (scale {r.abs().max().item():.2e})"
     total = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9, dims)
     assert abs(float(total) - float(ref_total)) < 1e-5 * max(1.0, float(ref_total)), f"{what}: grad norm"
+    counts = [b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")]
+    for c, rc in zip(counts, ref_counts):  # (activation checkpointing must not count a recompute again)
+        dist.all_reduce(c)
+        assert torch.equal(c, rc), f"{what}: routed-token counts {c.tolist()} vs single process {rc.tolist()}"
     update_expert_bias(model, counts_reduce=counts_reduce)
     for (n, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
         if n.endswith("expert_bias"):
@@ -64,11 +68,14 @@ def _grads_world4(rank, world):
     # chunked (overlapped) dispatch and activation checkpointing give the same gradients
     _check_one(rank, world, dict(dp_shard=4, ep=4, a2a_chunks=3, activation_checkpointing="selective"), False)
     _check_one(rank, world, dict(dp_shard=4, ep=2, a2a_chunks=2, activation_checkpointing="full"), True)
+    # global-batch aux loss: the router's counts are all-reduced, so the loss equals the single-process one
+    _check_one(rank, world, dict(dp_shard=2, dp_replicate=2, ep=2, activation_checkpointing="selective"), False,
+               aux_loss_coef=0.1, z_loss_coef=1e-3)
 
 
 def _grads_world2(rank, world):
     _check_one(rank, world, dict(dp_shard=2, ep=2), False)
-    _check_one(rank, world, dict(dp_shard=2, ep=2), True)
+    _check_one(rank, world, dict(dp_shard=2, ep=2, reshard_after_forward=False), True)
     # skewed routing: every token picks experts 0 and 1, so both ranks send zero rows to rank 1 and rank 1's
     # experts compute on empty inputs (their gradients must be exactly zero, and present)
     _check_one(rank, world, dict(dp_shard=2, ep=2, a2a_chunks=2), False, skew=True)

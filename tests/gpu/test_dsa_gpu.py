@@ -82,18 +82,21 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared):
     do = torch.randn(1, T, H, DV, device="cuda", generator=g).to(dtype)
     idx = _rand_indices(T, topk, g)
     res = []
-    for backend in ("triton", "reference"):
-        qq, kk, vv = q.clone().requires_grad_(), kv.clone().requires_grad_(), v0.clone().requires_grad_()
+    # bf16: the reference's own dk (gather backward accumulates in bf16) is off by ~2%,
+    # so both are compared with the reference run in fp32 on the same inputs
+    runs = [("triton", dtype), ("reference", torch.float32)]
+    for backend, dt in runs:
+        qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, kv, v0))
         v = kk[..., :DV] if shared else vv
         o = sparse_attention(qq, kk, v, idx, backend=backend)
-        grads = torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do)
+        grads = torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do.to(dt))
         res.append((o, *grads))
     for a, b in zip(*res):
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
         else:  # bf16 rounding of P and dS: compare against the tensor's scale
-            err = (a.float() - b.float()).abs().max() / b.float().abs().max()
-            assert err < 2e-2, f"relative max error {err:.3g}"
+            err = (a.float() - b).abs().max() / b.abs().max()
+            assert err < 1.5e-2, f"relative max error {err:.3g}"
 
 
 def test_kl_loss_gpu():

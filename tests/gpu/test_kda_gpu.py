@@ -49,22 +49,28 @@ def inputs(B, T, H, HV, D, dtype, N):
         (1, 2048, 8, 8, 128, torch.float32, None),
     ],
 )
-def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu):
+@pytest.mark.parametrize("diag", ["chunk", "token"])
+def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, diag, monkeypatch):
+    from moeadapt.ops.kda import triton_kda
+
+    monkeypatch.setitem(triton_kda.CONFIG, "diag", diag)
     cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
     N = B if cu is None else cu.numel() - 1
     args = inputs(B, T, H, HV, D, dtype, N)
     outs = {}
+    # one set of float32 cotangents shared by both backends (randn_like in bf16 and float64 would differ)
+    do32 = torch.randn(B, T, HV, D, device="cuda")
+    dht32 = torch.randn(N, HV, D, D, device="cuda")
     for backend in ("triton", "reference"):
         xs = [x.detach().clone().requires_grad_() for x in args]
         if backend == "reference":
             xs = [x.detach().double().requires_grad_() for x in xs]
         q, k, v, g, beta, h0 = xs
         o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
-        torch.manual_seed(1)
-        do, dht = torch.randn_like(o), torch.randn_like(ht)
+        do, dht = do32.to(o.dtype), dht32.to(ht.dtype)
         ((o * do).sum() + (ht * dht).sum()).backward()
         outs[backend] = [o, ht] + [x.grad for x in xs]
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # a wrong term gives O(1)
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errs = {n: rel(a, b) for n, a, b in zip(names, outs["triton"], outs["reference"])}
     print(errs)

@@ -2,6 +2,7 @@
 
 Skipped without CUDA. Sizes are moderate (thousands of rows, hundreds of columns) so tiling,
 masking and empty experts are all exercised; bf16 is compared with an fp32 reference.
+Run with TRITON_INTERPRET=0: tests/conftest.py defaults it to 1, which would interpret the kernels.
 """
 
 from __future__ import annotations

@@ -295,3 +295,24 @@ def test_triton_kl_loss(gen):
         res.append((loss, *torch.autograd.grad(2.0 * loss, xs)))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@triton_only
+@pytest.mark.parametrize("D,DV,DI", [(20, 16, 8), (12, 8, 24)])
+def test_triton_tiny_head_dims(gen, D, DV, DI):
+    """Dims below the MMA's 16 or not powers of two (the model's micro configs) are padded/masked."""
+    T, HQ, HI, topk = 30, 2, 2, 8
+    q, kv, v, _ = _attn_inputs(gen, 1, T, HQ, 1, D, DV, topk, dtype=torch.float32)
+    q_idx, k_idx, w_idx = _indexer_inputs(gen, 1, T, HI, DI, torch.float32)
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    q, kv, v, q_idx, k_idx, w_idx, do = (x.to(DEV) for x in (q, kv, v, q_idx, k_idx, w_idx, do))
+    idx = lightning_indexer(q_idx, k_idx, w_idx, topk, backend="triton")
+    _check_selection(idx, q_idx, k_idx, w_idx, topk)
+    res = []
+    for backend in ("triton", "reference"):
+        xs = [x.clone().requires_grad_(True) for x in (q, kv, v, q_idx, k_idx, w_idx)]
+        o = sparse_attention(xs[0], xs[1], xs[2], idx, backend=backend)
+        loss = indexer_kl_loss(xs[0], xs[1], idx, *xs[3:], backend=backend)
+        res.append((o, loss, *torch.autograd.grad((o * do).sum() + loss, xs)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)

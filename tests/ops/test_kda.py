@@ -196,17 +196,23 @@ TRITON_CASES = [  # B, T, H, HV, K, V, cu_seqlens, fused
 
 @needs_triton
 @pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_matches_reference(seed, case):
+def test_triton_matches_reference(seed, case, diag="chunk", decay=1.0):
     B, T, H, HV, K, V, cu, fused = case
+    from moeadapt.ops.kda import triton_kda
+
+    old, triton_kda.CONFIG["diag"] = triton_kda.CONFIG["diag"], diag
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     N = B if cu is None else cu.numel() - 1
-    inp = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, fused=fused, N=N)
+    inp = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, fused=fused, N=N, decay=decay)
     inp = {n: x.detach().to(dev).requires_grad_() for n, x in inp.items()}
     kw = dict(use_qk_l2norm=True, beta_is_logits=True) if fused else {}
-    o1, h1, g1, do, dht = run_with_grads(
-        lambda **a: chunk_kda(**a, backend="triton"), inp, cu_seqlens=cu, **kw
-    )
+    try:
+        o1, h1, g1, do, dht = run_with_grads(
+            lambda **a: chunk_kda(**a, backend="triton"), inp, cu_seqlens=cu, **kw
+        )
+    finally:
+        triton_kda.CONFIG["diag"] = old
     inp64 = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
     o2, h2, g2, _, _ = run_with_grads(chunk_kda_reference, inp64, cu_seqlens=cu, do=do.double(), dht=dht.double(), **kw)
     assert o1.dtype == torch.float32 and h1.dtype == torch.float32
@@ -230,3 +236,13 @@ def test_triton_strong_decay_and_no_final_state(seed):
     for name, ga, x in zip(inp, grads, inp.values()):
         assert torch.isfinite(ga).all(), name
         assert_close(f"d{name}", ga, x.grad, 5e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "case, decay",
+    [((1, 40, 1, 2, 16, 16, [0, 17, 40], True), 1.0), ((1, 36, 2, 2, 16, 16, None, False), 30.0)],
+)
+def test_triton_token_parallel_diag(seed, case, decay):
+    """The token-parallel kernels for the diagonal 16x16 blocks (CONFIG["diag"] = "token")."""
+    test_triton_matches_reference(seed, case, diag="token", decay=decay)

@@ -256,3 +256,16 @@ def test_swiglu(gen, backend, N, F):
     _close(gu.grad, gu64.grad, 1e-5)
     with pytest.raises(ValueError, match="2F"):
         swiglu(torch.randn(3, 5), backend=backend)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_tile_map_follows_offsets_changes(gen):
+    """The tile map cached on the offsets tensor must be rebuilt when the offsets change in place."""
+    E, I, O = 4, 16, 16
+    x = torch.randn(20, I, generator=gen)
+    w = torch.randn(E, I, O, generator=gen)
+    offsets = offsets_from_counts(torch.tensor([5, 5, 5, 5]))
+    first = grouped_mm(x, w, offsets, backend="triton")
+    _close(first, grouped_mm(x, w, offsets, backend="reference"), 1e-5)
+    offsets.copy_(offsets_from_counts(torch.tensor([0, 12, 1, 7])))
+    _close(grouped_mm(x, w, offsets, backend="triton"), grouped_mm(x, w, offsets, backend="reference"), 1e-5)

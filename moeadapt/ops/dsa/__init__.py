@@ -129,6 +129,9 @@ def sparse_attention(
         indices: [B, T, K] shared by all KV heads, or [B, T, HK, K]; -1 = unused.
             All query heads of a KV group attend to that group's selected keys.
         scale: softmax scale, default D^-0.5.
+        For MLA pass ``kv = cat([kv_latent, k_rope], -1)`` as k and the view
+        ``kv[..., :DV]`` as v: the Triton kernels then read each row once and
+        scatter dk and dv with one atomic (a separate v tensor also works).
     Returns:
         o [B, T, HQ, DV] in q's dtype; a query with no selected key gets 0.
         Differentiable in q, k, v (dk, dv scatter-added into the selected rows).

@@ -4,21 +4,24 @@ Owns the indexer kernel; the math is `reference.lightning_indexer_reference`.
 
 A persistent grid of P programs; program p handles query rows p, p + P, ...
 (interleaved, so the causal work is balanced). For one query row:
-1. score pass: tiles of BLOCK_S keys, s = ReLU(q_idx[HI, DI] @ k_idx^T) weighted
-   and summed over heads (the HI heads are the M dimension of the MMA); each
-   score is turned into an order-preserving uint32 key and written to the
-   program's scratch row, and a 256-bin histogram of its top byte is kept.
-2. radix select: three more passes over the scratch row refine the histogram a
-   byte at a time among keys that share the selected prefix, giving the exact
-   k-th largest key u* and how many keys equal to u* are still needed.
+1. score pass: tiles of BLOCK_S keys, s = ReLU(k_idx @ q_idx[HI, DI]^T) weighted
+   and summed over heads (keys are the MMA's M dimension and heads its N, so the
+   head sum stays inside a thread: 5x faster than heads as M, see RESULTS.md);
+   each score becomes an order-preserving uint32 key written to the program's
+   scratch row, and a 256-bin histogram of its top byte is kept.
+2. radix select: three more passes over the scratch row (tiles of BLOCK_R keys)
+   refine the histogram a byte at a time among keys sharing the selected prefix,
+   giving the exact k-th largest key u* and how many keys equal to u* are needed.
 3. write pass: keys > u*, and the first needed keys == u* in index order (lower
    index wins ties), are written in ascending index order, then -1 padding.
-Device memory is the [P, T] scratch (P ~ a few per SM), never [T, T].
+Rows with at most topk visible keys take all of them without scoring.
+Device memory is the [P, T] scratch (P = 4 programs per SM), never [T, T].
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -51,11 +54,13 @@ def _indexer_kernel(
     QI, KI, WI, STARTS, OUT, SCR,
     sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr,
     T, NROWS, HI, TOPK, NPROG,
-    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NB: tl.constexpr = 256
     offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_HI)
     offs_d = tl.arange(0, DI)
     bins = tl.arange(0, NB)
@@ -68,8 +73,8 @@ def _indexer_kernel(
         n = t - start + 1
         out = OUT + r64 * so_r
         if n <= TOPK:
-            for j0 in range(0, TOPK, BLOCK_S):
-                j = j0 + offs_s
+            for j0 in range(0, TOPK, BLOCK_R):
+                j = j0 + offs_r
                 tl.store(out + j, tl.where(j < n, start + j, -1), mask=j < TOPK)
         else:
             q = tl.load(QI + r64 * sq_r + offs_h[:, None] * sq_h + offs_d[None, :],
@@ -83,11 +88,12 @@ def _indexer_kernel(
                 valid = j < n
                 kt = tl.load(kbase + (start + j).to(tl.int64)[:, None] * sk_t + offs_d[None, :],
                              mask=valid[:, None], other=0.0)
+                # keys are the MMA's M dimension, heads its N: the head sum stays in-thread
                 if IEEE:
-                    sc = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                    sc = tl.dot(kt.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
                 else:
-                    sc = tl.dot(q, tl.trans(kt))
-                score = tl.sum(tl.maximum(sc, 0.0) * w[:, None], 0)
+                    sc = tl.dot(kt, tl.trans(q))
+                score = tl.sum(tl.maximum(sc, 0.0) * w[None, :], 1)
                 u = _sortable(score)
                 tl.store(scr + j, u.to(tl.int32, bitcast=True), mask=valid)
                 hist += tl.histogram(tl.where(valid, u >> 24, 0).to(tl.int32), NB)
@@ -102,8 +108,8 @@ def _indexer_kernel(
                 shift = 16 - 8 * step
                 hist = tl.zeros([NB], tl.int32)
                 nomatch = 0
-                for s0 in range(0, n, BLOCK_S):
-                    j = s0 + offs_s
+                for s0 in range(0, n, BLOCK_R):
+                    j = s0 + offs_r
                     valid = j < n
                     u = tl.load(scr + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
                     match = valid & ((u >> (shift + 8)) == prefix)
@@ -117,8 +123,8 @@ def _indexer_kernel(
             # 3. write keys > u*, then the first krem keys == u*, ascending
             written = 0
             ties = 0
-            for s0 in range(0, n, BLOCK_S):
-                j = s0 + offs_s
+            for s0 in range(0, n, BLOCK_R):
+                j = s0 + offs_r
                 valid = j < n
                 u = tl.load(scr + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
                 gt = valid & (u > prefix)
@@ -131,17 +137,25 @@ def _indexer_kernel(
                 ties += tl.sum(eq, 0)
 
 
+def pad_head_dim(q_idx, k_idx):
+    """Zero-pad DI to a power of two >= 16 (the MMA's K); scores are unchanged."""
+    DI = q_idx.shape[-1]
+    pad = max(16, triton.next_power_of_2(DI)) - DI
+    if pad:
+        q_idx, k_idx = F.pad(q_idx, (0, pad)), F.pad(k_idx, (0, pad))
+    return q_idx, k_idx
+
+
 # Launch configuration (BLOCK_S keys per tile, resident programs per SM); see benchmarks/RESULTS.md.
-LI_CONFIG = {"BLOCK_S": 128, "progs_per_sm": 4, "num_warps": 4}
+LI_CONFIG = {"BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4}
 
 
 def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None):
     """Triton lightning indexer; same contract as `lightning_indexer_reference`."""
     cfg = cfg or LI_CONFIG
     block_s, progs_per_sm = cfg["BLOCK_S"], cfg["progs_per_sm"]
+    q_idx, k_idx = pad_head_dim(q_idx, k_idx)
     B, T, HI, DI = q_idx.shape
-    if DI & (DI - 1):
-        raise ValueError(f"q_idx head dim DI = {DI} must be a power of two for the Triton indexer")
     dev = q_idx.device
     q = q_idx.reshape(B * T, HI, DI).contiguous()
     k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
@@ -158,12 +172,13 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=Non
     else:
         nprog = 4
     nprog = max(1, min(nprog, B * T))
-    scratch = torch.empty(nprog, triton.cdiv(T, block_s) * block_s, dtype=torch.int32, device=dev)
+    block_r = cfg.get("BLOCK_R", block_s)
+    scratch = torch.empty(nprog, T, dtype=torch.int32, device=dev)
     _indexer_kernel[(nprog,)](
         q, k, w, starts, out, scratch,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), out.stride(1), scratch.stride(0),
         T, B * T, HI, topk, nprog,
-        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s,
+        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s, BLOCK_R=block_r,
         IEEE=use_ieee(q), num_warps=cfg["num_warps"],
     )
     # rows of n > topk wrote exactly topk entries; shorter rows were padded in-kernel

@@ -17,9 +17,11 @@ Owns the two KL kernels; the math is `reference.indexer_kl_loss_reference`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .triton_indexer import pad_head_dim
 from .triton_sparse_attn import LOG2E, _common, _launch_args, _mm, _prep, use_ieee
 
 TARGET_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 1}
@@ -186,4 +188,7 @@ class IndexerKLFunction(torch.autograd.Function):
 def indexer_kl_loss_triton(q, k, indices, q_idx, k_idx, w_idx, scale=None):
     """Triton KL loss (fused forward + backward); same contract as `indexer_kl_loss_reference`."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
+        q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
+    q_idx, k_idx = pad_head_dim(q_idx, k_idx)  # differentiable: grads are sliced back
     return IndexerKLFunction.apply(q, k, indices, q_idx, k_idx, w_idx, scale)

@@ -11,10 +11,14 @@ The qk dimension is split into a power-of-two main part D1 and a tail D2
 (576 = 512 + 64), so nothing is padded to 1024.
 
 Backward: the same walk recomputes P from lse, forms dP = dO V^T and
-dS = P (dP - delta), accumulates dq in registers and scatter-adds dk = dS^T q and
-dv = P^T dO into fp32 buffers with atomics (one atomic per selected key row
-element per query; the key-major alternative needs the inverse index and gives
-M = 1 products). When v is the leading DV = D1 channels of k (MLA's shared
+dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
+in registers and scatter-adds dk = dS^T q and dv = P^T dO into fp32 buffers with
+atomics (one vectorised fp32 atomic per selected key row element per query and
+head block). DKV_T (default) computes them transposed, dk^T = q^T dS, so q and
+dO stay MMA operands in the shared-memory buffers already loaded (the plain form
+needs second copies: 315 KB of shared memory at BLOCK_H = 64). FUSED=False runs a
+dq pass and a dk/dv pass instead (measured slower). A key-major pass (inverse
+index, no atomics) was not written: per key it gives M = 1 products. When v is the leading DV = D1 channels of k (MLA's shared
 latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's
 buffer; dv is then returned as None, which leaves the shared base's gradient
 unchanged.
@@ -26,6 +30,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -45,6 +50,15 @@ def _mm(a, b, IEEE: tl.constexpr, acc=None):
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _scatter_add(ptr, val, mask, STORE_ONLY: tl.constexpr):
+    """fp32 atomic add; STORE_ONLY (timing experiments only, wrong result) writes instead."""
+    if STORE_ONLY:
+        tl.store(ptr, val, mask=mask)
+    else:
+        tl.atomic_add(ptr, val, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -110,14 +124,14 @@ def _sfa_fwd_kernel(
 
 @triton.jit
 def _sfa_bwd_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ, DK, DV_,
+    Q, K, V, IDX, O, DO, LSE, DQ, DK, DV_,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
     sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
     T, G, TOPK, D, DV, NHB, qk_scale, scale,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, DKV_T: tl.constexpr,
-    DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+    DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, STORE_ONLY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) // NHB
@@ -139,8 +153,10 @@ def _sfa_bwd_kernel(
         dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
     do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
                  mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), per head
     lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + row * sl_t + heads, mask=mask_h, other=0.0)
     kb_base = K + b * sk_b + g * sk_h
     vb_base = V + b * sv_b + g * sv_h
     dkb_base = DK + b * sdk_b + g * sdk_h
@@ -180,29 +196,29 @@ def _sfa_bwd_kernel(
             if V_FROM_K:
                 dk1t = _mm(tl.trans(q1), dsc, IEEE, dvt)
             else:
-                tl.atomic_add(dvb_base + rows[None, :] * sdv_t + offs_dv[:, None], dvt,
-                              mask=valid[None, :] & mask_dv[:, None], sem="relaxed")
+                _scatter_add(dvb_base + rows[None, :] * sdv_t + offs_dv[:, None], dvt,
+                             valid[None, :] & mask_dv[:, None], STORE_ONLY)
                 dk1t = _mm(tl.trans(q1), dsc, IEEE)
-            tl.atomic_add(dkb_base + rows[None, :] * sdk_t + offs_d1[:, None], dk1t,
-                          mask=valid[None, :], sem="relaxed")
+            _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d1[:, None], dk1t,
+                         valid[None, :], STORE_ONLY)
             if D2 > 0:
                 dk2t = _mm(tl.trans(q2), dsc, IEEE)
-                tl.atomic_add(dkb_base + rows[None, :] * sdk_t + offs_d2[:, None], dk2t,
-                              mask=valid[None, :] & mask_d2[:, None], sem="relaxed")
+                _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d2[:, None], dk2t,
+                             valid[None, :] & mask_d2[:, None], STORE_ONLY)
         else:
             dv = _mm(tl.trans(p.to(do.dtype)), do, IEEE)
             if V_FROM_K:  # dk and dv land in the same rows: one accumulator, one atomic
                 dk1 = _mm(tl.trans(dsc), q1, IEEE, dv)
             else:
-                tl.atomic_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
-                              mask=valid[:, None] & mask_dv[None, :], sem="relaxed")
+                _scatter_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
+                             valid[:, None] & mask_dv[None, :], STORE_ONLY)
                 dk1 = _mm(tl.trans(dsc), q1, IEEE)
-            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
-                          mask=valid[:, None], sem="relaxed")
+            _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
+                         valid[:, None], STORE_ONLY)
             if D2 > 0:
                 dk2 = _mm(tl.trans(dsc), q2, IEEE)
-                tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
-                              mask=valid[:, None] & mask_d2[None, :], sem="relaxed")
+                _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
+                             valid[:, None] & mask_d2[None, :], STORE_ONLY)
     if DO_DQ:
         dq_base = DQ + row * sq_t + heads[:, None] * sq_h
         tl.store(dq_base + offs_d1[None, :], dq1.to(DQ.dtype.element_ty), mask=mask_h[:, None])
@@ -211,15 +227,18 @@ def _sfa_bwd_kernel(
                      mask=mask_h[:, None] & mask_d2[None, :])
 
 
-# Launch configuration; the benchmark may overwrite these (measured on H200, see RESULTS.md).
-FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 1, "DKV_T": True}
+# Launch configuration, from the sweep in benchmarks/bench_dsa.py on an H200 (RESULTS.md).
+# Backward BLOCK_K=32 with num_stages=1 hit an illegal address under Triton 3.6 on the H200
+# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest config that ran clean.
+FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
 
 
 def _split_d(D: int) -> tuple[int, int]:
+    """D = D1 (largest power of two, >= 16) + tail padded to a power of two >= 16 (masked)."""
     d1 = 1 << (D.bit_length() - 1)
     rest = D - d1
-    return d1, (triton.next_power_of_2(rest) if rest else 0)
+    return d1, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
 def _v_from_k(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
@@ -267,7 +286,7 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
         T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
-        D1=d1, D2=d2, BLOCK_DV=triton.next_power_of_2(DV), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
+        D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -279,7 +298,7 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
     q, k, v, vk = _prep(q, k, v, d1)
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)  # [B,T,HQ], same strides as lse
+    o = o.contiguous()  # same layout as do: the kernel reads both with do's strides
     dq = torch.empty_like(q)
     dk = torch.zeros(B, T, HK, D, device=q.device, dtype=torch.float32)
     dv = dk if vk else torch.zeros(B, T, HK, DV, device=q.device, dtype=torch.float32)
@@ -287,17 +306,19 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     # recomputes P and dP, but neither holds both accumulators in registers)
     passes = [(True, True, cfg)] if cfg.get("FUSED", True) else [
         (True, False, cfg.get("DQ_CFG", cfg)), (False, True, cfg.get("DKV_CFG", cfg))]
+    if "ONLY" in cfg:  # timing experiments: run just the dq or just the dk/dv part
+        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", cfg)]
     for do_dq, do_dkv, c in passes:
         bh, nhb, grid = _launch_args(c, G, HK, B, T)
         _sfa_bwd_kernel[grid](
-            q, k, v, idx, do, lse, delta, dq, dk, dv,
+            q, k, v, idx, o, do, lse, dq, dk, dv,
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
-            D1=d1, D2=d2, BLOCK_DV=triton.next_power_of_2(DV), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
+            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
             V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
-            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv,
+            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
     return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
@@ -323,4 +344,6 @@ def sparse_attention_triton(q, k, v, indices, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
+    if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
+        q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
     return SparseAttentionFunction.apply(q, k, v, indices, scale)

@@ -87,7 +87,8 @@ def chunk_kda(
         output_final_state: also return the final state [N,HV,K,V] (float32).
         cu_seqlens: int32/int64 [N+1] boundaries of independent sequences packed along T (B must be 1).
         backend: "auto" (triton on CUDA tensors, reference elsewhere), "reference" (chunked
-            PyTorch), "recurrent" (step-by-step PyTorch), "triton", or "fla" (fla.ops.kda.chunk_kda).
+            PyTorch), "recurrent" (step-by-step PyTorch), "triton" (K, V in 16/32/64/128; runs on
+            CPU only under TRITON_INTERPRET=1), or "fla" (fla.ops.kda.chunk_kda).
         use_qk_l2norm: L2-normalise q and k over K inside the op.
         A_log: [HV]; if given, g is the raw pre-activation and the decay is
             g = -exp(A_log[h]) * softplus(g + dt_bias[h]).

@@ -1,4 +1,4 @@
-"""MoE operators: token permutation, grouped GEMM over experts, grouped LoRA, weighted combine.
+"""MoE operators: token permutation, grouped GEMM over experts, grouped LoRA, SwiGLU, weighted combine.
 
 Owns the public MoE op functions and their backend choice; models/ (LatentMoE) calls them and
 nothing here knows about modules, routers or ranks.
@@ -33,13 +33,13 @@ def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float
         if device.type != "cuda":
             return "reference"
         # measured on H200, torch 2.11 / triton 3.6 (benchmarks/RESULTS.md "## MoE"): Triton for
-        # permutation and SwiGLU; torch._grouped_mm (CUTLASS) beat our Triton GEMM by 1.1-1.25x at
-        # every shape; the fused Triton LoRA won with few rows per expert (E=896: 1.35x) and lost
-        # with many (E=64, 2048 rows/expert: 0.91x)
+        # permutation and SwiGLU; torch._grouped_mm (CUTLASS) beat our Triton GEMM by 1.15-1.3x at
+        # every shape; the fused Triton LoRA won with few rows per expert (292 rows: 1.35x, 1024:
+        # 1.02x) and lost with many (2048 rows/expert: 0.84x)
         if op == "grouped_mm":
             return "torch"
         if op == "grouped_lora":
-            return "triton" if rows_per_expert < 1024 else "torch"
+            return "triton" if rows_per_expert < 1536 else "torch"
         return "triton"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1; got device {device}")
