@@ -85,8 +85,7 @@ def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
 
     spec = fam.spec.model_dump(mode="json")
     text = (f"# written by `moeadapt onboard {path}` (family {fam.model_type}); every field is a ModelSpec field\n"
-            "# init_from: a Hugging Face directory must be loaded with moeadapt.onboard.load_weights (streamed, mapped);\n"
-            "# the trainer does not dispatch to it yet\n"
+            "# init_from: the trainer streams and name-maps the Hugging Face weights (moeadapt.onboard.load_weights)\n"
             + "".join(f"# note: {n}\n" for n in fam.notes)
             + yaml.safe_dump({"model": spec, "train": {"init_from": str(Path(path).resolve())}}, sort_keys=False))
     atomic_write_text(out, text)

@@ -40,9 +40,23 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         t = timeout_s if timeout_s is not None else float(os.environ.get("MOEADAPT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=t),
-                                device_id=device if device.type == "cuda" else None)
+        kw = dict(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=t),
+                  device_id=device if device.type == "cuda" else None)
+        store = _store_for_this_attempt(timedelta(seconds=t))
+        if store is not None:
+            kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(**kw)
     return device
+
+
+def _store_for_this_attempt(timeout: timedelta) -> dist.Store | None:
+    """Under `torchrun --max-restarts`, the agent's TCPStore outlives a failed round: without a per-attempt
+    prefix, a restarted rank can read a dead rank's address and fail (`Gloo connectFullMesh ... refused`)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moeadapt/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def is_launched_distributed() -> bool:

@@ -58,7 +58,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_model(model_dir: str | Path, model: HybridMoEModel) -> None:
+    """Weights from a moeadapt model directory, or (streamed and name-mapped) from a Hugging Face one."""
     p = Path(model_dir)
+    cfg_file = p / "config.json"
+    if cfg_file.is_file() and "moeadapt" not in json.loads(cfg_file.read_text()):
+        from ..onboard import load_weights
+
+        load_weights(p, model)
+        return
     f = p / "model.safetensors"
     if not f.is_file():
         raise FileNotFoundError(f"{p} holds no model.safetensors; give a directory written by `moeadapt train`")

@@ -210,3 +210,23 @@ def test_rope_row_permutation_round_trips():
     nope = fam.spec.qk_nope_head_dim
     assert r.row_perm[:nope].tolist() == list(range(nope))
     assert r.row_perm[nope:nope + 3].tolist() == [nope, nope + 2, nope + 4]
+
+
+def test_finetune_from_hf_directory(tmp_path):
+    """`init_from` a Hugging Face checkpoint: the trainer streams + maps it and a LoRA fine-tune runs."""
+    from onboard_helpers import save_tiny
+
+    from moeadapt import api
+    from moeadapt.config import build_run_config
+
+    qwen_dir = save_tiny("qwen3_moe", tmp_path / "qwen", vocab_size=264)  # the byte tokenizer's vocabulary
+
+    cfg = build_run_config({
+        "model": str(qwen_dir), "lora": {"rank": 4, "targets": ["attn.q_proj", "experts.w1"]},
+        "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1,
+                  "init_from": str(qwen_dir), "output_dir": str(tmp_path / "ft")},
+        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+    r = api.train(cfg, quiet=True)
+    assert (r.output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    import math
+    assert math.isfinite(r.eval_after)
