@@ -58,9 +58,9 @@ class DSAAttention(nn.Module):
         r = self.rope
         q_idx = self.wq_idx(q_lat).view(B, T, self.HI, self.DI)
         q_idx = torch.cat([apply_rope(q_idx[..., :r], cos, sin), q_idx[..., r:]], dim=-1)
-        k_idx = self.k_idx_norm(self.wk_idx(x_BTD))
+        k_idx = self.k_idx_norm(self.wk_idx(x_BTD)).to(q_idx.dtype)  # LayerNorm runs in fp32 under autocast
         k_idx = torch.cat([apply_rope(k_idx[..., :r], cos, sin), k_idx[..., r:]], dim=-1)
-        w_idx = self.w_idx(x_BTD) * (self.HI ** -0.5 * self.DI ** -0.5)
+        w_idx = (self.w_idx(x_BTD) * (self.HI ** -0.5 * self.DI ** -0.5)).to(q_idx.dtype)
         return q_idx, k_idx, w_idx
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:

@@ -28,9 +28,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..io import atomic_write_text
 from ..models.moe import GroupedExperts
 from .mesh import ParallelDims
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """(moeadapt.io has one too; not imported so that parallel/ needs no safetensors on a bare GPU image.)"""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -107,7 +113,7 @@ def save_distributed(root: str | Path, step: int, model: nn.Module, optimizer, s
         os.replace(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        atomic_write_text(root / "latest", final.name)
+        _atomic_write_text(root / "latest", final.name)
     dist.barrier()
     return final
 

@@ -43,10 +43,13 @@ def spawn(fn, world: int, *args) -> None:
 
 
 def micro_spec(**kw):
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import micro_spec as ms
+    """tests/conftest.py's micro model (loaded by path: several conftest modules share that name)."""
+    import importlib.util
 
-    return ms(**kw)
+    spec = importlib.util.spec_from_file_location("_moeadapt_tests_conftest", ROOT / "tests" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.micro_spec(**kw)
 
 
 def build(spec, lora: bool, seed: int = 0):
