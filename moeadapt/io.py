@@ -28,6 +28,18 @@ def _normal_permissions(root: Path) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Make the finished directory `tmp` visible as `final` (replacing an old one) by renames."""
+    _normal_permissions(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `final` in one rename."""
@@ -36,14 +48,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
-        _normal_permissions(tmp)
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,7 +18,6 @@ Must not decide when to save (the trainer does).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -28,15 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ..io import atomic_write_text, replace_dir
 from ..models.moe import GroupedExperts
 from .mesh import ParallelDims
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """(moeadapt.io has one too; not imported so that parallel/ needs no safetensors on a bare GPU image.)"""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -106,14 +99,8 @@ def save_distributed(root: str | Path, step: int, model: nn.Module, optimizer, s
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=float))
     dist.barrier()  # every shard is on disk before the rename makes the checkpoint visible
     if rank == 0:
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        _atomic_write_text(root / "latest", final.name)
+        replace_dir(tmp, final)
+        atomic_write_text(root / "latest", final.name)
     dist.barrier()
     return final
 

@@ -216,10 +216,11 @@ def test_triton_matches_reference(seed, case, diag="chunk", decay=1.0):
     inp64 = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
     o2, h2, g2, _, _ = run_with_grads(chunk_kda_reference, inp64, cu_seqlens=cu, do=do.double(), dht=dht.double(), **kw)
     assert o1.dtype == torch.float32 and h1.dtype == torch.float32
-    assert_close("o", o1, o2, 2e-5)
-    assert_close("final_state", h1, h2, 2e-5)
+    # float32 kernels vs float64: ~1e-6..2e-5 seen over hundreds of seeds; a wrong term gives > 1e-2
+    assert_close("o", o1, o2, 5e-5)
+    assert_close("final_state", h1, h2, 5e-5)
     for name in g1:
-        assert_close(f"d{name}", g1[name], g2[name], 5e-5)
+        assert_close(f"d{name}", g1[name], g2[name], 1e-4)
 
 
 @needs_triton
@@ -232,10 +233,10 @@ def test_triton_strong_decay_and_no_final_state(seed):
         x.grad = None
     o2, _ = chunk_kda_reference(**{n: x.double() for n, x in inp.items()})
     o2.sum().backward()
-    assert_close("o", o1, o2, 2e-5)
+    assert_close("o", o1, o2, 5e-5)
     for name, ga, x in zip(inp, grads, inp.values()):
         assert torch.isfinite(ga).all(), name
-        assert_close(f"d{name}", ga, x.grad, 5e-5)
+        assert_close(f"d{name}", ga, x.grad, 1e-4)
 
 
 @needs_triton

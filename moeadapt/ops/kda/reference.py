@@ -114,12 +114,12 @@ def _intra_chunk(q, k, G, beta):
     idx = torch.arange(SUB, device=k.device)
     incl = idx[:, None] >= idx[None, :]
     dG = Gb[..., :, None, :] - Gb[..., None, :, :]
-    E = torch.where(incl[:, :, None], dG, float("-inf")).exp()
-    kk_d = torch.einsum("...ik,...jk,...ijk->...ij", kb, kb, E) * (idx[:, None] > idx[None, :])
-    qk_d = torch.einsum("...ik,...jk,...ijk->...ij", qb, kb, E)
-    eye = torch.eye(ns, dtype=k.dtype, device=k.device)
-    kk = torch.einsum("...aij,ab->...aibj", kk_d, eye)
-    qk = torch.einsum("...aij,ab->...aibj", qk_d, eye)
+    kE = kb[..., None, :, :] * torch.where(incl[:, :, None], dG, float("-inf")).exp()  # k_j e^(G_i - G_j)
+    kk_d = (kb[..., :, None, :] * kE).sum(-1) * (idx[:, None] > idx[None, :])
+    qk_d = (qb[..., :, None, :] * kE).sum(-1)
+    eye = torch.eye(ns, dtype=k.dtype, device=k.device)[:, None, :, None]  # block-diagonal placement
+    kk = kk_d[..., :, :, None, :] * eye
+    qk = qk_d[..., :, :, None, :] * eye
     if ns > 1:
         # Off-diagonal: row sub-chunk a >= 1 against all columns j < a*SUB.
         r = Gb[..., :-1, -1:, :]  # [..., ns-1, 1, K]
