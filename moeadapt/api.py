@@ -83,14 +83,10 @@ def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, se
 
 
 @torch.no_grad()
-def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, max_new_tokens: int = 64,
-             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto") -> str:
-    """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models."""
-    m = load_model_dir(model, adapter)
-    tok = get_tokenizer(tokenizer, model)
+def _decode(m: HybridMoEModel, tok, prompt: str, max_new_tokens: int, temperature: float, chat: bool,
+            g: torch.Generator) -> str:
     ids = ([tok.role_id("user")] + tok.encode(prompt) + [tok.end_id, tok.role_id("assistant")]) if chat \
         else tok.encode(prompt)
-    g = torch.Generator().manual_seed(seed)
     out: list[int] = []
     stop = {tok.eos_id, tok.end_id} if chat else {tok.eos_id}
     for _ in range(max_new_tokens):
@@ -104,6 +100,14 @@ def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, 
             break
         out.append(nxt)
     return tok.decode(out)
+
+
+def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, max_new_tokens: int = 64,
+             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto") -> str:
+    """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models."""
+    m = load_model_dir(model, adapter)
+    tok = get_tokenizer(tokenizer, model)
+    return _decode(m, tok, prompt, max_new_tokens, temperature, chat, torch.Generator().manual_seed(seed))
 
 
 def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
@@ -166,7 +170,7 @@ def demo(output_dir: str | Path = "runs/demo", rebuild_base: bool = False, quiet
         base = r.output_dir / "model"
     res = finetune(ASSETS / "demo_finetune.yaml", {"train.init_from": str(base), "train.output_dir": str(out)},
                    quiet=quiet)
-    summary = json.loads((Path(out) / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     return {"result": res, "summary": summary}
 
 

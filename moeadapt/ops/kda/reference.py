@@ -146,8 +146,8 @@ def _chunk_dense(q, k, v, g, beta, h0):
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
     # [B,HV,NC,C,*]
-    q, k, v, g = (x.reshape(B, NC, CHUNK, HV, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
-    beta = beta.reshape(B, NC, CHUNK, HV).permute(0, 3, 1, 2)
+    q, k, v, g = (x.reshape(B, NC, CHUNK, HV, -1).permute(0, 3, 1, 2, 4).contiguous() for x in (q, k, v, g))
+    beta = beta.reshape(B, NC, CHUNK, HV).permute(0, 3, 1, 2).contiguous()
     G = g.cumsum(-2)
     Akk, Aqk = _intra_chunk(q, k, G, beta)
     # (I + Akk) [w | u] = beta * [k exp(G) | v]  (UT form of the WY representation)

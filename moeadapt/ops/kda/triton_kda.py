@@ -126,7 +126,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff,
             h if keep else None, vn if keep else None, A32 if gate else None, b32 if gate else None,
         )
-        ctx.dt_bias_shape = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype, A_log.dtype)
+        ctx.dt_bias_shape = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
+        ctx.A_dtype = A_log.dtype if gate else None
         ctx.meta = (B, T, H, HV, K, V, NC, N, scale)
         return o.view(B, T, HV, V), ht
 
@@ -189,9 +190,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         dA_log = ddt = None
         if gate:
-            dA_log = dA.sum((0, 1)).to(ctx.dt_bias_shape[2] if ctx.dt_bias_shape else torch.float32)
+            dA_log = dA.sum((0, 1)).to(ctx.A_dtype)
             if ctx.dt_bias_shape is not None:
-                shape, dtype, _ = ctx.dt_bias_shape
+                shape, dtype = ctx.dt_bias_shape
                 ddt = dg.sum(0).reshape(shape).to(dtype)
         dbeta = db0 + db1.sum(0) + db2.sum(0)
         if HV != H:
