@@ -17,6 +17,7 @@ from .io import save_model_dir
 from .lora import export_peft, inject_lora, load_peft, merge_lora
 from .models.model import HybridMoEModel, build_model, materialize
 from .models.stats import count_parameters
+from .ui import make_console
 
 ASSETS = Path(__file__).parent / "assets"
 DEMO_BASE = ASSETS / "tiny-base"
@@ -193,15 +194,17 @@ def onboard(path: str | Path, validate: bool = False, write_config: str | Path |
 
 def plan(model: str, gpus: int, gpu_mem: str | float = "141GiB", lora: bool = False, lora_rank: int = 16,
          seq_len: int | None = None, micro_batch: int | None = None, top: int = 5, as_json: bool = False,
-         quiet: bool = False) -> dict:
+         quiet: bool = False, cps: tuple[int, ...] = (1,)) -> dict:
     """Search parallel plans (EP / FSDP / CP / recompute / micro-batch) that fit `gpus` GPUs of `gpu_mem`,
-    ranked by estimated tokens/s/GPU. See moeadapt/plan/."""
+    ranked by estimated tokens/s/GPU. See moeadapt/plan/. `cps` defaults to (1,): context parallelism is
+    modelled but parallel/ does not run it yet, so only cp=1 plans are launchable today."""
     from .config import LoRASpec
     from .plan import print_result, search
 
     spec = resolve_model(model)
     res = search(spec, gpus, gpu_mem, LoRASpec(rank=lora_rank) if lora else None,
-                 seq_lens=[seq_len] if seq_len else None, micro_batches=[micro_batch] if micro_batch else None)
+                 seq_lens=[seq_len] if seq_len else None, micro_batches=[micro_batch] if micro_batch else None,
+                 cps=tuple(cps))
     out = {"model": spec.name, "gpus": gpus, "gpu_mem_GiB": res.gpu_mem / 2**30, "lora_rank": lora_rank if lora else None,
            "feasible": [c.row() for c in res.feasible[:top]], "n_feasible": len(res.feasible),
            "smallest_rejected": [c.row() for c in res.rejected[:3]], "notes": res.notes}
@@ -215,7 +218,6 @@ def simulate_routing(experts: int = 896, top_k: int = 16, ep: int = 64, tokens: 
                      as_json: bool = False, seed: int = 0, quiet: bool = False) -> list[dict]:
     """Per-rank loads, straggler factor and all-to-all bytes under EP, dropless vs capacity factors and
     contiguous vs spread expert placement. See moeadapt/plan/routing.py."""
-    from rich.console import Console
     from rich.table import Table
 
     from .plan.routing import plot, sweep
@@ -237,7 +239,7 @@ def simulate_routing(experts: int = 896, top_k: int = 16, ep: int = 64, tokens: 
                           f"{r['rank_load_mean']:.0f}", f"{r['rank_load_p99']:.0f}", f"{r['straggler_factor']:.3f}",
                           f"{r['drop_rate']:.4f}", f"{r['a2a_bytes_per_pair_mean'] / 1e6:.2f}",
                           f"{r['a2a_bytes_per_pair_max'] / 1e6:.2f}")
-            Console().print(t)
+            make_console().print(t)
             if png:
-                Console().print(f"plot written to {png}")
+                make_console().print(f"plot written to {png}")
     return rows

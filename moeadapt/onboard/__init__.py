@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..ui import make_console
 from .families import Family, OnboardError, family_names, read_family
 from .loader import StreamingLoader, checkpoint_index, dequant_fp8, load_into_model
 from .names import Rule, build_rules, reverse_module_map
@@ -94,9 +95,7 @@ def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
 
 def report(result: dict, console=None) -> None:
     """Print what `onboard` found: the mapping summary, the op table, the validation line."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or make_console()
     c, s = result["check"], result["spec"]
     console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
                   f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "

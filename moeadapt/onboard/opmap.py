@@ -7,6 +7,7 @@ run any kernel.
 from __future__ import annotations
 
 from ..config import ModelSpec
+from ..ui import make_console
 
 
 def _triton_ok() -> tuple[bool, str]:
@@ -62,10 +63,9 @@ def _runs(rows: list[dict]) -> list[tuple[str, dict]]:
 
 
 def print_op_mapping(rows: list[dict], notes: list[str] | None = None, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or make_console()
     t = Table(title="operator mapping")
     for c in ("layer", "attn", "attention ops", "backend", "ffn", "backend", "fallback / why"):
         t.add_column(c)

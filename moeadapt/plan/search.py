@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import LoRASpec, ModelSpec, ParallelSpec
+from ..ui import make_console
 from .comm import DEFAULT_HW, Hardware, comm_and_time
 from .memory import GiB, Plan, memory_breakdown
 
@@ -74,7 +75,7 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
            recomputes: tuple[str, ...] = ("none", "selective", "full"), cps: tuple[int, ...] = (1, 2, 4, 8),
            hw: Hardware = DEFAULT_HW) -> SearchResult:
     cap = parse_mem(gpu_mem)
-    seq_lens = seq_lens or [4096]
+    seq_lens = seq_lens or [2048, 4096]
     micro_batches = micro_batches or [1, 2, 4, 8]
     E = spec.n_routed_experts
     feasible, rejected = [], []
@@ -105,10 +106,9 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
 
 
 def print_result(res: SearchResult, spec: ModelSpec, top: int = 5, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or make_console()
     t = Table(title=f"{spec.name}: top plans fitting {res.gpu_mem / GiB:.0f} GiB per GPU "
                     f"({len(res.feasible)} fit, {len(res.rejected)} do not)")
     for c in ("#", "plan", "GiB/GPU", "tok/s/GPU", "step s", "a2a GB/step", "FSDP GB/step"):

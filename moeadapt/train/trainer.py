@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..config import RunConfig
@@ -29,10 +28,11 @@ from ..lora import export_peft, inject_lora
 from ..models.model import HybridMoEModel, build_model, materialize
 from ..models.router import update_expert_bias
 from ..models.stats import count_parameters
+from ..ui import make_console
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsLogger, load_quantiles, plot_report
 
-console = Console(soft_wrap=True)
+console = make_console()
 
 
 class TrainingError(RuntimeError):

@@ -64,3 +64,13 @@ def test_cli_plan_json(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and out["feasible"][0]["fits"] and out["feasible"][0]["breakdown_GiB"]["weights"] > 0
+
+
+def test_2p8t_lora_runnable_plan_without_cp():
+    """The plan parallel/ can launch today (cp=1): FSDP over 128 ranks + EP64 fits 64 GiB at seq 2048, mb 1."""
+    from moeadapt import api
+
+    out = api.plan("hybrid-2.8t", 128, "64GiB", lora=True, seq_len=2048, micro_batch=1, top=50, quiet=True)
+    names = [r["plan"] if "plan" in r else r["name"] for r in out["feasible"]]
+    assert any("EP64" in n and "cp" not in n for n in names), names
+    assert api.plan("hybrid-2.8t", 128, "32GiB", lora=True, seq_len=2048, micro_batch=1, quiet=True)["n_feasible"] == 0
