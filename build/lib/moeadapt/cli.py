@@ -1,0 +1,163 @@
+"""`moeadapt <command>`: thin argument parsing over moeadapt.api (every command is callable from Python).
+
+User errors (bad config, missing file, corrupt checkpoint) print one message and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.table import Table
+
+from .ui import make_console
+
+console = make_console()
+
+
+def _kv(items: list[str]) -> dict:
+    """--set train.lr=1e-3 style overrides (values parsed as YAML scalars)."""
+    import yaml
+
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise ValueError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {it!r}")
+        k, v = it.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def _print_info(c: dict) -> None:
+    t = Table(title=f"{c['name']}: {c['layers']} layers ({c['kda_layers']} KDA + {c['dsa_layers']} gated DSA), "
+                    f"{c['moe_layers']} MoE layers, {c['experts']} experts (top-{c['experts_per_token']}, "
+                    f"{c['shared_experts']} shared), latent {c['latent_dim']}, context {c['context']:,}")
+    t.add_column("component")
+    t.add_column("parameters", justify="right")
+    t.add_column("share", justify="right")
+    for k, v in c["by_component"].items():
+        t.add_row(k, f"{v:,}", f"{100 * v / c['total']:.2f}%")
+    t.add_row("[bold]total", f"[bold]{c['total']:,}", f"{c['total'] / 1e9:,.2f}B")
+    t.add_row("[bold]active per token", f"[bold]{c['active_per_token']:,}", f"{c['active_per_token'] / 1e9:,.2f}B")
+    console.print(t)
+
+
+def _add_plan_parsers(sub) -> None:
+    s = sub.add_parser("plan", help="search EP / FSDP / CP / recompute / micro-batch plans that fit the GPUs")
+    s.add_argument("--model", required=True, help="a preset name or a model directory")
+    s.add_argument("--gpus", type=int, required=True)
+    s.add_argument("--gpu-mem", default="141GiB", help="usable memory per GPU, e.g. 141GiB, 80GB")
+    s.add_argument("--lora", action="store_true", help="LoRA fine-tune (frozen base) instead of full training")
+    s.add_argument("--lora-rank", type=int, default=16)
+    s.add_argument("--seq-len", type=int, default=None, help="fix the sequence length (default: search 2048 and 4096)")
+    s.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: search)")
+    s.add_argument("--top", type=int, default=5)
+    s.add_argument("--cp", default="1", help="context-parallel degrees to search, e.g. 1,2,4,8 (default 1: "
+                   "parallel/ does not run cp>1 yet)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("simulate-routing", help="per-rank token loads and all-to-all volume under EP")
+    s.add_argument("--experts", type=int, default=896)
+    s.add_argument("--top-k", type=int, default=16)
+    s.add_argument("--ep", type=int, default=64)
+    s.add_argument("--tokens", type=int, default=65536, help="tokens per step (all ranks)")
+    s.add_argument("--dist", default="zipf:1.0", help="uniform | zipf:S | a metrics.jsonl path (per-expert counts)")
+    s.add_argument("--layer", type=int, default=None, help="MoE layer to take from a metrics.jsonl")
+    s.add_argument("--latent", type=int, default=3584, help="values per token-choice on the wire")
+    s.add_argument("--bytes-per-value", type=int, default=2)
+    s.add_argument("--png", default=None, help="write a plot here")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--seed", type=int, default=0)
+
+
+def _run_plan_command(args) -> None:
+    from . import api
+
+    if args.cmd == "plan":
+        api.plan(args.model, args.gpus, args.gpu_mem, lora=args.lora, lora_rank=args.lora_rank, seq_len=args.seq_len,
+                 micro_batch=args.micro_batch, top=args.top, as_json=args.json,
+                 cps=tuple(int(c) for c in args.cp.split(",")))
+    else:
+        api.simulate_routing(args.experts, args.top_k, args.ep, args.tokens, args.dist, layer=args.layer,
+                             latent=args.latent, bytes_per_value=args.bytes_per_value, png=args.png,
+                             as_json=args.json, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moeadapt", description="Train and fine-tune hybrid KDA/DSA MoE models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, hlp in (("train", "train from a YAML config"), ("finetune", "train with LoRA on")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("config")
+        s.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+    s = sub.add_parser("eval", help="evaluate a model (+ adapter) on a JSONL dataset")
+    s.add_argument("--model", required=True)
+    s.add_argument("--adapter")
+    s.add_argument("--data", required=True)
+    s.add_argument("--seq-len", type=int, default=256)
+    s.add_argument("--batches", type=int, default=16)
+    s = sub.add_parser("generate", help="generate text from a model (+ adapter)")
+    s.add_argument("--model", required=True)
+    s.add_argument("--adapter")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s = sub.add_parser("export-adapter", help="write a LoRA run's adapter as a PEFT directory")
+    s.add_argument("run_dir")
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("merge-adapter", help="fold an adapter into the base weights")
+    s.add_argument("--model", required=True)
+    s.add_argument("--adapter", required=True)
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("info", help="parameter counts of a preset or model directory (meta device)")
+    s.add_argument("--model", required=True)
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("demo", help="the built-in default job (LoRA fine-tune of the tiny model)")
+    s.add_argument("--output-dir", default="runs/demo")
+    s.add_argument("--rebuild-base", action="store_true", help="pre-train the tiny base again first")
+    s = sub.add_parser("onboard", help="map a Hugging Face (or moeadapt) checkpoint directory onto our model")
+    s.add_argument("path")
+    s.add_argument("--validate", action="store_true", help="compare logits with transformers on a tiny random model")
+    s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
+    s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
+    _add_plan_parsers(sub)
+    args = p.parse_args(argv)
+
+    from . import api
+
+    try:
+        if args.cmd == "train":
+            api.train(args.config, _kv(args.set))
+        elif args.cmd == "finetune":
+            api.finetune(args.config, _kv(args.set))
+        elif args.cmd == "eval":
+            r = api.evaluate(args.model, args.data, args.adapter, seq_len=args.seq_len, max_batches=args.batches)
+            console.print(f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  ({r['rows']} rows)")
+        elif args.cmd == "generate":
+            print(api.generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.temperature, args.chat))
+        elif args.cmd == "export-adapter":
+            console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
+        elif args.cmd == "merge-adapter":
+            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out)}")
+        elif args.cmd == "info":
+            c = api.info(args.model)
+            print(json.dumps(c, indent=2)) if args.json else _print_info(c)
+        elif args.cmd == "demo":
+            api.demo(args.output_dir, args.rebuild_base)
+        elif args.cmd == "onboard":
+            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped)
+            if r.get("config_written"):
+                console.print(f"run config written to {r['config_written']}")
+        elif args.cmd in ("plan", "simulate-routing"):
+            _run_plan_command(args)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and type(e).__name__ not in ("TrainingError",):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

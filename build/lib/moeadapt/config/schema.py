@@ -1,0 +1,259 @@
+"""Pydantic schemas for everything a run is configured by.
+
+Owns: ModelSpec, LoRASpec, TrainSpec, DataSpec, ParallelSpec and RunConfig, and their validation.
+Every check lives here, where a bad value enters, and raises one sentence naming the field and the fix.
+Must not import torch or any other part of moeadapt (config is the root of the import graph).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo in a YAML file must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ModelSpec(_Strict):
+    """The architecture: a hybrid KDA / gated-DSA transformer with a (latent) MoE FFN.
+
+    Layer i is attention type `layer_types[i]`; by default every `dsa_every`-th layer is DSA
+    (3 KDA : 1 DSA for dsa_every=4). FFN is dense for the first `first_k_dense` layers, MoE after.
+    """
+
+    name: str = "custom"
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    layer_types: list[Literal["kda", "dsa", "gqa"]] | None = None
+    dsa_every: int = Field(default=4, ge=1)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    initializer_range: float = Field(default=0.02, gt=0)
+
+    # KDA (Kimi Delta Attention)
+    kda_n_heads: int = Field(default=4, gt=0)
+    kda_head_dim: int = Field(default=32, gt=0)
+    kda_conv_size: int = Field(default=4, ge=1)
+
+    # gated DSA = MLA projections + lightning indexer + sparse attention + sigmoid output gate
+    n_heads: int = Field(default=4, gt=0)
+    q_lora_rank: int | None = Field(default=64, gt=0)
+    kv_lora_rank: int = Field(default=64, gt=0)
+    qk_nope_head_dim: int = Field(default=32, gt=0)
+    qk_rope_head_dim: int = Field(default=16, gt=0)
+    v_head_dim: int = Field(default=32, gt=0)
+    index_n_heads: int = Field(default=4, gt=0)
+    index_head_dim: int = Field(default=32, gt=0)
+    index_topk: int = Field(default=2048, gt=0)
+    index_loss_coef: float = Field(default=0.0, ge=0)
+
+    attn_output_gate: bool = Field(default=True, description="sigmoid(x W_gate) head-wise output gate on DSA")
+
+    # plain grouped-query attention ("gqa" layers; query heads = n_heads), for onboarded families such as
+    # qwen3_moe: q/k/v/o projections, optional per-head RMSNorm on q and k, half-split RoPE on the head dim
+    gqa_n_kv_heads: int = Field(default=2, gt=0)
+    gqa_head_dim: int = Field(default=32, gt=0)
+    gqa_qk_norm: bool = True
+
+    # FFN / MoE
+    first_k_dense: int = Field(default=1, ge=0)
+    intermediate_size: int = Field(default=256, gt=0, description="dense FFN width")
+    n_routed_experts: int = Field(default=8, ge=0)
+    n_experts_per_tok: int = Field(default=2, ge=1)
+    n_shared_experts: int = Field(default=1, ge=0)
+    moe_intermediate_size: int = Field(default=64, gt=0)
+    shared_intermediate_size: int | None = Field(default=None, gt=0, description="per shared expert; None = moe_intermediate_size")
+    latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
+    latent_norm: bool = True
+    score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    n_group: int = Field(default=1, ge=1)
+    topk_group: int = Field(default=1, ge=1)
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = Field(default=0.0, ge=0, description="global-batch load-balance loss")
+    seq_aux_loss_coef: float = Field(default=0.0, ge=0, description="sequence-level load-balance loss")
+    z_loss_coef: float = Field(default=0.0, ge=0)
+    bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free balancing; 0 = off")
+    capacity_factor: float | None = Field(default=None, gt=0, description="None = dropless")
+    drop_policy: Literal["probs", "position", "reroute"] = "probs"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
+                "give one 'kda', 'dsa' or 'gqa' per layer, or drop layer_types to use dsa_every"
+            )
+        if self.layer_types is not None and "gqa" in self.layer_types:
+            if self.n_heads % self.gqa_n_kv_heads:
+                raise ValueError(f"gqa_n_kv_heads={self.gqa_n_kv_heads} does not divide n_heads={self.n_heads}; "
+                                 "choose a divisor of n_heads")
+            if self.gqa_head_dim % 2:
+                raise ValueError(f"gqa_head_dim={self.gqa_head_dim} must be even (RoPE rotates pairs)")
+        if self.first_k_dense > self.n_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
+        if self.first_k_dense < self.n_layers:
+            e, k = self.n_routed_experts, self.n_experts_per_tok
+            if e < 1:
+                raise ValueError("n_routed_experts must be >= 1 when any layer is MoE (first_k_dense < n_layers)")
+            if k > e:
+                raise ValueError(f"n_experts_per_tok={k} exceeds n_routed_experts={e}; lower n_experts_per_tok")
+            if e % self.n_group:
+                raise ValueError(
+                    f"n_group={self.n_group} does not divide n_routed_experts={e}; choose n_group in {_divisors(e)}"
+                )
+            if self.topk_group > self.n_group:
+                raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
+            if self.n_group > 1 and self.topk_group * (e // self.n_group) < k:
+                raise ValueError(
+                    f"topk_group={self.topk_group} groups of {e // self.n_group} experts cannot supply "
+                    f"n_experts_per_tok={k} experts; raise topk_group"
+                )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        if self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(
+                f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim} "
+                "(the indexer applies RoPE to its first rope-dim channels)"
+            )
+        return self
+
+    def resolved_layer_types(self) -> list[str]:
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return ["dsa" if (i + 1) % self.dsa_every == 0 else "kda" for i in range(self.n_layers)]
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense and self.n_routed_experts > 0
+
+
+DEFAULT_LORA_TARGETS = [
+    # attention projections (KDA and DSA)
+    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+    "attn.wq_b", "attn.wkv_a", "attn.wo",
+    # routed experts (grouped adapters) and the latent projections
+    "experts.w1", "experts.w2", "experts.w3",
+]
+
+
+class LoRASpec(_Strict):
+    """Low-rank adapters. `targets` are module-name suffixes (fnmatch patterns allowed)."""
+
+    rank: int = Field(default=16, gt=0)
+    alpha: float = Field(default=32.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    targets: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+
+    @field_validator("targets")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("targets is empty; list module-name patterns such as 'attn.q_proj' or 'experts.w1'")
+        return v
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class TrainSpec(_Strict):
+    steps: int = Field(default=200, gt=0)
+    lr: float = Field(default=1e-3, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int | None = Field(default=None, ge=0, description="None = 5% of steps")
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    micro_batch_size: int = Field(default=8, gt=0)
+    grad_accum_steps: int = Field(default=1, gt=0)
+    seq_len: int = Field(default=256, gt=1)
+    seed: int = 0
+    log_every: int = Field(default=10, gt=0)
+    eval_every: int | None = Field(default=None, gt=0)
+    eval_batches: int = Field(default=8, gt=0)
+    save_every: int | None = Field(default=None, gt=0)
+    output_dir: str = "runs/run"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    init_from: str | None = Field(default=None, description="a model directory (config.json + safetensors)")
+    resume: bool = Field(default=False, description="resume from output_dir/checkpoints/latest")
+    max_bad_steps: int = Field(default=5, gt=0, description="stop after this many NaN/Inf losses in a row")
+    tensorboard: bool = False
+    kernel_backend: Literal["auto", "reference", "triton"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSpec:
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", self.steps // 20)
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} exceeds steps={self.steps}; lower warmup_steps")
+        return self
+
+
+class DataSpec(_Strict):
+    """`train` / `eval` are JSONL paths, or `builtin:NAME` for data shipped with the package."""
+
+    train: str = "builtin:tinystories"
+    eval: str | None = None
+    format: Literal["auto", "text", "chat"] = "auto"
+    tokenizer: str = Field(default="auto", description="'auto' (tokenizer.json of train.init_from if present, "
+                           "else byte-level), 'byte', or a path holding tokenizer.json")
+    eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="held-out share when eval is unset")
+
+
+class ParallelSpec(_Strict):
+    dp_replicate: int = Field(default=1, ge=1)
+    dp_shard: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    reshard_after_forward: bool = True
+    a2a_chunks: int = Field(default=1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def validate_for(self, model: ModelSpec, world_size: int | None = None) -> None:
+        """Check the degrees against a model and (optionally) the launched world size."""
+        e = model.n_routed_experts
+        if e and e % self.ep:
+            ok = ", ".join(str(d) for d in _divisors(e) if (self.dp_shard * self.cp) % d == 0)
+            raise ValueError(f"ep={self.ep} does not divide n_routed_experts={e}; choose ep in {{{ok}}}")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp_shard*cp={self.dp_shard * self.cp}; experts are placed on the "
+                "sharding ranks, so ep must divide dp_shard*cp"
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != dp_replicate*dp_shard*cp = {self.dp_replicate}*{self.dp_shard}*{self.cp}"
+                f" = {self.world_size}; launch {self.world_size} processes or change the degrees"
+            )
+
+
+class RunConfig(_Strict):
+    """One YAML file = one RunConfig. `model` is a preset name, a model directory, or a ModelSpec mapping
+    (optionally `preset: NAME` plus overrides)."""
+
+    model: ModelSpec
+    lora: LoRASpec | None = None
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        self.parallel.validate_for(self.model)
+        return self

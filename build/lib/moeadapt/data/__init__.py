@@ -1,0 +1,1 @@
+"""moeadapt.data"""

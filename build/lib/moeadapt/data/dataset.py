@@ -1,0 +1,145 @@
+"""JSONL datasets, packing and a resumable sampler.
+
+Records are `{"text": "..."}` (loss on every token) or `{"messages": [{"role", "content"}, ...]}`
+(loss only on assistant turns). Documents are tokenised, joined with <eos> and packed into rows of
+seq_len + 1 tokens; row i gives input = row[:-1], labels = row[1:] with -100 where no loss is taken.
+`builtin:NAME` reads `moeadapt/data/builtin/NAME.jsonl`, which ships with the package.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+
+
+def resolve_path(path: str) -> Path:
+    if path.startswith("builtin:"):
+        p = BUILTIN_DIR / f"{path.removeprefix('builtin:')}.jsonl"
+        if not p.is_file():
+            names = sorted(q.stem for q in BUILTIN_DIR.glob("*.jsonl"))
+            raise FileNotFoundError(f"no built-in dataset {path!r}; available: {['builtin:' + n for n in names]}")
+        return p
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {p} does not exist")
+    return p
+
+
+def read_jsonl(path: str) -> list[dict]:
+    p = resolve_path(path)
+    out = []
+    with p.open() as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(rec, dict) or not ("text" in rec or "messages" in rec):
+                raise ValueError(f"{p}:{i}: each record needs a 'text' string or a 'messages' list")
+            out.append(rec)
+    if not out:
+        raise ValueError(f"{p} holds no records")
+    return out
+
+
+def encode_record(rec: dict, tok, fmt: str = "auto") -> tuple[list[int], list[bool]]:
+    """Token ids and a per-token loss flag (True = predict this token)."""
+    kind = fmt if fmt != "auto" else ("chat" if "messages" in rec else "text")
+    if kind == "text":
+        if "text" not in rec:
+            raise ValueError("data.format is 'text' but a record has no 'text' field")
+        ids = tok.encode(rec["text"]) + [tok.eos_id]
+        return ids, [True] * len(ids)
+    if "messages" not in rec:
+        raise ValueError("data.format is 'chat' but a record has no 'messages' field")
+    ids, mask = [], []
+    for m in rec["messages"]:
+        body = tok.encode(m["content"]) + [tok.end_id]
+        ids += [tok.role_id(m["role"])] + body
+        learn = m["role"] == "assistant"
+        mask += [False] + [learn] * len(body)
+    ids.append(tok.eos_id)
+    mask.append(False)
+    return ids, mask
+
+
+def pack(records: list[dict], tok, seq_len: int, fmt: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """-> inputs [N, seq_len], labels [N, seq_len] (int64; labels -100 where no loss)."""
+    ids, mask = [], []
+    for rec in records:
+        i, m = encode_record(rec, tok, fmt)
+        ids += i
+        mask += m
+    n = (len(ids) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"the data holds {len(ids)} tokens, fewer than one row of seq_len={seq_len}; "
+                         "add data or lower train.seq_len")
+    ids_t = torch.tensor(ids[: n * seq_len + 1], dtype=torch.long)
+    mask_t = torch.tensor(mask[: n * seq_len + 1], dtype=torch.bool)
+    inputs = ids_t[:-1].view(n, seq_len)
+    labels = ids_t[1:].clone()
+    labels[~mask_t[1:]] = -100
+    return inputs, labels.view(n, seq_len)
+
+
+@dataclass
+class PackedDataset:
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+
+class Sampler:
+    """Deterministic shuffled batches over epochs; `state()` / `load_state()` resume exactly."""
+
+    def __init__(self, ds: PackedDataset, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        if len(ds) < batch_size * world:
+            raise ValueError(f"the dataset packs into {len(ds)} rows, fewer than micro_batch_size x ranks = "
+                             f"{batch_size * world}; lower train.micro_batch_size or train.seq_len")
+        self.ds, self.bs, self.seed, self.rank, self.world = ds, batch_size, seed, rank, world
+        self.epoch, self.pos = 0, 0
+        self._perm = self._make_perm()
+
+    def _make_perm(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+        return torch.randperm(len(self.ds), generator=g)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.bs * self.world
+        if self.pos + step > len(self.ds):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._perm = self._make_perm()
+        idx = self._perm[self.pos + self.rank * self.bs: self.pos + (self.rank + 1) * self.bs]
+        self.pos += step
+        return self.ds.inputs[idx], self.ds.labels[idx]
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed}
+
+    def load_state(self, s: dict) -> None:
+        self.epoch, self.pos = int(s["epoch"]), int(s["pos"])
+        self._perm = self._make_perm()
+
+
+def build_datasets(data_spec, tok, seq_len: int, seed: int) -> tuple[PackedDataset, PackedDataset]:
+    """Train and eval sets; without `data.eval`, the last `eval_fraction` of records are held out."""
+    recs = read_jsonl(data_spec.train)
+    if data_spec.eval:
+        ev = read_jsonl(data_spec.eval)
+    else:
+        n_ev = max(1, int(len(recs) * data_spec.eval_fraction))
+        if n_ev >= len(recs):
+            raise ValueError(f"{data_spec.train} has too few records ({len(recs)}) to hold out an eval split; "
+                             "set data.eval")
+        recs, ev = recs[:-n_ev], recs[-n_ev:]
+    return (PackedDataset(*pack(recs, tok, seq_len, data_spec.format)),
+            PackedDataset(*pack(ev, tok, seq_len, data_spec.format)))

@@ -1,0 +1,83 @@
+"""Inject LoRA adapters into a built model, merge them back, and list the trainable parameters.
+
+Owns: which modules get adapters (LoRASpec.targets: module-name suffixes or fnmatch patterns) and the
+freezing of everything else. Must not touch the optimizer or checkpoints.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from ..config import LoRASpec
+from ..models.moe import GroupedLinear
+from .layers import GroupedLoRALinear, LoRALinear
+
+LORA_TYPES = (LoRALinear, GroupedLoRALinear)
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    for p in patterns:
+        if any(ch in p for ch in "*?["):
+            if fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name, "*." + p):
+                return True
+        elif name == p or name.endswith("." + p):
+            return True
+    return False
+
+
+def inject_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """Wrap every nn.Linear / GroupedLinear whose name matches a target; freeze all base parameters.
+    Returns the wrapped module names. Raises if no module matches."""
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, (nn.Linear, GroupedLinear)) and not isinstance(m, LORA_TYPES)
+               and _matches(n, spec.targets)]
+    if not targets:
+        examples = sorted({n.split(".", 2)[-1] for n, m in model.named_modules()
+                           if isinstance(m, (nn.Linear, GroupedLinear))})[:12]
+        raise ValueError(f"LoRA targets {spec.targets} matched no module; names look like {examples}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        cls = GroupedLoRALinear if isinstance(mod, GroupedLinear) else LoRALinear
+        setattr(parent, child, cls(mod, spec.rank, spec.alpha, spec.dropout))
+    return [n for n, _ in targets]
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LORA_TYPES)}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors only, keyed `<module>.lora_A` / `<module>.lora_B` (our names)."""
+    out = {}
+    for n, m in lora_modules(model).items():
+        if isinstance(m, LoRALinear):
+            out[f"{n}.lora_A"], out[f"{n}.lora_B"] = m.lora_A.weight, m.lora_B.weight
+        else:
+            out[f"{n}.lora_A"], out[f"{n}.lora_B"] = m.lora_A, m.lora_B
+    return out
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base weight and put back the plain layer. Returns how many merged."""
+    mods = lora_modules(model)
+    for name, m in mods.items():
+        m.weight.add_(m.delta_weight().to(m.weight.dtype))
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(m, LoRALinear):
+            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            plain.weight, plain.bias = m.weight, m.bias
+        else:
+            plain = GroupedLinear.__new__(GroupedLinear)
+            nn.Module.__init__(plain)
+            plain.n_experts, plain.in_features, plain.out_features = m.n_experts, m.in_features, m.out_features
+            plain.weight, plain.backend = m.weight, m.backend
+        setattr(parent, child, plain)
+    return len(mods)

@@ -1,0 +1,96 @@
+"""PEFT-format adapter directories: adapter_config.json + adapter_model.safetensors.
+
+Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`, with <module> the name the module
+has in the base checkpoint (ours: `layers.3.ffn.experts.w1`). Dense adapters use PEFT's layout
+(lora_A [r, in], lora_B [out, r]). Grouped expert adapters are stored per expert in the same layout, stacked
+on a leading expert axis (lora_A [E, r, in], lora_B [E, out, r]); `adapter_config.json` lists them under
+`moeadapt.grouped_modules`. Written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import LoRASpec
+from ..io import atomic_dir, load_tensors, save_tensors
+from .inject import inject_lora, lora_modules
+from .layers import LoRALinear
+
+PREFIX = "base_model.model."
+
+
+def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: str = "",
+                name_map: dict[str, str] | None = None) -> Path:
+    """`name_map` maps our module names to the original checkpoint's (identity for our own format)."""
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("the model has no LoRA adapters to export; run a fine-tune with a `lora:` section")
+    name_map = name_map or {}
+    tensors, grouped, targets = {}, [], set()
+    for n, m in mods.items():
+        out = name_map.get(n, n)
+        targets.add(out.rsplit(".", 1)[-1])
+        if isinstance(m, LoRALinear):
+            a, b = m.lora_A.weight, m.lora_B.weight
+        else:
+            a, b = m.lora_A.transpose(1, 2), m.lora_B.transpose(1, 2)
+            grouped.append(out)
+        tensors[f"{PREFIX}{out}.lora_A.weight"] = a.float()
+        tensors[f"{PREFIX}{out}.lora_B.weight"] = b.float()
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+        "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
+        "moeadapt": {"targets": lora.targets, "grouped_modules": sorted(grouped)},
+    }
+    with atomic_dir(path) as tmp:
+        save_tensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(path)
+
+
+def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
+    path = Path(path)
+    f = path / "adapter_config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
+    cfg = json.loads(f.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
+    targets = cfg.get("moeadapt", {}).get("targets") or cfg["target_modules"]
+    return LoRASpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                    targets=targets), cfg
+
+
+@torch.no_grad()
+def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | None = None) -> LoRASpec:
+    """Inject adapters as the directory describes (unless present) and load their weights strictly."""
+    spec, _ = read_adapter_config(path)
+    if not lora_modules(model):
+        inject_lora(model, spec)
+    tensors = load_tensors(Path(path) / "adapter_model.safetensors")
+    name_map = name_map or {}
+    expected = {}
+    for n, m in lora_modules(model).items():
+        out = name_map.get(n, n)
+        expected[f"{PREFIX}{out}.lora_A.weight"] = (m, "A")
+        expected[f"{PREFIX}{out}.lora_B.weight"] = (m, "B")
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"adapter {path} does not fit this model: missing {missing[:6]}, unexpected {extra[:6]}")
+    for key, (m, which) in expected.items():
+        t = tensors[key]
+        if isinstance(m, LoRALinear):
+            dst = m.lora_A.weight if which == "A" else m.lora_B.weight
+        else:
+            dst = m.lora_A if which == "A" else m.lora_B
+            t = t.transpose(1, 2)
+        if dst.shape != t.shape:
+            raise ValueError(f"adapter tensor {key} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
+        dst.copy_(t)
+    return spec

@@ -1,0 +1,92 @@
+"""DSAAttention: gated DeepSeek Sparse Attention (as in DeepSeek-V3.2, plus a sigmoid output gate).
+
+MLA projections (q through a q_lora_rank latent, a shared kv latent of kv_lora_rank + a RoPE part);
+the lightning indexer (queries from the q latent, one LayerNorm'd key per token, RoPE on the first
+rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query; attention runs
+in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
+only; then o <- o * sigmoid(x W_gate) per head and the output projection.
+The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelSpec
+from ..ops.dsa import indexer_kl_loss, lightning_indexer, sparse_attention
+from .common import RMSNorm, apply_rope
+
+
+class DSAAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d = spec.hidden_size
+        self.spec = spec
+        H, nope, rope, vd = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.n_heads, self.nope, self.rope, self.vd, self.kvl = H, nope, rope, vd, spec.kv_lora_rank
+        q_in = spec.q_lora_rank or d
+        if spec.q_lora_rank:
+            self.wq_a = nn.Linear(d, spec.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(spec.q_lora_rank, eps=spec.norm_eps)
+            self.wq_b = nn.Linear(spec.q_lora_rank, H * (nope + rope), bias=False)
+        else:
+            self.wq = nn.Linear(d, H * (nope + rope), bias=False)
+        self.wkv_a = nn.Linear(d, spec.kv_lora_rank + rope, bias=False)
+        self.kv_norm = RMSNorm(spec.kv_lora_rank, eps=spec.norm_eps)
+        self.wkv_b = nn.Linear(spec.kv_lora_rank, H * (nope + vd), bias=False)
+        self.wo = nn.Linear(H * vd, d, bias=False)
+        self.w_gate = nn.Linear(d, H, bias=False) if spec.attn_output_gate else None
+        # lightning indexer
+        HI, DI = spec.index_n_heads, spec.index_head_dim
+        self.HI, self.DI = HI, DI
+        self.wq_idx = nn.Linear(q_in, HI * DI, bias=False)
+        self.wk_idx = nn.Linear(d, DI, bias=False)
+        self.k_idx_norm = nn.LayerNorm(DI)
+        self.w_idx = nn.Linear(d, HI, bias=False)
+        self.softmax_scale = (nope + rope) ** -0.5
+        self.backend = "auto"
+
+    def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.spec.q_lora_rank:
+            q_lat = self.q_norm(self.wq_a(x_BTD))
+            return self.wq_b(q_lat), q_lat
+        return self.wq(x_BTD), x_BTD
+
+    def indexer(self, x_BTD, q_lat, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x_BTD.shape
+        r = self.rope
+        q_idx = self.wq_idx(q_lat).view(B, T, self.HI, self.DI)
+        q_idx = torch.cat([apply_rope(q_idx[..., :r], cos, sin), q_idx[..., r:]], dim=-1)
+        k_idx = self.k_idx_norm(self.wk_idx(x_BTD)).to(q_idx.dtype)  # LayerNorm runs in fp32 under autocast
+        k_idx = torch.cat([apply_rope(k_idx[..., :r], cos, sin), k_idx[..., r:]], dim=-1)
+        w_idx = (self.w_idx(x_BTD) * (self.HI ** -0.5 * self.DI ** -0.5)).to(q_idx.dtype)
+        return q_idx, k_idx, w_idx
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+        B, T, _ = x_BTD.shape
+        H, nope, r, kvl = self.n_heads, self.nope, self.rope, self.kvl
+        q, q_lat = self._queries(x_BTD)
+        q = q.view(B, T, H, nope + r)
+        q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
+        kv = self.wkv_a(x_BTD)
+        kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), apply_rope(kv[..., kvl:], cos, sin)
+        # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
+        wkv_b = self.wkv_b.weight.view(H, nope + self.vd, kvl)
+        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
+        q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
+        k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
+        v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
+
+        q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
+        with torch.no_grad():
+            indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
+        o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale, backend=self.backend)
+        o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
+        if self.w_gate is not None:
+            o = o * torch.sigmoid(self.w_gate(x_BTD)).unsqueeze(-1).to(o.dtype)
+        aux = {}
+        if self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled():
+            aux["index_kl"] = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
+                                              scale=self.softmax_scale, backend=self.backend)
+        return self.wo(o.reshape(B, T, H * self.vd)), aux

@@ -1,0 +1,47 @@
+"""GQAAttention: plain causal grouped-query softmax attention ("gqa" layers), for onboarded families that use
+it (qwen3_moe). Not part of the hybrid KDA/DSA design; it exists so such checkpoints map faithfully.
+
+q/k/v projections (n_heads query heads, gqa_n_kv_heads shared key/value heads of gqa_head_dim), optional
+per-head RMSNorm on q and k (Qwen3's qk-norm), half-split RoPE over the whole head dim (its own tables:
+the model's cos/sin are sized for the MLA rope dim), causal SDPA, output projection. Owns only its own
+parameters. Backend: torch SDPA on every device (flash / memory-efficient kernels on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelSpec
+from .common import RMSNorm, apply_rope, rope_cos_sin
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d, H, HK, Dh = spec.hidden_size, spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.theta = H, HK, Dh, spec.rope_theta
+        self.q_proj = nn.Linear(d, H * Dh, bias=False)
+        self.k_proj = nn.Linear(d, HK * Dh, bias=False)
+        self.v_proj = nn.Linear(d, HK * Dh, bias=False)
+        self.o_proj = nn.Linear(H * Dh, d, bias=False)
+        self.q_norm = RMSNorm(Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
+        self.k_norm = RMSNorm(Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
+        self.backend = "auto"  # SDPA picks its kernel; kept so set_backend() treats every layer alike
+
+    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+        B, T, _ = x_BTD.shape
+        H, HK, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q_BTHK = self.q_proj(x_BTD).view(B, T, H, Dh)
+        k_BTHK = self.k_proj(x_BTD).view(B, T, HK, Dh)
+        v_BTHK = self.v_proj(x_BTD).view(B, T, HK, Dh)
+        if self.q_norm is not None:
+            q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
+        cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), Dh, self.theta)
+        q_BTHK, k_BTHK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTHK, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHK))
+        if HK != H:
+            k, v = k.repeat_interleave(H // HK, dim=1), v.repeat_interleave(H // HK, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * Dh)), {}

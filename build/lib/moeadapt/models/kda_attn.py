@@ -1,0 +1,61 @@
+"""KDAAttention: the Kimi Delta Attention layer (as in Kimi Linear) around `moeadapt.ops.kda.chunk_kda`.
+
+q, k, v projections -> causal depthwise conv (k=4) + SiLU -> L2-normalised q, k (inside the op);
+beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
+g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection);
+output: per-head RMSNorm gated by sigmoid(x W_g_a W_g_b), then o_proj. Owns only its own parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelSpec
+from ..ops.kda import chunk_kda
+from .common import CausalConv1d, RMSNorm
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d, H, K = spec.hidden_size, spec.kda_n_heads, spec.kda_head_dim
+        self.n_heads, self.head_dim = H, K
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * K, bias=False)
+        self.q_conv = CausalConv1d(H * K, spec.kda_conv_size)
+        self.k_conv = CausalConv1d(H * K, spec.kda_conv_size)
+        self.v_conv = CausalConv1d(H * K, spec.kda_conv_size)
+        self.f_a = nn.Linear(d, K, bias=False)  # gate, low rank = head dim
+        self.f_b = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.g_a = nn.Linear(d, K, bias=False)  # output gate, low rank
+        self.g_b = nn.Linear(K, H * K, bias=False)
+        self.o_norm = RMSNorm(K, eps=spec.norm_eps)
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+        self.backend = "auto"
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+        B, T, _ = x_BTD.shape
+        H, K = self.n_heads, self.head_dim
+        q = self.q_conv(self.q_proj(x_BTD)).view(B, T, H, K)
+        k = self.k_conv(self.k_proj(x_BTD)).view(B, T, H, K)
+        v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
+        g_raw = self.f_b(self.f_a(x_BTD)).view(B, T, H, K)
+        beta_logits = self.b_proj(x_BTD).float()
+        o, _ = chunk_kda(q, k, v, g_raw, beta_logits, backend=self.backend, use_qk_l2norm=True,
+                         A_log=self.A_log, dt_bias=self.dt_bias, beta_is_logits=True)
+        gate = torch.sigmoid(self.g_b(self.g_a(x_BTD))).view(B, T, H, K)
+        o = self.o_norm(o.to(x_BTD.dtype)) * gate
+        return self.o_proj(o.reshape(B, T, H * K)), {}

@@ -1,0 +1,139 @@
+"""HybridMoEModel: embeddings -> N blocks -> RMSNorm -> LM head (DESIGN.md §3).
+
+Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types
+(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py),
+ffn is a dense SwiGLU for the first `first_k_dense` layers and LatentMoE after.
+Buildable on the meta device (`build_model(spec, device="meta")`) and materialised later with
+`materialize(model, device)`. Never imports parallel/: parallelism is applied to a built model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelSpec
+from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
+from .dsa_attn import DSAAttention
+from .gqa_attn import GQAAttention
+from .kda_attn import KDAAttention
+from .moe import GroupedLinear, LatentMoE
+from .router import Router
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_type = spec.resolved_layer_types()[layer_id]
+        self.attn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.attn = {"kda": KDAAttention, "dsa": DSAAttention, "gqa": GQAAttention}[self.attn_type](spec)
+        self.ffn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.is_moe = spec.is_moe_layer(layer_id)
+        self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        a, attn_aux = self.attn(self.attn_norm(x), cos=cos, sin=sin)
+        x = x + a
+        info: dict = {"aux": dict(attn_aux)}
+        if self.is_moe:
+            f, moe_info = self.ffn(self.ffn_norm(x))
+            info["aux"].update(moe_info["aux"])
+            info["moe"] = moe_info["moe"]
+        else:
+            f = self.ffn(self.ffn_norm(x))
+        return x + f, info
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None  # language-model loss (mean over target tokens)
+    aux_loss: torch.Tensor | None = None  # sum of all weighted aux losses
+    aux: dict[str, float] = field(default_factory=dict)  # each aux loss summed over layers (for logging)
+    moe: list[dict] = field(default_factory=list)  # per MoE layer: counts [E], drop_rate
+
+
+class HybridMoEModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def set_backend(self, backend: str) -> None:
+        """Kernel backend for every op ("auto", "reference", "triton")."""
+        for m in self.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.spec.initializer_range
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                s = std / (2 * self.spec.n_layers) ** 0.5 if name.endswith(("o_proj", "wo", "w2")) else std
+                nn.init.normal_(m.weight, std=s)
+            elif isinstance(m, GroupedLinear):
+                nn.init.normal_(m.weight, std=std / (2 * self.spec.n_layers) ** 0.5 if name.endswith("w2") else std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
+            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, Router)):
+                m.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                return_logits: bool = True) -> ModelOutput:
+        """input_ids [B, T]; labels [B, T] with -100 where no loss is taken (already shifted: label[t] is
+        the target for position t)."""
+        B, T = input_ids.shape
+        if T > self.spec.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
+                             f"{self.spec.max_position_embeddings}; shorten train.seq_len")
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(torch.arange(T, device=input_ids.device), self.spec.qk_rope_head_dim,
+                                self.spec.rope_theta)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        aux_log: dict[str, float] = {}
+        moe_stats: list[dict] = []
+        for layer in self.layers:
+            x, info = layer(x, cos, sin)
+            for k, v in info["aux"].items():
+                aux_total = aux_total + v.float()
+                aux_log[k] = aux_log.get(k, 0.0) + float(v.detach())
+            if "moe" in info:
+                moe_stats.append({"layer": layer.layer_id, **info["moe"]})
+        h = self.norm(x)
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridMoEModel:
+    with torch.device(device):
+        return HybridMoEModel(spec)
+
+
+def materialize(model: HybridMoEModel, device: str | torch.device = "cpu", seed: int | None = 0,
+                dtype: torch.dtype = torch.float32) -> HybridMoEModel:
+    """Allocate a meta-built model on `device` and initialise it."""
+    model.to_empty(device=device)
+    model.to(dtype)
+    for m in model.modules():  # buffers are not parameters: re-create them
+        if isinstance(m, Router):
+            m.expert_bias = torch.zeros_like(m.expert_bias, dtype=torch.float32)
+            m.tokens_per_expert = torch.zeros_like(m.tokens_per_expert, dtype=torch.float32)
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,89 @@
+"""LatentMoE: router on the full hidden state, routed SwiGLU experts in a latent width, shared expert.
+
+y = W_up * sum_i p_i E_i(norm(W_down h)) + shared(h)   (latent_dim = None: a plain DeepSeek-style MoE)
+
+Owns: the expert weights (3-D, `[E, out, in]`, computed by one grouped GEMM over all experts through
+`moeadapt.ops.moe`), the latent projections and the shared expert. Routing governance lives in router.py.
+Expert parallelism is applied to this module from outside (parallel/) by swapping `dispatcher`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelSpec
+from ..ops.moe import grouped_mm, offsets_from_counts, permute, unpermute
+from .common import RMSNorm, SwiGLU
+from .router import Router
+
+
+class GroupedLinear(nn.Module):
+    """E linear maps `[E, out, in]` applied to expert-sorted rows: y[rows of e] = x[rows of e] @ W_e^T."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+        self.backend = "auto"
+
+    def forward(self, x_NI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_NI, self.weight.transpose(1, 2).to(x_NI.dtype), offsets_E, backend=self.backend)
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts: w2(silu(w1 x) * w3 x) per expert, over expert-sorted rows."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = GroupedLinear(n_experts, dim, hidden)
+        self.w3 = GroupedLinear(n_experts, dim, hidden)
+        self.w2 = GroupedLinear(n_experts, hidden, dim)
+
+    def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_NL, offsets_E)) * self.w3(x_NL, offsets_E), offsets_E)
+
+
+class LocalDispatcher:
+    """Single-rank dispatch: permute -> grouped experts -> unpermute. parallel/ swaps in an EP version."""
+
+    def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
+        z_NL, row_index_N, counts_E = permute(z_TL, ids_TK, n_experts, backend=backend)
+        y_NL = experts(z_NL, offsets_from_counts(counts_E))
+        return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        d, L = spec.hidden_size, spec.latent_dim or spec.hidden_size
+        self.latent = spec.latent_dim is not None
+        self.router = Router(spec)
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(d, L, bias=False)
+            self.latent_norm = RMSNorm(L, eps=spec.norm_eps) if spec.latent_norm else None
+            self.fc2_latent_proj = nn.Linear(L, d, bias=False)
+        self.experts = GroupedExperts(spec.n_routed_experts, L, spec.moe_intermediate_size)
+        n_sh = spec.n_shared_experts
+        self.shared = SwiGLU(d, n_sh * (spec.shared_intermediate_size or spec.moe_intermediate_size)) if n_sh else None
+        self.dispatcher = LocalDispatcher()
+        self.backend = "auto"
+
+    def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        B, T, D = h_BTD.shape
+        x_TD = h_BTD.reshape(B * T, D)
+        r = self.router(x_TD, batch_size=B)
+        z_TL = x_TD
+        if self.latent:
+            z_TL = self.fc1_latent_proj(x_TD)
+            if self.latent_norm is not None:
+                z_TL = self.latent_norm(z_TL)
+        y_TL = self.dispatcher(self.experts, z_TL, r.expert_ids_TK, r.weights_TK, self.spec.n_routed_experts,
+                               backend=self.backend)
+        out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
+        stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
+        return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}

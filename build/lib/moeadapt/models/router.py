@@ -1,0 +1,188 @@
+"""Router and routing governance for the MoE layers.
+
+Owns: fp32 scores (sigmoid or softmax), group-limited top-k, the selection-only bias for aux-loss-free
+balancing (`expert_bias`, a buffer: it changes *which* experts are chosen, never the gate values), the
+aux losses (global-batch, sequence-level, z-loss; each with its own coefficient, 0 = off), capacity and
+drop policies, and per-step token counts (the `tokens_per_expert` buffer, summed over micro-batches
+until `update_expert_bias` consumes it after the optimizer step).
+
+Capacity (capacity_factor = None means dropless): each expert takes at most
+ceil(capacity_factor * T * K / E) token-choices per micro-batch. Over-capacity choices are
+  "probs":    dropped by lowest gate score first (the expert keeps its highest-scoring tokens),
+  "position": dropped latest first (the expert keeps the earliest tokens),
+  "reroute":  sent to the token's next-best expert that still has room (by selection score, never an
+              expert the token already uses); if none has room after a few rounds, dropped.
+A dropped choice contributes zero to the output and its weight is NOT renormalised onto the token's
+other choices: the token simply gets less expert output (the residual stream carries it through).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelSpec
+
+
+@dataclass
+class RouterOutput:
+    expert_ids_TK: torch.Tensor  # int64, -1 = dropped by capacity
+    weights_TK: torch.Tensor  # fp32 gate values (0 where dropped)
+    counts_E: torch.Tensor  # tokens routed per expert (after capacity / rerouting)
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted aux losses (each already x coef)
+    drop_rate: float | torch.Tensor = 0.0
+
+
+class Router(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        E = spec.n_routed_experts
+        self.n_experts, self.top_k = E, spec.n_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(E, spec.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # parallel/ may set this to an all-reduce over the data-parallel ranks, which makes `aux_loss` a
+        # true global-batch loss (f_e from every rank's tokens); the model never talks to other ranks itself.
+        self.global_counts_reduce = None
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.spec.initializer_range)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    # -- selection ---------------------------------------------------------------------------------
+    def _select_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        sel = scores_TE + self.expert_bias
+        G, tg = self.spec.n_group, self.spec.topk_group
+        if G > 1:
+            T, E = sel.shape
+            grouped = sel.view(T, G, E // G)
+            group_score = grouped.topk(min(2, E // G), dim=-1).values.sum(-1) if self.spec.score_func == "sigmoid" \
+                else grouped.max(-1).values
+            keep_TG = torch.zeros_like(group_score, dtype=torch.bool)
+            keep_TG.scatter_(1, group_score.topk(tg, dim=-1).indices, True)
+            sel = sel.masked_fill(~keep_TG.repeat_interleave(E // G, dim=1), float("-inf"))
+        return sel
+
+    def forward(self, x_TD: torch.Tensor, batch_size: int = 1) -> RouterOutput:
+        spec, E, K = self.spec, self.n_experts, self.top_k
+        T = x_TD.shape[0]
+        acc = torch.float64 if x_TD.dtype == torch.float64 else torch.float32  # fp32 at least
+        logits_TE = F.linear(x_TD.to(acc), self.weight.to(acc))
+        scores_TE = logits_TE.sigmoid() if spec.score_func == "sigmoid" else logits_TE.softmax(-1)
+        with torch.no_grad():
+            sel_TE = self._select_scores(scores_TE)
+            ids_TK = sel_TE.topk(K, dim=-1).indices
+        w_TK = scores_TE.gather(1, ids_TK)
+        if spec.norm_topk_prob and K > 1:
+            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+        w_TK = w_TK * spec.routed_scaling_factor
+
+        aux: dict[str, torch.Tensor] = {}
+        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if spec.score_func == "sigmoid" else scores_TE
+        if spec.aux_loss_coef > 0:  # global-batch: E * sum_e f_e * P_e, f from all ranks' tokens when reduced
+            with torch.no_grad():
+                c_E = torch.bincount(ids_TK.flatten(), minlength=E).to(acc)
+                n = torch.tensor([float(T * K)], dtype=acc, device=c_E.device)
+                if self.global_counts_reduce is not None:
+                    self.global_counts_reduce(c_E)
+                    self.global_counts_reduce(n)
+                f_E = c_E / n
+            aux["aux_loss"] = spec.aux_loss_coef * E * (f_E * probs_TE.mean(0)).sum()
+        if spec.seq_aux_loss_coef > 0:  # the same per sequence, averaged over sequences
+            S = T // batch_size
+            one_hot = torch.zeros(batch_size, S, E, device=x_TD.device, dtype=acc)
+            one_hot.scatter_(2, ids_TK.view(batch_size, S, K), 1.0)
+            f_BE = one_hot.sum(1) / (S * K)
+            aux["seq_aux_loss"] = spec.seq_aux_loss_coef * E * (f_BE * probs_TE.view(batch_size, S, E).mean(1)).sum(-1).mean()
+        if spec.z_loss_coef > 0:
+            aux["z_loss"] = spec.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
+
+        drop_rate: float | torch.Tensor = 0.0
+        if spec.capacity_factor is not None:
+            ids_TK, w_TK = self._apply_capacity(ids_TK, w_TK, sel_TE, T)
+            drop_rate = (ids_TK < 0).float().mean()
+        valid = ids_TK >= 0
+        counts_E = torch.bincount(ids_TK[valid], minlength=E)
+        if self.training:
+            self.tokens_per_expert += counts_E.float()
+        return RouterOutput(ids_TK, w_TK, counts_E, aux, drop_rate)
+
+    # -- capacity --------------------------------------------------------------------------------------
+    def capacity(self, T: int) -> int:
+        return max(1, math.ceil(self.spec.capacity_factor * T * self.top_k / self.n_experts))
+
+    @torch.no_grad()
+    def _keep_mask(self, ids_TK: torch.Tensor, priority_TK: torch.Tensor, room_E: torch.Tensor) -> torch.Tensor:
+        """Among the valid choices, keep per expert the `room_E[e]` ones of highest priority."""
+        E = self.n_experts
+        flat_ids, flat_pri = ids_TK.flatten(), priority_TK.flatten()
+        valid = flat_ids >= 0
+        # sort by (expert, -priority); rank within expert = position - first position of that expert
+        key = torch.where(valid, flat_ids, E).double() * 4.0 - flat_pri.double().clamp(-1, 1) * 1.0
+        order = torch.argsort(key, stable=True)
+        sorted_ids = torch.where(valid, flat_ids, E)[order]
+        counts = torch.bincount(sorted_ids, minlength=E + 1)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=ids_TK.device) - starts[sorted_ids]
+        room = torch.cat([room_E, room_E.new_zeros(1)])
+        keep_sorted = rank < room[sorted_ids]
+        keep = torch.empty_like(keep_sorted)
+        keep[order] = keep_sorted
+        return (keep & valid).view_as(ids_TK)
+
+    def _priority(self, w_TK: torch.Tensor, T: int) -> torch.Tensor:
+        """In [-1, 1], higher = kept first."""
+        if self.spec.drop_policy == "position":
+            pos = torch.arange(T, device=w_TK.device, dtype=torch.float64)[:, None].expand_as(w_TK)
+            return 1.0 - 2.0 * pos / max(T, 1)
+        return w_TK.detach().double() / (w_TK.detach().abs().max().double() + 1e-30)
+
+    def _apply_capacity(self, ids_TK, w_TK, sel_TE, T):
+        E, cap = self.n_experts, self.capacity(T)
+        room_E = torch.full((E,), cap, device=ids_TK.device, dtype=torch.long)
+        keep = self._keep_mask(ids_TK, self._priority(w_TK, T), room_E)
+        if self.spec.drop_policy == "reroute":
+            pri = self._priority(w_TK, T)
+            tried_TE = torch.zeros_like(sel_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
+            for _ in range(4):  # each round moves at most one dropped choice per token
+                dropped = ~keep
+                room_E = cap - torch.bincount(ids_TK[keep], minlength=E)
+                cand_TE = sel_TE.masked_fill(tried_TE | (room_E <= 0)[None, :], float("-inf"))
+                has_T = torch.isfinite(cand_TE.max(-1).values)
+                first = dropped & (torch.cumsum(dropped.long(), dim=1) == 1) & has_T[:, None]
+                if not first.any():
+                    break
+                best_T = cand_TE.argmax(-1)
+                cand_ids = torch.where(first, best_T[:, None].expand_as(ids_TK), -1)
+                got = self._keep_mask(cand_ids, pri, room_E.clamp(min=0))
+                movers = first.any(1)
+                tried_TE[movers, best_T[movers]] = True
+                ids_TK = torch.where(got, cand_ids, ids_TK)  # a rerouted choice keeps its gate value
+                keep = keep | got
+        ids_TK = torch.where(keep, ids_TK, -1)
+        w_TK = torch.where(keep, w_TK, torch.zeros_like(w_TK))
+        return ids_TK, w_TK
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, counts_reduce=None) -> None:
+    """Aux-loss-free balancing, after each optimizer step: bias += rate * sign(mean - count), re-centred.
+
+    `counts_reduce(t)` may all-reduce the per-expert counts across ranks (parallel/ passes one);
+    the model itself never talks to other ranks."""
+    for m in model.modules():
+        if isinstance(m, Router):
+            c = m.tokens_per_expert
+            if counts_reduce is not None:
+                counts_reduce(c)
+            rate = m.spec.bias_update_rate
+            if rate > 0 and c.sum() > 0:
+                m.expert_bias += rate * torch.sign(c.mean() - c)
+                m.expert_bias -= m.expert_bias.mean()
+            c.zero_()

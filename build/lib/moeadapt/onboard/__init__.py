@@ -1,0 +1,119 @@
+"""Onboarding (DESIGN.md §7): read a checkpoint's config.json + safetensors, map it onto our model.
+
+`onboard(path)` recognises the family (families.py), maps every tensor name both ways (names.py), checks names
+and shapes from the safetensors headers (loader.py), prints the operator mapping (opmap.py) and optionally
+validates logits against transformers on a tiny random model of the same architecture (validate.py).
+`onboard_model(path)` / `StreamingLoader` load the weights shard by shard (only a rank's experts under EP).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..ui import make_console
+from .families import Family, OnboardError, family_names, read_family
+from .loader import StreamingLoader, checkpoint_index, dequant_fp8, load_into_model
+from .names import Rule, build_rules, reverse_module_map
+from .opmap import op_mapping, print_op_mapping
+
+__all__ = [
+    "Family", "OnboardError", "Rule", "StreamingLoader", "build_rules", "checkpoint_index", "dequant_fp8",
+    "family_names", "load_into_model", "load_weights", "onboard", "onboard_model", "op_mapping", "peft_name_map",
+    "print_op_mapping", "read_family", "read_family_dir", "reverse_module_map",
+]
+
+
+def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
+    path = Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise OnboardError(f"{path} has no config.json; give a Hugging Face model directory")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise OnboardError(f"{f} is not valid JSON ({e})") from None
+    return read_family(cfg, name=path.name, allow_unmapped=allow_unmapped)
+
+
+def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = False, device: str = "auto") -> dict:
+    """Map a checkpoint directory without loading its weights: spec, name-map check, op mapping, validation."""
+    fam = read_family_dir(path, allow_unmapped)
+    rules = build_rules(fam)
+    summary = StreamingLoader(path, fam, rules).check()
+    out = {"family": fam.model_type, "spec": fam.spec, "notes": fam.notes, "check": summary,
+           "ops": op_mapping(fam.spec, device), "rules": rules, "fam": fam}
+    if validate:
+        from .validate import validate_family
+
+        out["validation"] = validate_family(fam)
+    return out
+
+
+def onboard_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                  allow_unmapped: bool = False):
+    """Build our model for a checkpoint directory and stream its weights in (ep = 1). Returns (model, summary)."""
+    from ..models.model import build_model, materialize
+
+    fam = read_family_dir(path, allow_unmapped)
+    loader = StreamingLoader(path, fam, build_rules(fam), dtype=dtype)
+    model = materialize(build_model(fam.spec, "meta"), device, dtype=dtype)
+    summary = load_into_model(model, loader)
+    model.set_backend("reference" if device == "cpu" else "auto")
+    return model.eval(), summary
+
+
+def load_weights(path: str | Path, model, allow_unmapped: bool = False) -> dict:
+    """Stream a checkpoint directory's weights into an already built + materialised model of the mapped spec
+    (what a trainer's `init_from` needs for a Hugging Face directory). Returns the check summary."""
+    fam = read_family_dir(path, allow_unmapped)
+    dtype = next(model.parameters()).dtype
+    return load_into_model(model, StreamingLoader(path, fam, build_rules(fam), dtype=dtype))
+
+
+def peft_name_map(path: str | Path) -> dict[str, str]:
+    """Our module names -> the checkpoint's, for `export_peft(..., name_map=...)`."""
+    return reverse_module_map(build_rules(read_family_dir(path, allow_unmapped=True)))
+
+
+def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
+    """A run YAML a user can copy: the mapped ModelSpec spelled out, weights from the checkpoint directory."""
+    import yaml
+
+    from ..io import atomic_write_text
+
+    spec = fam.spec.model_dump(mode="json")
+    text = (f"# written by `moeadapt onboard {path}` (family {fam.model_type}); every field is a ModelSpec field\n"
+            "# init_from: the trainer streams and name-maps the Hugging Face weights (moeadapt.onboard.load_weights)\n"
+            + "".join(f"# note: {n}\n" for n in fam.notes)
+            + yaml.safe_dump({"model": spec, "train": {"init_from": str(Path(path).resolve())}}, sort_keys=False))
+    atomic_write_text(out, text)
+    return Path(out)
+
+
+def report(result: dict, console=None) -> None:
+    """Print what `onboard` found: the mapping summary, the op table, the validation line."""
+    console = console or make_console()
+    c, s = result["check"], result["spec"]
+    console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
+                  f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "
+                  f"{s.n_routed_experts} experts top-{s.n_experts_per_tok}")
+    console.print(f"tensors: {c['tensors']} in {c['shards']} shard(s), {c['mapped']} mapped, "
+                  f"{len(c['ignored'])} ignored, {len(c['absent_by_design'])} of ours absent by design")
+    for name, why in sorted({**c["ignored"]}.items())[:5]:
+        console.print(f"  ignored {name}: {why}")
+    reasons = sorted(set(c["absent_by_design"].values()))
+    for why in reasons:
+        n = sum(v == why for v in c["absent_by_design"].values())
+        console.print(f"  {n} tensor(s) of ours not in the checkpoint: {why}")
+    print_op_mapping(result["ops"], result["notes"], console)
+    v = result.get("validation")
+    if v:
+        if v.get("max_abs_diff") is not None:
+            ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
+            console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}) "
+                          f"vs {v['reference']} on a tiny random {v['tiny']}")
+        else:
+            console.print(f"validate: {'PASS' if v['passed'] else 'FAIL'} ({v['note']})")

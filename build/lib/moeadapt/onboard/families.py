@@ -1,0 +1,274 @@
+"""Architecture families: a Hugging Face `config.json` (or ours) -> `ModelSpec` + what the loader must know.
+
+Owns: recognising `model_type`, reading every config field (each one is consumed, on a short harmless list,
+or reported as not understood), and the per-family facts the name map and loader need (RoPE layout, MTP
+layers to skip, FP8 block size). Must not touch tensors.
+
+Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in dense mode: index_topk =
+max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
+indexer = our DSA layer), kimi_linear (KDA + MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
+type), and our own format (config.json with a "moeadapt" key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..config import ModelSpec
+from ..config.load import format_validation_error
+
+
+class OnboardError(ValueError):
+    """A checkpoint that cannot be mapped; the message names what was not understood."""
+
+
+# Fields that never change the math of the forward pass (tokens, bookkeeping, inference-only switches).
+HARMLESS = {
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "_name_or_path", "name_or_path", "output_router_logits",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+    "is_encoder_decoder", "chunk_size_feed_forward", "tokenizer_class", "pretraining_tp", "ep_size",
+    "initializer_range", "attention_dropout", "use_return_dict", "tie_encoder_decoder", "generation_config",
+    "qk_head_dim", "head_dim_original", "task_specific_params", "quantization_config",
+}
+
+
+@dataclass
+class Family:
+    """The outcome of reading a config: the spec plus the facts the name map and the loader need."""
+
+    model_type: str
+    spec: ModelSpec
+    raw: dict
+    rope_interleave: bool = False  # MLA q_pe / k_pe rows laid out in interleaved pairs (DeepSeek)
+    mtp_layers: int = 0  # extra multi-token-prediction layers after the last one (skipped, with a notice)
+    fp8_block: tuple[int, int] | None = None  # block-quantised FP8 weights (weight_scale_inv)
+    dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
+    notes: list[str] = field(default_factory=list)  # semantic differences worth a line in the report
+    hf_class: str | None = None  # transformers class that implements the family (for --validate)
+
+
+class _Reader:
+    def __init__(self, cfg: dict, model_type: str):
+        self.cfg, self.model_type = cfg, model_type
+        self.used: set[str] = set()
+        self.unsupported: list[str] = []
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        """The first present key among aliases."""
+        for k in keys:
+            self.used.update(keys)
+            if k in self.cfg and self.cfg[k] is not None:
+                return self.cfg[k]
+        return default
+
+    def need(self, *keys: str) -> Any:
+        v = self.get(*keys)
+        if v is None:
+            raise OnboardError(f"{self.model_type} config lacks {keys[0]!r}; the config.json is incomplete")
+        return v
+
+    def expect(self, key: str, ok, why: str) -> None:
+        """A field whose value we can only honour when `ok(value)`; else it is reported as unsupported."""
+        self.used.add(key)
+        if key in self.cfg and not ok(self.cfg[key]):
+            self.unsupported.append(f"{key}={self.cfg[key]!r} ({why})")
+
+    def finish(self, allow_unmapped: bool, notes: list[str]) -> None:
+        left = sorted(k for k in self.cfg if k not in self.used and k not in HARMLESS)
+        problems = [f"{k} (not understood)" for k in left] + self.unsupported
+        if problems and not allow_unmapped:
+            raise OnboardError(f"{self.model_type} config: {len(problems)} field(s) cannot be mapped onto ModelSpec: "
+                               + "; ".join(problems) + ". Fix the config or pass --allow-unmapped to map the rest "
+                               "anyway (the model will then differ from the original)")
+        notes.extend(f"ignored: {p}" for p in problems)
+
+
+def _rope_theta(r: _Reader) -> float:
+    params = r.get("rope_parameters") or {}
+    scaling = r.get("rope_scaling")
+    theta = params.get("rope_theta", r.get("rope_theta", default=10000.0))
+    for src in (params, scaling or {}):
+        rt = src.get("rope_type", src.get("type", "default"))
+        if rt not in ("default", None):
+            r.unsupported.append(f"rope_type={rt!r} (only plain RoPE is implemented; YaRN / scaling is not)")
+            break
+    return float(theta)
+
+
+def _silu(r: _Reader) -> None:
+    r.expect("hidden_act", lambda v: v == "silu", "experts and dense FFN are SwiGLU")
+    r.expect("attention_bias", lambda v: not v, "projections have no bias")
+    r.expect("mlp_bias", lambda v: not v, "FFN projections have no bias")
+
+
+def _mlp_types(r: _Reader, kw: dict) -> None:
+    """transformers' per-layer "dense" / "sparse" list: only a dense prefix is supported."""
+    mlp_types = r.get("mlp_layer_types")
+    if mlp_types:
+        k = next((i for i, t in enumerate(mlp_types) if t == "sparse"), len(mlp_types))
+        if any(t != "sparse" for t in mlp_types[k:]):
+            r.unsupported.append(f"mlp_layer_types={mlp_types} (dense layers only as a prefix are supported)")
+        kw["first_k_dense"] = k
+
+
+def _mla(r: _Reader) -> dict:
+    r.expect("num_key_value_heads", lambda v: v == r.cfg.get("num_attention_heads"), "MLA has no KV-head groups")
+    r.expect("head_dim", lambda v: v in (r.cfg.get("qk_rope_head_dim"), None), "transformers' rotary width = rope dim")
+    return dict(
+        n_heads=r.need("num_attention_heads"), q_lora_rank=r.get("q_lora_rank"), kv_lora_rank=r.need("kv_lora_rank"),
+        qk_nope_head_dim=r.need("qk_nope_head_dim"), qk_rope_head_dim=r.need("qk_rope_head_dim"),
+        v_head_dim=r.need("v_head_dim"),
+    )
+
+
+def _moe(r: _Reader, n_layers: int) -> dict:
+    E = r.get("n_routed_experts", "num_local_experts", "num_experts", default=0)
+    r.expect("moe_layer_freq", lambda v: v == 1, "every layer after first_k_dense is MoE")
+    r.expect("topk_method", lambda v: v in ("noaux_tc", "greedy", "group_limited_greedy"), "top-k methods")
+    r.expect("seq_aux", lambda v: True, "")
+    score = r.get("scoring_func", "moe_router_activation_func", default="sigmoid")
+    if score not in ("sigmoid", "softmax"):
+        r.unsupported.append(f"scoring_func={score!r} (sigmoid or softmax)")
+        score = "sigmoid"
+    n_sh = r.get("n_shared_experts", "num_shared_experts", default=0)
+    inter = r.need("intermediate_size")
+    return dict(
+        first_k_dense=min(n_layers, r.get("first_k_dense_replace", default=0)), intermediate_size=inter,
+        n_routed_experts=E, n_experts_per_tok=r.get("num_experts_per_tok", "num_experts_per_token", default=1),
+        n_shared_experts=n_sh, moe_intermediate_size=r.need("moe_intermediate_size"), latent_dim=None,
+        score_func=score, n_group=r.get("n_group", "num_expert_group", default=1) or 1,
+        topk_group=r.get("topk_group", default=1) or 1,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        norm_topk_prob=bool(r.get("norm_topk_prob", "moe_renormalize", default=True)),
+        aux_loss_coef=0.0, seq_aux_loss_coef=float(r.get("aux_loss_alpha", default=0.0) or 0.0)
+        if r.cfg.get("seq_aux") else 0.0,
+        bias_update_rate=1e-3 if score == "sigmoid" else 0.0,
+    )
+
+
+def _common(r: _Reader) -> dict:
+    return dict(
+        vocab_size=r.need("vocab_size"), hidden_size=r.need("hidden_size"), n_layers=r.need("num_hidden_layers"),
+        max_position_embeddings=r.need("max_position_embeddings", "model_max_length"), rope_theta=_rope_theta(r),
+        norm_eps=float(r.get("rms_norm_eps", default=1e-6)), tie_word_embeddings=bool(r.get("tie_word_embeddings")),
+    )
+
+
+def _deepseek(r: _Reader, fam: Family) -> dict:
+    _silu(r)
+    kw = _common(r)
+    n = kw["n_layers"]
+    kw.update(_mla(r))
+    kw.update(_moe(r, n))
+    fam.rope_interleave = bool(r.get("rope_interleave", default=True))
+    fam.mtp_layers = int(r.get("num_nextn_predict_layers", "num_mtp_layers", default=0) or 0)
+    _mlp_types(r, kw)
+    kw.update(layer_types=["dsa"] * n, attn_output_gate=False)
+    if r.model_type == "deepseek_v32":
+        r.expect("layer_types", lambda v: set(v) <= {"indexed_attention"}, "every layer is MLA + indexer")
+        kw.update(index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
+                  index_topk=r.need("index_topk"))
+        fam.hf_class = "DeepseekV32ForCausalLM"
+    else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
+        fam.dense_mla = True
+        kw.update(index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"], index_topk=kw["max_position_embeddings"])
+        fam.hf_class = "DeepseekV3ForCausalLM"
+    return kw
+
+
+def _kimi_linear(r: _Reader, fam: Family) -> dict:
+    _silu(r)
+    kw = _common(r)
+    n = kw["n_layers"]
+    kw.update(_mla(r))
+    kw.update(_moe(r, n))
+    lin = r.get("linear_attn_config") or {}
+    if lin:  # Moonshot's layout: 1-based layer lists
+        full = {i - 1 for i in lin.get("full_attn_layers", [])}
+        types = ["dsa" if i in full else "kda" for i in range(n)]
+        kw.update(kda_n_heads=lin["num_heads"], kda_head_dim=lin["head_dim"],
+                  kda_conv_size=lin.get("short_conv_kernel_size", 4))
+    else:  # transformers' layout
+        lt = r.need("layer_types")
+        types = ["dsa" if t == "full_attention" else "kda" for t in lt]
+        kw.update(kda_n_heads=r.need("linear_num_heads"), kda_head_dim=r.need("linear_head_dim"),
+                  kda_conv_size=r.get("linear_conv_kernel_dim", default=4))
+    _mlp_types(r, kw)
+    r.expect("mla_use_nope", lambda v: True, "")
+    r.get("use_grouped_topk", "model_max_length", "num_nextn_predict_layers")
+    kw.update(layer_types=types, attn_output_gate=False, index_topk=kw["max_position_embeddings"],
+              index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"])
+    fam.dense_mla = True
+    fam.notes.append("kimi_linear MLA layers are NoPE in the original; our DSA layer rotates the qk_rope_head_dim "
+                     "channels, so logits differ until a NoPE switch exists (names and shapes map exactly)")
+    return kw
+
+
+def _qwen3_moe(r: _Reader, fam: Family) -> dict:
+    _silu(r)
+    kw = _common(r)
+    n = kw["n_layers"]
+    r.expect("use_sliding_window", lambda v: not v, "sliding-window attention is not implemented")
+    r.get("sliding_window", "max_window_layers")
+    r.expect("decoder_sparse_step", lambda v: v == 1, "MoE on every layer after the dense prefix")
+    dense = sorted(r.get("mlp_only_layers", default=[]) or [])
+    if dense != list(range(len(dense))):
+        r.unsupported.append(f"mlp_only_layers={dense} (dense layers only as a prefix are supported)")
+    H = r.need("num_attention_heads")
+    hd = r.get("head_dim", default=kw["hidden_size"] // H)
+    kw.update(
+        layer_types=["gqa"] * n, n_heads=H, gqa_n_kv_heads=r.need("num_key_value_heads"), gqa_head_dim=hd,
+        gqa_qk_norm=True, first_k_dense=len(dense), intermediate_size=r.need("intermediate_size"),
+        n_routed_experts=r.need("num_experts", "num_local_experts"), n_experts_per_tok=r.need("num_experts_per_tok"),
+        n_shared_experts=0, moe_intermediate_size=r.need("moe_intermediate_size"), latent_dim=None,
+        score_func="softmax", norm_topk_prob=bool(r.get("norm_topk_prob", default=False)),
+        routed_scaling_factor=1.0, bias_update_rate=0.0,
+        aux_loss_coef=float(r.get("router_aux_loss_coef", default=0.0)),
+        # the MLA / indexer fields are unused by gqa layers; keep them small and valid
+        qk_rope_head_dim=min(16, hd - hd % 2), index_head_dim=max(16, hd), index_topk=kw["max_position_embeddings"],
+    )
+    fam.hf_class = "Qwen3MoeForCausalLM"
+    return kw
+
+
+_FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek,
+             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
+
+
+def family_names() -> list[str]:
+    return [*_FAMILIES, "moeadapt"]
+
+
+def read_family(cfg: dict, name: str = "", allow_unmapped: bool = False) -> Family:
+    """Map a parsed config.json onto a Family (spec + loader facts). Raises OnboardError naming every
+    field that was not understood or cannot be honoured."""
+    if "moeadapt" in cfg:
+        try:
+            spec = ModelSpec(**cfg["moeadapt"])
+        except ValidationError as e:
+            raise OnboardError(format_validation_error(e, "config.json moeadapt")) from None
+        return Family("moeadapt", spec, cfg)
+    mt = cfg.get("model_type")
+    if mt not in _FAMILIES:
+        raise OnboardError(f"model_type={mt!r} is not a known family; moeadapt onboards {family_names()}")
+    fam = Family(mt, None, cfg)  # type: ignore[arg-type]
+    r = _Reader(cfg, mt)
+    kw = _FAMILIES[mt](r, fam)
+    qc = cfg.get("quantization_config")
+    if qc:
+        if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+            r.unsupported.append(f"quantization_config={qc} (only DeepSeek block FP8 e4m3 is dequantised)")
+        else:
+            fam.fp8_block = tuple(qc.get("weight_block_size", (128, 128)))
+    r.finish(allow_unmapped, fam.notes)
+    kw["name"] = name or cfg.get("_name_or_path") or mt
+    kw["index_loss_coef"] = 0.0
+    try:
+        fam.spec = ModelSpec(**kw)
+    except ValidationError as e:
+        raise OnboardError(format_validation_error(e, f"{mt} -> ModelSpec")) from None
+    return fam

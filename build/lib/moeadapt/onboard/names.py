@@ -1,0 +1,165 @@
+"""Tensor name maps: every tensor of our model <-> the checkpoint tensor(s) it comes from, and back.
+
+Owns: one `Rule` per tensor of our state dict (parameters and persistent buffers): its checkpoint source name
+(or the E per-expert names stacked into our `[E, out, in]` tensor), an optional row permutation (DeepSeek's
+interleaved RoPE rows -> our half-split layout) and an optional reshape. `reverse_module_map` gives the
+module-name map PEFT export uses (ours -> checkpoint). Tensors our model has and the checkpoint cannot have
+by construction (the indexer of a DSA layer serving indexer-less MLA, the router bias of a family without
+one) are `absent_ok` rules with a stated reason and a stated init; nothing else may be missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.model import build_model
+from .families import Family
+
+_IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx")
+
+
+@dataclass
+class Rule:
+    ours: str
+    sources: list[str]  # one name, or E names (stacked on dim 0) when `stacked`
+    shape: tuple[int, ...]  # our full shape
+    stacked: bool = False
+    row_perm: torch.Tensor | None = None  # ours[i] = ckpt[row_perm[i]] along dim 0 (never on stacked rules)
+    absent_ok: str = ""  # why the checkpoint has no such tensor ("" = it must be there)
+    init: str = "keep"  # for absent tensors: "zeros" or "keep" (the model's own init)
+
+    def to_ours(self, t: torch.Tensor) -> torch.Tensor:
+        if self.row_perm is not None:
+            t = t.index_select(0, self.row_perm)
+        return t.reshape(self.shape[1:] if self.stacked else self.shape)
+
+    def from_ours(self, t: torch.Tensor, src_shape: tuple[int, ...]) -> torch.Tensor:
+        if self.row_perm is not None:
+            t = t.index_select(0, torch.argsort(self.row_perm))
+        return t.reshape(src_shape)
+
+
+def _rope_rows(heads: int, head: int, nope: int, rope: int) -> torch.Tensor:
+    """Row order taking interleaved rope pairs (x0,x1),(x2,x3).. to half-split (x0,x2,..,x1,x3,..) per head."""
+    within = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    per = torch.cat([torch.arange(nope), nope + within])
+    return torch.cat([h * head + per for h in range(heads)])
+
+
+def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
+    """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
+    p = f"model.layers.{i}."
+    mt = fam.model_type
+    moe = "block_sparse_moe." if mt == "kimi_linear" else "mlp."
+    fixed = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        # MLA (DSA layer)
+        "attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wq.weight": "self_attn.q_proj.weight",
+        "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight", "attn.wkv_b.weight": "self_attn.kv_b_proj.weight",
+        "attn.wo.weight": "self_attn.o_proj.weight",
+        "attn.wq_idx.weight": "self_attn.indexer.wq_b.weight", "attn.wk_idx.weight": "self_attn.indexer.wk.weight",
+        "attn.k_idx_norm.weight": "self_attn.indexer.k_norm.weight",
+        "attn.k_idx_norm.bias": "self_attn.indexer.k_norm.bias",
+        "attn.w_idx.weight": "self_attn.indexer.weights_proj.weight",
+        # KDA (Kimi Linear) and GQA (Qwen3) share q/k/v/o names
+        "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.k_proj.weight": "self_attn.k_proj.weight",
+        "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
+        "attn.k_norm.weight": "self_attn.k_norm.weight",
+        "attn.q_conv.weight": "self_attn.q_conv1d.weight", "attn.k_conv.weight": "self_attn.k_conv1d.weight",
+        "attn.v_conv.weight": "self_attn.v_conv1d.weight", "attn.f_a.weight": "self_attn.f_a_proj.weight",
+        "attn.f_b.weight": "self_attn.f_b_proj.weight", "attn.b_proj.weight": "self_attn.b_proj.weight",
+        "attn.A_log": "self_attn.A_log", "attn.dt_bias": "self_attn.dt_bias",
+        "attn.g_a.weight": "self_attn.g_a_proj.weight", "attn.g_b.weight": "self_attn.g_b_proj.weight",
+        "attn.o_norm.weight": "self_attn.o_norm.weight",
+        # FFN
+        "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+        "ffn.w2.weight": "mlp.down_proj.weight",
+        "ffn.router.weight": moe + "gate.weight", "ffn.router.expert_bias": moe + "gate.e_score_correction_bias",
+        "ffn.shared.w1.weight": moe + "shared_experts.gate_proj.weight",
+        "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
+        "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
+    }
+    if ours == "attn.q_norm.weight" and fam.model_type == "qwen3_moe":
+        return p + "self_attn.q_norm.weight"
+    if ours in fixed:
+        return p + fixed[ours]
+    if ours.startswith("ffn.experts.w"):
+        w = ours.split(".")[2]
+        proj = ({"w1": "w1", "w3": "w3", "w2": "w2"} if mt == "kimi_linear"
+                else {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})[w]
+        return [f"{p}{moe}experts.{e}.{proj}.weight" for e in range(fam.spec.n_routed_experts)]
+    return None
+
+
+def build_rules(fam: Family) -> list[Rule]:
+    """One rule per tensor of our state dict (tokens_per_expert, a non-persistent counter, excluded)."""
+    spec = fam.spec
+    model = build_model(spec, "meta")
+    rules = []
+    for name, t in model.state_dict().items():
+        if name.endswith("tokens_per_expert"):
+            continue
+        shape = tuple(t.shape)
+        if fam.model_type == "moeadapt":
+            rules.append(Rule(name, [name], shape))
+            continue
+        top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "lm_head.weight": "lm_head.weight"}
+        if name in top:
+            src = top[name]
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                src = "model.embed_tokens.weight"
+            rules.append(Rule(name, [src], shape))
+            continue
+        _, i, rel = name.split(".", 2)
+        src = _hf_layer(fam, int(i), rel)
+        if src is None:
+            raise KeyError(f"no checkpoint name for our tensor {name}; the {fam.model_type} name map is incomplete")
+        r = Rule(name, src if isinstance(src, list) else [src], shape, stacked=isinstance(src, list))
+        if rel.startswith("attn.") and rel.split(".")[1] in _IDX and fam.dense_mla:
+            r.absent_ok = "indexer of a DSA layer in dense mode (index_topk >= max_position_embeddings): unused"
+            r.init = "zeros"
+        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe",):
+            r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
+                "zeros"
+        if fam.rope_interleave:
+            H, nope, rope = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
+            if rel in ("attn.wq_b.weight", "attn.wq.weight"):
+                r.row_perm = _rope_rows(H, nope + rope, nope, rope)
+            elif rel == "attn.wkv_a.weight":
+                r.row_perm = _rope_rows(1, spec.kv_lora_rank + rope, spec.kv_lora_rank, rope)
+        rules.append(r)
+    return rules
+
+
+def ignorable(fam: Family, ckpt_name: str) -> str:
+    """Why a checkpoint tensor no rule consumes may be skipped ("" = it may not)."""
+    if ckpt_name.endswith("weight_scale_inv") and fam.fp8_block:
+        return "fp8 block scale (consumed by dequantisation)"
+    if ckpt_name.endswith("rotary_emb.inv_freq"):
+        return "rotary table (recomputed)"
+    if fam.mtp_layers and ckpt_name.startswith("model.layers."):
+        i = int(ckpt_name.split(".")[2])
+        if fam.spec.n_layers <= i < fam.spec.n_layers + fam.mtp_layers:
+            return f"multi-token-prediction layer (num_nextn_predict_layers={fam.mtp_layers}); not trained here"
+    return ""
+
+
+def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
+    """Our module name -> checkpoint module name (what `export_peft(name_map=...)` takes). Grouped expert
+    modules map to `...experts.<proj>` (PEFT export stacks them over experts, see lora/peft.py)."""
+    out = {}
+    for r in rules:
+        if r.absent_ok or not r.ours.endswith(".weight"):
+            continue
+        mod = r.ours.rsplit(".", 1)[0]
+        src = r.sources[0].rsplit(".", 1)[0]
+        if r.stacked:  # model.layers.3.mlp.experts.0.gate_proj -> model.layers.3.mlp.experts.gate_proj
+            head, _, proj = src.rpartition(".")
+            src = head.rsplit(".", 1)[0] + "." + proj
+        out[mod] = src
+    return out

@@ -1,0 +1,1 @@
+"""Operators: one folder per op (kda/, dsa/, moe/), each with reference.py, kernels and a backend= switch."""

@@ -1,0 +1,349 @@
+"""Triton sparse attention (SFA forward, SFAG backward) behind `sparse_attention(backend="triton")`.
+
+Owns the fused kernels and their autograd.Function; the math is
+`reference.sparse_attention_reference`.
+
+Forward: one program per (query, KV head, block of BLOCK_H query heads). It
+walks the query's selected keys BLOCK_K at a time, gathers those K/V rows once
+for all heads of the group (the query heads are the M dimension of the MMA), runs
+an online softmax in base 2 and saves lse (natural log) for the backward.
+The qk dimension is split into a power-of-two main part D1 and a tail D2
+(576 = 512 + 64), so nothing is padded to 1024.
+
+Backward: the same walk recomputes P from lse, forms dP = dO V^T and
+dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
+in registers and scatter-adds dk = dS^T q and dv = P^T dO into fp32 buffers with
+atomics (one vectorised fp32 atomic per selected key row element per query and
+head block). DKV_T (default) computes them transposed, dk^T = q^T dS, so q and
+dO stay MMA operands in the shared-memory buffers already loaded (the plain form
+needs second copies: 315 KB of shared memory at BLOCK_H = 64). FUSED=False runs a
+dq pass and a dk/dv pass instead (measured slower). A key-major pass (inverse
+index, no atomics) was not written: per key it gives M = 1 products. When v is the leading DV = D1 channels of k (MLA's shared
+latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's
+buffer; dv is then returned as None, which leaves the shared base's gradient
+unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# The Triton 3.9 interpreter computes bf16/fp16 tl.dot wrongly; under it every product runs in fp32.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_ieee(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 or INTERPRET
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr, acc=None):
+    """a @ b (+ acc, accumulated in place by the MMA); IEEE: fp32 operands, exact fp32 products."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _scatter_add(ptr, val, mask, STORE_ONLY: tl.constexpr):
+    """fp32 atomic add; STORE_ONLY (timing experiments only, wrong result) writes instead."""
+    if STORE_ONLY:
+        tl.store(ptr, val, mask=mask)
+    else:
+        tl.atomic_add(ptr, val, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _sfa_fwd_kernel(
+    Q, K, V, IDX, O, LSE,
+    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
+    T, G, TOPK, D, DV, NHB, qk_scale,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * T + t
+    g = tl.program_id(1) // NHB
+    h0 = (tl.program_id(1) % NHB) * BLOCK_H
+    b = row // T
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < G
+    heads = g * G + offs_h
+    offs_d1 = tl.arange(0, D1)
+    q_base = Q + row * sq_t + heads[:, None] * sq_h
+    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & (offs_d2[None, :] < D), other=0.0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    kb_base = K + b * sk_b + g * sk_h
+    vb_base = V + b * sv_b + g * sv_h
+    for k0 in range(0, TOPK, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+        if I64:
+            rows = rows.to(tl.int64)
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        if D2 > 0:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
+                         mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
+            s += _mm(q2, tl.trans(k2), IEEE)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_FROM_K:
+            v = k1
+        else:
+            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
+                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o_ptr = O + row * so_t + heads[:, None] * so_h + offs_dv[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < DV))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row * sl_t + heads, lse, mask=mask_h)
+
+
+@triton.jit
+def _sfa_bwd_kernel(
+    Q, K, V, IDX, O, DO, LSE, DQ, DK, DV_,
+    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
+    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+    T, G, TOPK, D, DV, NHB, qk_scale, scale,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, DKV_T: tl.constexpr,
+    DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, STORE_ONLY: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) // NHB
+    h0 = (tl.program_id(1) % NHB) * BLOCK_H
+    b = row // T
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < G
+    heads = g * G + offs_h
+    offs_d1 = tl.arange(0, D1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    q_base = Q + row * sq_t + heads[:, None] * sq_h
+    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
+    dq1 = tl.zeros([BLOCK_H, D1], tl.float32)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        mask_d2 = offs_d2 < D
+        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & mask_d2[None, :], other=0.0)
+        dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
+    do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                 mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), per head
+    lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
+    kb_base = K + b * sk_b + g * sk_h
+    vb_base = V + b * sv_b + g * sv_h
+    dkb_base = DK + b * sdk_b + g * sdk_h
+    dvb_base = DV_ + b * sdv_b + g * sdv_h
+    for k0 in range(0, TOPK, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+        if I64:
+            rows = rows.to(tl.int64)
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        if D2 > 0:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
+                         mask=valid[:, None] & mask_d2[None, :], other=0.0)
+            s += _mm(q2, tl.trans(k2), IEEE)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)
+        if V_FROM_K:
+            v = k1
+        else:
+            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
+                        mask=valid[:, None] & mask_dv[None, :], other=0.0)
+        dp = _mm(do, tl.trans(v), IEEE)
+        dsc = (p * (dp - delta[:, None]) * scale).to(k1.dtype)  # dL/d(q.k), scale folded in
+        if DO_DQ:
+            dq1 = _mm(dsc, k1, IEEE, dq1)
+            if D2 > 0:
+                dq2 = _mm(dsc, k2, IEEE, dq2)
+        if not DO_DKV:
+            pass
+        elif DKV_T:
+            # dk^T = q^T dS, dv^T = dO^T P: q and dO stay the A operand of the MMA
+            # (transposed views of the buffers already used above, no second copy)
+            dvt = _mm(tl.trans(do), p.to(do.dtype), IEEE)
+            if V_FROM_K:
+                dk1t = _mm(tl.trans(q1), dsc, IEEE, dvt)
+            else:
+                _scatter_add(dvb_base + rows[None, :] * sdv_t + offs_dv[:, None], dvt,
+                             valid[None, :] & mask_dv[:, None], STORE_ONLY)
+                dk1t = _mm(tl.trans(q1), dsc, IEEE)
+            _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d1[:, None], dk1t,
+                         valid[None, :], STORE_ONLY)
+            if D2 > 0:
+                dk2t = _mm(tl.trans(q2), dsc, IEEE)
+                _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d2[:, None], dk2t,
+                             valid[None, :] & mask_d2[:, None], STORE_ONLY)
+        else:
+            dv = _mm(tl.trans(p.to(do.dtype)), do, IEEE)
+            if V_FROM_K:  # dk and dv land in the same rows: one accumulator, one atomic
+                dk1 = _mm(tl.trans(dsc), q1, IEEE, dv)
+            else:
+                _scatter_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
+                             valid[:, None] & mask_dv[None, :], STORE_ONLY)
+                dk1 = _mm(tl.trans(dsc), q1, IEEE)
+            _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
+                         valid[:, None], STORE_ONLY)
+            if D2 > 0:
+                dk2 = _mm(tl.trans(dsc), q2, IEEE)
+                _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
+                             valid[:, None] & mask_d2[None, :], STORE_ONLY)
+    if DO_DQ:
+        dq_base = DQ + row * sq_t + heads[:, None] * sq_h
+        tl.store(dq_base + offs_d1[None, :], dq1.to(DQ.dtype.element_ty), mask=mask_h[:, None])
+        if D2 > 0:
+            tl.store(dq_base + offs_d2[None, :], dq2.to(DQ.dtype.element_ty),
+                     mask=mask_h[:, None] & mask_d2[None, :])
+
+
+# Launch configuration, from the sweep in benchmarks/bench_dsa.py on an H200 (RESULTS.md).
+# Backward BLOCK_K=32 with num_stages=1 hit an illegal address under Triton 3.6 on the H200
+# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest config that ran clean.
+FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
+
+
+def _split_d(D: int) -> tuple[int, int]:
+    """D = D1 (largest power of two, >= 16) + tail padded to a power of two >= 16 (masked)."""
+    d1 = 1 << (D.bit_length() - 1)
+    rest = D - d1
+    return d1, (max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
+def _v_from_k(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
+    return (
+        v.shape[-1] == d1 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+        and k.stride(-1) == 1 and k.requires_grad == v.requires_grad
+    )
+
+
+def _prep(q, k, v, d1):
+    """Unit-stride last dims; detects v = k[..., :D1] (read once, dv folded into dk)."""
+    q = q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    vk = _v_from_k(k, v, d1)
+    v = v if (vk or v.stride(-1) == 1) else v.contiguous()
+    return q, k, v, vk
+
+
+def _common(q, k, v, indices):
+    B, T, HQ, D = q.shape
+    HK, DV = k.shape[2], v.shape[-1]
+    G = HQ // HK
+    idx = indices.contiguous()
+    idx = idx if idx.dim() == 4 else idx[:, :, None, :]
+    si_h = idx.stride(2) if indices.dim() == 4 else 0
+    d1, d2 = _split_d(D)
+    return B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2
+
+
+def _launch_args(cfg, G, HK, B, T):
+    bh = min(cfg["BLOCK_H"], max(16, triton.next_power_of_2(G)))
+    nhb = triton.cdiv(G, bh)
+    return bh, nhb, (B * T, HK * nhb)
+
+
+def sfa_forward(q, k, v, indices, scale, cfg=None):
+    cfg = cfg or FWD_CONFIG
+    B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
+    q, k, v, vk = _prep(q, k, v, d1)
+    o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
+    _sfa_fwd_kernel[grid](
+        q, k, v, idx, o, lse,
+        q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
+        T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
+        D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
+        V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, lse
+
+
+def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
+    cfg = cfg or BWD_CONFIG
+    B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
+    q, k, v, vk = _prep(q, k, v, d1)
+    do = do.contiguous()
+    o = o.contiguous()  # same layout as do: the kernel reads both with do's strides
+    dq = torch.empty_like(q)
+    dk = torch.zeros(B, T, HK, D, device=q.device, dtype=torch.float32)
+    dv = dk if vk else torch.zeros(B, T, HK, DV, device=q.device, dtype=torch.float32)
+    # FUSED: one pass gives dq and dk/dv; else a dq pass and a dk/dv pass (each
+    # recomputes P and dP, but neither holds both accumulators in registers)
+    passes = [(True, True, cfg)] if cfg.get("FUSED", True) else [
+        (True, False, cfg.get("DQ_CFG", cfg)), (False, True, cfg.get("DKV_CFG", cfg))]
+    if "ONLY" in cfg:  # timing experiments: run just the dq or just the dk/dv part
+        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", cfg)]
+    for do_dq, do_dkv, c in passes:
+        bh, nhb, grid = _launch_args(c, G, HK, B, T)
+        _sfa_bwd_kernel[grid](
+            q, k, v, idx, o, do, lse, dq, dk, dv,
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
+            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
+            V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False),
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+    return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, scale):
+        o, lse = sfa_forward(q, k, v, indices, scale)
+        ctx.save_for_backward(q, k, v, indices, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, indices, o, lse = ctx.saved_tensors
+        dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def sparse_attention_triton(q, k, v, indices, scale=None):
+    """Triton SFA/SFAG; same contract as `sparse_attention_reference`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale} must be finite")
+    if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
+        q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
+    return SparseAttentionFunction.apply(q, k, v, indices, scale)

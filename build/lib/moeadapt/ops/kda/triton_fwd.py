@@ -1,0 +1,276 @@
+"""Forward Triton kernels of chunked KDA (see `triton_kda.py` for the math and the wrapper).
+
+Owns the per-chunk intra kernel (G, Akk, Aqk, Ti, w, u, k e^(gam-G), q e^G), the state recurrence,
+the output kernel and the token-parallel diagonal-block kernels. Imports only triton.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_g(g, o_g, mask, A_log, dt_bias, i_hv, ck, K: tl.constexpr, USE_GATE: tl.constexpr):
+    """The log decay tile (float32): g itself, or with USE_GATE the fused gate
+    -exp(A_log[h]) * softplus(g + dt_bias[h]) of the raw input (0 on masked rows)."""
+    x = tl.load(g + o_g, mask=mask, other=0.0).to(tl.float32)
+    if USE_GATE:
+        x = x + tl.load(dt_bias + i_hv * K + ck).to(tl.float32)[None, :]
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        x = tl.where(mask, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * sp, 0.0)
+    return x
+
+
+@triton.jit
+def _row(x3, j, BC: tl.constexpr):
+    """Row j of every sub-chunk: [NS, BC, BK] -> [NS, BK]."""
+    return tl.sum(tl.where((tl.arange(0, BC) == j)[None, :, None], x3, 0.0), axis=1)
+
+
+@triton.jit
+def _diag_fwd(q3, k3, G3, NS: tl.constexpr, BC: tl.constexpr):
+    """Diagonal sub-chunk blocks [NS, BC, BC]: Dkk[a,i,j] = sum_c k_i k_j e^(G_i-G_j), Dqk likewise
+    with q_i, for j <= i (one column j at a time keeps the live set at [NS, BC, BK])."""
+    ii = tl.arange(0, BC)
+    Dkk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    Dqk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    for j in range(BC):
+        kj = _row(k3, j, BC)
+        Gj = _row(G3, j, BC)
+        kE = kj[:, None, :] * tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
+        col = (ii == j)[None, None, :]
+        Dkk += tl.where(col, tl.sum(k3 * kE, axis=2)[:, :, None], 0.0)
+        Dqk += tl.where(col, tl.sum(q3 * kE, axis=2)[:, :, None], 0.0)
+    return Dkk, Dqk
+
+
+@triton.jit
+def _fwd_intra(
+    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    NS: tl.constexpr = BT // BC
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    L = tl.minimum(eos - t0, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < L
+    blk = rows // BC
+    tok = t0 + rows
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
+    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    ii = tl.arange(0, BC)
+    for kb in range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_g = _load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE)
+        b_G = tl.cumsum(b_g, axis=0)
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        G3 = tl.reshape(b_G, (NS, BC, BK))
+        if DIAG_IN_KERNEL:  # diagonal sub-chunks, elementwise
+            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
+            d_kk += dkk
+            d_qk += dqk
+        # off-diagonal: reference r_a = G at the first row of row sub-chunk a
+        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
+        r_row = tl.reshape(tl.broadcast_to(r_first[:, None, :], (NS, BC, BK)), (BT, BK))
+        e_row = tl.exp(b_G - r_row)
+        kr = b_k * e_row
+        qr = b_q * e_row
+        for a in tl.static_range(1, NS):
+            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+            cm = (rows < a * BC)[:, None]
+            colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
+            sel = (blk == a)[:, None]
+            b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=PREC)
+            b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=PREC)
+    o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+    if DIAG_IN_KERNEL:
+        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+        b_Akk += tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT))
+        b_Aqk += tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT))
+        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0) * b_beta[:, None]
+        b_Aqk = tl.where(rows[:, None] >= rows[None, :], b_Aqk, 0.0)
+    else:  # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
+        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
+        b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
+        b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
+    tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+    # Ti = (I + Akk)^-1: block-diagonal part by (I-N)(I+N^2)(I+N^4)(I+N^8) (N^16 = 0 in a
+    # 16-block), then the block-lower part by (I+E)^-1 = (I-E)(I+E^2) with E = Xd Lo.
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    same = blk[:, None] == blk[None, :]
+    Nd = tl.where(same, b_Akk, 0.0)
+    Lo = b_Akk - Nd
+    P = tl.dot(Nd, Nd, input_precision=PREC)
+    X = tl.dot(eye - Nd, eye + P, input_precision=PREC)
+    P = tl.dot(P, P, input_precision=PREC)
+    X = tl.dot(X, eye + P, input_precision=PREC)
+    P = tl.dot(P, P, input_precision=PREC)
+    X = tl.dot(X, eye + P, input_precision=PREC)
+    Em = tl.dot(X, Lo, input_precision=PREC)
+    E2 = tl.dot(Em, Em, input_precision=PREC)
+    b_Ti = tl.dot(tl.dot(eye - Em, eye + E2, input_precision=PREC), X, input_precision=PREC)
+    tl.store(Ti + o_A, b_Ti, mask=rmask[:, None])
+    for kb in range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        eG = tl.exp(b_G)
+        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
+        tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
+        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
+        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+    for vb in range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _fwd_h(
+    kd, w, u, gl, h, vn, h0, ht, cu, coff,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    o_s = ck[:, None] * V + cv[None, :]
+    DT = w.dtype.element_ty
+    if HAS_H0:
+        b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s).to(tl.float32)
+    else:
+        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    for it in range(0, NT):
+        t0 = bos + it * BT
+        L = tl.minimum(eos - t0, BT)
+        rmask = rows < L
+        tok = t0 + rows
+        tl.store(h + ((c0 + it) * HV + i_hv) * K * V + o_s, b_S.to(h.dtype.element_ty))
+        o_k = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        b_w = tl.load(w + o_k, mask=rmask[:, None], other=0.0)
+        b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_d = tl.dot(-b_w, b_S.to(DT), b_d, input_precision=PREC)
+        tl.store(vn + o_v, b_d.to(vn.dtype.element_ty), mask=rmask[:, None])
+        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
+        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
+        b_S = tl.dot(tl.trans(b_kd), b_d.to(DT), b_S * tl.exp(gam)[:, None], input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s, b_S)
+
+
+@triton.jit
+def _fwd_o(
+    qg, h, vn, Aqk, o, cu, cidx, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    tok = t0 + rows
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    DT = vn.dtype.element_ty
+    b_qg = tl.load(qg + tok[:, None] * (HV * K) + i_hv * K + ck[None, :], mask=rmask[:, None], other=0.0)
+    b_h = tl.load(h + (i_c.to(tl.int64) * HV + i_hv) * K * V + ck[:, None] * V + cv[None, :])
+    o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+    b_d = tl.load(vn + o_v, mask=rmask[:, None], other=0.0)
+    b_A = tl.load(Aqk + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
+    b_o = tl.dot(b_A.to(DT), b_d, tl.dot(b_qg, b_h.to(DT), input_precision=PREC), input_precision=PREC)
+    tl.store(o + o_v, (b_o * scale).to(o.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _fwd_gcum(
+    g, Gc, cu, cidx, A_log, dt_bias, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """G = in-chunk cumulative sum of g (float32), per (chunk, head)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    ck = tl.arange(0, K)
+    o_g = (t0 + rows)[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+    tl.store(Gc + o_g, b_G, mask=rmask[:, None])
+
+
+@triton.jit
+def _tok_setup(cu, cidx, BT: tl.constexpr, BC: tl.constexpr):
+    """Program (chunk*BT + row) -> (token t, chunk start t0, sub-chunk start s0, sub-chunk end s1, valid)."""
+    p = tl.program_id(0)
+    i_c = p // BT
+    r = p % BT
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    t = t0 + r
+    s0 = t0 + (r // BC) * BC
+    s1 = tl.minimum(s0 + BC, eos)
+    return t, t0, s0, s1, t < eos
+
+
+@triton.jit
+def _fwd_diag(
+    q, k, Gc, beta, Aqk, Akk, cu, cidx,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+):
+    """Token-parallel diagonal sub-chunk entries of row t: Aqk[t, j] = sum_c q_t k_j e^(G_t - G_j)
+    (j <= t) and Akk[t, j] = beta_t sum_c k_t k_j e^(G_t - G_j) (j < t), j in t's sub-chunk."""
+    t, t0, s0, s1, valid = _tok_setup(cu, cidx, BT, BC)
+    if valid:
+        o_hv = tl.program_id(1) * BH + tl.arange(0, BH)
+        m_hv = o_hv < HV
+        ck = tl.arange(0, K)
+        p_qk = (o_hv // (HV // H))[:, None] * K + ck[None, :]
+        p_g = o_hv[:, None] * K + ck[None, :]
+        b_q = tl.load(q + t * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + t * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + t * (HV * K) + p_g, mask=m_hv[:, None], other=0.0)
+        b_beta = tl.load(beta + t * HV + o_hv, mask=m_hv, other=0.0).to(tl.float32)
+        for j in range(s0, t + 1):
+            b_kj = tl.load(k + j * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
+            kE = b_kj * tl.exp(b_G - tl.load(Gc + j * (HV * K) + p_g, mask=m_hv[:, None], other=0.0))
+            o_A = t * (HV * BT) + o_hv * BT + (j - t0)
+            tl.store(Aqk + o_A, tl.sum(b_q * kE, axis=1), mask=m_hv)
+            tl.store(Akk + o_A, tl.sum(b_k * kE, axis=1) * b_beta, mask=m_hv & (o_hv * 0 + j < t))

@@ -1,0 +1,246 @@
+"""Triton kernels for chunked KDA (forward and backward) behind one autograd.Function.
+
+Owns the kernels and `chunk_kda_triton`; imports only torch/triton. The math is the
+chunk form of `reference.py` (chunk BT=64, sub-chunks BC=16). Per chunk, with G the
+in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
+  Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
+  Ti = (I + Akk)^-1,  w = Ti (beta k e^G),  u = Ti (beta v)
+  d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
+Every exponent taken is <= 0: diagonal BCxBC blocks form e^(G_i-G_j) elementwise; off-
+diagonal blocks split it at a reference row between i and j.
+
+Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk,
+Ti, w, u, k e^(gam-G), q e^G), `_fwd_h` (per sequence and V-block: the state recurrence, storing the
+state entering each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per
+chunk and dd), `_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra`
+(intra-chunk pair terms, dg = reverse cumsum). With CONFIG["diag"] = "token" the diagonal 16x16 blocks
+come from the token-parallel `_fwd_diag` / `_bwd_diag` (on a stored in-chunk cumsum from `_fwd_gcum`)
+instead of the per-chunk kernels. The gate (A_log, dt_bias) is fused wherever g is read.
+Sequences are always handled in varlen form (dense batches become B sequences of T).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
+from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
+
+BT = 64
+BC = 16
+# Launch parameters (the benchmark may override them to compare variants).
+CONFIG = dict(
+    intra_BK=32, intra_warps=8, h_BV=32, h_warps=4, o_BV=64, o_warps=4, dh_warps=8,
+    dv_warps=8, dv_BV=32, local_BK=64, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
+    save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
+    diag="chunk",  # diagonal 16x16 blocks: "chunk" (inside the per-chunk kernels) or "token" (token-parallel)
+    BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
+)
+
+
+def _prep_varlen(B, T, cu_seqlens, device):
+    """cu (int32 [N+1]), chunk index pairs (int32 [NC,2]: sequence, chunk), chunk offsets (int32 [N+1])."""
+    if cu_seqlens is None:
+        return _prep_dense(B, T, str(device))
+    return _prep_lens(cu_seqlens.tolist(), cu_seqlens.to(device=device, dtype=torch.int32), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _prep_dense(B, T, device):
+    bounds = [i * T for i in range(B + 1)]
+    return _prep_lens(bounds, torch.tensor(bounds, dtype=torch.int32).to(device), device)
+
+
+def _prep_lens(bounds, cu, device):
+    lens = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+    nchunks = [-(-n // BT) for n in lens]
+    pairs = [(i, j) for i, nc in enumerate(nchunks) for j in range(nc)]
+    offs = [0]
+    for nc in nchunks:
+        offs.append(offs[-1] + nc)
+    cidx = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(device)
+    coff = torch.tensor(offs, dtype=torch.int32).to(device)
+    return cu, cidx, coff, len(pairs)
+
+
+def _cfg(K, V, dtype, HV=16):
+    if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
+        raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
+    c = dict(CONFIG)
+    for key in ("h_BV", "o_BV", "local_BV", "dv_BV"):
+        c[key] = min(c[key], V)
+    c["local_BK"] = min(c["local_BK"], K)
+    c["intra_BK"] = min(c["intra_BK"], K)
+    c["local_BK2"] = min(c["local_BK2"], K)
+    c["local_BV"] = min(c["local_BV"], V)
+    c["BV"] = c["local_BV"]
+    c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
+    c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
+    return c
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        dev = q.device
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        gate = A_log is not None
+        A32 = A_log.float().contiguous() if gate else beta
+        b32 = (dt_bias.float().reshape(-1).contiguous() if dt_bias is not None else
+               torch.zeros(HV * K, device=dev)) if gate else beta
+        cu, cidx, coff, NC = _prep_varlen(B, T, cu_seqlens, dev)
+        N = cu.numel() - 1
+        cfg = _cfg(K, V, q.dtype, HV)
+        Tt = B * T
+        Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
+        Ti = torch.empty_like(Aqk)
+        w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
+        u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
+        gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
+        in_kernel = cfg["diag"] == "chunk"
+        if not in_kernel:
+            Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+            _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+                q, k, Gc, beta, Aqk, Ti, cu, cidx,
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+            )
+            del Gc
+        _fwd_intra[(NC, HV)](
+            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"],
+        )
+        h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
+        o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
+        _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
+            qg, h, vn, Aqk, o, cu, cidx, scale,
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"],
+        )
+        keep = cfg["save_h"]
+        ctx.save_for_backward(
+            q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff,
+            h if keep else None, vn if keep else None, A32 if gate else None, b32 if gate else None,
+        )
+        ctx.dt_bias_shape = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
+        ctx.A_dtype = A_log.dtype if gate else None
+        ctx.meta = (B, T, H, HV, K, V, NC, N, scale)
+        return o.view(B, T, HV, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff, h, vn, A32, b32 = ctx.saved_tensors
+        gate = A32 is not None
+        if not gate:
+            A32 = b32 = beta
+        B, T, H, HV, K, V, NC, N, scale = ctx.meta
+        dev = q.device
+        cfg = _cfg(K, V, q.dtype, HV)
+        Tt = B * T
+        do = do.contiguous()
+        if h is None:
+            h, vn, _ = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, False)
+        dh = torch.empty_like(h)
+        dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
+        dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
+        _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
+            qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
+            cu, coff, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
+            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"],
+        )
+        dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
+        dk = torch.empty_like(dq)
+        dg = torch.empty_like(dq)
+        dv = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
+        dRu = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
+        dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
+        dAkk = torch.empty_like(dAqk)
+        BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
+        db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
+        db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
+        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+        _bwd_dv[(NC, HV)](
+            v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
+            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"],
+        )
+        _bwd_wy[(NC, HV, K // BK)](
+            q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+            num_warps=cfg["local_warps"],
+        )
+        in_kernel = cfg["diag"] == "chunk"
+        if not in_kernel:
+            Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+            db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
+            _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+                q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+            )
+            del Gc
+            db0 += db3
+        dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
+        _bwd_intra[(NC, HV, K // BK2)](
+            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"],
+        )
+        dA_log = ddt = None
+        if gate:
+            dA_log = dA.sum((0, 1)).to(ctx.A_dtype)
+            if ctx.dt_bias_shape is not None:
+                shape, dtype = ctx.dt_bias_shape
+                ddt = dg.sum(0).reshape(shape).to(dtype)
+        dbeta = db0 + db1.sum(0) + db2.sum(0)
+        if HV != H:
+            dq = dq.view(Tt, H, HV // H, K).sum(2)
+            dk = dk.view(Tt, H, HV // H, K).sum(2)
+        shp = lambda x, n: x.view(B, T, n, -1)  # noqa: E731
+        return (
+            shp(dq, H).to(q.dtype), shp(dk, H).to(k.dtype), shp(dv, HV).to(v.dtype), shp(dg, HV).to(g.dtype),
+            dbeta.view(B, T, HV).to(beta.dtype), None, dh0, None, None, dA_log, ddt,
+        )
+
+
+def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
+    Gc = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    _fwd_gcum[(NC, HV)](g, Gc, cu, cidx, A32, b32, HV=HV, K=K, BT=BT, USE_GATE=gate, num_warps=4)
+    return Gc
+
+
+def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state):
+    dev = kd.device
+    BV = cfg["h_BV"]
+    h = torch.empty(NC, HV, K, V, device=dev, dtype=kd.dtype)
+    vn = torch.empty(u.shape, device=dev, dtype=u.dtype)
+    ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    _fwd_h[(triton.cdiv(V, BV), N * HV)](
+        kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
+        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"],
+    )
+    return h, vn, ht
+
+
+def chunk_kda_triton(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False,
+):
+    """Triton KDA; same contract as `moeadapt.ops.kda.chunk_kda`. The gate (A_log, dt_bias) is fused
+    into the kernels; L2 norm of q/k and sigmoid of beta are applied in PyTorch before them."""
+    from .reference import l2norm
+
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    if use_qk_l2norm:
+        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+    if beta_is_logits:
+        beta = torch.sigmoid(beta.float()).to(beta.dtype)
+    h0 = None if initial_state is None else initial_state.float()
+    o, ht = ChunkKDAFunction.apply(
+        q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias if A_log is not None else None
+    )
+    return o, ht

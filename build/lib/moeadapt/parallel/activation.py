@@ -1,0 +1,105 @@
+"""Activation checkpointing per block: "none" | "selective" | "full".
+
+Owns: wrapping `Block.forward` (the instance attribute, so parameter names stay unchanged for checkpoints)
+in non-reentrant `torch.utils.checkpoint`, which passes the block's `(x, info)` output through as is.
+  full:      keep only the block input; recompute the whole block in backward.
+  selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels) and of
+             collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, KDA
+             intermediates) — `create_selective_checkpoint_contexts` with the policy below.
+A recompute must not count routed tokens twice: the router's `tokens_per_expert` buffer is restored
+after every recompute.
+Must not change what a block computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..models.router import Router
+
+
+def _ops(*names: str) -> set:
+    out = set()
+    for n in names:
+        ns, _, op = n.partition(".")
+        packet = getattr(getattr(torch.ops, ns, None), op, None)
+        if packet is not None:
+            out.add(packet.default if hasattr(packet, "default") else packet)
+    return out
+
+
+_SAVE_OPS = _ops("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
+                 "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+                 "aten._scaled_dot_product_cudnn_attention", "aten._scaled_mm",
+                 "_c10d_functional.all_to_all_single", "_c10d_functional.wait_tensor",
+                 "_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")
+
+
+def _ignore_profiler_ops_in_sac() -> None:
+    """FSDP2's hooks inside a checkpointed block open profiler ranges a different number of times in the
+    forward and in the recompute (it unshards in pre-backward instead); SAC must not try to match them."""
+    import torch.utils.checkpoint as ckpt
+
+    if hasattr(ckpt, "SAC_IGNORED_OPS"):
+        for name in ("_record_function_enter_new", "_record_function_exit", "_record_function_enter"):
+            packet = getattr(torch.ops.profiler, name, None)
+            if packet is not None:
+                ckpt.SAC_IGNORED_OPS.update(getattr(packet, o) for o in packet.overloads())
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeepRouterCounts:
+    """Wraps the recompute context: router token counts are left as they were before the recompute."""
+
+    def __init__(self, routers: list[Router], inner):
+        self.routers, self.inner = routers, inner
+
+    def __enter__(self):
+        self.saved = [r.tokens_per_expert.clone() for r in self.routers]
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        out = self.inner.__exit__(*exc)
+        with torch.no_grad():
+            for r, c in zip(self.routers, self.saved):
+                r.tokens_per_expert.copy_(c)
+        return out
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _checkpointed_forward(orig, mode: str, routers: list[Router], *args, **kwargs):
+    def context_fn():
+        fwd, rec = create_selective_checkpoint_contexts(_selective_policy) if mode == "selective" else (_Null(), _Null())
+        return fwd, _KeepRouterCounts(routers, rec)
+
+    return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Checkpoint every block of `model.layers` (before fully_shard, as torchtitan orders it)."""
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"activation_checkpointing={mode!r}; choose none, selective or full")
+    if mode == "none":
+        return
+    if mode == "selective":
+        _ignore_profiler_ops_in_sac()
+    for block in model.layers:
+        if getattr(block, "_moeadapt_ac", None):
+            continue
+        routers = [m for m in block.modules() if isinstance(m, Router)]
+        block.forward = functools.partial(_checkpointed_forward, block.forward, mode, routers)
+        block._moeadapt_ac = mode

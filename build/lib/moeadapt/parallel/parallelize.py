@@ -1,0 +1,81 @@
+"""Apply parallelism to a built model (torchtitan-style): EP, activation checkpointing, FSDP2.
+
+Owns: `parallelize_model` (order: slice experts and swap in the EP dispatcher -> checkpoint blocks ->
+`fully_shard` experts over dp_shard_in_ep, then each block and the root over dp_shard (HSDP when
+dp_replicate > 1)), the gradient-norm clip that spans both meshes, and the router-count all-reduce.
+Mixed precision: bf16 parameters with fp32 gradient reduction on GPU; fp32 throughout on CPU.
+
+Gradient scale: every rank's loss is the mean over its own tokens and the global loss is the mean over
+ranks. FSDP divides dense gradients by the dense mesh size (= world). An expert gradient already sums the
+contributions of all ep ranks' tokens through the all-to-all, and FSDP divides it by its own mesh size
+(world / ep); the missing 1/ep is applied by EPDispatcher inside autograd (expert.py). (FSDP's
+`set_gradient_divide_factor` would do it too, but needs PREMUL_SUM, which gloo lacks, and double-divides
+when the expert shard group has one rank.)
+Must not change what the model computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..models.moe import LatentMoE
+from ..models.router import Router
+from .activation import apply_activation_checkpointing
+from .expert import EPDispatcher, shard_experts
+from .mesh import ParallelDims
+
+
+def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
+    """In place; call after materialising (and LoRA injection), before building the optimizer."""
+    spec = dims.spec
+    for m in model.modules():  # the global-batch aux loss counts every rank's tokens
+        if isinstance(m, Router) and hasattr(m, "global_counts_reduce"):
+            m.global_counts_reduce = counts_reduce
+    if spec.ep > 1:
+        shard_experts(model, spec.ep, dims.ep_rank)
+        for m in model.modules():
+            if isinstance(m, LatentMoE):
+                m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing)
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    if dims.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    dense_mesh, raf = dims.dense_fsdp_mesh(), spec.reshard_after_forward
+    for block in model.layers:
+        if spec.ep > 1 and isinstance(block.ffn, LatentMoE):
+            fully_shard(block.ffn.experts, mesh=dims.expert_fsdp_mesh(), reshard_after_forward=raf, mp_policy=mp)
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
+def counts_reduce(t: torch.Tensor) -> None:
+    """Sum per-expert token counts over all ranks (every rank routes its own tokens) — for
+    `update_expert_bias(model, counts_reduce=...)`."""
+    dist.all_reduce(t)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, dims: ParallelDims) -> torch.Tensor:
+    """Global L2 norm over dense and expert gradients (both meshes); scales grads in place when above max_norm.
+
+    Each element of a gradient lives once per replica, and both meshes are replicated dp_replicate times,
+    so the norm is the all-reduced local sum of squares / dp_replicate."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    dev = local[0].device if local else dims.device
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    for g in local:
+        sq += g.float().pow(2).sum()
+    dist.all_reduce(sq)
+    total = (sq / dims.spec.dp_replicate).sqrt()
+    if max_norm is not None and max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+    return total

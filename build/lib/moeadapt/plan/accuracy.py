@@ -1,0 +1,106 @@
+"""Predicted vs measured peak memory of one training step, on any device.
+
+Measurement on CPU (torch has no CPU allocator statistics): a TorchDispatchMode that sees every tensor an op
+creates and keeps a running sum of *live storage bytes* (each storage counted once when it first appears,
+uncounted when Python's weakref finalizer reports it freed); the peak of that sum plus the bytes already live
+when the step starts (parameters) is the CPU analogue of `torch.cuda.max_memory_allocated` (no allocator
+rounding or fragmentation, which the model's `reserve` term covers on GPU). On CUDA the same function reads
+`torch.cuda.max_memory_allocated` instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..config import LoRASpec, ModelSpec
+from .memory import Plan, memory_breakdown
+
+
+class LiveBytes(TorchDispatchMode):
+    """Running and peak bytes of storages created under the mode (each storage once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, n: int) -> None:
+        self._seen.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+                if n == 0 or key in self._seen:
+                    continue
+                self._seen.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, key, n)
+        return out
+
+
+def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,
+                 device: str = "cpu", seed: int = 0) -> dict:
+    """One forward + backward + AdamW step of a fresh model; returns measured peak bytes and the split."""
+    from ..lora import inject_lora
+    from ..models.model import build_model, materialize
+    from ..parallel.activation import apply_activation_checkpointing
+
+    torch.manual_seed(seed)
+    dtype = torch.float32
+    model = materialize(build_model(spec, "meta"), device, seed=seed, dtype=dtype)
+    model.set_backend("reference" if device == "cpu" else "auto")
+    if lora is not None:
+        inject_lora(model, lora)
+        if device == "cuda":
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+    if recompute != "none":
+        apply_activation_checkpointing(model, recompute)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), device=device)
+    labels = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), device=device)
+    base = sum(t.untyped_storage().nbytes() for t in {id(x): x for x in [*model.parameters(), *model.buffers()]}.values())
+    if device == "cuda":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _step(model, opt, ids, labels)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            _step(model, opt, ids, labels)
+        torch.cuda.synchronize()
+        return {"peak": torch.cuda.max_memory_allocated(), "params": base}
+    _step(model, opt, ids, labels)  # the first step creates the optimizer state; measure the second
+    held = base + sum(s.untyped_storage().nbytes() for st in opt.state.values() for s in st.values()
+                      if isinstance(s, torch.Tensor))
+    mode = LiveBytes()
+    with mode:
+        _step(model, opt, ids, labels)
+    return {"peak": mode.peak + held, "params": base}
+
+
+def _step(model, opt, ids, labels) -> None:
+    opt.zero_grad(set_to_none=True)
+    out = model(ids, labels=labels)
+    (out.loss + out.aux_loss).backward()
+    opt.step()
+
+
+def predict_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,
+                 device: str = "cpu") -> dict:
+    """The planner's prediction for the same single-device step (no FSDP, no EP, no reserve)."""
+    cpu = device == "cpu"
+    plan = Plan(1, 1, 1, 1, 1, recompute, micro_batch, seq_len)
+    return memory_breakdown(spec, plan, lora, act_bytes=4 if cpu else 2, backend="reference" if cpu else "kernel",
+                            reserve_frac=0.0, context_bytes=0.0, base_bytes=4 if cpu else 2)

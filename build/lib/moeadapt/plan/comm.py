@@ -1,0 +1,100 @@
+"""Communication and time model of one step: FSDP all-gather / reduce-scatter bytes, EP all-to-all bytes,
+and a step-time estimate from stated bandwidths.
+
+Stated hardware (H200 SXM nodes of 8 GPUs; override with `Hardware(...)`):
+  * NVLink 4 inside a node: 450 GB/s per GPU per direction, of which collectives reach ~360 GB/s (80%);
+  * InfiniBand NDR between nodes: one 400 Gb/s NIC per GPU = 50 GB/s, ~40 GB/s achieved (80%);
+  * a collective whose group spans nodes runs at the inter-node rate (ring / all-to-all bottleneck);
+    an all-to-all over ep ranks sends (ep - 8) / ep of its bytes over IB when ep > 8;
+  * bf16 dense peak 989 TFLOP/s per GPU at 40% MFU for the GEMMs;
+  * FSDP collectives overlap with compute (prefetch): only the part beyond 85% of compute is exposed;
+    the EP all-to-all sits on the critical path between router and experts: exposed in full, times the
+    routing straggler factor (max/mean rank load, 1.3 by default; see `moeadapt simulate-routing`);
+  * context parallelism: DSA layers all-gather the kv latent and index keys, GQA layers their k/v, KDA layers
+    pass one fp32 [H, K, K] state per rank boundary serially (15 us latency per hop); exposed in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import LoRASpec, ModelSpec
+from .memory import Plan, param_counts
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int = 8
+    nvlink_GBps: float = 360.0
+    ib_GBps: float = 40.0
+    peak_tflops: float = 989.0
+    mfu: float = 0.40
+    fsdp_overlap: float = 0.85
+
+
+DEFAULT_HW = Hardware()
+
+
+def _bw(group: int, hw: Hardware) -> float:
+    return hw.nvlink_GBps if group <= hw.gpus_per_node else hw.ib_GBps
+
+
+def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardware = DEFAULT_HW,
+                  act_bytes: int = 2, straggler: float = 1.3, grad_accum: int = 1) -> dict:
+    pc = param_counts(spec, lora)
+    n, ep = plan.shard, plan.ep
+    m = max(1, n // ep)  # dp_shard_in_ep
+    t = plan.micro_batch * plan.seq_len // plan.cp
+    passes = 3 if plan.recompute == "full" else 2  # forward, (recomputed forward), backward all-gathers
+    dense = pc.root + sum(pc.block_dense) + sum(pc.lora_dense)
+    experts_local = (sum(pc.block_experts) + sum(pc.lora_experts)) / ep
+    ag = passes * 2 * (dense * (n - 1) / n + experts_local * (m - 1) / m) if n > 1 else 0.0  # bf16 received
+    trainable_dense = sum(pc.lora_dense) if lora else dense
+    trainable_exp = sum(pc.lora_experts) / ep if lora else experts_local
+    rs = 4 * (trainable_dense * (n - 1) / n + trainable_exp * (m - 1) / m) if n > 1 else 0.0  # fp32 grads
+    if plan.dp_replicate > 1:  # HSDP: all-reduce of the sharded grads across replicas
+        rs += 2 * 4 * (trainable_dense + trainable_exp) / n * (plan.dp_replicate - 1) / plan.dp_replicate
+    n_moe = sum(spec.is_moe_layer(i) for i in range(spec.n_layers))
+    L = spec.latent_dim or spec.hidden_size
+    a2a_passes = 6 if plan.recompute == "full" else 4  # dispatch + combine, forward (+ recompute) + backward
+    a2a_layer = t * spec.n_experts_per_tok * L * act_bytes * (ep - 1) / ep if ep > 1 else 0.0
+    a2a = a2a_passes * n_moe * a2a_layer
+    # context parallelism: DSA gathers the kv latent + index keys of the whole sequence, GQA its k/v (ring);
+    # KDA passes one [H, K, K] fp32 state per rank boundary, serially (latency-bound)
+    cp_bytes, cp_lat = 0.0, 0.0
+    if plan.cp > 1:
+        s_all = plan.micro_batch * plan.seq_len * (plan.cp - 1) / plan.cp
+        for kind in spec.resolved_layer_types():
+            if kind == "dsa":
+                cp_bytes += passes * s_all * (spec.kv_lora_rank + spec.qk_rope_head_dim + spec.index_head_dim) * act_bytes
+            elif kind == "gqa":
+                cp_bytes += passes * s_all * 2 * spec.gqa_n_kv_heads * spec.gqa_head_dim * act_bytes
+            else:
+                cp_lat += passes * (plan.cp - 1) * (15e-6 + spec.kda_n_heads * spec.kda_head_dim ** 2 * 4
+                                                    * plan.micro_batch / (_bw(plan.cp, hw) * 1e9))
+    # time per micro-batch
+    act = pc.total - sum(pc.block_experts) + sum(pc.block_experts) * spec.n_experts_per_tok / max(1, spec.n_routed_experts)
+    flops_per_tok = (4 if lora else 6) * act + (2 if plan.recompute == "full" else 0) * act
+    attn_flops = 0.0
+    for kind in spec.resolved_layer_types():  # quadratic / top-k attention scores (fwd 4 * ... , x3 for bwd)
+        if kind == "dsa":
+            attn_flops += 12 * min(spec.index_topk, plan.seq_len) * spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim) / 2
+        elif kind == "gqa":
+            attn_flops += 12 * plan.seq_len / 2 * spec.n_heads * spec.gqa_head_dim
+        else:
+            attn_flops += 12 * 64 * spec.kda_n_heads * spec.kda_head_dim
+    compute_s = t * (flops_per_tok + attn_flops) / (hw.peak_tflops * 1e12 * hw.mfu) * straggler ** 0.5
+    fsdp_s = ag / (_bw(n, hw) * 1e9) + rs / (_bw(n, hw) * 1e9) / grad_accum
+    if ep > hw.gpus_per_node:
+        ib_frac = (ep - hw.gpus_per_node) / ep
+        a2a_s = straggler * a2a * (ib_frac / (hw.ib_GBps * 1e9) + (1 - ib_frac) / (hw.nvlink_GBps * 1e9))
+    else:
+        a2a_s = straggler * a2a / (hw.nvlink_GBps * 1e9)
+    cp_s = cp_bytes / (_bw(plan.cp, hw) * 1e9) + cp_lat
+    exposed_fsdp = max(0.0, fsdp_s - hw.fsdp_overlap * compute_s)
+    step_s = compute_s + exposed_fsdp + a2a_s + cp_s
+    return {"fsdp_allgather_bytes": ag, "fsdp_reduce_scatter_bytes": rs, "a2a_bytes": a2a, "cp_bytes": cp_bytes,
+            "cp_s": cp_s,
+            "a2a_bytes_per_layer": a2a_layer, "a2a_bytes_per_rank_pair_layer": a2a_layer / max(1, ep - 1),
+            "compute_s": compute_s, "fsdp_s": fsdp_s, "a2a_s": a2a_s, "step_s": step_s,
+            "tokens_per_s_per_gpu": t / step_s}
