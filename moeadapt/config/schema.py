@@ -177,6 +177,9 @@ class TrainSpec(_Strict):
     grad_clip: float | None = Field(default=1.0, gt=0)
     micro_batch_size: int = Field(default=8, gt=0)
     grad_accum_steps: int = Field(default=1, gt=0)
+    merge_microbatches: bool = Field(default=False, description="run the grad_accum_steps micro-batches as one "
+                                     "forward whose experts see all their tokens at once (attention stays per "
+                                     "micro-batch; the loss is the mean of per-micro-batch means)")
     seq_len: int = Field(default=256, gt=1)
     seed: int = 0
     log_every: int = Field(default=10, gt=0)

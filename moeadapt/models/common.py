@@ -11,6 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for norms and rotations (bf16 inputs), and no downcast of float64 (tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -18,9 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = _acc(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -36,7 +41,7 @@ def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float) -> tuple[tor
 def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
     """Rotate the last dim of x [..., T, (heads,) R*2] with the half-split convention (not interleaved).
     x is [B, T, R*2] or [B, T, H, R*2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = _acc(x).chunk(2, dim=-1)
     if x.dim() == 4:
         cos_TR, sin_TR = cos_TR[:, None, :], sin_TR[:, None, :]
     out = torch.cat([x1 * cos_TR - x2 * sin_TR, x1 * sin_TR + x2 * cos_TR], dim=-1)

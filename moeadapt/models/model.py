@@ -35,8 +35,17 @@ class Block(nn.Module):
         self.is_moe = spec.is_moe_layer(layer_id)
         self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        a, attn_aux = self.attn(self.attn_norm(x), cos=cos, sin=sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                micro_batches: int = 1) -> tuple[torch.Tensor, dict]:
+        """micro_batches > 1: x holds several micro-batches along B; attention (and its aux losses) runs per
+        micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts)."""
+        h = self.attn_norm(x)
+        if micro_batches == 1:
+            a, attn_aux = self.attn(h, cos=cos, sin=sin)
+        else:
+            parts = [self.attn(c, cos=cos, sin=sin) for c in h.chunk(micro_batches, dim=0)]
+            a = torch.cat([p[0] for p in parts], dim=0)
+            attn_aux = {k: sum(p[1][k] for p in parts) / micro_batches for k in parts[0][1]}
         x = x + a
         info: dict = {"aux": dict(attn_aux)}
         if self.is_moe:
@@ -93,10 +102,14 @@ class HybridMoEModel(nn.Module):
                 m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                return_logits: bool = True) -> ModelOutput:
+                return_logits: bool = True, micro_batches: int = 1) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] with -100 where no loss is taken (already shifted: label[t] is
-        the target for position t)."""
+        the target for position t). micro_batches = M > 1 merges M micro-batches stacked along B: the experts
+        see all their tokens in one grouped GEMM, while the loss is the mean of the M per-micro-batch means
+        (what gradient accumulation over them would optimise)."""
         B, T = input_ids.shape
+        if B % micro_batches:
+            raise ValueError(f"batch of {B} rows does not split into micro_batches={micro_batches}")
         if T > self.spec.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
@@ -107,7 +120,7 @@ class HybridMoEModel(nn.Module):
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []
         for layer in self.layers:
-            x, info = layer(x, cos, sin)
+            x, info = layer(x, cos, sin, micro_batches)
             for k, v in info["aux"].items():
                 aux_total = aux_total + v.float()
                 aux_log[k] = aux_log.get(k, 0.0) + float(v.detach())
@@ -117,7 +130,10 @@ class HybridMoEModel(nn.Module):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
+                                      ignore_index=-100, reduction="none").view(micro_batches, -1)
+            valid = (labels.reshape(micro_batches, -1) != -100).float()
+            loss = ((per_tok * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
 
 

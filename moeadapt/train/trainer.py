@@ -206,22 +206,25 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
         for step in range(start, t.steps):
             loss_sum, aux_sum, finite, drops = 0.0, {}, True, {}
             step_counts.clear()
-            for _ in range(t.grad_accum_steps):
-                x, y = sampler.next()
-                x, y = x.to(device), y.to(device)
+            # merge_microbatches: one forward over all micro-batches (experts batched), else one per micro-batch
+            per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
+            n_fwd = t.grad_accum_steps // per_fwd
+            for _ in range(n_fwd):
+                xs, ys = zip(*(sampler.next() for _ in range(per_fwd)))
+                x, y = torch.cat(xs).to(device), torch.cat(ys).to(device)
                 with _autocast(device, t.dtype):
-                    out = model(x, y, return_logits=False)
+                    out = model(x, y, return_logits=False, micro_batches=per_fwd)
                     loss = out.loss + out.aux_loss
                 if not (dr.all_finite(loss) if dr else torch.isfinite(loss)):  # ranks must agree to skip
                     finite = False
                     break
-                (loss / t.grad_accum_steps).backward()
-                loss_sum += float(out.loss.detach()) / t.grad_accum_steps
+                (loss / n_fwd).backward()
+                loss_sum += float(out.loss.detach()) / n_fwd
                 for k, v in out.aux.items():
-                    aux_sum[k] = aux_sum.get(k, 0.0) + v / t.grad_accum_steps
+                    aux_sum[k] = aux_sum.get(k, 0.0) + v / n_fwd
                 for m in out.moe:
                     step_counts[m["layer"]] = step_counts.get(m["layer"], 0) + m["counts"].float().cpu()
-                    drops[m["layer"]] = drops.get(m["layer"], 0.0) + float(m["drop_rate"]) / t.grad_accum_steps
+                    drops[m["layer"]] = drops.get(m["layer"], 0.0) + float(m["drop_rate"]) / n_fwd
                 tokens_done += x.numel() * world
                 tok_log += x.numel() * world
             if not finite:

@@ -96,3 +96,13 @@ def test_init_from_wrong_model_is_clear(tmp_path):
     with pytest.raises(ValueError, match="has shape"):
         api.train(c, quiet=True)
     assert json.loads((base / "config.json").read_text())["moeadapt"]["hidden_size"] == 32
+
+
+def test_merge_microbatches_matches_accumulation(tmp_path):
+    a = api.train(cfg(tmp_path / "a", steps=4, grad_accum_steps=2, micro_batch_size=2), quiet=True)
+    b = api.train(cfg(tmp_path / "b", steps=4, grad_accum_steps=2, micro_batch_size=2, merge_microbatches=True),
+                  quiet=True)
+    la, lb = losses(a.output_dir), losses(b.output_dir)
+    assert la.keys() == lb.keys()
+    for s in la:
+        assert lb[s] == pytest.approx(la[s], rel=1e-4), s
