@@ -1,1 +1,0 @@
-"""moeadapt.data"""

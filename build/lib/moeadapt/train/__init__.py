@@ -1,1 +1,0 @@
-"""Trainer loop, checkpoints, metrics."""
