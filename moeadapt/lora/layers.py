@@ -25,12 +25,11 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
-        dev, dt = base.weight.device, base.weight.dtype
+        dev = base.weight.device
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=dev, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=dev, dtype=torch.float32)
         self.rank, self.scaling = rank, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        del dt
         self.reset_lora()
 
     def reset_lora(self) -> None:
