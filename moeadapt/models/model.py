@@ -123,7 +123,7 @@ class HybridMoEModel(nn.Module):
             x, info = layer(x, cos, sin, micro_batches)
             for k, v in info["aux"].items():
                 aux_total = aux_total + v.float()
-                aux_log[k] = aux_log.get(k, 0.0) + float(v.detach())
+                aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
         h = self.norm(x)
@@ -134,6 +134,7 @@ class HybridMoEModel(nn.Module):
                                       ignore_index=-100, reduction="none").view(micro_batches, -1)
             valid = (labels.reshape(micro_batches, -1) != -100).float()
             loss = ((per_tok * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
+        aux_log = {k: float(v) for k, v in aux_log.items()}  # one device sync per aux loss, not per layer
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
 
 
