@@ -223,8 +223,9 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                 for k, v in out.aux.items():
                     aux_sum[k] = aux_sum.get(k, 0.0) + v / n_fwd
                 for m in out.moe:
-                    step_counts[m["layer"]] = step_counts.get(m["layer"], 0) + m["counts"].float().cpu()
-                    drops[m["layer"]] = drops.get(m["layer"], 0.0) + float(m["drop_rate"]) / n_fwd
+                    # stays on the device: read back only on log steps (no per-layer sync in the hot loop)
+                    step_counts[m["layer"]] = step_counts.get(m["layer"], 0) + m["counts"].float()
+                    drops[m["layer"]] = drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
                 tokens_done += x.numel() * world
                 tok_log += x.numel() * world
             if not finite:
@@ -255,7 +256,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                     rec["mfu"] = tps * fpt / peak / world  # tps counts every rank; MFU is per GPU
                 if device.type == "cuda":
                     rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": drops[layer],
+                rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": float(drops[layer]),
                                # raw per-expert counts for `moeadapt simulate-routing` (small models only)
                                **({"counts": [int(x) for x in c.tolist()]} if c.numel() <= 1024 else {})}
                               for layer, c in sorted(step_counts.items())]
