@@ -78,6 +78,10 @@ def _cfg(K, V, dtype, HV=16):
     c["local_BV"] = min(c["local_BV"], V)
     c["BV"] = c["local_BV"]
     c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 tiles are twice the bytes: Triton's default 3-stage pipelining of the [64, 128] loads needs
+    # ~280 KB of shared memory in _bwd_dh (H200 run, 2026-11-29), over sm_90's 227 KB; fp32 is the
+    # checking path, not the fast one, so it runs unpipelined.
+    c["stages"] = 1 if dtype == torch.float32 and max(K, V) > 64 else 3
     c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
     return c
 
@@ -107,19 +111,19 @@ class ChunkKDAFunction(torch.autograd.Function):
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, Aqk, Ti, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"], num_stages=cfg["stages"],
             )
             del Gc
         _fwd_intra[(NC, HV)](
             g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"], num_stages=cfg["stages"],
         )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
             qg, h, vn, Aqk, o, cu, cidx, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"], num_stages=cfg["stages"],
         )
         keep = cfg["save_h"]
         ctx.save_for_backward(
@@ -150,7 +154,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
             qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
             cu, coff, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
-            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"],
+            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"], num_stages=cfg["stages"],
         )
         dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
         dk = torch.empty_like(dq)
@@ -165,12 +169,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
         _bwd_dv[(NC, HV)](
             v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
-            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"],
+            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"], num_stages=cfg["stages"],
         )
         _bwd_wy[(NC, HV, K // BK)](
             q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-            num_warps=cfg["local_warps"],
+            num_warps=cfg["local_warps"], num_stages=cfg["stages"],
         )
         in_kernel = cfg["diag"] == "chunk"
         if not in_kernel:
@@ -178,7 +182,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
             _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"], num_stages=cfg["stages"],
             )
             del Gc
             db0 += db3
@@ -186,7 +190,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         _bwd_intra[(NC, HV, K // BK2)](
             q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
             H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"], num_stages=cfg["stages"],
         )
         dA_log = ddt = None
         if gate:
@@ -220,7 +224,7 @@ def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_st
     _fwd_h[(triton.cdiv(V, BV), N * HV)](
         kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
         HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
-        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"],
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"], num_stages=cfg["stages"],
     )
     return h, vn, ht
 
