@@ -354,3 +354,16 @@ def test_grouped_lora_fused_rejects_foreign_buffer(gen):
     with pytest.raises(ValueError, match="same memory"):
         grouped_lora(torch.randn(5, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 4), offs, 1.0,
                      w_EIO=w, backend="fused", w_cat=w_cat)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_with_known_num_routed(gen, backend):
+    """num_routed (a dropless router: N = T*K) gives the same result without the host sync."""
+    ids_TK = _routing(gen, 40, 3, 8, drop=0.0)
+    x = torch.randn(40, 16, generator=gen)
+    a = permute(x, ids_TK, 8, backend=backend)
+    b = permute(x, ids_TK, 8, backend=backend, num_routed=ids_TK.numel())
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    if backend == "reference":
+        with pytest.raises(ValueError, match="num_routed"):
+            permute(x, ids_TK, 8, backend=backend, num_routed=ids_TK.numel() - 1)

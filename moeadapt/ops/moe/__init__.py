@@ -60,7 +60,8 @@ def offsets_from_counts(counts_E: torch.Tensor) -> torch.Tensor:
 
 
 def permute(
-    x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int, backend: str = "auto"
+    x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int, backend: str = "auto",
+    num_routed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather token rows into expert-major order.
 
@@ -72,7 +73,9 @@ def permute(
         x_sorted_ND: [N, D] rows of expert 0, then expert 1, ...; stable in t*K+k within an expert.
         row_index_N: [N] int64, the flat choice index t*K+k of each sorted row.
         counts_E: [E] int64 rows per expert (N = counts_E.sum() = non-dropped choices).
-    Differentiable w.r.t. x_TD. One host sync (N sizes the output).
+    Differentiable w.r.t. x_TD. One host sync (N sizes the output), unless the caller passes
+    `num_routed` = N (e.g. T*K for a dropless router): then none on the Triton path; the id range and
+    N are checked on the device (torch._assert_async, raised at the next sync).
     """
     if x_TD.dim() != 2 or expert_ids_TK.dim() != 2 or x_TD.shape[0] != expert_ids_TK.shape[0]:
         raise ValueError(
@@ -89,14 +92,17 @@ def permute(
     if be == "triton":
         from .triton_permute import permute_triton
 
-        return permute_triton(x_TD, expert_ids_TK, num_experts)
+        return permute_triton(x_TD, expert_ids_TK, num_experts, num_routed)
     if expert_ids_TK.numel():
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(
                 f"expert_ids_TK holds ids in [{lo}, {hi}]; ids must be in [0, {num_experts}) or -1 (dropped)"
             )
-    return permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+    out = permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+    if num_routed is not None and out[0].shape[0] != num_routed:
+        raise ValueError(f"num_routed={num_routed} but the ids route {out[0].shape[0]} choices")
+    return out
 
 
 def unpermute(
