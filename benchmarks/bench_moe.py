@@ -10,11 +10,17 @@ Variants (all bf16, fwd+bwd):
                    torch._grouped_mm per expert MLP, fp32 score multiply + deterministic scatter_add)
   loop             per-expert Python loop (argsort dispatch, one matmul per expert and projection)
   gemm-floor       torch._grouped_mm alone on pre-permuted inputs (gate/up and down GEMMs, fwd+bwd)
-  lora-<be>        frozen base + grouped LoRA r=16 on gate/up and down (base fused into the kernel)
+  lora-<be>        frozen base + grouped LoRA r=16 on gate/up and down: lora-triton (old fused Triton
+                   GEMM), lora-torch (old: three torch._grouped_mm), lora-fused (LoRA folded into the
+                   base torch._grouped_mm through a persistent [W | Bᵀ] buffer, fused_lora.py, dx="cat",
+                   K-grouped torch dA/dB), lora-fused-split (dx="split"), lora-fused-twg (Triton dA/dB)
   frozen           the same layer with a frozen base and no LoRA (dx only), the LoRA baseline
+Every variant permutes with num_routed = T*K (dropless routing), so none of them syncs with the host.
 Scopes: "layer" (everything above) and "experts" (permute → experts → unpermute on a fixed latent).
 
 Run: python3 benchmarks/bench_moe.py [--quick] [--out results.jsonl]
+LoRA overhead only (frozen vs every LoRA variant, 3 cases, uniform, ~2-3 min on an H200):
+     python3 benchmarks/bench_moe.py --lora-only
 Imports only torch, triton and moeadapt.ops.
 """
 
@@ -31,7 +37,24 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
-from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, unpermute  # noqa: E402
+from moeadapt.ops.moe import (  # noqa: E402
+    fused_lora,
+    grouped_lora,
+    grouped_mm,
+    offsets_from_counts,
+    permute,
+    swiglu,
+    unpermute,
+)
+
+# lora variant -> (grouped_lora backend, fused_lora.CONFIG or None)
+LORA_VARIANTS = {
+    "lora-triton": ("triton", None),
+    "lora-torch": ("torch", None),
+    "lora-fused": ("fused", dict(dx="cat", wgrad="torch")),
+    "lora-fused-split": ("fused", dict(dx="split", wgrad="torch")),
+    "lora-fused-twg": ("fused", dict(dx="cat", wgrad="triton")),
+}
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -78,14 +101,22 @@ def swiglu_unfused(gu_NF2):
 
 
 # ---------------------------------------------------------------- expert blocks (z_TL → y_TL)
-def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu):
+def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu, cats=None):
+    """cats: persistent [W | Bᵀ] buffers {"gu", "d"} for lora="fused" (the base weight is their view)."""
     T = z_TL.shape[0]
-    xs, ri, counts = permute(z_TL, ids_TK, E)
+    xs, ri, counts = permute(z_TL, ids_TK, E, num_routed=ids_TK.numel())
     offs = offsets_from_counts(counts)
     wgu, wd = P["w_gu_EOI"].transpose(1, 2), P["w_d_EOI"].transpose(1, 2)
     if lora is None:
         a = act(grouped_mm(xs, wgu, offs, backend=mm_backend))
         o = grouped_mm(a, wd, offs, backend=mm_backend)
+    elif lora == "fused":
+        L, Fh = xs.shape[1], P["w_d_EOI"].shape[2]
+        cgu, cd = cats["gu"], cats["d"]
+        a = act(grouped_lora(xs, P["A_gu"], P["B_gu"], offs, scaling, w_EIO=cgu[:, :, :L].transpose(1, 2),
+                             backend="fused", w_cat=cgu))
+        o = grouped_lora(a, P["A_d"], P["B_d"], offs, scaling, w_EIO=cd[:, :, :Fh].transpose(1, 2),
+                         backend="fused", w_cat=cd)
     else:
         a = act(grouped_lora(xs, P["A_gu"], P["B_gu"], offs, scaling, w_EIO=wgu, backend=lora))
         o = grouped_lora(a, P["A_d"], P["B_d"], offs, scaling, w_EIO=wd, backend=lora)
@@ -161,8 +192,11 @@ def _bench(fn, rep_ms):
     return ms, peak
 
 
-def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False):
+def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=False):
     P = make_params(E, D, L, Fh, R)
+    # persistent [W | Bᵀ] buffers for the fused LoRA (a model keeps only these; the bench also keeps
+    # the contiguous P["w_*"] so the other variants run on exactly the weights they always had)
+    cats = {"gu": fused_lora.make_cat_buffer(P["w_gu_EOI"], R), "d": fused_lora.make_cat_buffer(P["w_d_EOI"], R)}
     bias_TE = routing_bias(T, E, zipf_s)
     h0 = torch.randn(T, D, device=DEV, dtype=BF16)
     dout = torch.randn(T, D, device=DEV, dtype=BF16)
@@ -179,13 +213,24 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False):
                 load_max=round(load.max().item(), 2), load_min=round(load.min().item(), 2))
 
     try:  # full-shape agreement of our path with the torchtitan-style path
+        if lora_only:
+            raise StopIteration
         with torch.no_grad():
             y_a = experts_ours(z0, ids_TK, w_TK, P, E, "triton").float()
             y_b = experts_titan(z0, ids_TK, w_TK, P, E).float()
         log(dict(info, check="ours-triton vs titan-0.3 (experts fwd)",
                  rel_err=float((y_a - y_b).norm() / y_b.norm())))
+    except StopIteration:
+        pass
     except Exception as exc:
         print(f"# check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    try:  # the fused LoRA against the old torch LoRA at full shape (fwd)
+        with torch.no_grad():
+            y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="fused", cats=cats).float()
+            y_t = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="torch").float()
+        log(dict(info, check="lora-fused vs lora-torch (experts fwd)", rel_err=float((y_f - y_t).norm() / y_t.norm())))
+    except Exception as exc:
+        print(f"# lora check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
     def train_params(frozen):
         for k, v in P.items():
@@ -216,14 +261,26 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False):
     }
     if loop:
         variants["loop"] = lambda z, i, w: experts_loop(z, i, w, P, E)
-    lora_variants = {
-        "frozen": lambda z, i, w: experts_ours(z, i, w, P, E, "auto"),
-        "lora-triton": lambda z, i, w: experts_ours(z, i, w, P, E, "auto", lora="triton"),
-        "lora-torch": lambda z, i, w: experts_ours(z, i, w, P, E, "auto", lora="torch"),
-    }
+    if lora_only:
+        variants = {}
+
+    def lora_fn(name):
+        be, cfg = LORA_VARIANTS[name]
+
+        def fn(z, i, w):
+            if cfg is not None:
+                fused_lora.CONFIG.update(cfg)  # read again in backward, which runs before the next call
+            return experts_ours(z, i, w, P, E, "auto", lora=be, cats=cats)
+        return fn
+
+    lora_variants = {"frozen": lambda z, i, w: experts_ours(z, i, w, P, E, "auto")}
+    lora_variants.update({name: lora_fn(name) for name in LORA_VARIANTS})
     if profile:  # where the time goes, per kernel, for our full-training and LoRA steps
-        for name, ex, frozen in (("ours-torch", variants["ours-torch"], False),
-                                 ("lora-triton", lora_variants["lora-triton"], True)):
+        for name, ex, frozen in (("ours-torch", variants.get("ours-torch"), False),
+                                 ("lora-triton", lora_variants["lora-triton"], True),
+                                 ("lora-fused", lora_variants["lora-fused"], True)):
+            if ex is None:
+                continue
             step = experts_step(ex, frozen)
             step()
             torch.cuda.synchronize()
@@ -248,6 +305,17 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False):
             rows.append(dict(info, scope=scope, variant=name, ms=round(ms, 3),
                              tflops=round(fl / ms / 1e9, 1), peak_gib=round(mem, 2)))
             log(rows[-1])
+    fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
+    for scope in ("experts", "layer"):  # the target: LoRA adds at most 25% over the frozen layer
+        base = next(r["ms"] for r in rows if r["scope"] == scope and r["variant"] == "frozen")
+        over = {r["variant"]: round(100 * (r["ms"] / base - 1), 1) for r in rows
+                if r["scope"] == scope and r["variant"] in LORA_VARIANTS}
+        log(dict(summary="lora overhead % over frozen", E=E, K=K, routing=info["routing"], scope=scope,
+                 frozen_ms=base, **over))
+    if lora_only:
+        P.clear()
+        torch.cuda.empty_cache()
+        return rows
     # pure-GEMM floor on pre-permuted inputs: gate/up and down grouped GEMMs, fwd + bwd (dx, dW)
     offs = offsets_from_counts(counts)
     xs = torch.randn(N, L, device=DEV, dtype=BF16)
@@ -321,9 +389,13 @@ def main():
     ap.add_argument("--no-loop", action="store_true", help="skip the per-expert Python loop baseline")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel profile of the first case")
     ap.add_argument("--sweep", action="store_true", help="time Triton GEMM tile configs at E=64, K=8 first")
+    ap.add_argument("--lora-only", action="store_true",
+                    help="frozen vs each LoRA variant only (uniform routing unless --routings says otherwise)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     args = ap.parse_args()
+    if args.lora_only and args.routings == ap.get_default("routings"):
+        args.routings = "0"
     T, D, L, Fh, R = (2048, 1024, 256, 256, 16) if args.quick else (16384, 4096, 1024, 1024, 16)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     f = open(args.out, "a") if args.out else None
@@ -346,7 +418,8 @@ def main():
                 print(f"# budget spent: skipped E={E} K={K} zipf={zipf_s}", flush=True)
                 continue
             t0 = time.time()
-            run_case(E, K, zipf_s, T, D, L, Fh, R, not (args.quick or args.no_loop), log, profile=args.profile and first)
+            run_case(E, K, zipf_s, T, D, L, Fh, R, not (args.quick or args.no_loop or args.lora_only), log,
+                     profile=args.profile and first, lora_only=args.lora_only)
             first = False
             print(f"# case E={E} K={K} zipf={zipf_s} took {time.time() - t0:.1f}s", flush=True)
 

@@ -75,6 +75,7 @@ def merge_lora(model: nn.Module) -> int:
             plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
             plain.weight, plain.bias = m.weight, m.bias
         else:
+            m.weight.data = m.weight.data.contiguous()  # leave the [W | B] buffer behind
             plain = GroupedLinear.__new__(GroupedLinear)
             nn.Module.__init__(plain)
             plain.n_experts, plain.in_features, plain.out_features = m.n_experts, m.in_features, m.out_features

@@ -46,10 +46,16 @@ class GroupedExperts(nn.Module):
 
 
 class LocalDispatcher:
-    """Single-rank dispatch: permute -> grouped experts -> unpermute. parallel/ swaps in an EP version."""
+    """Single-rank dispatch: permute -> grouped experts -> unpermute. parallel/ swaps in an EP version.
+
+    `dropless` (no capacity limit: every choice is routed, N = T*K) lets permute skip its host sync."""
+
+    def __init__(self, dropless: bool = False):
+        self.dropless = dropless
 
     def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
-        z_NL, row_index_N, counts_E = permute(z_TL, ids_TK, n_experts, backend=backend)
+        num_routed = ids_TK.numel() if self.dropless else None
+        z_NL, row_index_N, counts_E = permute(z_TL, ids_TK, n_experts, backend=backend, num_routed=num_routed)
         y_NL = experts(z_NL, offsets_from_counts(counts_E))
         return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
 
@@ -68,7 +74,7 @@ class LatentMoE(nn.Module):
         self.experts = GroupedExperts(spec.n_routed_experts, L, spec.moe_intermediate_size)
         n_sh = spec.n_shared_experts
         self.shared = SwiGLU(d, n_sh * (spec.shared_intermediate_size or spec.moe_intermediate_size)) if n_sh else None
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher = LocalDispatcher(dropless=spec.capacity_factor is None)
         self.backend = "auto"
 
     def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:

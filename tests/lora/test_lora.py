@@ -99,3 +99,36 @@ def test_no_target_matches_is_clear():
     m = materialize(build_model(micro_spec(), "meta"), "cpu")
     with pytest.raises(ValueError, match="matched no module"):
         inject_lora(m, LoRASpec(targets=["attn.nothing"]))
+
+
+def test_grouped_lora_layer_keeps_one_weight_and_fused_matches(seed):
+    """GroupedLoRALinear stores its base weight inside the [W | B] buffer (a view, no second copy), the
+    fused path gives the reference's output and adapter gradients, and .to() re-establishes the view."""
+    from moeadapt.ops.moe.fused_lora import padded_rank
+
+    m, _ = model_with_lora(seed)
+    g = next(mod for mod in m.modules() if isinstance(mod, GroupedLoRALinear))
+    E, I = g.n_experts, g.in_features
+    assert g._wcat is not None and g._wcat.shape == (E, g.out_features, I + padded_rank(g.rank))
+    assert g.weight.data_ptr() == g._wcat.data_ptr() and g.cat_weight(g.weight.dtype) is not None
+    assert not g.weight.requires_grad
+    counts = torch.tensor([3, 0, 5, 2])[:E]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), I)
+    dy = torch.randn(int(counts.sum()), g.out_features)
+    res = {}
+    for backend in ("reference", "fused"):
+        g.backend = backend
+        g.lora_A.grad = g.lora_B.grad = None
+        xx = x.clone().requires_grad_(True)
+        y = g(xx, offs)
+        (y * dy).sum().backward()
+        res[backend] = (y.detach(), xx.grad, g.lora_A.grad.clone(), g.lora_B.grad.clone())
+    for a, b in zip(res["reference"], res["fused"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert g.weight.grad is None
+    g.to(torch.float64)
+    assert g._wcat.dtype == torch.float64 and g.weight.data_ptr() == g._wcat.data_ptr()
+    # the export contract: A and B stay separate parameters
+    names = {n for n, _ in g.named_parameters()}
+    assert names == {"weight", "lora_A", "lora_B"}

@@ -269,3 +269,101 @@ def test_tile_map_follows_offsets_changes(gen):
     _close(first, grouped_mm(x, w, offsets, backend="reference"), 1e-5)
     offsets.copy_(offsets_from_counts(torch.tensor([0, 12, 1, 7])))
     _close(grouped_mm(x, w, offsets, backend="triton"), grouped_mm(x, w, offsets, backend="reference"), 1e-5)
+
+
+# ------------------------------------------------------------------ fused grouped LoRA (fused_lora.py)
+@pytest.mark.parametrize("dx,wgrad", [("cat", "torch"), ("split", "triton"), ("cat", "triton"), ("split", "torch")])
+@pytest.mark.parametrize("R", [4, 16])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_grouped_lora_fused(gen, monkeypatch, dx, wgrad, R, persistent):
+    """The fused backend (same code on CPU: torch._grouped_mm + the Triton passes interpreted) against
+    float64 loops: y and the gradients of x, A and B, frozen base."""
+    from moeadapt.ops.moe import fused_lora
+
+    if not INTERPRET and (wgrad == "triton"):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
+    monkeypatch.setitem(fused_lora.CONFIG, "wgrad", wgrad)
+    E, I, O, scaling = 6, 40, 24, 2.0
+    counts = _counts(gen, E, 50)
+    counts[1] = 0  # an empty expert
+    offsets = offsets_from_counts(counts)
+    N = int(counts.sum())
+    x_NI = torch.randn(N, I, generator=gen)
+    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
+    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
+    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    dy_NO = torch.randn(N, O, generator=gen)
+
+    w_cat = fused_lora.make_cat_buffer(w_EOI, R) if persistent else None
+    w_EIO = w_cat[:, :, :I].transpose(1, 2) if persistent else w_EOI.transpose(1, 2)
+    x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
+    y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_EIO, backend="fused", w_cat=w_cat)
+    x64, A64, B64 = _leaf(x_NI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
+    y_ref = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
+    y_ref = y_ref + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    for got, want in [(x.grad, x64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
+        _close(got, want, 1e-4)
+    assert A.grad[1].abs().max() == 0 and B.grad[1].abs().max() == 0  # the empty expert
+    if persistent:  # the base columns were not touched
+        assert torch.equal(w_cat[:, :, :I], w_EOI)
+
+
+def test_grouped_lora_fused_trains_base_when_asked(gen):
+    E, I, O, R = 3, 16, 16, 4
+    offsets = offsets_from_counts(torch.tensor([5, 0, 7]))
+    x = torch.randn(12, I, generator=gen)
+    A, B = torch.randn(E, I, R, generator=gen), torch.randn(E, R, O, generator=gen)
+    w = torch.randn(E, I, O, generator=gen, requires_grad=True)
+    grouped_lora(x, A, B, offsets, 0.5, w_EIO=w, backend="fused").sum().backward()
+    w_ref = w.detach().clone().requires_grad_(True)
+    grouped_mm(x, w_ref, offsets, backend="reference").sum().backward()
+    _close(w.grad, w_ref.grad, 1e-5)
+
+
+def test_grouped_lora_fused_torch_twins(gen, monkeypatch):
+    """The torch twins of the two Triton passes (used off CUDA without the interpreter) do the same."""
+    from moeadapt.ops.moe import fused_lora
+
+    E, I, O, R = 4, 24, 16, 8
+    offsets = offsets_from_counts(torch.tensor([3, 0, 6, 4]))
+    x = torch.randn(13, I, generator=gen)
+    A, B = torch.randn(E, I, R, generator=gen), torch.randn(E, R, O, generator=gen)
+    w = torch.randn(E, I, O, generator=gen)
+    dy = torch.randn(13, O, generator=gen)
+    outs = []
+    for triton_passes in (True, False):
+        monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on and INTERPRET)
+        xx, AA, BB = _leaf(x), _leaf(A), _leaf(B)
+        y = grouped_lora(xx, AA, BB, offsets, 2.0, w_EIO=w, backend="fused")
+        (y * dy).sum().backward()
+        outs.append((y.detach(), xx.grad, AA.grad, BB.grad))
+    for a, b in zip(*outs):
+        _close(a, b, 1e-5)
+
+
+def test_grouped_lora_fused_rejects_foreign_buffer(gen):
+    from moeadapt.ops.moe import fused_lora
+
+    w = torch.randn(2, 8, 4)
+    w_cat = fused_lora.make_cat_buffer(w.transpose(1, 2), 4)
+    offs = offsets_from_counts(torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match="same memory"):
+        grouped_lora(torch.randn(5, 8), torch.randn(2, 8, 4), torch.randn(2, 4, 4), offs, 1.0,
+                     w_EIO=w, backend="fused", w_cat=w_cat)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_with_known_num_routed(gen, backend):
+    """num_routed (a dropless router: N = T*K) gives the same result without the host sync."""
+    ids_TK = _routing(gen, 40, 3, 8, drop=0.0)
+    x = torch.randn(40, 16, generator=gen)
+    a = permute(x, ids_TK, 8, backend=backend)
+    b = permute(x, ids_TK, 8, backend=backend, num_routed=ids_TK.numel())
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    if backend == "reference":
+        with pytest.raises(ValueError, match="num_routed"):
+            permute(x, ids_TK, 8, backend=backend, num_routed=ids_TK.numel() - 1)

@@ -9,8 +9,10 @@ of a grouped matmul, R LoRA rank.
 
 Backends: "reference" (plain PyTorch, autograd; the spec and the CPU path), "triton"
 (triton_permute.py / triton_grouped_mm.py; on CPU only under TRITON_INTERPRET=1), "torch"
-(torch._grouped_mm for the matmuls, reference for permutation) and "auto": on CUDA the fastest
-measured (benchmarks/RESULTS.md "## MoE"), elsewhere "reference".
+(torch._grouped_mm for the matmuls, reference for permutation), "fused" (grouped_lora only:
+the LoRA folded into the base torch._grouped_mm through a concatenated weight buffer, fused_lora.py;
+runs on CPU too) and "auto": on CUDA the fastest measured (benchmarks/RESULTS.md "## MoE"),
+elsewhere "reference".
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .reference import grouped_lora_reference, grouped_mm_reference, permute_ref
 
 __all__ = ["permute", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu"]
 
-_BACKENDS = ("auto", "reference", "triton", "torch")
+_BACKENDS = ("auto", "reference", "triton", "torch", "fused")
 
 
 def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float = 0.0) -> str:
@@ -41,6 +43,8 @@ def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float
         if op == "grouped_lora":
             return "triton" if rows_per_expert < 1536 else "torch"
         return "triton"
+    if backend == "fused" and op != "grouped_lora":
+        raise ValueError("backend='fused' exists for grouped_lora only")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1; got device {device}")
     if backend == "torch" and op in ("permute", "unpermute", "swiglu"):
@@ -56,7 +60,8 @@ def offsets_from_counts(counts_E: torch.Tensor) -> torch.Tensor:
 
 
 def permute(
-    x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int, backend: str = "auto"
+    x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int, backend: str = "auto",
+    num_routed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather token rows into expert-major order.
 
@@ -68,7 +73,9 @@ def permute(
         x_sorted_ND: [N, D] rows of expert 0, then expert 1, ...; stable in t*K+k within an expert.
         row_index_N: [N] int64, the flat choice index t*K+k of each sorted row.
         counts_E: [E] int64 rows per expert (N = counts_E.sum() = non-dropped choices).
-    Differentiable w.r.t. x_TD. One host sync (N sizes the output).
+    Differentiable w.r.t. x_TD. One host sync (N sizes the output), unless the caller passes
+    `num_routed` = N (e.g. T*K for a dropless router): then none on the Triton path; the id range and
+    N are checked on the device (torch._assert_async, raised at the next sync).
     """
     if x_TD.dim() != 2 or expert_ids_TK.dim() != 2 or x_TD.shape[0] != expert_ids_TK.shape[0]:
         raise ValueError(
@@ -85,14 +92,17 @@ def permute(
     if be == "triton":
         from .triton_permute import permute_triton
 
-        return permute_triton(x_TD, expert_ids_TK, num_experts)
+        return permute_triton(x_TD, expert_ids_TK, num_experts, num_routed)
     if expert_ids_TK.numel():
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(
                 f"expert_ids_TK holds ids in [{lo}, {hi}]; ids must be in [0, {num_experts}) or -1 (dropped)"
             )
-    return permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+    out = permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+    if num_routed is not None and out[0].shape[0] != num_routed:
+        raise ValueError(f"num_routed={num_routed} but the ids route {out[0].shape[0]} choices")
+    return out
 
 
 def unpermute(
@@ -172,12 +182,18 @@ def grouped_lora(
     scaling: float,
     w_EIO: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    w_cat: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-expert LoRA: y = scaling·(x·A_e)·B_e, plus x·W_e when w_EIO is given (fused base+LoRA).
 
     Args:
         x_sorted_NI: [N, I] expert-major rows; A_EIR: [E, I, R]; B_ERO: [E, R, O];
         offsets_E: [E] int32 END offsets; scaling: alpha / r; w_EIO: optional [E, I, O] base weight.
+        w_cat: optional persistent [E, O, I + R'] buffer (R' >= R, a multiple of 8) whose first I
+            columns ARE the base weight (w_EIO == w_cat[:, :, :I].transpose(1, 2), same memory);
+            the "fused" backend writes B_eᵀ into its next R columns and runs base + LoRA as one
+            grouped GEMM (fused_lora.py). "auto" picks "fused" on CUDA when it is given.
     Returns: y_NO [N, O]. Never forms ΔW = A·B. Backward gives dx, dA, dB (and dW only when W
     requires grad).
     """
@@ -188,7 +204,16 @@ def grouped_lora(
     if w_EIO is not None and (w_EIO.dim() != 3 or w_EIO.shape != (A_EIR.shape[0], A_EIR.shape[1], B_ERO.shape[2])):
         raise ValueError(f"grouped_lora: w_EIO must be [E, I, O] = {(A_EIR.shape[0], A_EIR.shape[1], B_ERO.shape[2])}; "
                          f"got {tuple(w_EIO.shape)}")
+    if backend == "auto" and w_cat is not None and w_EIO is not None and x_sorted_NI.is_cuda:
+        backend = "fused"
     be = _resolve(backend, x_sorted_NI.device, "grouped_lora", x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1))
+    if be == "fused":
+        if w_EIO is None:  # LoRA alone (the dropout path): nothing to fuse into
+            be = _resolve("auto", x_sorted_NI.device, "grouped_lora", x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1))
+        else:
+            from .fused_lora import grouped_lora_fused
+
+            return grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=w_cat)
     if be == "triton":
         from .triton_grouped_mm import grouped_lora_triton
 

@@ -123,10 +123,13 @@ def _block_d(D: int) -> int:
     return min(triton.next_power_of_2(D), 1024)
 
 
-def compute_permutation(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_permutation(
+    expert_ids_TK: torch.Tensor, num_experts: int, num_routed: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index of each expert-major row and tokens per expert, by histogram + prefix sum.
 
-    One host sync (the number of routed rows N, which sizes the output, and the count of bad ids).
+    One host sync (the number of routed rows N, which sizes the output, and the count of bad ids),
+    none when the caller knows N (`num_routed`): then both are checked by device-side asserts.
     """
     ids_M = expert_ids_TK.reshape(-1).contiguous()
     M, E = ids_M.numel(), num_experts
@@ -136,7 +139,12 @@ def compute_permutation(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[
     if M > 0:
         _rank_hist_kernel[(num_blocks,)](ids_M, rank_M, hist_BE, M, E, BLOCK=_BLOCK_CHOICES)
     counts_all = hist_BE.sum(0)  # int64
-    n_routed, n_bad = torch.stack([counts_all[:E].sum(), counts_all[E + 1]]).tolist()
+    if num_routed is not None:
+        n_routed, n_bad = num_routed, 0
+        torch._assert_async(counts_all[E + 1] == 0, "expert ids outside [0, E) other than -1")
+        torch._assert_async(counts_all[:E].sum() == num_routed, "num_routed differs from the routed choices")
+    else:
+        n_routed, n_bad = torch.stack([counts_all[:E].sum(), counts_all[E + 1]]).tolist()
     if n_bad:
         bad = ids_M[(ids_M < -1) | (ids_M >= E)][:5].tolist()
         raise ValueError(
@@ -235,8 +243,8 @@ class _UnpermuteFn(torch.autograd.Function):
         return (dy_sorted_ND if need_dy else None), None, dw_TK, None
 
 
-def permute_triton(x_TD, expert_ids_TK, num_experts):
-    row_index_N, counts_E = compute_permutation(expert_ids_TK, num_experts)
+def permute_triton(x_TD, expert_ids_TK, num_experts, num_routed=None):
+    row_index_N, counts_E = compute_permutation(expert_ids_TK, num_experts, num_routed)
     x_sorted_ND = _PermuteFn.apply(x_TD, row_index_N, expert_ids_TK.shape[1])
     return x_sorted_ND, row_index_N, counts_E
 
