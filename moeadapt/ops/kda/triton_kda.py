@@ -36,7 +36,7 @@ CONFIG = dict(
     intra_BK=32, intra_warps=8, h_BV=32, h_warps=4, o_BV=64, o_warps=4, dh_warps=8,
     dv_warps=8, dv_BV=32, local_BK=64, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
-    diag="chunk",  # diagonal 16x16 blocks: "chunk" (inside the per-chunk kernels) or "token" (token-parallel)
+    diag="token",  # diagonal 16x16 blocks: "chunk" (inside the per-chunk kernels) or "token" (token-parallel)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
 
