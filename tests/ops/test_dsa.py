@@ -316,3 +316,46 @@ def test_triton_tiny_head_dims(gen, D, DV, DI):
         res.append((o, loss, *torch.autograd.grad((o * do).sum() + loss, xs)))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+# Kernel variants (launch options of triton_sparse_attn), each checked against float64 on
+# small blocks so that the loops run several key blocks, the causal ramp leaves whole
+# blocks of -1 and the last block is partial.
+_FWD_VARIANTS = {
+    "old": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    "skip_rev_lazy": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
+                      "SKIP": True, "REVERSE": True, "LAZY": True},
+}
+_BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
+_BWD_VARIANTS = {
+    "fused_skip": {**_BWD_SUB, "FUSED": True, "DKV_T": True},
+    "split_kmajor": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "KMAJOR": True}},
+    "split_dkvt": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "DKV_T": True}},
+}
+
+
+@triton_only
+@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_kmajor"),
+                                     ("skip_rev_lazy", "split_dkvt")])
+@pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
+def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    monkeypatch.setattr(tsa, "FWD_CONFIG", _FWD_VARIANTS[fwd])
+    monkeypatch.setattr(tsa, "BWD_CONFIG", _BWD_VARIANTS[bwd])
+    T, topk = 45, 40  # t < topk for most rows: trailing blocks entirely -1
+    HQ, HK, D, DV, per_head = (4, 2, 40, 24, True) if layout == "gqa_per_head" else (4, 1, 48, 32, False)
+    q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
+    q = q * 3.0  # sharper softmax: the lazy rescale's branch is taken mid-row
+    idx[0, 7] = -1  # a query with no key
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    shared = layout == "mla"
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (x.clone().to(DEV).requires_grad_(True) for x in (q, k, v))
+        vin = kk[..., :DV] if shared else vv
+        o = sparse_attention(qq, kk, vin, idx.to(DEV), scale=0.25, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do.to(DEV))))
+    assert torch.all(outs[0][0][0, 7] == 0)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=3e-4, rtol=3e-4)

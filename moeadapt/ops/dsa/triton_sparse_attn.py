@@ -62,6 +62,28 @@ def _scatter_add(ptr, val, mask, STORE_ONLY: tl.constexpr):
 
 
 @triton.jit
+def _row_of_program(BT, REVERSE: tl.constexpr):
+    """Row (b * T + t) of this program; REVERSE runs the last rows first: with causal
+    indices those are the full ones (topk keys), so the short early rows fill the tail."""
+    pid = tl.program_id(0).to(tl.int64)
+    if REVERSE:
+        return BT - 1 - pid
+    return pid
+
+
+@triton.jit
+def _slot_span(idx_row_ptr, TOPK, SKIP: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Slots [0, span) hold every valid index of the row (span = last valid slot + 1).
+    SKIP=False walks all TOPK slots; SKIP=True reads the row once (TOPK_P2 >= TOPK ints)
+    so key blocks that are all -1 (the causal ramp t < topk) are never visited."""
+    if SKIP:
+        offs = tl.arange(0, TOPK_P2)
+        ix = tl.load(idx_row_ptr + offs, mask=offs < TOPK, other=-1)
+        return tl.max(tl.where(ix >= 0, offs + 1, 0), 0)
+    return TOPK
+
+
+@triton.jit
 def _sfa_fwd_kernel(
     Q, K, V, IDX, O, LSE,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
@@ -69,8 +91,10 @@ def _sfa_fwd_kernel(
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, LAZY: tl.constexpr = False,
+    TOPK_P2: tl.constexpr = 16,
 ):
-    row = tl.program_id(0).to(tl.int64)  # b * T + t
+    row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
     g = tl.program_id(1) // NHB
     h0 = (tl.program_id(1) % NHB) * BLOCK_H
     b = row // T
@@ -89,7 +113,8 @@ def _sfa_fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     kb_base = K + b * sk_b + g * sk_h
     vb_base = V + b * sv_b + g * sv_h
-    for k0 in range(0, TOPK, BLOCK_K):
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
@@ -103,17 +128,31 @@ def _sfa_fwd_kernel(
                          mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
             s += _mm(q2, tl.trans(k2), IEEE)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         if V_FROM_K:
             v = k1
         else:
             v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
                         mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
-        m_i = m_new
+        if LAZY:
+            # FA4-style lazy rescale: keep the stale running max (p <= 2^8) unless some
+            # head's max grew by more than 8 (log2 units); one uniform branch per block
+            m_blk = tl.max(s, 1)
+            if tl.max(m_blk - m_i, 0) > 8.0:
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            l_i += tl.sum(p, 1)
+            acc = _mm(p.to(v.dtype), v, IEEE, acc)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+            m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptr = O + row * so_t + heads[:, None] * so_h + offs_dv[None, :]
@@ -132,8 +171,9 @@ def _sfa_bwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, DKV_T: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, STORE_ONLY: tl.constexpr,
+    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, TOPK_P2: tl.constexpr = 16,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = _row_of_program(tl.num_programs(0), REVERSE)
     g = tl.program_id(1) // NHB
     h0 = (tl.program_id(1) % NHB) * BLOCK_H
     b = row // T
@@ -161,7 +201,8 @@ def _sfa_bwd_kernel(
     vb_base = V + b * sv_b + g * sv_h
     dkb_base = DK + b * sdk_b + g * sdk_h
     dvb_base = DV_ + b * sdv_b + g * sdv_h
-    for k0 in range(0, TOPK, BLOCK_K):
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
@@ -227,11 +268,111 @@ def _sfa_bwd_kernel(
                      mask=mask_h[:, None] & mask_d2[None, :])
 
 
+@triton.jit
+def _sfa_bwd_dkv_kmajor_kernel(
+    Q, K, V, IDX, O, DO, LSE, DK, DV_,
+    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
+    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+    T, G, TOPK, D, DV, NHB, qk_scale, scale,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr,
+):
+    """dk/dv pass, keys as the MMA's M dimension (no dq, no loop-carried accumulator).
+
+    Per block of BLOCK_K selected keys: S^T = K q^T, dP^T = V dO^T (q, dO are B operands),
+    dS^T = P^T (dP^T - delta) * scale, then dv = P^T dO and dk = dS^T q with the
+    register-resident P^T / dS^T as the A operand and q / dO (already in shared memory
+    as the B operand) reused untransposed; rows [BLOCK_K, D] are scatter-added with
+    fp32 atomics (d contiguous). When v = k[..., :D1], dv + dk[:, :D1] is one atomic.
+    """
+    row = _row_of_program(tl.num_programs(0), REVERSE)
+    g = tl.program_id(1) // NHB
+    h0 = (tl.program_id(1) % NHB) * BLOCK_H
+    b = row // T
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < G
+    heads = g * G + offs_h
+    offs_d1 = tl.arange(0, D1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    q_base = Q + row * sq_t + heads[:, None] * sq_h
+    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        mask_d2 = offs_d2 < D
+        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & mask_d2[None, :], other=0.0)
+    do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                 mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
+    kb_base = K + b * sk_b + g * sk_h
+    vb_base = V + b * sv_b + g * sv_h
+    dkb_base = DK + b * sdk_b + g * sdk_h
+    dvb_base = DV_ + b * sdv_b + g * sdv_h
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    for k0 in range(0, span, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+        if I64:
+            rows = rows.to(tl.int64)
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        st = _mm(k1, tl.trans(q1), IEEE)  # [BLOCK_K, BLOCK_H]
+        if D2 > 0:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
+                         mask=valid[:, None] & mask_d2[None, :], other=0.0)
+            st = _mm(k2, tl.trans(q2), IEEE, st)
+        pt = tl.exp2(st * qk_scale - lse2[None, :])
+        pt = tl.where(valid[:, None] & mask_h[None, :], pt, 0.0)
+        if V_FROM_K:
+            v = k1
+        else:
+            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
+                        mask=valid[:, None] & mask_dv[None, :], other=0.0)
+        dpt = _mm(v, tl.trans(do), IEEE)  # [BLOCK_K, BLOCK_H]
+        dst = (pt * (dpt - delta[None, :]) * scale).to(k1.dtype)
+        dv = _mm(pt.to(do.dtype), do, IEEE)  # [BLOCK_K, BLOCK_DV]
+        if V_FROM_K:
+            dk1 = _mm(dst, q1, IEEE, dv)
+        else:
+            tl.atomic_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
+                          mask=valid[:, None] & mask_dv[None, :], sem="relaxed")
+            dk1 = _mm(dst, q1, IEEE)
+        tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
+                      mask=valid[:, None], sem="relaxed")
+        if D2 > 0:
+            dk2 = _mm(dst, q2, IEEE)
+            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
+                          mask=valid[:, None] & mask_d2[None, :], sem="relaxed")
+
+
 # Launch configuration, from the sweep in benchmarks/bench_dsa.py on an H200 (RESULTS.md).
 # Backward BLOCK_K=32 with num_stages=1 hit an illegal address under Triton 3.6 on the H200
-# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest config that ran clean.
-FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
+# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest fused config that ran clean.
+# Pass options (all default off = the kernels as first measured):
+#   SKIP: walk only up to the row's last valid slot (the causal ramp t < topk has fewer keys);
+#   REVERSE: launch the last (full) rows first so the short ones fill the tail;
+#   LAZY (forward): rescale the accumulator only when a running max grows by > 8 (log2);
+#   KMAJOR (dk/dv pass of a split backward): keys as the MMA's M dimension, see
+#   `_sfa_bwd_dkv_kmajor_kernel`; else the DKV_T / plain forms of `_sfa_bwd_kernel`.
+FWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
+# Untimed on the GPU when written: bench_dsa.py --check times these against the *_OLD ones.
+FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True}
+BWD_CONFIG = {
+    "FUSED": False,
+    # dq pass shaped like the forward: 64-key blocks, dq [64, 576] fp32 the only accumulator
+    "DQ_CFG": {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 1, "SKIP": True, "REVERSE": True},
+    # dk/dv pass: no loop-carried accumulator, fp32 atomics per 32-key block
+    "DKV_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2, "KMAJOR": True,
+                "SKIP": True, "REVERSE": True},
+}
+MAX_SKIP_TOPK = 8192  # SKIP reads the index row into registers: cap its length
 
 
 def _split_d(D: int) -> tuple[int, int]:
@@ -274,6 +415,12 @@ def _launch_args(cfg, G, HK, B, T):
     return bh, nhb, (B * T, HK * nhb)
 
 
+def _walk_args(cfg, topk):
+    tp2 = max(16, triton.next_power_of_2(topk))
+    skip = bool(cfg.get("SKIP", False)) and tp2 <= MAX_SKIP_TOPK
+    return dict(SKIP=skip, REVERSE=bool(cfg.get("REVERSE", False)), TOPK_P2=tp2 if skip else 16)
+
+
 def sfa_forward(q, k, v, indices, scale, cfg=None):
     cfg = cfg or FWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
@@ -288,6 +435,7 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+        LAZY=cfg.get("LAZY", False), **_walk_args(cfg, idx.shape[-1]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -307,19 +455,27 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     passes = [(True, True, cfg)] if cfg.get("FUSED", True) else [
         (True, False, cfg.get("DQ_CFG", cfg)), (False, True, cfg.get("DKV_CFG", cfg))]
     if "ONLY" in cfg:  # timing experiments: run just the dq or just the dk/dv part
-        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", cfg)]
+        sub = cfg if cfg.get("FUSED", True) else cfg.get("DQ_CFG" if cfg["ONLY"] == "dq" else "DKV_CFG", cfg)
+        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", {**sub, "STORE_ONLY": cfg.get("STORE_ONLY", False)})]
     for do_dq, do_dkv, c in passes:
         bh, nhb, grid = _launch_args(c, G, HK, B, T)
-        _sfa_bwd_kernel[grid](
-            q, k, v, idx, o, do, lse, dq, dk, dv,
+        common = (
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
+        )
+        meta = dict(
             D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
             V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
-            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False),
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
+            **_walk_args(c, idx.shape[-1]), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+        if do_dkv and not do_dq and c.get("KMAJOR", False) and not c.get("STORE_ONLY", False):
+            _sfa_bwd_dkv_kmajor_kernel[grid](q, k, v, idx, o, do, lse, dk, dv, *common, **meta)
+            continue
+        _sfa_bwd_kernel[grid](
+            q, k, v, idx, o, do, lse, dq, dk, dv, *common,
+            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False), **meta,
         )
     return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
 
