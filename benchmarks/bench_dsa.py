@@ -185,11 +185,122 @@ def probe_bwd(log, T=16384, H=128):
     out = {}
     for name, extra in [("fused", {}), ("stores_not_atomics", {"STORE_ONLY": True}),
                         ("dq_part_only", {"ONLY": "dq"}), ("dkdv_part_only", {"ONLY": "dkv"})]:
-        cfg = {**tsa.BWD_CONFIG, **extra}
+        cfg = {**tsa.BWD_CONFIG_OLD, **extra}  # the fused kernel's parts (the split one has them separate)
         ms = try_run(name, lambda cfg=cfg: timeit(
             lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, D**-0.5, cfg), reps=2), log)
         out[name] = ms
         log(f"  probe SFAG {name}: {ms} ms")
+    return out
+
+
+# ------------------------------------------------------------ --check: old vs new kernels
+_DQ = dict(BLOCK_H=64, num_warps=8, SKIP=True, REVERSE=True)
+CHECK_FWD = {  # name -> SFA config
+    "old": dict(tsa.FWD_CONFIG_OLD),
+    "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
+    "skip_rev_lazy": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True},
+}
+CHECK_DQ = {  # dq pass of the split backward (timed alone: ONLY="dq")
+    "dq_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1},
+    "dq_k32_s2": {**_DQ, "BLOCK_K": 32, "num_stages": 2},
+}
+CHECK_DKV = {  # dk/dv pass of the split backward (timed alone: ONLY="dkv")
+    "dkv_kmajor_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1, "KMAJOR": True},
+    "dkv_t_k32_s2": {**_DQ, "BLOCK_K": 32, "num_stages": 2, "DKV_T": True},
+    "dkv_t_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1, "DKV_T": True},
+}
+
+
+def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
+    """One GPU call: old vs new SFA and SFAG at T (LI indices), each variant checked
+    against the old kernel's output; prints a table and the fastest configs."""
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    torch.manual_seed(0)
+    q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
+    k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
+    w_idx = torch.randn(1, T, HI, device=dev, dtype=dt) * (HI**-0.5 * DI**-0.5)
+    idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
+    del q_idx, k_idx, w_idx
+    scale = D**-0.5
+    np_ = pairs(T, TOPK)
+    out = {"T": T, "rows": []}
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    def cell(x):
+        if x is None or x[0] is None:
+            return "–"
+        return f"{x[0]:.1f} ({x[1]:.0f})" if x[1] else f"{x[0]:.1f}"
+
+    for H in Hs:
+        torch.manual_seed(1)
+        q = torch.randn(1, T, H, D, device=dev, dtype=dt)
+        kv = torch.randn(1, T, 1, D, device=dev, dtype=dt)
+        v = kv[..., :DV]
+        fl_f, fl_b = 2 * np_ * H * (D + DV), 2 * np_ * H * (3 * D + 2 * DV)
+        row = {"H": H}
+        o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["old"])
+        for name, cfg in CHECK_FWD.items():
+            def f(cfg=cfg):
+                return tsa.sfa_forward(q, kv, v, idx, scale, cfg)
+            ms = try_run(f"fwd {name}", lambda f=f: timeit(f, reps=reps), log)
+            if ms is None:
+                continue
+            o, lse = f()
+            err = max(rel(o, o_ref), (lse - lse_ref).abs().max().item())
+            row[f"fwd_{name}"] = (ms, fl_f / ms / 1e9, err)
+            log(f"  T={T} H={H} SFA {name}: {ms:.2f} ms {fl_f / ms / 1e9:.0f} TF/s err {err:.2g}")
+            del o, lse
+        do = torch.randn_like(o_ref)
+
+        def b(cfg):
+            return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cfg)
+        ms = try_run("bwd old", lambda: timeit(lambda: b(tsa.BWD_CONFIG_OLD), reps=reps), log)
+        dq_ref, dk_ref, _ = b(tsa.BWD_CONFIG_OLD)  # the reference for every variant below
+        row["bwd_old"] = (ms, fl_b / ms / 1e9 if ms else None, 0.0)
+        log(f"  T={T} H={H} SFAG old fused: {cell(row['bwd_old'])} ms (TF/s)")
+        best = {}
+        for part, cands in (("dq", CHECK_DQ), ("dkv", CHECK_DKV)):
+            for name, c in cands.items():
+                cfg = {"FUSED": False, "DQ_CFG": c, "DKV_CFG": c, "ONLY": part}
+                ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
+                if ms is None:
+                    continue
+                dq, dk, _ = b(cfg)
+                err = rel(dq, dq_ref) if part == "dq" else rel(dk, dk_ref)
+                row[f"bwd_{name}"] = (ms, None, err)
+                log(f"  T={T} H={H} SFAG {part} pass {name}: {ms:.2f} ms, rel err vs old {err:.2g}")
+                if err < 2e-2 and (part not in best or ms < best[part][0]):
+                    best[part] = (ms, name, c)
+                del dq, dk
+        if len(best) == 2:
+            cfg = {"FUSED": False, "DQ_CFG": best["dq"][2], "DKV_CFG": best["dkv"][2]}
+            ms = try_run("bwd split", lambda: timeit(lambda: b(cfg), reps=reps), log)
+            if ms is not None:
+                dq, dk, _ = b(cfg)
+                err = max(rel(dq, dq_ref), rel(dk, dk_ref))
+                row["bwd_new"] = (ms, fl_b / ms / 1e9, err, best["dq"][1], best["dkv"][1])
+                log(f"  T={T} H={H} SFAG split {best['dq'][1]} + {best['dkv'][1]}: {ms:.2f} ms "
+                    f"{fl_b / ms / 1e9:.0f} TF/s, rel err vs old {err:.2g}")
+                row["bwd_new_cfg"] = cfg
+                del dq, dk
+        out["rows"].append(row)
+        del q, kv, v, o_ref, lse_ref, do, dq_ref, dk_ref
+        torch.cuda.empty_cache()
+
+    fw = list(CHECK_FWD)
+    log("| T | HQ | " + " | ".join(f"SFA {n} ms (TF/s)" for n in fw)
+        + " | SFAG old ms (TF/s) | SFAG new ms (TF/s) | new dq pass | new dk/dv pass |")
+    log("|" + "---|" * (len(fw) + 6))
+    for r in out["rows"]:
+        nb = r.get("bwd_new")
+        log(f"| {T} | {r['H']} | " + " | ".join(cell(r.get(f"fwd_{n}")) for n in fw)
+            + f" | {cell(r.get('bwd_old'))} | {cell(nb)} | "
+            + (f"{nb[3]} {r['bwd_' + nb[3]][0]:.1f} ms | {nb[4]} {r['bwd_' + nb[4]][0]:.1f} ms |" if nb else "– | – |"))
+    for r in out["rows"]:
+        fbest = min([(r[f"fwd_{n}"][0], n) for n in fw if f"fwd_{n}" in r and r[f"fwd_{n}"][2] < 2e-2] or [(0, None)])
+        log(f"H={r['H']}: fastest SFA {fbest[1]} = {CHECK_FWD.get(fbest[1])}; SFAG new = {r.get('bwd_new_cfg')}")
     return out
 
 
@@ -289,6 +400,8 @@ def main():
     ap.add_argument("--out", default="bench_dsa.json")
     ap.add_argument("--budget_s", type=float, default=400.0)
     ap.add_argument("--probe", action="store_true", help="split SFAG time into its parts and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="old vs new SFA/SFAG kernel variants at the first --T (default 32768), each --H; then exit")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
     a = ap.parse_args()
@@ -301,6 +414,12 @@ def main():
     import triton
 
     res["triton"] = triton.__version__
+    if a.check:
+        res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]))
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        log("done")
+        return
     if a.probe:
         res["probe"] = probe_bwd(log)
         with open(a.out, "w") as f:
