@@ -194,20 +194,21 @@ def probe_bwd(log, T=16384, H=128):
 
 
 # ------------------------------------------------------------ --check: old vs new kernels
-_DQ = dict(BLOCK_H=64, num_warps=8, SKIP=True, REVERSE=True)
+_PDS = dict(PDS=True, SKIP=True, REVERSE=True, PDS_BYTES=2**31)
 CHECK_FWD = {  # name -> SFA config
     "old": dict(tsa.FWD_CONFIG_OLD),
     "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
     "skip_rev_lazy": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True},
 }
-CHECK_DQ = {  # dq pass of the split backward (timed alone: ONLY="dq")
-    "dq_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1},
-    "dq_k32_s2": {**_DQ, "BLOCK_K": 32, "num_stages": 2},
-}
-CHECK_DKV = {  # dk/dv pass of the split backward (timed alone: ONLY="dkv")
-    "dkv_kmajor_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1, "KMAJOR": True},
-    "dkv_t_k32_s2": {**_DQ, "BLOCK_K": 32, "num_stages": 2, "DKV_T": True},
-    "dkv_t_k64_s1": {**_DQ, "BLOCK_K": 64, "num_stages": 1, "DKV_T": True},
+CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
+    "old": dict(tsa.BWD_CONFIG_OLD),
+    "split": dict(tsa.BWD_CONFIG_SPLIT),
+    "pds_w4_c128w8": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2),
+                      "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)},
+    "pds_w8_c128w8": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),
+                      "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)},
+    "pds_w4_c64w4": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2),
+                     "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=64, num_warps=4, num_stages=3)},
 }
 
 
@@ -256,51 +257,35 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
 
         def b(cfg):
             return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cfg)
-        ms = try_run("bwd old", lambda: timeit(lambda: b(tsa.BWD_CONFIG_OLD), reps=reps), log)
-        dq_ref, dk_ref, _ = b(tsa.BWD_CONFIG_OLD)  # the reference for every variant below
-        row["bwd_old"] = (ms, fl_b / ms / 1e9 if ms else None, 0.0)
-        log(f"  T={T} H={H} SFAG old fused: {cell(row['bwd_old'])} ms (TF/s)")
-        best = {}
-        for part, cands in (("dq", CHECK_DQ), ("dkv", CHECK_DKV)):
-            for name, c in cands.items():
-                cfg = {"FUSED": False, "DQ_CFG": c, "DKV_CFG": c, "ONLY": part}
-                ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
-                if ms is None:
-                    continue
-                dq, dk, _ = b(cfg)
-                err = rel(dq, dq_ref) if part == "dq" else rel(dk, dk_ref)
-                row[f"bwd_{name}"] = (ms, None, err)
-                log(f"  T={T} H={H} SFAG {part} pass {name}: {ms:.2f} ms, rel err vs old {err:.2g}")
-                if err < 2e-2 and (part not in best or ms < best[part][0]):
-                    best[part] = (ms, name, c)
-                del dq, dk
-        if len(best) == 2:
-            cfg = {"FUSED": False, "DQ_CFG": best["dq"][2], "DKV_CFG": best["dkv"][2]}
-            ms = try_run("bwd split", lambda: timeit(lambda: b(cfg), reps=reps), log)
-            if ms is not None:
-                dq, dk, _ = b(cfg)
-                err = max(rel(dq, dq_ref), rel(dk, dk_ref))
-                row["bwd_new"] = (ms, fl_b / ms / 1e9, err, best["dq"][1], best["dkv"][1])
-                log(f"  T={T} H={H} SFAG split {best['dq'][1]} + {best['dkv'][1]}: {ms:.2f} ms "
-                    f"{fl_b / ms / 1e9:.0f} TF/s, rel err vs old {err:.2g}")
-                row["bwd_new_cfg"] = cfg
-                del dq, dk
+        dq_ref = dk_ref = None
+        for name, cfg in CHECK_BWD.items():
+            ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
+            if ms is None:
+                continue
+            dq, dk, _ = b(cfg)
+            if dq_ref is None:
+                dq_ref, dk_ref = dq, dk  # "old" (first) is the reference
+            err = max(rel(dq, dq_ref), rel(dk, dk_ref))
+            row[f"bwd_{name}"] = (ms, fl_b / ms / 1e9, err)
+            log(f"  T={T} H={H} SFAG {name}: {ms:.2f} ms {fl_b / ms / 1e9:.0f} TF/s, rel err vs old {err:.2g}")
+            del dq, dk
         out["rows"].append(row)
         del q, kv, v, o_ref, lse_ref, do, dq_ref, dk_ref
         torch.cuda.empty_cache()
 
-    fw = list(CHECK_FWD)
-    log("| T | HQ | " + " | ".join(f"SFA {n} ms (TF/s)" for n in fw)
-        + " | SFAG old ms (TF/s) | SFAG new ms (TF/s) | new dq pass | new dk/dv pass |")
-    log("|" + "---|" * (len(fw) + 6))
+    fw, bw = list(CHECK_FWD), list(CHECK_BWD)
+    log("| T | HQ | " + " | ".join(f"SFA {n} ms (TF/s)" for n in fw) + " | "
+        + " | ".join(f"SFAG {n} ms (TF/s)" for n in bw) + " |")
+    log("|" + "---|" * (2 + len(fw) + len(bw)))
     for r in out["rows"]:
-        nb = r.get("bwd_new")
-        log(f"| {T} | {r['H']} | " + " | ".join(cell(r.get(f"fwd_{n}")) for n in fw)
-            + f" | {cell(r.get('bwd_old'))} | {cell(nb)} | "
-            + (f"{nb[3]} {r['bwd_' + nb[3]][0]:.1f} ms | {nb[4]} {r['bwd_' + nb[4]][0]:.1f} ms |" if nb else "– | – |"))
+        log(f"| {T} | {r['H']} | " + " | ".join(cell(r.get(f"fwd_{n}")) for n in fw + []) + " | "
+            + " | ".join(cell(r.get(f"bwd_{n}")) for n in bw) + " |")
     for r in out["rows"]:
-        fbest = min([(r[f"fwd_{n}"][0], n) for n in fw if f"fwd_{n}" in r and r[f"fwd_{n}"][2] < 2e-2] or [(0, None)])
-        log(f"H={r['H']}: fastest SFA {fbest[1]} = {CHECK_FWD.get(fbest[1])}; SFAG new = {r.get('bwd_new_cfg')}")
+        for kind, names, cfgs in (("fwd", fw, CHECK_FWD), ("bwd", bw, CHECK_BWD)):
+            ok = [(r[f"{kind}_{n}"][0], n) for n in names if f"{kind}_{n}" in r and r[f"{kind}_{n}"][2] < 2e-2]
+            if ok:
+                ms, n = min(ok)
+                log(f"H={r['H']}: fastest {kind} {n} ({ms:.1f} ms) = {cfgs[n]}")
     return out
 
 

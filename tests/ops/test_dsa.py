@@ -329,14 +329,19 @@ _FWD_VARIANTS = {
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
     "fused_skip": {**_BWD_SUB, "FUSED": True, "DKV_T": True},
-    "split_kmajor": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "KMAJOR": True}},
+    "split_kmajor": {"FUSED": False, "DQ_CFG": {**_BWD_SUB, "IDX_AHEAD": True},
+                     "DKV_CFG": {**_BWD_SUB, "KMAJOR": True, "IDX_AHEAD": True}},
     "split_dkvt": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "DKV_T": True}},
+    # P/dS path; PDS_BYTES small enough that the rows go in several chunks (last one partial)
+    "pds": {"PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
+            "PDS_CFG": {**_BWD_SUB, "IDX_AHEAD": True}, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16}},
+    "pds_c32": {"PDS": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
 }
 
 
 @triton_only
 @pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_kmajor"),
-                                     ("skip_rev_lazy", "split_dkvt")])
+                                     ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
