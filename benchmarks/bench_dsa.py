@@ -120,8 +120,9 @@ LI_CANDIDATES = [  # run 1, old kernel (heads as MMA M, select tiles = BLOCK_S):
 ]
 BWD_CANDIDATES = [  # run 1: #0 99 TFLOP/s, (32,16,8,1 mma.sync, dk=dS^T q) 71, split dq | dkv 90 / 69
     dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=3, FUSED=True, DKV_T=True),
+    dict(tsa.BWD_CONFIG),  # P/dS path (see --check)
 ]
+FWD_CANDIDATES.append(dict(tsa.FWD_CONFIG))  # + SKIP, REVERSE, LAZY
 
 
 def sweep(log, ops, T=16384, H=128):
@@ -200,16 +201,16 @@ CHECK_FWD = {  # name -> SFA config
     "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
     "skip_rev_lazy": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True},
 }
+_PDS1 = dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
+_APPLY = dict(BLOCK_H=128, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)
 CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
     "old": dict(tsa.BWD_CONFIG_OLD),
-    "split": dict(tsa.BWD_CONFIG_SPLIT),
-    "pds_w4_c128w8": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2),
-                      "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)},
-    "pds_w8_c128w8": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),
-                      "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)},
-    "pds_w4_c64w4": {**_PDS, "PDS_CFG": dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2),
-                     "APPLY_CFG": dict(BLOCK_H=64, BLOCK_K=64, BLOCK_C=64, num_warps=4, num_stages=3)},
+    "pds": dict(tsa.BWD_CONFIG),  # the new default
+    "pds_apply_h64": {**_PDS, "PDS_CFG": _PDS1, "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
+    "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
 }
+# not in the check (compiled for sm_90 by Triton 3.9 they spill 1000-1700 B/thread):
+# "split": tsa.BWD_CONFIG_SPLIT
 
 
 def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):

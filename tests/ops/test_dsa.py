@@ -336,12 +336,16 @@ _BWD_VARIANTS = {
     "pds": {"PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
             "PDS_CFG": {**_BWD_SUB, "IDX_AHEAD": True}, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16}},
     "pds_c32": {"PDS": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
+    # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked)
+    "pds_hmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
+                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
 }
 
 
 @triton_only
 @pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_kmajor"),
-                                     ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32")])
+                                     ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
+                                     ("skip_rev_lazy", "pds_hmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
@@ -350,6 +354,8 @@ def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     monkeypatch.setattr(tsa, "BWD_CONFIG", _BWD_VARIANTS[bwd])
     T, topk = 45, 40  # t < topk for most rows: trailing blocks entirely -1
     HQ, HK, D, DV, per_head = (4, 2, 40, 24, True) if layout == "gqa_per_head" else (4, 1, 48, 32, False)
+    if bwd == "pds_hmix":
+        HQ = 20 * HK
     q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
     q = q * 3.0  # sharper softmax: the lazy rescale's branch is taken mid-row
     idx[0, 7] = -1  # a query with no key

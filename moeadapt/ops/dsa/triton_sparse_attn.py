@@ -10,7 +10,18 @@ an online softmax in base 2 and saves lse (natural log) for the backward.
 The qk dimension is split into a power-of-two main part D1 and a tail D2
 (576 = 512 + 64), so nothing is padded to 1024.
 
-Backward: the same walk recomputes P from lse, forms dP = dO V^T and
+Backward (default, PDS=True): two passes per chunk of rows. Pass 1
+(`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
+dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK],
+at most PDS_BYTES at a time, 2 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
+runs per (query, head block, 128-channel chunk): dq[:, c] = dS K_sel[:, c] and
+dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv. No product
+is computed twice and every accumulator is small ([BLOCK_H, 128] fp32), where the fused
+kernel below spills its [64, 576] dq accumulator. dq is deterministic; dk/dv (atomics) are
+not (summation order). Chosen without timing (compiled for sm_90 on a CPU); the
+kernels of the first version stay selectable: BWD_CONFIG_OLD, BWD_CONFIG_SPLIT.
+
+Fused backward (BWD_CONFIG_OLD): the same walk recomputes P from lse, forms dP = dO V^T and
 dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
 in registers and scatter-adds dk = dS^T q and dv = P^T dO into fp32 buffers with
 atomics (one vectorised fp32 atomic per selected key row element per query and
@@ -368,7 +379,7 @@ def _sfa_bwd_dkv_kmajor_kernel(
                           mask=valid[:, None] & mask_d2[None, :], sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROW0", "NROWS"])
 def _sfa_bwd_pds_kernel(
     Q, K, V, IDX, O, DO, LSE, P_, DS_,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t, sp_t, sp_h,
@@ -447,7 +458,7 @@ def _sfa_bwd_pds_kernel(
         tl.store(ds_base + offs_k[None, :], ds.to(DS_.dtype.element_ty), mask=st_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROW0", "NROWS"])
 def _sfa_bwd_from_pds_kernel(
     Q, K, IDX, DO, P_, DS_, DQ, DK, DV_,
     sq_t, sq_h, sk_b, sk_t, sk_h, si_t, si_h, so_t, so_h, sp_t, sp_h,
@@ -549,7 +560,8 @@ BWD_CONFIG = {
     # reads them back per 128-channel chunk: dq = dS K, dk/dv += dS^T q + P^T dO
     "PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**31,
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
-    "APPLY_CFG": {"BLOCK_H": 64, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3},
+    # BLOCK_H = 128 (drops to 64 when G = 64): half the atomics and K reads of BLOCK_H = 64
+    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3},
 }
 BWD_CONFIG_SPLIT = {  # a dq pass and a dk/dv pass, each recomputing P and dS (spills: see above)
     "FUSED": False,
