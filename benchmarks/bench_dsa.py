@@ -3,6 +3,7 @@ backward (SFAG), the whole layer fwd+bwd; ours (Triton) vs the PyTorch compositi
 user would write vs dense causal SDPA.
 
     python benchmarks/bench_dsa.py --out results.json [--T 8192 32768 131072] [--H 64 128] [--sweep]
+    python benchmarks/bench_dsa.py --check --T 32768 --H 64 128   # old vs new SFA / SFAG kernels, one table
 
 MQA/MLA form: B = 1, HK = 1, D = 576 (512 latent + 64 rope), DV = 512 (v = kv[..., :512]),
 topk = 2048, indexer HI = 64, DI = 128, bf16. Imports only torch/triton and moeadapt.ops.
@@ -195,7 +196,7 @@ def probe_bwd(log, T=16384, H=128):
 
 
 # ------------------------------------------------------------ --check: old vs new kernels
-_PDS = dict(PDS=True, SKIP=True, REVERSE=True, PDS_BYTES=2**31)
+_PDS = dict(PDS=True, SKIP=True, REVERSE=True, PDS_BYTES=2**30)
 CHECK_FWD = {  # name -> SFA config
     "old": dict(tsa.FWD_CONFIG_OLD),
     "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},

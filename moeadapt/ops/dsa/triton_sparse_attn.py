@@ -13,7 +13,7 @@ The qk dimension is split into a power-of-two main part D1 and a tail D2
 Backward (default, PDS=True): two passes per chunk of rows. Pass 1
 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
 dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK],
-at most PDS_BYTES at a time, 2 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
+at most PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
 runs per (query, head block, 128-channel chunk): dq[:, c] = dS K_sel[:, c] and
 dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv. No product
 is computed twice and every accumulator is small ([BLOCK_H, 128] fp32), where the fused
@@ -558,7 +558,7 @@ FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True}
 BWD_CONFIG = {
     # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
     # reads them back per 128-channel chunk: dq = dS K, dk/dv += dS^T q + P^T dO
-    "PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**31,
+    "PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
     # BLOCK_H = 128 (drops to 64 when G = 64): half the atomics and K reads of BLOCK_H = 64
     "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3},
@@ -690,7 +690,10 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     walk = _walk_args(cfg, topk)  # one SKIP for both passes: pass 2 reads only what pass 1 wrote
     rows_total = B * T
     per_row = HQ * topk * q.element_size() * 2
-    nrows = max(1, min(rows_total, 65535, int(cfg.get("PDS_BYTES", 2**31)) // per_row))  # grid y <= 65535
+    nrows = max(1, min(rows_total, 65535, int(cfg.get("PDS_BYTES", 2**30)) // per_row))  # grid y <= 65535
+    if nrows < rows_total and q.is_cuda:  # whole waves of pass 1 (one program per SM) in every chunk
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        nrows = max(nrows // sms * sms, min(sms, rows_total))
     pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
     bh1, nhb1, _ = _launch_args(c1, G, HK, B, T)
