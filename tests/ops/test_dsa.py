@@ -329,8 +329,8 @@ _FWD_VARIANTS = {
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
     "fused_skip": {**_BWD_SUB, "FUSED": True, "DKV_T": True},
-    "split_kmajor": {"FUSED": False, "DQ_CFG": {**_BWD_SUB, "IDX_AHEAD": True},
-                     "DKV_CFG": {**_BWD_SUB, "KMAJOR": True, "IDX_AHEAD": True}},
+    "split_ahead": {"FUSED": False, "DQ_CFG": {**_BWD_SUB, "IDX_AHEAD": True},
+                    "DKV_CFG": {**_BWD_SUB, "DKV_T": False, "IDX_AHEAD": True}},
     "split_dkvt": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "DKV_T": True}},
     # P/dS path; PDS_BYTES small enough that the rows go in several chunks (last one partial)
     "pds": {"PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
@@ -343,7 +343,7 @@ _BWD_VARIANTS = {
 
 
 @triton_only
-@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_kmajor"),
+@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"),
                                      ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
                                      ("skip_rev_lazy", "pds_hmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])

@@ -288,97 +288,6 @@ def _sfa_bwd_kernel(
                      mask=mask_h[:, None] & mask_d2[None, :])
 
 
-@triton.jit
-def _sfa_bwd_dkv_kmajor_kernel(
-    Q, K, V, IDX, O, DO, LSE, DK, DV_,
-    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
-    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-    T, G, TOPK, D, DV, NHB, qk_scale, scale,
-    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
-    SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
-):
-    """dk/dv pass, keys as the MMA's M dimension (no dq, no loop-carried accumulator).
-
-    Per block of BLOCK_K selected keys: S^T = K q^T, dP^T = V dO^T (q, dO are B operands),
-    dS^T = P^T (dP^T - delta) * scale, then dv = P^T dO and dk = dS^T q with the
-    register-resident P^T / dS^T as the A operand and q / dO (already in shared memory
-    as the B operand) reused untransposed; rows [BLOCK_K, D] are scatter-added with
-    fp32 atomics (d contiguous). When v = k[..., :D1], dv + dk[:, :D1] is one atomic.
-    """
-    row = _row_of_program(tl.num_programs(0), REVERSE)
-    g = tl.program_id(1) // NHB
-    h0 = (tl.program_id(1) % NHB) * BLOCK_H
-    b = row // T
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < G
-    heads = g * G + offs_h
-    offs_d1 = tl.arange(0, D1)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-    q_base = Q + row * sq_t + heads[:, None] * sq_h
-    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
-    if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        mask_d2 = offs_d2 < D
-        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & mask_d2[None, :], other=0.0)
-    do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
-                 mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
-    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
-                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
-    kb_base = K + b * sk_b + g * sk_h
-    vb_base = V + b * sv_b + g * sv_h
-    dkb_base = DK + b * sdk_b + g * sdk_h
-    dvb_base = DV_ + b * sdv_b + g * sdv_h
-    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
-    idx_row = IDX + row * si_t + g * si_h
-    if IDX_AHEAD:  # single-stage loops: the next block's indices load during this block
-        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
-    for k0 in range(0, span, BLOCK_K):
-        if IDX_AHEAD:
-            idx = idx_next
-            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-        if I64:
-            rows = rows.to(tl.int64)
-        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
-        st = _mm(k1, tl.trans(q1), IEEE)  # [BLOCK_K, BLOCK_H]
-        if D2 > 0:
-            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
-                         mask=valid[:, None] & mask_d2[None, :], other=0.0)
-            st = _mm(k2, tl.trans(q2), IEEE, st)
-        pt = tl.exp2(st * qk_scale - lse2[None, :])
-        pt = tl.where(valid[:, None] & mask_h[None, :], pt, 0.0)
-        if V_FROM_K:
-            v = k1
-        else:
-            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
-                        mask=valid[:, None] & mask_dv[None, :], other=0.0)
-        dpt = _mm(v, tl.trans(do), IEEE)  # [BLOCK_K, BLOCK_H]
-        dst = (pt * (dpt - delta[None, :]) * scale).to(k1.dtype)
-        dv = _mm(pt.to(do.dtype), do, IEEE)  # [BLOCK_K, BLOCK_DV]
-        if V_FROM_K:
-            dk1 = _mm(dst, q1, IEEE, dv)
-        else:
-            tl.atomic_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
-                          mask=valid[:, None] & mask_dv[None, :], sem="relaxed")
-            dk1 = _mm(dst, q1, IEEE)
-        tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
-                      mask=valid[:, None], sem="relaxed")
-        if D2 > 0:
-            dk2 = _mm(dst, q2, IEEE)
-            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
-                          mask=valid[:, None] & mask_d2[None, :], sem="relaxed")
-
-
 @triton.jit(do_not_specialize=["ROW0", "NROWS"])
 def _sfa_bwd_pds_kernel(
     Q, K, V, IDX, O, DO, LSE, P_, DS_,
@@ -546,14 +455,13 @@ def _sfa_bwd_from_pds_kernel(
 #   LAZY (forward): rescale the accumulator only when a running max grows by > 8 (log2);
 #   IDX_AHEAD (backward): load the next block's indices one iteration early (for
 #   num_stages=1, where Triton does not pipeline the index -> row gather chain);
-#   KMAJOR (dk/dv pass of a split backward): keys as the MMA's M dimension, see
-#   `_sfa_bwd_dkv_kmajor_kernel`; else the DKV_T / plain forms of `_sfa_bwd_kernel`.
 FWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
 BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
 # Untimed on the GPU when written: bench_dsa.py --check times these against the *_OLD ones.
 # Compiled for sm_90 on the CPU (Triton 3.9, cuobjdump resource usage): the P/dS passes
 # below use no local memory (144-248 registers); the old fused backward spills 1176 B per
-# thread and the split dq / dk-dv passes 1000-1700 B (KMAJOR needs 270 KB of shared memory).
+# thread and the split dq / dk-dv passes 1000-1700 B (a dk/dv pass with keys as the MMA's M
+# dimension, tried too, needs 270 KB of shared memory: removed).
 FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True}
 BWD_CONFIG = {
     # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
@@ -671,9 +579,6 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
             **_walk_args(c, idx.shape[-1]), IDX_AHEAD=bool(c.get("IDX_AHEAD", False)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
-        if do_dkv and not do_dq and c.get("KMAJOR", False) and not c.get("STORE_ONLY", False):
-            _sfa_bwd_dkv_kmajor_kernel[grid](q, k, v, idx, o, do, lse, dk, dv, *common, **meta)
-            continue
         _sfa_bwd_kernel[grid](
             q, k, v, idx, o, do, lse, dq, dk, dv, *common,
             DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False), **meta,
