@@ -402,6 +402,7 @@ def main():
 
     res["triton"] = triton.__version__
     if a.check:
+        log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]))
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
