@@ -123,7 +123,8 @@ BWD_CANDIDATES = [  # run 1: #0 99 TFLOP/s, (32,16,8,1 mma.sync, dk=dS^T q) 71, 
     dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
     dict(tsa.BWD_CONFIG),  # P/dS path (see --check)
 ]
-FWD_CANDIDATES.append(dict(tsa.FWD_CONFIG))  # + SKIP, REVERSE, LAZY
+FWD_CANDIDATES.append(dict(tsa.FWD_CONFIG))  # + SKIP, REVERSE
+FWD_CANDIDATES.append({**tsa.FWD_CONFIG, "LAZY": True})
 
 
 def sweep(log, ops, T=16384, H=128):
