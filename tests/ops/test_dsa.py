@@ -370,3 +370,43 @@ def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     assert torch.all(outs[0][0][0, 7] == 0)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=3e-4, rtol=3e-4)
+
+
+@triton_only
+def test_triton_pds_backward_falls_back_when_shared_memory_is_short(gen, monkeypatch):
+    """A P/dS pass whose config does not fit the device (OutOfResources at launch) reruns with
+    the fallback config; the gradients stay exact."""
+    import triton
+
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    small = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    monkeypatch.setattr(tsa, "BWD_CONFIG", {"PDS": True, "SKIP": True, "PDS_CFG": {**small, "BLOCK_K": 32},
+                                            "APPLY_CFG": {**small, "BLOCK_C": 32}})
+    monkeypatch.setattr(tsa, "PDS_FALLBACK", small)
+    monkeypatch.setattr(tsa, "APPLY_FALLBACK", {**small, "BLOCK_C": 16})
+    monkeypatch.setattr(tsa, "_fallen_back", {})
+    launch = tsa._launch
+
+    def short_smem(kernel, grid, *args, **meta):
+        if meta["BLOCK_K"] == 32 or meta.get("BLOCK_C") == 32:  # the configured ones "do not fit"
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(tsa, "_launch", short_smem)
+    T, HQ, D, DV, topk = 30, 4, 48, 32, 24
+    q, kv, _, idx = _attn_inputs(gen, 1, T, HQ, 1, D, DV, topk, dtype=torch.float32)
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    q, kv, idx, do = (x.to(DEV) for x in (q, kv, idx, do))
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        o = sparse_attention(qq, kk, kk[..., :DV], idx, backend=backend)
+        if backend == "triton":
+            with pytest.warns(UserWarning, match="does not fit"):
+                outs.append(torch.autograd.grad(o, (qq, kk), do))
+        else:
+            outs.append(torch.autograd.grad(o, (qq, kk), do))
+    assert len(tsa._fallen_back) == 2
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -586,12 +587,36 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
 
 
+# Used when a P/dS pass does not fit the GPU's shared memory (the defaults take 217 / 197 KB
+# under Triton 3.9, near the 227 KB of an H100/H200; another Triton may lay them out larger).
+PDS_FALLBACK = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 4}  # 178 KB (3.9)
+APPLY_FALLBACK = {"BLOCK_H": 64, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3}  # 131 KB
+_fallen_back: dict[str, dict] = {}
+
+
+def _launch(kernel, grid, *args, **meta):
+    kernel[grid](*args, **meta)
+
+
+def _with_fallback(run, c, fallback, name):
+    """run(c); if the launch needs more shared memory than the device has, run(fallback) from
+    then on (OutOfResources is raised before anything is written)."""
+    key = f"{name}:{sorted(c.items())}"
+    if key in _fallen_back:
+        return run(_fallen_back[key])
+    try:
+        return run(c)
+    except triton.runtime.errors.OutOfResources as e:
+        warnings.warn(f"sparse attention backward: {name} config {c} does not fit ({e}); using {fallback}", stacklevel=2)
+        _fallen_back[key] = fallback
+        return run(fallback)
+
+
 def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg):
     """P/dS backward: pass 1 stores P and dS for a chunk of rows (at most PDS_BYTES),
     pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics)."""
     topk = idx.shape[-1]
     HQ = q.shape[2]
-    c1, c2 = cfg["PDS_CFG"], cfg["APPLY_CFG"]
     walk = _walk_args(cfg, topk)  # one SKIP for both passes: pass 2 reads only what pass 1 wrote
     rows_total = B * T
     per_row = HQ * topk * q.element_size() * 2
@@ -601,31 +626,39 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         nrows = max(nrows // sms * sms, min(sms, rows_total))
     pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
-    bh1, nhb1, _ = _launch_args(c1, G, HK, B, T)
-    bh2, nhb2, _ = _launch_args(c2, G, HK, B, T)
-    bc = c2["BLOCK_C"]
-    nc = triton.cdiv(max(D, DV), bc)
-    for row0 in range(0, rows_total, nrows):
-        n = min(nrows, rows_total - row0)
-        _sfa_bwd_pds_kernel[(HK * nhb1, n)](
+
+    def pass1(c, row0, n):
+        bh, nhb, _ = _launch_args(c, G, HK, B, T)
+        _launch(
+            _sfa_bwd_pds_kernel, (HK * nhb, n),
             q, k, v, idx, o, do, lse, pds[0], pds[1],
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), pds.stride(1), pds.stride(2),
-            T, G, topk, D, DV, nhb1, row0, n, scale * LOG2E, scale,
-            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh1, BLOCK_K=c1["BLOCK_K"],
-            V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c1.get("IDX_AHEAD", False)), **walk,
-            num_warps=c1["num_warps"], num_stages=c1["num_stages"],
+            T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale,
+            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
+            V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
-        _sfa_bwd_from_pds_kernel[(HK * nhb2 * nc, n)](
+
+    def pass2(c, row0, n):
+        bh, nhb, _ = _launch_args(c, G, HK, B, T)
+        nc = triton.cdiv(max(D, DV), c["BLOCK_C"])
+        _launch(
+            _sfa_bwd_from_pds_kernel, (HK * nhb * nc, n),
             q, k, idx, do, pds[0], pds[1], dq, dk, dv,
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), pds.stride(1), pds.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            T, G, topk, D, DV, nhb2, nc, row0, n,
-            BLOCK_C=bc, BLOCK_H=bh2, BLOCK_K=c2["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
-            IDX_AHEAD=bool(c2.get("IDX_AHEAD", False)), **walk,
-            num_warps=c2["num_warps"], num_stages=c2["num_stages"],
+            T, G, topk, D, DV, nhb, nc, row0, n,
+            BLOCK_C=c["BLOCK_C"], BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
+            IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
+
+    for row0 in range(0, rows_total, nrows):
+        n = min(nrows, rows_total - row0)
+        _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
+        _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
 class SparseAttentionFunction(torch.autograd.Function):
