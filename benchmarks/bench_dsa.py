@@ -3,6 +3,7 @@ backward (SFAG), the whole layer fwd+bwd; ours (Triton) vs the PyTorch compositi
 user would write vs dense causal SDPA.
 
     python benchmarks/bench_dsa.py --out results.json [--T 8192 32768 131072] [--H 64 128] [--sweep]
+    python benchmarks/bench_dsa.py --check --T 32768 --H 64 128   # old vs new SFA / SFAG kernels, one table
 
 MQA/MLA form: B = 1, HK = 1, D = 576 (512 latent + 64 rope), DV = 512 (v = kv[..., :512]),
 topk = 2048, indexer HI = 64, DI = 128, bf16. Imports only torch/triton and moeadapt.ops.
@@ -120,8 +121,10 @@ LI_CANDIDATES = [  # run 1, old kernel (heads as MMA M, select tiles = BLOCK_S):
 ]
 BWD_CANDIDATES = [  # run 1: #0 99 TFLOP/s, (32,16,8,1 mma.sync, dk=dS^T q) 71, split dq | dkv 90 / 69
     dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=3, FUSED=True, DKV_T=True),
+    dict(tsa.BWD_CONFIG),  # P/dS path (see --check)
 ]
+FWD_CANDIDATES.append(dict(tsa.FWD_CONFIG))  # + SKIP, REVERSE
+FWD_CANDIDATES.append({**tsa.FWD_CONFIG, "LAZY": True})
 
 
 def sweep(log, ops, T=16384, H=128):
@@ -185,11 +188,116 @@ def probe_bwd(log, T=16384, H=128):
     out = {}
     for name, extra in [("fused", {}), ("stores_not_atomics", {"STORE_ONLY": True}),
                         ("dq_part_only", {"ONLY": "dq"}), ("dkdv_part_only", {"ONLY": "dkv"})]:
-        cfg = {**tsa.BWD_CONFIG, **extra}
+        cfg = {**tsa.BWD_CONFIG_OLD, **extra}  # the fused kernel's parts (the split one has them separate)
         ms = try_run(name, lambda cfg=cfg: timeit(
             lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, D**-0.5, cfg), reps=2), log)
         out[name] = ms
         log(f"  probe SFAG {name}: {ms} ms")
+    return out
+
+
+# ------------------------------------------------------------ --check: old vs new kernels
+_PDS = dict(PDS=True, SKIP=True, REVERSE=True, PDS_BYTES=2**30)
+CHECK_FWD = {  # name -> SFA config
+    "old": dict(tsa.FWD_CONFIG_OLD),
+    "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
+    "skip_rev_lazy": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True},
+}
+_PDS1 = dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
+_APPLY = dict(BLOCK_H=128, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)
+CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
+    "old": dict(tsa.BWD_CONFIG_OLD),
+    "pds": dict(tsa.BWD_CONFIG),  # the new default
+    "pds_apply_h64": {**_PDS, "PDS_CFG": _PDS1, "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
+    "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
+    # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
+    "pds_k16": {**_PDS, "PDS_CFG": {**_PDS1, "BLOCK_K": 16, "num_stages": 4},
+                "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
+}
+# not in the check (compiled for sm_90 by Triton 3.9 they spill 1000-1700 B/thread):
+# "split": tsa.BWD_CONFIG_SPLIT
+
+
+def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
+    """One GPU call: old vs new SFA and SFAG at T (LI indices), each variant checked
+    against the old kernel's output; prints a table and the fastest configs."""
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    torch.manual_seed(0)
+    q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
+    k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
+    w_idx = torch.randn(1, T, HI, device=dev, dtype=dt) * (HI**-0.5 * DI**-0.5)
+    idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
+    del q_idx, k_idx, w_idx
+    scale = D**-0.5
+    np_ = pairs(T, TOPK)
+    out = {"T": T, "rows": []}
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    def cell(x):
+        if x is None or x[0] is None:
+            return "–"
+        return f"{x[0]:.1f} ({x[1]:.0f})" if x[1] else f"{x[0]:.1f}"
+
+    def one(H):  # per head count; its tensors are freed on return
+        torch.manual_seed(1)
+        q = torch.randn(1, T, H, D, device=dev, dtype=dt)
+        kv = torch.randn(1, T, 1, D, device=dev, dtype=dt)
+        v = kv[..., :DV]
+        fl_f, fl_b = 2 * np_ * H * (D + DV), 2 * np_ * H * (3 * D + 2 * DV)
+        row = {"H": H}
+        o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["old"])
+        for name, cfg in CHECK_FWD.items():
+            def f(cfg=cfg):
+                return tsa.sfa_forward(q, kv, v, idx, scale, cfg)
+            ms = try_run(f"fwd {name}", lambda f=f: timeit(f, reps=reps), log)
+            if ms is None:
+                continue
+            o, lse = f()
+            err = max(rel(o, o_ref), (lse - lse_ref).abs().max().item())
+            row[f"fwd_{name}"] = (ms, fl_f / ms / 1e9, err)
+            log(f"  T={T} H={H} SFA {name}: {ms:.2f} ms {fl_f / ms / 1e9:.0f} TF/s err {err:.2g}")
+            del o, lse
+        do = torch.randn_like(o_ref)
+
+        def b(cfg):
+            return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cfg)
+        dq_ref = dk_ref = None
+        for name, cfg in CHECK_BWD.items():
+            ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
+            if ms is None:
+                continue
+            dq, dk, _ = b(cfg)
+            if dq_ref is None:
+                dq_ref, dk_ref = dq, dk  # "old" (first) is the reference
+            err = max(rel(dq, dq_ref), rel(dk, dk_ref))
+            row[f"bwd_{name}"] = (ms, fl_b / ms / 1e9, err)
+            log(f"  T={T} H={H} SFAG {name}: {ms:.2f} ms {fl_b / ms / 1e9:.0f} TF/s, rel err vs old {err:.2g}")
+            if tsa._fallen_back:  # a pass did not fit in shared memory: this row timed the fallback
+                log(f"    ({name} ran the shared-memory fallback: {tsa._fallen_back})")
+                row[f"bwd_{name}"] += ("fallback",)
+                tsa._fallen_back.clear()
+            del dq, dk
+        return row
+
+    for H in Hs:
+        out["rows"].append(one(H))
+        torch.cuda.empty_cache()
+
+    fw, bw = list(CHECK_FWD), list(CHECK_BWD)
+    log("| T | HQ | " + " | ".join(f"SFA {n} ms (TF/s)" for n in fw) + " | "
+        + " | ".join(f"SFAG {n} ms (TF/s)" for n in bw) + " |")
+    log("|" + "---|" * (2 + len(fw) + len(bw)))
+    for r in out["rows"]:
+        log(f"| {T} | {r['H']} | " + " | ".join(cell(r.get(f"fwd_{n}")) for n in fw + []) + " | "
+            + " | ".join(cell(r.get(f"bwd_{n}")) for n in bw) + " |")
+    for r in out["rows"]:
+        for kind, names, cfgs in (("fwd", fw, CHECK_FWD), ("bwd", bw, CHECK_BWD)):
+            ok = [(r[f"{kind}_{n}"][0], n) for n in names if f"{kind}_{n}" in r and r[f"{kind}_{n}"][2] < 2e-2]
+            if ok:
+                ms, n = min(ok)
+                log(f"H={r['H']}: fastest {kind} {n} ({ms:.1f} ms) = {cfgs[n]}")
     return out
 
 
@@ -289,6 +397,8 @@ def main():
     ap.add_argument("--out", default="bench_dsa.json")
     ap.add_argument("--budget_s", type=float, default=400.0)
     ap.add_argument("--probe", action="store_true", help="split SFAG time into its parts and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="old vs new SFA/SFAG kernel variants at the first --T (default 32768), each --H; then exit")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
     a = ap.parse_args()
@@ -301,6 +411,13 @@ def main():
     import triton
 
     res["triton"] = triton.__version__
+    if a.check:
+        log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
+        res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]))
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        log("done")
+        return
     if a.probe:
         res["probe"] = probe_bwd(log)
         with open(a.out, "w") as f:

@@ -68,12 +68,19 @@ def _rand_indices(T, topk, g):
     return torch.where(dup, -1, idx).int()
 
 
-@pytest.mark.parametrize("dtype,H,D,DV,shared", [
-    (torch.float32, 8, 96, 64, False),
-    (torch.bfloat16, 16, 576, 512, True),
-    (torch.bfloat16, 128, 576, 512, True),
+@pytest.mark.parametrize("dtype,H,D,DV,shared,pds_bytes", [
+    (torch.float32, 8, 96, 64, False, None),
+    (torch.bfloat16, 16, 576, 512, True, None),
+    (torch.bfloat16, 128, 576, 512, True, None),
+    # the P/dS backward over several row chunks (256 rows, rounded to whole waves: 132 on an
+    # H200, last chunk partial): same compiled kernels, ROW0 / NROWS vary
+    (torch.bfloat16, 128, 576, 512, True, 256 * 128 * 128 * 2 * 2),
 ])
-def test_sparse_attention_gpu(dtype, H, D, DV, shared):
+def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, monkeypatch):
+    if pds_bytes is not None:
+        from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+        monkeypatch.setattr(tsa, "BWD_CONFIG", {**tsa.BWD_CONFIG, "PDS_BYTES": pds_bytes})
     g = torch.Generator(device="cuda").manual_seed(SEED)
     T, topk = 600, 128
     q = torch.randn(1, T, H, D, device="cuda", generator=g).to(dtype)

@@ -316,3 +316,97 @@ def test_triton_tiny_head_dims(gen, D, DV, DI):
         res.append((o, loss, *torch.autograd.grad((o * do).sum() + loss, xs)))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+# Kernel variants (launch options of triton_sparse_attn), each checked against float64 on
+# small blocks so that the loops run several key blocks, the causal ramp leaves whole
+# blocks of -1 and the last block is partial.
+_FWD_VARIANTS = {
+    "old": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    "skip_rev_lazy": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
+                      "SKIP": True, "REVERSE": True, "LAZY": True},
+}
+_BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
+_BWD_VARIANTS = {
+    "fused_skip": {**_BWD_SUB, "FUSED": True, "DKV_T": True},
+    "split_ahead": {"FUSED": False, "DQ_CFG": {**_BWD_SUB, "IDX_AHEAD": True},
+                    "DKV_CFG": {**_BWD_SUB, "DKV_T": False, "IDX_AHEAD": True}},
+    "split_dkvt": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "DKV_T": True}},
+    # P/dS path; PDS_BYTES small enough that the rows go in several chunks (last one partial)
+    "pds": {"PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
+            "PDS_CFG": {**_BWD_SUB, "IDX_AHEAD": True}, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16}},
+    "pds_c32": {"PDS": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
+    # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked)
+    "pds_hmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
+                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
+}
+
+
+@triton_only
+@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"),
+                                     ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
+                                     ("skip_rev_lazy", "pds_hmix")])
+@pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
+def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    monkeypatch.setattr(tsa, "FWD_CONFIG", _FWD_VARIANTS[fwd])
+    monkeypatch.setattr(tsa, "BWD_CONFIG", _BWD_VARIANTS[bwd])
+    T, topk = 45, 40  # t < topk for most rows: trailing blocks entirely -1
+    HQ, HK, D, DV, per_head = (4, 2, 40, 24, True) if layout == "gqa_per_head" else (4, 1, 48, 32, False)
+    if bwd == "pds_hmix":
+        HQ = 20 * HK
+    q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
+    q = q * 3.0  # sharper softmax: the lazy rescale's branch is taken mid-row
+    idx[0, 7] = -1  # a query with no key
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    shared = layout == "mla"
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (x.clone().to(DEV).requires_grad_(True) for x in (q, k, v))
+        vin = kk[..., :DV] if shared else vv
+        o = sparse_attention(qq, kk, vin, idx.to(DEV), scale=0.25, backend=backend)
+        outs.append((o, *torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do.to(DEV))))
+    assert torch.all(outs[0][0][0, 7] == 0)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=3e-4, rtol=3e-4)
+
+
+@triton_only
+def test_triton_pds_backward_falls_back_when_shared_memory_is_short(gen, monkeypatch):
+    """A P/dS pass whose config does not fit the device (OutOfResources at launch) reruns with
+    the fallback config; the gradients stay exact."""
+    import triton
+
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    small = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    monkeypatch.setattr(tsa, "BWD_CONFIG", {"PDS": True, "SKIP": True, "PDS_CFG": {**small, "BLOCK_K": 32},
+                                            "APPLY_CFG": {**small, "BLOCK_C": 32}})
+    monkeypatch.setattr(tsa, "PDS_FALLBACK", small)
+    monkeypatch.setattr(tsa, "APPLY_FALLBACK", {**small, "BLOCK_C": 16})
+    monkeypatch.setattr(tsa, "_fallen_back", {})
+    launch = tsa._launch
+
+    def short_smem(kernel, grid, *args, **meta):
+        if meta["BLOCK_K"] == 32 or meta.get("BLOCK_C") == 32:  # the configured ones "do not fit"
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(tsa, "_launch", short_smem)
+    T, HQ, D, DV, topk = 30, 4, 48, 32, 24
+    q, kv, _, idx = _attn_inputs(gen, 1, T, HQ, 1, D, DV, topk, dtype=torch.float32)
+    do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
+    q, kv, idx, do = (x.to(DEV) for x in (q, kv, idx, do))
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+        o = sparse_attention(qq, kk, kk[..., :DV], idx, backend=backend)
+        if backend == "triton":
+            with pytest.warns(UserWarning, match="does not fit"):
+                outs.append(torch.autograd.grad(o, (qq, kk), do))
+        else:
+            outs.append(torch.autograd.grad(o, (qq, kk), do))
+    assert len(tsa._fallen_back) == 2
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)

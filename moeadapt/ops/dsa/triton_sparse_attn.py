@@ -10,7 +10,18 @@ an online softmax in base 2 and saves lse (natural log) for the backward.
 The qk dimension is split into a power-of-two main part D1 and a tail D2
 (576 = 512 + 64), so nothing is padded to 1024.
 
-Backward: the same walk recomputes P from lse, forms dP = dO V^T and
+Backward (default, PDS=True): two passes per chunk of rows. Pass 1
+(`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
+dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK],
+at most PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
+runs per (query, head block, 128-channel chunk): dq[:, c] = dS K_sel[:, c] and
+dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv. No product
+is computed twice and every accumulator is small ([BLOCK_H, 128] fp32), where the fused
+kernel below spills its [64, 576] dq accumulator. dq is deterministic; dk/dv (atomics) are
+not (summation order). Chosen without timing (compiled for sm_90 on a CPU); the
+kernels of the first version stay selectable: BWD_CONFIG_OLD, BWD_CONFIG_SPLIT.
+
+Fused backward (BWD_CONFIG_OLD): the same walk recomputes P from lse, forms dP = dO V^T and
 dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
 in registers and scatter-adds dk = dS^T q and dv = P^T dO into fp32 buffers with
 atomics (one vectorised fp32 atomic per selected key row element per query and
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +74,28 @@ def _scatter_add(ptr, val, mask, STORE_ONLY: tl.constexpr):
 
 
 @triton.jit
+def _row_of_program(BT, REVERSE: tl.constexpr):
+    """Row (b * T + t) of this program; REVERSE runs the last rows first: with causal
+    indices those are the full ones (topk keys), so the short early rows fill the tail."""
+    pid = tl.program_id(0).to(tl.int64)
+    if REVERSE:
+        return BT - 1 - pid
+    return pid
+
+
+@triton.jit
+def _slot_span(idx_row_ptr, TOPK, SKIP: tl.constexpr, TOPK_P2: tl.constexpr):
+    """Slots [0, span) hold every valid index of the row (span = last valid slot + 1).
+    SKIP=False walks all TOPK slots; SKIP=True reads the row once (TOPK_P2 >= TOPK ints)
+    so key blocks that are all -1 (the causal ramp t < topk) are never visited."""
+    if SKIP:
+        offs = tl.arange(0, TOPK_P2)
+        ix = tl.load(idx_row_ptr + offs, mask=offs < TOPK, other=-1)
+        return tl.max(tl.where(ix >= 0, offs + 1, 0), 0)
+    return TOPK
+
+
+@triton.jit
 def _sfa_fwd_kernel(
     Q, K, V, IDX, O, LSE,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
@@ -69,8 +103,10 @@ def _sfa_fwd_kernel(
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, LAZY: tl.constexpr = False,
+    TOPK_P2: tl.constexpr = 16,
 ):
-    row = tl.program_id(0).to(tl.int64)  # b * T + t
+    row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
     g = tl.program_id(1) // NHB
     h0 = (tl.program_id(1) % NHB) * BLOCK_H
     b = row // T
@@ -89,7 +125,8 @@ def _sfa_fwd_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     kb_base = K + b * sk_b + g * sk_h
     vb_base = V + b * sv_b + g * sv_h
-    for k0 in range(0, TOPK, BLOCK_K):
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
@@ -103,17 +140,31 @@ def _sfa_fwd_kernel(
                          mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
             s += _mm(q2, tl.trans(k2), IEEE)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         if V_FROM_K:
             v = k1
         else:
             v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
                         mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
-        m_i = m_new
+        if LAZY:
+            # FA4-style lazy rescale: keep the stale running max (p <= 2^8) unless some
+            # head's max grew by more than 8 (log2 units); one uniform branch per block
+            m_blk = tl.max(s, 1)
+            if tl.max(m_blk - m_i, 0) > 8.0:
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            l_i += tl.sum(p, 1)
+            acc = _mm(p.to(v.dtype), v, IEEE, acc)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+            m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptr = O + row * so_t + heads[:, None] * so_h + offs_dv[None, :]
@@ -132,8 +183,10 @@ def _sfa_bwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, DKV_T: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, STORE_ONLY: tl.constexpr,
+    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, TOPK_P2: tl.constexpr = 16,
+    IDX_AHEAD: tl.constexpr = False,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = _row_of_program(tl.num_programs(0), REVERSE)
     g = tl.program_id(1) // NHB
     h0 = (tl.program_id(1) % NHB) * BLOCK_H
     b = row // T
@@ -161,9 +214,18 @@ def _sfa_bwd_kernel(
     vb_base = V + b * sv_b + g * sv_h
     dkb_base = DK + b * sdk_b + g * sdk_h
     dvb_base = DV_ + b * sdv_b + g * sdv_h
-    for k0 in range(0, TOPK, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    idx_row = IDX + row * si_t + g * si_h
+    if IDX_AHEAD:  # single-stage loops: the next block's indices load during this block
+        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+    for k0 in range(0, span, BLOCK_K):
+        if IDX_AHEAD:
+            idx = idx_next
+            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0)
         if I64:
@@ -227,11 +289,196 @@ def _sfa_bwd_kernel(
                      mask=mask_h[:, None] & mask_d2[None, :])
 
 
+@triton.jit(do_not_specialize=["ROW0", "NROWS"])
+def _sfa_bwd_pds_kernel(
+    Q, K, V, IDX, O, DO, LSE, P_, DS_,
+    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t, sp_t, sp_h,
+    T, G, TOPK, D, DV, NHB, ROW0, NROWS, qk_scale, scale,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
+):
+    """Backward pass 1 of the P/dS path: per (query, head block) recompute P from lse and
+    dS = P (dO V^T - delta) * scale over the selected keys and store both ([rows, HQ, TOPK],
+    q's dtype) for this chunk of rows. No accumulator: registers hold only [BLOCK_H, BLOCK_K] tiles.
+    Grid (HK * NHB, rows): the head blocks of one query run next to each other (same key rows)."""
+    local = tl.program_id(1).to(tl.int64)
+    if REVERSE:
+        local = NROWS - 1 - local
+    row = ROW0 + local
+    g = tl.program_id(0) // NHB
+    h0 = (tl.program_id(0) % NHB) * BLOCK_H
+    b = row // T
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < G
+    heads = g * G + offs_h
+    offs_d1 = tl.arange(0, D1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    q_base = Q + row * sq_t + heads[:, None] * sq_h
+    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        mask_d2 = offs_d2 < D
+        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & mask_d2[None, :], other=0.0)
+    do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                 mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
+                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
+    kb_base = K + b * sk_b + g * sk_h
+    vb_base = V + b * sv_b + g * sv_h
+    p_base = P_ + local * sp_t + heads[:, None] * sp_h
+    ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    idx_row = IDX + row * si_t + g * si_h
+    if IDX_AHEAD:
+        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+    for k0 in range(0, span, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if IDX_AHEAD:
+            idx = idx_next
+            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+        else:
+            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+        if I64:
+            rows = rows.to(tl.int64)
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        if D2 > 0:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
+                         mask=valid[:, None] & mask_d2[None, :], other=0.0)
+            s = _mm(q2, tl.trans(k2), IEEE, s)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)
+        if V_FROM_K:
+            v = k1
+        else:
+            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
+                        mask=valid[:, None] & mask_dv[None, :], other=0.0)
+        dp = _mm(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None]) * scale
+        st_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
+        tl.store(p_base + offs_k[None, :], p.to(P_.dtype.element_ty), mask=st_mask)
+        tl.store(ds_base + offs_k[None, :], ds.to(DS_.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit(do_not_specialize=["ROW0", "NROWS"])
+def _sfa_bwd_from_pds_kernel(
+    Q, K, IDX, DO, P_, DS_, DQ, DK, DV_,
+    sq_t, sq_h, sk_b, sk_t, sk_h, si_t, si_h, so_t, so_h, sp_t, sp_h,
+    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
+    T, G, TOPK, D, DV, NHB, NC, ROW0, NROWS,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
+):
+    """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
+    dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
+    dv[sel, c] += P^T dO[:, c] (one fp32 atomic per element when v = k[..., :DV]).
+    Reads P and dS from pass 1; nothing is recomputed, every operand tile is small.
+    Grid (HK * NHB * NC, rows): the channel chunks of one query run next to each other, so
+    its P / dS tiles are read from L2 after the first chunk."""
+    local = tl.program_id(1).to(tl.int64)
+    if REVERSE:
+        local = NROWS - 1 - local
+    row = ROW0 + local
+    pid1 = tl.program_id(0)
+    c = pid1 % NC
+    g = pid1 // (NC * NHB)
+    h0 = ((pid1 // NC) % NHB) * BLOCK_H
+    b = row // T
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < G
+    heads = g * G + offs_h
+    offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_ck = offs_c < D
+    mask_cv = offs_c < DV
+    qc = tl.load(Q + row * sq_t + heads[:, None] * sq_h + offs_c[None, :],
+                 mask=mask_h[:, None] & mask_ck[None, :], other=0.0)
+    doc = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_c[None, :],
+                  mask=mask_h[:, None] & mask_cv[None, :], other=0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    kb_base = K + b * sk_b + g * sk_h
+    dkb_base = DK + b * sdk_b + g * sdk_h
+    dvb_base = DV_ + b * sdv_b + g * sdv_h
+    p_base = P_ + local * sp_t + heads[:, None] * sp_h
+    ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
+    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
+    idx_row = IDX + row * si_t + g * si_h
+    if IDX_AHEAD:
+        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+    for k0 in range(0, span, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if IDX_AHEAD:
+            idx = idx_next
+            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+        else:
+            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+        if I64:
+            rows = rows.to(tl.int64)
+        ld_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
+        p = tl.load(p_base + offs_k[None, :], mask=ld_mask, other=0.0)
+        ds = tl.load(ds_base + offs_k[None, :], mask=ld_mask, other=0.0)
+        kc = tl.load(kb_base + rows[:, None] * sk_t + offs_c[None, :], mask=valid[:, None] & mask_ck[None, :],
+                     other=0.0)
+        dq = _mm(ds, kc, IEEE, dq)
+        if V_FROM_K:
+            dkv = _mm(tl.trans(p), doc, IEEE)
+            dkv = _mm(tl.trans(ds), qc, IEEE, dkv)
+            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dkv,
+                          mask=valid[:, None] & mask_ck[None, :], sem="relaxed")
+        else:
+            dk = _mm(tl.trans(ds), qc, IEEE)
+            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dk,
+                          mask=valid[:, None] & mask_ck[None, :], sem="relaxed")
+            dv = _mm(tl.trans(p), doc, IEEE)
+            tl.atomic_add(dvb_base + rows[:, None] * sdv_t + offs_c[None, :], dv,
+                          mask=valid[:, None] & mask_cv[None, :], sem="relaxed")
+    tl.store(DQ + row * sq_t + heads[:, None] * sq_h + offs_c[None, :], dq.to(DQ.dtype.element_ty),
+             mask=mask_h[:, None] & mask_ck[None, :])
+
+
 # Launch configuration, from the sweep in benchmarks/bench_dsa.py on an H200 (RESULTS.md).
 # Backward BLOCK_K=32 with num_stages=1 hit an illegal address under Triton 3.6 on the H200
-# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest config that ran clean.
-FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
+# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest fused config that ran clean.
+# Pass options (all default off = the kernels as first measured):
+#   SKIP: walk only up to the row's last valid slot (the causal ramp t < topk has fewer keys);
+#   REVERSE: launch the last (full) rows first so the short ones fill the tail;
+#   LAZY (forward): rescale the accumulator only when a running max grows by > 8 (log2);
+#   IDX_AHEAD (backward): load the next block's indices one iteration early (for
+#   num_stages=1, where Triton does not pipeline the index -> row gather chain);
+FWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
+# Untimed on the GPU when written: bench_dsa.py --check times these against the *_OLD ones.
+# Compiled for sm_90 on the CPU (Triton 3.9, cuobjdump resource usage): the P/dS passes
+# below use no local memory (144-248 registers); the old fused backward spills 1176 B per
+# thread and the split dq / dk-dv passes 1000-1700 B (a dk/dv pass with keys as the MMA's M
+# dimension, tried too, needs 270 KB of shared memory: removed).
+FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True}  # LAZY: see bench --check (skip_rev_lazy)
+BWD_CONFIG = {
+    # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
+    # reads them back per 128-channel chunk: dq = dS K, dk/dv += dS^T q + P^T dO
+    "PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
+    "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+    # BLOCK_H = 128 (drops to 64 when G = 64): half the atomics and K reads of BLOCK_H = 64
+    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3},
+}
+BWD_CONFIG_SPLIT = {  # a dq pass and a dk/dv pass, each recomputing P and dS (spills: see above)
+    "FUSED": False,
+    "DQ_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2, "SKIP": True, "REVERSE": True},
+    "DKV_CFG": {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 1, "DKV_T": True,
+                "SKIP": True, "REVERSE": True, "IDX_AHEAD": True},
+}
+MAX_SKIP_TOPK = 8192  # SKIP reads the index row into registers: cap its length
 
 
 def _split_d(D: int) -> tuple[int, int]:
@@ -274,6 +521,12 @@ def _launch_args(cfg, G, HK, B, T):
     return bh, nhb, (B * T, HK * nhb)
 
 
+def _walk_args(cfg, topk):
+    tp2 = max(16, triton.next_power_of_2(topk))
+    skip = bool(cfg.get("SKIP", False)) and tp2 <= MAX_SKIP_TOPK
+    return dict(SKIP=skip, REVERSE=bool(cfg.get("REVERSE", False)), TOPK_P2=tp2 if skip else 16)
+
+
 def sfa_forward(q, k, v, indices, scale, cfg=None):
     cfg = cfg or FWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
@@ -288,6 +541,7 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+        LAZY=cfg.get("LAZY", False), **_walk_args(cfg, idx.shape[-1]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -302,26 +556,109 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     dq = torch.empty_like(q)
     dk = torch.zeros(B, T, HK, D, device=q.device, dtype=torch.float32)
     dv = dk if vk else torch.zeros(B, T, HK, DV, device=q.device, dtype=torch.float32)
+    if cfg.get("PDS", False):
+        _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg)
+        return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
     # FUSED: one pass gives dq and dk/dv; else a dq pass and a dk/dv pass (each
     # recomputes P and dP, but neither holds both accumulators in registers)
     passes = [(True, True, cfg)] if cfg.get("FUSED", True) else [
         (True, False, cfg.get("DQ_CFG", cfg)), (False, True, cfg.get("DKV_CFG", cfg))]
     if "ONLY" in cfg:  # timing experiments: run just the dq or just the dk/dv part
-        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", cfg)]
+        sub = cfg if cfg.get("FUSED", True) else cfg.get("DQ_CFG" if cfg["ONLY"] == "dq" else "DKV_CFG", cfg)
+        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", {**sub, "STORE_ONLY": cfg.get("STORE_ONLY", False)})]
     for do_dq, do_dkv, c in passes:
         bh, nhb, grid = _launch_args(c, G, HK, B, T)
-        _sfa_bwd_kernel[grid](
-            q, k, v, idx, o, do, lse, dq, dk, dv,
+        common = (
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
+        )
+        meta = dict(
             D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
             V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
-            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False),
+            **_walk_args(c, idx.shape[-1]), IDX_AHEAD=bool(c.get("IDX_AHEAD", False)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
+        _sfa_bwd_kernel[grid](
+            q, k, v, idx, o, do, lse, dq, dk, dv, *common,
+            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False), **meta,
+        )
     return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
+
+
+# Used when a P/dS pass does not fit the GPU's shared memory (the defaults take 217 / 197 KB
+# under Triton 3.9, near the 227 KB of an H100/H200; another Triton may lay them out larger).
+PDS_FALLBACK = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 4}  # 178 KB (3.9)
+APPLY_FALLBACK = {"BLOCK_H": 64, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3}  # 131 KB
+_fallen_back: dict[str, dict] = {}
+
+
+def _launch(kernel, grid, *args, **meta):
+    kernel[grid](*args, **meta)
+
+
+def _with_fallback(run, c, fallback, name):
+    """run(c); if the launch needs more shared memory than the device has, run(fallback) from
+    then on (OutOfResources is raised before anything is written)."""
+    key = f"{name}:{sorted(c.items())}"
+    if key in _fallen_back:
+        return run(_fallen_back[key])
+    try:
+        return run(c)
+    except triton.runtime.errors.OutOfResources as e:
+        warnings.warn(f"sparse attention backward: {name} config {c} does not fit ({e}); using {fallback}", stacklevel=2)
+        _fallen_back[key] = fallback
+        return run(fallback)
+
+
+def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg):
+    """P/dS backward: pass 1 stores P and dS for a chunk of rows (at most PDS_BYTES),
+    pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics)."""
+    topk = idx.shape[-1]
+    HQ = q.shape[2]
+    walk = _walk_args(cfg, topk)  # one SKIP for both passes: pass 2 reads only what pass 1 wrote
+    rows_total = B * T
+    per_row = HQ * topk * q.element_size() * 2
+    nrows = max(1, min(rows_total, 65535, int(cfg.get("PDS_BYTES", 2**30)) // per_row))  # grid y <= 65535
+    if nrows < rows_total and q.is_cuda:  # whole waves of pass 1 (one program per SM) in every chunk
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        nrows = max(nrows // sms * sms, min(sms, rows_total))
+    pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
+    i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
+
+    def pass1(c, row0, n):
+        bh, nhb, _ = _launch_args(c, G, HK, B, T)
+        _launch(
+            _sfa_bwd_pds_kernel, (HK * nhb, n),
+            q, k, v, idx, o, do, lse, pds[0], pds[1],
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), pds.stride(1), pds.stride(2),
+            T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale,
+            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
+            V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+
+    def pass2(c, row0, n):
+        bh, nhb, _ = _launch_args(c, G, HK, B, T)
+        nc = triton.cdiv(max(D, DV), c["BLOCK_C"])
+        _launch(
+            _sfa_bwd_from_pds_kernel, (HK * nhb * nc, n),
+            q, k, idx, do, pds[0], pds[1], dq, dk, dv,
+            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            idx.stride(1), si_h, do.stride(1), do.stride(2), pds.stride(1), pds.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            T, G, topk, D, DV, nhb, nc, row0, n,
+            BLOCK_C=c["BLOCK_C"], BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
+            IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+
+    for row0 in range(0, rows_total, nrows):
+        n = min(nrows, rows_total - row0)
+        _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
+        _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
 class SparseAttentionFunction(torch.autograd.Function):
