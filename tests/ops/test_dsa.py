@@ -339,19 +339,24 @@ _BWD_VARIANTS = {
     # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked)
     "pds_hmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
                  "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
+    # pass 2's key block larger than pass 1's: with SKIP, pass 1 leaves slots past its last block unwritten
+    # (the H200's NaN of 2026-11-29; the buffer is NaN-poisoned in this test so such a read fails)
+    "pds_kmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
+                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
 }
 
 
 @triton_only
 @pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"),
                                      ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
-                                     ("skip_rev_lazy", "pds_hmix")])
+                                     ("skip_rev_lazy", "pds_hmix"), ("old", "pds_kmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
     monkeypatch.setattr(tsa, "FWD_CONFIG", _FWD_VARIANTS[fwd])
     monkeypatch.setattr(tsa, "BWD_CONFIG", _BWD_VARIANTS[bwd])
+    monkeypatch.setattr(tsa, "_POISON_PDS", True)
     T, topk = 45, 40  # t < topk for most rows: trailing blocks entirely -1
     HQ, HK, D, DV, per_head = (4, 2, 40, 24, True) if layout == "gqa_per_head" else (4, 1, 48, 32, False)
     if bwd == "pds_hmix":

@@ -425,7 +425,9 @@ def _sfa_bwd_from_pds_kernel(
         rows = tl.where(valid, idx, 0)
         if I64:
             rows = rows.to(tl.int64)
-        ld_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
+        # only slots pass 1 wrote: with SKIP it stops at its own BLOCK_K multiple past the row's last
+        # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries
+        ld_mask = mask_h[:, None] & valid[None, :]
         p = tl.load(p_base + offs_k[None, :], mask=ld_mask, other=0.0)
         ds = tl.load(ds_base + offs_k[None, :], mask=ld_mask, other=0.0)
         kc = tl.load(kb_base + rows[:, None] * sk_t + offs_c[None, :], mask=valid[:, None] & mask_ck[None, :],
@@ -456,6 +458,7 @@ def _sfa_bwd_from_pds_kernel(
 #   LAZY (forward): rescale the accumulator only when a running max grows by > 8 (log2);
 #   IDX_AHEAD (backward): load the next block's indices one iteration early (for
 #   num_stages=1, where Triton does not pipeline the index -> row gather chain);
+_POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
 FWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
 BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
 # Untimed on the GPU when written: bench_dsa.py --check times these against the *_OLD ones.
@@ -625,6 +628,8 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         nrows = max(nrows // sms * sms, min(sms, rows_total))
     pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
+    if _POISON_PDS:  # tests: unwritten slots must never be read (CPU allocations often come back zeroed)
+        pds.fill_(float("nan"))
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
 
     def pass1(c, row0, n):
