@@ -46,7 +46,7 @@ def one(preset: str, seq: int, mb: int, rc: str, rank: int, device: str = "cuda"
     return {"seq_len": seq, "micro_batch": mb, "recompute": rc, "lora_rank": rank, "measured_GiB": meas / 2**30,
             "predicted_GiB": pred["total"] / 2**30, "error_pct": 100 * (pred["total"] / meas - 1),
             "predicted_terms_GiB": {k: v / 2**30 for k, v in pred.items()
-                                    if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu")}}
+                                    if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu", "peak_phase")}}
 
 
 def main() -> None:

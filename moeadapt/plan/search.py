@@ -40,7 +40,7 @@ class Candidate:
                 "step_s": self.comm["step_s"], "a2a_GB_per_step": self.comm["a2a_bytes"] / 1e9,
                 "fsdp_GB_per_step": (self.comm["fsdp_allgather_bytes"] + self.comm["fsdp_reduce_scatter_bytes"]) / 1e9,
                 "breakdown_GiB": {k: v / GiB for k, v in self.memory.items()
-                                  if k not in ("params_total", "params_trainable", "tokens_per_gpu")}}
+                                  if k not in ("params_total", "params_trainable", "tokens_per_gpu", "peak_phase")}}
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _why(mem: dict, cap: float) -> str:
-    big = max((k for k in mem if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu")),
+    big = max((k for k in mem if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu", "peak_phase")),
               key=lambda k: mem[k])
     return (f"needs {mem['total'] / GiB:.1f} GiB > {cap / GiB:.1f} GiB; largest term {big} "
             f"{mem[big] / GiB:.1f} GiB")
