@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.dsa import indexer_kl_loss, lightning_indexer, sparse_attention
-from .common import RMSNorm, apply_rope
+from .common import RMSNorm, apply_rope, rope_softmax_mscale
 
 
 class DSAAttention(nn.Module):
@@ -44,7 +44,8 @@ class DSAAttention(nn.Module):
         self.wk_idx = nn.Linear(d, DI, bias=False)
         self.k_idx_norm = nn.LayerNorm(DI)
         self.w_idx = nn.Linear(d, HI, bias=False)
-        self.softmax_scale = (nope + rope) ** -0.5
+        # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
+        self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
 
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
