@@ -11,14 +11,24 @@ allocated), and the bytes each rank holds at the step's peak:
               whole step, reshard_after_forward=False) + two blocks (current + prefetched) unsharded in bf16,
               a block's experts being its E/ep local experts + one fp32 reduce-scatter buffer for the block's
               trainable gradients;
-  activations per layer type, per token, with recompute none / selective (GEMM outputs kept) / full (block
-              inputs kept); plus the larger of the loss phase (logits, fp32 copy, log-softmax) and one
-              block recomputed in backward (the two are never alive together);
+  activations what autograd saves, tensor by tensor, per layer type and per local token (`_layer_acc`: the
+              rules are in the comment above it; LoRA changes what is saved, frozen linears save nothing),
+              for recompute none (the whole saved set) / selective (every GEMM output of the block + its
+              input) / full (block inputs); the reported value is what is kept at the step's peak phase;
+  loss_or_recompute  what is alive on top of that in the peak phase: the loss (logits, fp32 copy,
+              log-softmax) at the end of forward, a layer's largest forward transient (the reference DSA's
+              KL target), or block i's recomputed activations + their gradients in its backward (blocks above
+              i are freed by then, blocks below still kept). Phases are evaluated one by one with the parameter
+              gradients alive in each (none in forward, blocks >= i in backward i) and the largest is the peak
+              (`peak_phase` in the result);
   a2a         dispatch + combine send/receive buffers of one MoE layer, latent width, times the routing
               straggler factor (max/mean rank load);
   reserve     allocator fragmentation and workspaces: a fraction of the rest plus a fixed CUDA context.
-Element sizes: bf16 activations on GPU (`act_bytes=2`), fp32 on CPU (`act_bytes=4`); norms and the
-router work in fp32 internally whatever the activation dtype.
+Element sizes: bf16 activations on GPU (`act_bytes=2`, autocast; the residual stream and norm outputs stay
+fp32), fp32 on CPU (`act_bytes=4`). Two op paths: `backend="reference"` (CPU: the plain-PyTorch KDA / DSA / MoE
+reference ops, whose einsums and padded expert bmm's save large intermediates) and `backend="kernel"` (GPU:
+Triton KDA / sparse attention / KL autograd Functions and their save_for_backward sets, torch._grouped_mm or
+fused Triton LoRA experts). docs/onboard_plan.md "Activation model" lists both.
 """
 
 from __future__ import annotations
@@ -196,11 +206,15 @@ def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -
 
 
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
-               targets: frozenset, rank: int, tokens: int | None = None) -> _Acc:
+               targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
     block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
+    # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
+    # under FSDP's bf16 parameter policy, fp32 on CPU
+    f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
+    rk = "f" if f32s else "a"
     d = spec.hidden_size
 
     def tr(m):  # does this linear save its input?
@@ -212,14 +226,14 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.gemm(name + ".lora_gemms", per_choice * (rank + out), "a")
 
     kind = spec.resolved_layer_types()[i]
-    acc.keep("residual", 2 * d, "f" if act_bytes == 2 else "a")  # h = x + attn (ffn_norm input), block output
-    _norm(acc, "attn_norm", d, full, True)
-    acc.gemm("block_input", d, "f" if act_bytes == 2 else "a")
+    acc.keep("residual", 2 * d, rk)  # h = x + attn (ffn_norm input), block output
+    _norm(acc, "attn_norm", d, full, f32s or act_bytes != 2)
+    acc.gemm("block_input", d, rk)
     if kind == "kda":
         H, K = spec.kda_n_heads, spec.kda_head_dim
         HK = H * K
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.f_a", "attn.b_proj", "attn.g_a")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), True)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
         for m in ("q_proj", "k_proj", "v_proj"):
             acc.gemm(m, HK)
             lora("attn." + m, HK)
@@ -256,7 +270,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     elif kind == "gqa":
         H, HKV, Dh = spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), True)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
         for m, w in (("q_proj", H * Dh), ("k_proj", HKV * Dh), ("v_proj", HKV * Dh)):
             acc.gemm(m, w)
             lora("attn." + m, w)
@@ -280,7 +294,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         qm = "attn.wq_b" if qr else "attn.wq"
         first = ("attn.wq_a",) if qr else (qm,)
         mods = (*first, "attn.wkv_a", *(("attn.w_gate",) if spec.attn_output_gate else ()))
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), True)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), f32s)
         if qr:
             acc.gemm("wq_a", qr)
             acc.keep("wq_a out (q_norm input)", qr, gemm_out=1)
@@ -328,10 +342,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             else:  # triton KL: gradients computed in forward and kept (dq, dk, dw)
                 acc.keep("kl: dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f")
     # FFN
-    _norm(acc, "ffn_norm", d, full, True)
+    _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
     if not spec.is_moe_layer(i):
         S = spec.intermediate_size
-        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), True)
+        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), f32s)
         acc.gemm("w1,w3", 2 * S)
         acc.gemm("w2", d)
         for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
@@ -344,7 +358,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     S = spec.n_shared_experts * (spec.shared_intermediate_size or F)
     sh = ("ffn.shared.w1", "ffn.shared.w3")
     _lin_in(acc, "ffn_norm.out", d, int(full) + int(tr("ffn.fc1_latent_proj")) * bool(spec.latent_dim)
-            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), True)
+            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), f32s)
     acc.gemm("router logits", E, "f")
     acc.keep("router scores, top-k ids (int64), weights", E + 3 * Kt + 1, "f")
     if spec.latent_dim:
@@ -409,11 +423,12 @@ def layer_activation_bytes(spec: ModelSpec, i: int, tokens: int, seq: int, recom
     """Bytes layer i keeps from forward to backward for `tokens` local tokens: recompute 'none' (everything
     backward needs) or 'selective' (the block input and every GEMM output of the block)."""
     acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank)
-    return tokens * (acc.sel if recompute == "selective" else acc.none - acc._b(1, "a") * 0)
+    return tokens * (acc.sel if recompute == "selective" else acc.none)
 
 
 def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: str = "kernel",
-                     lora_targets: tuple = (), rank: int = 0, weight_casts: tuple = ()) -> dict:
+                     lora_targets: tuple = (), rank: int = 0, weight_casts: tuple = (),
+                     fp32_stream: bool | None = None) -> dict:
     """The step's activation phases. 'forward end': every layer's kept set + the loss phase (logits, their
     fp32 copy and log-softmax); no parameter gradient exists yet (zero_grad(set_to_none=True)).
     'backward i' (blocks run backward from the last): blocks below i still kept, block i's activations
@@ -425,7 +440,9 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     t = plan.micro_batch * plan.seq_len // plan.cp
     full = not lora_targets
     tg = lora_targets or (frozenset(),) * spec.n_layers
-    accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t) for i in range(spec.n_layers)]
+    f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
+    accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s)
+            for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     logits = t * spec.vocab_size * (act_bytes + 4 + 4)
@@ -434,7 +451,7 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     elif plan.recompute == "selective":
         kept = [t * a.sel for a in accs]
     else:  # full: block inputs only, one block recomputed at a time
-        kept = [t * spec.hidden_size * (4 if act_bytes == 2 else act_bytes)] * spec.n_layers
+        kept = [t * spec.hidden_size * (4 if f32s else act_bytes)] * spec.n_layers
     f = BACKWARD_GRAD_FACTOR
     # selective: block i's recompute starts from its cached GEMM outputs and adds the rest of its saved set
     extra = [kept[i] if plan.recompute == "selective" else 0.0 for i in range(spec.n_layers)]
@@ -485,7 +502,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         casts = tuple(2.0 * (pc.lora_dense[i] + pc.lora_experts[i] if lora is not None else
                              pc.block_dense[i] + pc.block_experts[i]) for i in range(spec.n_layers))
     act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_targets if lora is not None else (), pc.lora_rank,
-                           casts)
+                           casts, fp32_stream=act_bytes == 2 and n == 1)
     t = act["tokens_per_gpu"]
     a2a = 0.0
     if spec.n_routed_experts and plan.ep > 1:
