@@ -274,15 +274,19 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         for m, w in (("q_proj", H * Dh), ("k_proj", HKV * Dh), ("v_proj", HKV * Dh)):
             acc.gemm(m, w)
             lora("attn." + m, w)
-        acc.keep("q,k (qk-norm inputs)", (H + HKV) * Dh)
-        acc.keep("qk-norm rstd", H + HKV, "f")
-        if full:
-            acc.keep("qk-norm normed", (H + HKV) * Dh, "f")
-        acc.keep("rotated q,k, v (sdpa inputs)", (H + 2 * HKV) * Dh)
-        acc.keep("sdpa out + lse", H * Dh + H)
-        acc.gemm("sdpa", H * Dh)
-        if ref:
-            acc.keep("math sdpa probabilities", H * seq, "f")
+        if spec.gqa_qk_norm:
+            acc.keep("q,k proj out (qk-norm inputs)", (H + HKV) * Dh, gemm_out=1)
+            acc.keep("qk-norm rstd", H + HKV, "f")
+            if full:
+                acc.keep("qk-norm normed", (H + HKV) * Dh, "f")
+        acc.keep("rotated q (sdpa input)", H * Dh)
+        if HKV != H:  # repeat_interleave'd k, v are what SDPA saves (the repeat itself saves nothing)
+            acc.keep("repeated k, v (sdpa inputs)", 2 * H * Dh)
+        else:
+            acc.keep("rotated k, v (sdpa inputs)", 2 * HKV * Dh, gemm_out=0.5)
+        acc.keep("sdpa out + lse", H * Dh + H)  # flash attention (also the CPU flash kernel): no probabilities
+        if not ref:  # aten flash attention is in the selective save list; the CPU flash op is not
+            acc.gemm("sdpa", H * Dh)
         acc.gemm("o_proj", d)
         lora("attn.o_proj", d)
         _lin_in(acc, "o_proj input", H * Dh, int(tr("attn.o_proj")), False)
@@ -371,7 +375,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     if ref:
         # grouped_mm_reference: one padded [E, C, in] bmm per GroupedLinear; C = the largest expert's rows.
         # Expected largest of E multinomial loads of mean m = T K / E: m + sqrt(2 m ln E) (Gaussian tail)
-        m = max(seq * Kt / E, 1.0)
+        m = max((tokens or seq) * Kt / E, 1.0)
         pad = (m + math.sqrt(2 * m * math.log(max(E, 2)))) / m  # padded rows per token-choice
         ins = {"w1": L, "w3": L, "w2": F}
         outs = {"w1": F, "w3": F, "w2": L}
