@@ -83,3 +83,14 @@ def test_cli_onboard_validate_on_a_saved_yarn_checkpoint(tmp_path, capsys):
     assert fam.spec.rope_scaling is not None and fam.spec.rope_scaling.factor == 8.0
     assert main(["onboard", str(tmp_path), "--validate"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_qwen3_moe_yarn_logits_match_transformers():
+    """Qwen3 YaRN (no mscales: cos/sin x (0.1 ln 4 + 1), no softmax change) through the gqa layer."""
+    cfg = transformers.Qwen3MoeConfig().to_dict()
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                              "original_max_position_embeddings": 32768}
+    fam = read_family(cfg)
+    assert fam.spec.rope_scaling.factor == 4.0 and common.rope_inv_freq(8, 1e6, fam.spec.rope_scaling)[1] > 1.1
+    v = validate_family(fam)
+    assert v["tiny"]["rope"] == "yarn" and v["passed"] and v["max_abs_diff"] <= TOL
