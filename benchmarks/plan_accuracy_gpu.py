@@ -5,7 +5,9 @@ Run on a CUDA machine from the repository root:
 For each (seq_len, micro_batch, recompute, lora) setting it builds a fresh model (fp32 master weights, BF16
 autocast, Triton kernels; LoRA: frozen BF16 base + fp32 adapters, as the trainer does), runs two AdamW steps and
 reads `torch.cuda.max_memory_allocated` over the second (the optimizer state exists by then), and prints it next
-to `moeadapt.plan.accuracy.predict_step` (single GPU: no FSDP / EP buffers, no allocator reserve).
+to `moeadapt.plan.accuracy.predict_step` (single GPU: no FSDP / EP buffers, no allocator reserve). The step runs
+as the trainer's does: autocast around the forward only, `return_logits=False` (measurements taken before
+2026-11-29 12:50 used autocast over both steps and kept the logits: not comparable).
 Target: |error| <= 10%. Each setting runs in a child process so one OOM does not end the sweep.
 """
 
@@ -45,8 +47,9 @@ def one(preset: str, seq: int, mb: int, rc: str, rank: int, device: str = "cuda"
         meas = float("nan")
     return {"seq_len": seq, "micro_batch": mb, "recompute": rc, "lora_rank": rank, "measured_GiB": meas / 2**30,
             "predicted_GiB": pred["total"] / 2**30, "error_pct": 100 * (pred["total"] / meas - 1),
+            "predicted_peak_phase": pred["peak_phase"],
             "predicted_terms_GiB": {k: v / 2**30 for k, v in pred.items()
-                                    if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu")}}
+                                    if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu", "peak_phase")}}
 
 
 def main() -> None:

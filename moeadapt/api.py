@@ -136,7 +136,10 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
         load_peft(m, run_dir / "adapter")
     else:
         raise FileNotFoundError(f"{run_dir} has neither checkpoints/ nor adapter/; the run saved nothing yet")
-    return export_peft(m, cfg.lora, out, base_model=cfg.train.init_from or cfg.model.name)
+    from .onboard import peft_maps
+
+    return export_peft(m, cfg.lora, out, base_model=cfg.train.init_from or cfg.model.name,
+                       **peft_maps(cfg.train.init_from))
 
 
 def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:

@@ -51,6 +51,8 @@ _PRESETS: dict[str, dict] = {
     "deepseek-v3.2": dict(
         name="deepseek-v3.2", vocab_size=129280, hidden_size=7168, n_layers=61, layer_types=["dsa"] * 61,
         max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),  # as its config.json ships it
         n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         index_n_heads=64, index_head_dim=128, index_topk=2048, attn_output_gate=False,
         first_k_dense=3, intermediate_size=18432, n_routed_experts=256, n_experts_per_tok=8, n_shared_experts=1,

@@ -22,6 +22,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class RopeScaling(_Strict):
+    """YaRN RoPE scaling (arXiv 2309.00071) as DeepSeek-V3 / Kimi K2 checkpoints ship it, with transformers'
+    semantics: inverse frequencies blended between theta^(-2i/d) (fast dims, extrapolated) and that / factor
+    (slow dims, interpolated) by a linear ramp over the dims whose rotation count at
+    original_max_position_embeddings lies between beta_fast and beta_slow; cos/sin multiplied by
+    attention_factor (default mscale(factor, mscale) / mscale(factor, mscale_all_dim), or mscale(factor) when
+    either is unset); MLA softmax scale multiplied by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is
+    set; mscale(s, m) = 0.1 m ln s + 1 for s > 1, else 1."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = Field(default=32.0, gt=0)
+    beta_slow: float = Field(default=1.0, gt=0)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
 class ModelSpec(_Strict):
     """The architecture: a hybrid KDA / gated-DSA transformer with a (latent) MoE FFN.
 
@@ -37,6 +57,7 @@ class ModelSpec(_Strict):
     dsa_every: int = Field(default=4, ge=1)
     max_position_embeddings: int = Field(default=4096, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = Field(default=1e-6, gt=0)
     tie_word_embeddings: bool = False
     initializer_range: float = Field(default=0.02, gt=0)

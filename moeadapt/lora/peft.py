@@ -5,6 +5,12 @@ has in the base checkpoint (ours: `layers.3.ffn.experts.w1`). Dense adapters use
 (lora_A [r, in], lora_B [out, r]). Grouped expert adapters are stored per expert in the same layout, stacked
 on a leading expert axis (lora_A [E, r, in], lora_B [E, out, r]); `adapter_config.json` lists them under
 `moeadapt.grouped_modules`. Written atomically.
+
+For a model onboarded from a Hugging Face checkpoint (`moeadapt.onboard.peft_maps(dir)`), module names are the
+checkpoint's and the rows of lora_B are put back in the checkpoint's row order where onboarding permuted the
+base weight's rows (DeepSeek's interleaved RoPE rows of q_b_proj / q_proj / kv_a_proj_with_mqa): then
+W_ckpt + scaling * B @ A is exactly the checkpoint-order form of our merged weight. adapter_config.json records
+both (`moeadapt.modules`: checkpoint name -> ours, `moeadapt.row_perms`), so `load_peft` undoes them alone.
 """
 
 from __future__ import annotations
@@ -24,18 +30,26 @@ PREFIX = "base_model.model."
 
 
 def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: str = "",
-                name_map: dict[str, str] | None = None) -> Path:
-    """`name_map` maps our module names to the original checkpoint's (identity for our own format)."""
+                name_map: dict[str, str] | None = None,
+                row_perms: dict[str, torch.Tensor] | None = None) -> Path:
+    """`name_map` maps our module names to the original checkpoint's (identity for our own format);
+    `row_perms[ours]`: our base weight's rows = checkpoint rows[perm] (onboarding's permutation), undone on
+    lora_B so the adapter is in the checkpoint's row order."""
     mods = lora_modules(model)
     if not mods:
         raise ValueError("the model has no LoRA adapters to export; run a fine-tune with a `lora:` section")
     name_map = name_map or {}
-    tensors, grouped, targets = {}, [], set()
+    row_perms = row_perms or {}
+    tensors, grouped, targets, perms_out = {}, [], set(), {}
     for n, m in mods.items():
         out = name_map.get(n, n)
         targets.add(out.rsplit(".", 1)[-1])
         if isinstance(m, LoRALinear):
             a, b = m.lora_A.weight, m.lora_B.weight
+            if n in row_perms:
+                perm = row_perms[n].to(b.device)
+                b = b.index_select(0, torch.argsort(perm))  # ours[i] = ckpt[perm[i]]  =>  ckpt = ours[argsort]
+                perms_out[out] = perm.tolist()
         else:
             a, b = m.lora_A.transpose(1, 2), m.lora_B.transpose(1, 2)
             grouped.append(out)
@@ -47,6 +61,10 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
         "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
         "moeadapt": {"targets": lora.targets, "grouped_modules": sorted(grouped)},
     }
+    if any(name_map.get(n, n) != n for n in mods):
+        cfg["moeadapt"]["modules"] = {name_map.get(n, n): n for n in mods}
+    if perms_out:
+        cfg["moeadapt"]["row_perms"] = perms_out
     with atomic_dir(path) as tmp:
         save_tensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
@@ -69,11 +87,15 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
 @torch.no_grad()
 def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | None = None) -> LoRASpec:
     """Inject adapters as the directory describes (unless present) and load their weights strictly."""
-    spec, _ = read_adapter_config(path)
+    spec, cfg = read_adapter_config(path)
     if not lora_modules(model):
         inject_lora(model, spec)
     tensors = load_tensors(Path(path) / "adapter_model.safetensors")
+    own = cfg.get("moeadapt", {})
+    if name_map is None and own.get("modules"):  # written with checkpoint names: map them back
+        name_map = {ours: ckpt for ckpt, ours in own["modules"].items()}
     name_map = name_map or {}
+    perms = {k: torch.tensor(v) for k, v in own.get("row_perms", {}).items()}
     expected = {}
     for n, m in lora_modules(model).items():
         out = name_map.get(n, n)
@@ -87,6 +109,9 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
         t = tensors[key]
         if isinstance(m, LoRALinear):
             dst = m.lora_A.weight if which == "A" else m.lora_B.weight
+            mod = key[len(PREFIX):].rsplit(".", 2)[0]
+            if which == "B" and mod in perms:
+                t = t.index_select(0, perms[mod])  # checkpoint row order -> ours
         else:
             dst = m.lora_A if which == "A" else m.lora_B
             t = t.transpose(1, 2)

@@ -6,6 +6,8 @@ E experts, N expert-sorted token-choices, L latent width, F ffn width.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,11 +33,53 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, dim/2] for non-interleaved (half-split) rotary embeddings."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_T.device, dtype=torch.float32) / dim))
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float, scaling=None, device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin multiplier; `scaling`: a config.RopeScaling (YaRN) or None."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    f, orig = scaling.factor, scaling.original_max_position_embeddings
+
+    def corr_dim(rotations: float) -> float:  # the dim index whose wavelength fits `rotations` times in orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr_dim(scaling.beta_fast), corr_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrap = 1 - ramp  # 1: keep the original frequency (fast dims), 0: interpolate by factor (slow dims)
+    inv_freq = (1.0 / (f * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    att = scaling.attention_factor
+    if att is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            att = yarn_mscale(f, scaling.mscale) / yarn_mscale(f, scaling.mscale_all_dim)
+        else:
+            att = yarn_mscale(f)
+    return inv_freq, float(att)
+
+
+def rope_softmax_mscale(scaling) -> float:
+    """Multiplier of the MLA softmax scale under YaRN (DeepSeek): mscale(factor, mscale_all_dim)^2 when set."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
+
+def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, dim/2] for non-interleaved (half-split) rotary embeddings (YaRN when `scaling`)."""
+    inv_freq, att = rope_inv_freq(dim, theta, scaling, positions_T.device)
     ang = positions_T.float()[:, None] * inv_freq[None, :]
-    return ang.cos(), ang.sin()
+    if att == 1.0:
+        return ang.cos(), ang.sin()
+    return ang.cos() * att, ang.sin() * att
 
 
 def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:

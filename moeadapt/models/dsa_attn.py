@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.dsa import indexer_kl_loss, lightning_indexer, sparse_attention
-from .common import RMSNorm, apply_rope
+from .common import RMSNorm, apply_rope, rope_softmax_mscale
 
 
 class DSAAttention(nn.Module):
@@ -44,7 +44,8 @@ class DSAAttention(nn.Module):
         self.wk_idx = nn.Linear(d, DI, bias=False)
         self.k_idx_norm = nn.LayerNorm(DI)
         self.w_idx = nn.Linear(d, HI, bias=False)
-        self.softmax_scale = (nope + rope) ** -0.5
+        # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
+        self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
 
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,10 @@ class DSAAttention(nn.Module):
         kv = self.wkv_a(x_BTD)
         kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), apply_rope(kv[..., kvl:], cos, sin)
         # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
-        wkv_b = self.wkv_b.weight.view(H, nope + self.vd, kvl)
+        w = self.wkv_b.weight
+        if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself
+            w = w + (self.wkv_b.lora_B.weight @ self.wkv_b.lora_A.weight).to(w.dtype) * self.wkv_b.scaling
+        wkv_b = w.view(H, nope + self.vd, kvl)
         q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
         q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
         k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]

@@ -22,6 +22,7 @@ class GQAAttention(nn.Module):
         super().__init__()
         d, H, HK, Dh = spec.hidden_size, spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = H, HK, Dh, spec.rope_theta
+        self.rope_scaling = spec.rope_scaling
         self.q_proj = nn.Linear(d, H * Dh, bias=False)
         self.k_proj = nn.Linear(d, HK * Dh, bias=False)
         self.v_proj = nn.Linear(d, HK * Dh, bias=False)
@@ -38,7 +39,7 @@ class GQAAttention(nn.Module):
         v_BTHK = self.v_proj(x_BTD).view(B, T, HK, Dh)
         if self.q_norm is not None:
             q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
-        cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), Dh, self.theta)
+        cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), Dh, self.theta, self.rope_scaling)
         q_BTHK, k_BTHK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTHK, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHK))
         if HK != H:

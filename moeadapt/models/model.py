@@ -115,7 +115,7 @@ class HybridMoEModel(nn.Module):
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(torch.arange(T, device=input_ids.device), self.spec.qk_rope_head_dim,
-                                self.spec.rope_theta)
+                                self.spec.rope_theta, self.spec.rope_scaling)
         aux_total = x.new_zeros((), dtype=torch.float32)
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []

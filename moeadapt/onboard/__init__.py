@@ -16,13 +16,14 @@ import torch
 from ..ui import make_console
 from .families import Family, OnboardError, family_names, read_family
 from .loader import StreamingLoader, checkpoint_index, dequant_fp8, load_into_model
-from .names import Rule, build_rules, reverse_module_map
+from .names import Rule, build_rules, reverse_module_map, reverse_row_perms
 from .opmap import op_mapping, print_op_mapping
 
 __all__ = [
     "Family", "OnboardError", "Rule", "StreamingLoader", "build_rules", "checkpoint_index", "dequant_fp8",
-    "family_names", "load_into_model", "load_weights", "onboard", "onboard_model", "op_mapping", "peft_name_map",
-    "print_op_mapping", "read_family", "read_family_dir", "reverse_module_map",
+    "family_names", "load_into_model", "load_weights", "onboard", "onboard_model", "op_mapping", "peft_maps",
+    "peft_name_map",
+    "print_op_mapping", "read_family", "read_family_dir", "reverse_module_map", "reverse_row_perms",
 ]
 
 
@@ -76,6 +77,19 @@ def load_weights(path: str | Path, model, allow_unmapped: bool = False) -> dict:
 def peft_name_map(path: str | Path) -> dict[str, str]:
     """Our module names -> the checkpoint's, for `export_peft(..., name_map=...)`."""
     return reverse_module_map(build_rules(read_family_dir(path, allow_unmapped=True)))
+
+
+def peft_maps(path: str | Path | None) -> dict:
+    """`export_peft` keyword arguments for a model onboarded from the Hugging Face checkpoint directory `path`:
+    name_map (ours -> checkpoint module names) and row_perms (rows of lora_B back in checkpoint order).
+    Empty for anything else (our own format, a preset name, None)."""
+    if not path or not (Path(path) / "config.json").is_file():
+        return {}
+    fam = read_family_dir(path, allow_unmapped=True)
+    if fam.model_type == "moeadapt":
+        return {}
+    rules = build_rules(fam)
+    return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules)}
 
 
 def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:

@@ -87,16 +87,38 @@ class _Reader:
         notes.extend(f"ignored: {p}" for p in problems)
 
 
-def _rope_theta(r: _Reader) -> float:
+_YARN_KEYS = {"type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+
+
+def _rope(r: _Reader) -> tuple[float, dict | None]:
+    """(rope_theta, YaRN parameters or None) from `rope_parameters` (transformers >= 5) or `rope_scaling`.
+    Plain RoPE and YaRN are implemented; any other type (linear, dynamic, longrope, llama3, ...) or an unknown
+    YaRN key is reported (an OnboardError unless --allow-unmapped)."""
     params = r.get("rope_parameters") or {}
-    scaling = r.get("rope_scaling")
-    theta = params.get("rope_theta", r.get("rope_theta", default=10000.0))
-    for src in (params, scaling or {}):
-        rt = src.get("rope_type", src.get("type", "default"))
-        if rt not in ("default", None):
-            r.unsupported.append(f"rope_type={rt!r} (only plain RoPE is implemented; YaRN / scaling is not)")
-            break
-    return float(theta)
+    scaling = r.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", r.get("rope_theta", default=10000.0)))
+    src = next((d for d in (params, scaling) if d.get("rope_type", d.get("type", "default")) not in ("default", None)),
+               None)
+    if src is None:
+        return theta, None
+    rt = src.get("rope_type", src.get("type"))
+    if rt != "yarn":
+        r.unsupported.append(f"rope scaling type {rt!r} (implemented: default, yarn)")
+        return theta, None
+    unknown = sorted(set(src) - _YARN_KEYS)
+    if unknown:
+        r.unsupported.append(f"YaRN rope scaling keys {unknown} (understood: {sorted(_YARN_KEYS)})")
+    orig = src.get("original_max_position_embeddings")
+    if not orig:
+        r.unsupported.append("YaRN rope scaling without original_max_position_embeddings")
+        return theta, None
+    factor = src.get("factor") or r.need("max_position_embeddings") / orig  # transformers' fallback
+    out = dict(type="yarn", factor=float(factor), original_max_position_embeddings=int(orig))
+    for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"):
+        if src.get(k) is not None:
+            out[k] = src[k]
+    return theta, out
 
 
 def _silu(r: _Reader) -> None:
@@ -151,10 +173,11 @@ def _moe(r: _Reader, n_layers: int) -> dict:
 
 
 def _common(r: _Reader) -> dict:
+    theta, yarn = _rope(r)
     return dict(
         vocab_size=r.need("vocab_size"), hidden_size=r.need("hidden_size"), n_layers=r.need("num_hidden_layers"),
-        max_position_embeddings=r.need("max_position_embeddings", "model_max_length"), rope_theta=_rope_theta(r),
-        norm_eps=float(r.get("rms_norm_eps", default=1e-6)), tie_word_embeddings=bool(r.get("tie_word_embeddings")),
+        max_position_embeddings=r.need("max_position_embeddings", "model_max_length"), rope_theta=theta,
+        rope_scaling=yarn, norm_eps=float(r.get("rms_norm_eps", default=1e-6)), tie_word_embeddings=bool(r.get("tie_word_embeddings")),
     )
 
 

@@ -163,3 +163,10 @@ def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
             src = head.rsplit(".", 1)[0] + "." + proj
         out[mod] = src
     return out
+
+
+def reverse_row_perms(rules: list[Rule]) -> dict[str, torch.Tensor]:
+    """Our module name -> the row permutation onboarding applied to its weight (ours = ckpt[perm]); PEFT export
+    undoes it on lora_B (`export_peft(row_perms=...)`): DeepSeek's interleaved RoPE rows."""
+    return {r.ours.rsplit(".", 1)[0]: r.row_perm for r in rules
+            if r.row_perm is not None and r.ours.endswith(".weight") and not r.absent_ok}

@@ -21,9 +21,16 @@ def _tiny_hf_config(fam: Family):
     import transformers
 
     s = fam.spec
+    rope = {"rope_type": "default", "rope_theta": s.rope_theta}
+    if s.rope_scaling is not None:  # YaRN with the checkpoint's factor / betas / mscales; the original context
+        # shrunk with the tiny model (64 positions) so the ramp splits its 4 rope frequencies
+        y = s.rope_scaling
+        rope = {"rope_type": "yarn", "rope_theta": s.rope_theta, "factor": y.factor,
+                "original_max_position_embeddings": 16, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+                **{k: getattr(y, k) for k in ("mscale", "mscale_all_dim", "attention_factor") if getattr(y, k) is not None}}
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   max_position_embeddings=64, rms_norm_eps=s.norm_eps, tie_word_embeddings=s.tie_word_embeddings,
-                  rope_parameters={"rope_type": "default", "rope_theta": s.rope_theta}, num_experts_per_tok=2)
+                  rope_parameters=rope, num_experts_per_tok=2)
     if fam.model_type == "qwen3_moe":
         kv = 2 if s.gqa_n_kv_heads < s.n_heads else 4
         return transformers.Qwen3MoeConfig(
@@ -81,7 +88,8 @@ def validate_family(fam: Family, seed: int = 0, seq_len: int = 16, batch: int = 
             got = ours(ids).logits.float()
     diff = (ref - got).abs().max().item()
     return {"family": fam.model_type, "reference": f"transformers {transformers.__version__} {fam.hf_class}",
-            "tiny": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "seq_len": seq_len},
+            "tiny": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "seq_len": seq_len,
+                     "rope": cfg.rope_parameters.get("rope_type", "default")},
             "max_abs_diff": diff, "max_abs_logit": ref.abs().max().item(), "tolerance": TOL,
             "passed": bool(diff <= TOL), "tensors": res["tensors"]}
 

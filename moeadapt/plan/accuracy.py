@@ -23,11 +23,14 @@ from .memory import Plan, memory_breakdown
 class LiveBytes(TorchDispatchMode):
     """Running and peak bytes of storages created under the mode (each storage once)."""
 
-    def __init__(self):
+    def __init__(self, held: set[int] | None = None):
         super().__init__()
         self.live = 0
         self.peak = 0
         self._seen: set[int] = set()
+        # storages already live before the mode (parameters, optimizer state): a view of one (w.t(), a
+        # transposed expert weight saved for backward) is not new memory and must not be counted again
+        self._held = set(held or ())
 
     def _free(self, key: int, n: int) -> None:
         self._seen.discard(key)
@@ -39,7 +42,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self._seen:
+                if n == 0 or key in self._seen or key in self._held:
                     continue
                 self._seen.add(key)
                 self.live += n
@@ -73,26 +76,31 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str
     ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), device=device)
     labels = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), device=device)
     base = sum(t.untyped_storage().nbytes() for t in {id(x): x for x in [*model.parameters(), *model.buffers()]}.values())
-    if device == "cuda":
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _step(model, opt, ids, labels)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            _step(model, opt, ids, labels)
+    if device == "cuda":  # autocast around the forward only, as the trainer does (its cast cache ends there)
+        _step(model, opt, ids, labels, autocast=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _step(model, opt, ids, labels, autocast=True)
         torch.cuda.synchronize()
         return {"peak": torch.cuda.max_memory_allocated(), "params": base}
     _step(model, opt, ids, labels)  # the first step creates the optimizer state; measure the second
     held = base + sum(s.untyped_storage().nbytes() for st in opt.state.values() for s in st.values()
                       if isinstance(s, torch.Tensor))
-    mode = LiveBytes()
+    held_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    held_ptrs |= {s.untyped_storage().data_ptr() for st in opt.state.values() for s in st.values()
+                  if isinstance(s, torch.Tensor)}
+    mode = LiveBytes(held_ptrs)
     with mode:
         _step(model, opt, ids, labels)
     return {"peak": mode.peak + held, "params": base}
 
 
-def _step(model, opt, ids, labels) -> None:
+def _step(model, opt, ids, labels, autocast: bool = False) -> None:
+    import contextlib
+
     opt.zero_grad(set_to_none=True)
-    out = model(ids, labels=labels)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        out = model(ids, labels=labels, return_logits=False)  # as the trainer calls it
     (out.loss + out.aux_loss).backward()
     opt.step()
 

@@ -11,29 +11,41 @@ allocated), and the bytes each rank holds at the step's peak:
               whole step, reshard_after_forward=False) + two blocks (current + prefetched) unsharded in bf16,
               a block's experts being its E/ep local experts + one fp32 reduce-scatter buffer for the block's
               trainable gradients;
-  activations per layer type, per token, with recompute none / selective (GEMM outputs kept) / full (block
-              inputs kept); plus the larger of the loss phase (logits, fp32 copy, log-softmax) and one
-              block recomputed in backward (the two are never alive together);
+  activations what autograd saves, tensor by tensor, per layer type and per local token (`_layer_acc`: the
+              rules are in the comment above it; LoRA changes what is saved, frozen linears save nothing),
+              for recompute none (the whole saved set) / selective (every GEMM output of the block + its
+              input) / full (block inputs); the reported value is what is kept at the step's peak phase;
+  loss_or_recompute  what is alive on top of that in the peak phase: the loss (logits, fp32 copy,
+              log-softmax) at the end of forward, a layer's largest forward transient (the reference DSA's
+              KL target), or block i's recomputed activations + their gradients in its backward (blocks above
+              i are freed by then, blocks below still kept). Phases are evaluated one by one with the parameter
+              gradients alive in each (none in forward, blocks >= i in backward i) and the largest is the peak
+              (`peak_phase` in the result);
   a2a         dispatch + combine send/receive buffers of one MoE layer, latent width, times the routing
               straggler factor (max/mean rank load);
   reserve     allocator fragmentation and workspaces: a fraction of the rest plus a fixed CUDA context.
-Element sizes: bf16 activations on GPU (`act_bytes=2`), fp32 on CPU (`act_bytes=4`); norms and the
-router work in fp32 internally whatever the activation dtype.
+Element sizes: bf16 activations on GPU (`act_bytes=2`, autocast; the residual stream and norm outputs stay
+fp32), fp32 on CPU (`act_bytes=4`). Two op paths: `backend="reference"` (CPU: the plain-PyTorch KDA / DSA / MoE
+reference ops, whose einsums and padded expert bmm's save large intermediates) and `backend="kernel"` (GPU:
+Triton KDA / sparse attention / KL autograd Functions and their save_for_backward sets, torch._grouped_mm or
+fused Triton LoRA experts). docs/onboard_plan.md "Activation model" lists both.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
 
 GiB = 1024**3
-RECOMPUTE_GRAD_FACTOR = 1.3  # recomputed block + the gradients of its activations alive during its backward
-# full recompute: the block's backward frees its recomputed activations as their gradients appear, so less
-# overlaps (fitted on CPU: 1.04 measured on the micro model after the KDA reference stopped keeping
-# non-contiguous copies; 1.1 keeps a margin)
-FULL_RECOMPUTE_GRAD_FACTOR = 1.1
+# Backward of one block: its saved activations plus the gradients of those activations that are alive together
+# (dx of the op being differentiated, the reference ops' dense gradient buffers such as the gathered DSA keys).
+# Not derived term by term: measured on CPU as (live bytes of the peak block at the step's peak) / (its saved
+# set) = 1.07-1.17 over KDA and DSA blocks, full and LoRA, recompute none / selective / full
+# (tests/plan/test_accuracy.py shapes); one value for every mode.
+BACKWARD_GRAD_FACTOR = 1.15
 
 
 @dataclass(frozen=True)
@@ -65,8 +77,8 @@ class ParamCounts:
     block_experts: tuple[int, ...]  # per layer: routed-expert parameters (all experts)
     lora_dense: tuple[int, ...]  # per layer: adapter parameters on non-expert modules
     lora_experts: tuple[int, ...]  # per layer: grouped adapter parameters (all experts)
-    lora_act: tuple[tuple[int, int, int, int], ...] = ()  # per layer: sum r, sum (out + r) over dense targets,
-    #                                                       and the same per token-choice over grouped targets
+    lora_targets: tuple[frozenset, ...] = ()  # per layer: adapted module names relative to the block
+    lora_rank: int = 0
 
     @property
     def total(self) -> int:
@@ -90,7 +102,7 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     m = build_model(spec, "meta")
     L = spec.n_layers
     dense, experts, ld, le = [0] * L, [0] * L, [0] * L, [0] * L
-    act = [[0, 0, 0, 0] for _ in range(L)]
+    tg = [set() for _ in range(L)]
     root = 0
     seen = set()
     for name, p in m.named_parameters():
@@ -110,13 +122,12 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
             i = int(name.split(".")[1])
             if isinstance(mod, GroupedLinear):
                 le[i] += mod.n_experts * r * (mod.in_features + mod.out_features)
-                act[i][2] += r
-                act[i][3] += r + mod.out_features
+                tg[i].add(name.split(".", 2)[2])
             elif isinstance(mod, nn.Linear):
                 ld[i] += r * (mod.in_features + mod.out_features)
-                act[i][0] += r
-                act[i][1] += r + mod.out_features
-    return ParamCounts(root, tuple(dense), tuple(experts), tuple(ld), tuple(le), tuple(tuple(a) for a in act))
+                tg[i].add(name.split(".", 2)[2])
+    return ParamCounts(root, tuple(dense), tuple(experts), tuple(ld), tuple(le), tuple(frozenset(t) for t in tg),
+                       lora.rank if lora is not None else 0)
 
 
 def param_counts(spec: ModelSpec, lora: LoRASpec | None) -> ParamCounts:
@@ -124,92 +135,343 @@ def param_counts(spec: ModelSpec, lora: LoRASpec | None) -> ParamCounts:
 
 
 # -- activations -------------------------------------------------------------------------------------------
-def _attn_elems(spec: ModelSpec, kind: str, seq: int, backend: str) -> tuple[float, float, float]:
-    """Per-token elements saved by one attention layer: (GEMM / kernel outputs, other act-dtype, fp32)."""
+# What autograd keeps, tensor by tensor, per local token (docs/onboard_plan.md "Activation model"). The rules:
+#   * a linear y = x W^T saves x only when W is trainable (or, for a LoRA target, for the adapter's A); it never
+#     saves x for dx (that needs only W). A frozen base therefore saves nothing of its own.
+#   * a LoRA adapter saves x (for A, shared with the base's input) and x A (r wide, for B); its outputs are not
+#     saved. Grouped adapters: the same per token-choice.
+#   * RMSNorm saves its input (for dx), 1/rms and, only when its weight is trainable, the normalised copy.
+#   * convolution saves its input whatever requires grad (autograd's convolution formula saves both operands).
+#   * selective recompute (parallel/activation.py) keeps the *output of every GEMM-like op* in the block
+#     (mm / addmm / bmm / grouped mm / flash attention), needed by backward or not, under no_grad too, plus the
+#     block input; on the CPU reference path that includes the bmm's inside the reference ops' einsums
+#     (attention scores, the indexer's dense scores, the padded expert GEMMs).
+# On GPU (act_bytes=2, bf16 autocast) a trainable linear whose input is fp32 (norm outputs: the residual stream
+# is fp32) saves its own bf16 cast of that input: one copy per consumer, not one per tensor.
+
+REF_KDA_CHUNK = 64
+
+
+class _Acc:
+    """Per-token saved elements by class: 'a' activation dtype, 'f' fp32, 'b' bytes; gemm flags selective."""
+
+    def __init__(self, act_bytes: int):
+        self.ab = act_bytes
+        self.none = 0.0  # bytes per token kept without recompute
+        self.sel = 0.0  # bytes per token that selective recompute keeps (GEMM outputs)
+        self.sel_needed = 0.0  # the part of `none` that is GEMM outputs (reused, not recomputed, by selective)
+        self.work = 0.0  # bytes per token of the largest forward transient (freed before the layer ends)
+        self.work_at = (0.0, 0.0, 0.0)  # (none, sel, sel_needed) saved so far when it happens
+        self.items: list[tuple[str, float, float]] = []
+
+    def _b(self, n: float, kind: str) -> float:
+        return n * {"a": self.ab, "f": 4, "b": 1}[kind]
+
+    def set_work(self, b: float) -> None:
+        """A forward transient of b bytes per token, alive on top of what the layer saved so far."""
+        if b > self.work:
+            self.work, self.work_at = b, (self.none, self.sel, self.sel_needed)
+
+    def keep(self, name: str, n: float, kind: str = "a", gemm_out: float = 0.0) -> None:
+        """Saved for backward (recompute none); gemm_out: the fraction of it that is GEMM outputs."""
+        b = self._b(n, kind)
+        self.none += b
+        self.sel_needed += gemm_out * b
+        self.items.append((name, b, 0.0))
+
+    def gemm(self, name: str, n: float, kind: str = "a") -> None:
+        """A GEMM output: kept by selective recompute whether backward needs it or not."""
+        b = self._b(n, kind)
+        self.sel += b
+        self.items.append((name, 0.0, b))
+
+
+def _lin_in(acc: _Acc, name: str, width: float, savers: int, fp32_src: bool) -> None:
+    """The input of `savers` linears that save it (trainable weight or LoRA A). CPU: one tensor; GPU
+    autocast: each consumer saves its own bf16 cast of an fp32 source, a bf16 source is shared."""
+    if savers <= 0:
+        return
+    n = savers if (fp32_src and acc.ab == 2) else 1
+    acc.keep(name, n * width, "a")
+
+
+def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -> None:
+    """RMSNorm internals (its input is counted by whoever produced it): 1/rms, normalised copy if the weight
+    trains; on GPU a bf16 input is upcast (an fp32 copy saved)."""
+    acc.keep(name + ".rstd", 1, "f")
+    if trainable:
+        acc.keep(name + ".normed", width, "f")
+    if not src_fp32 and acc.ab == 2:
+        acc.keep(name + ".fp32_in", width, "f")
+
+
+def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
+               targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None) -> _Acc:
+    """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
+    block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`."""
+    acc = _Acc(act_bytes)
+    ref = backend == "reference"
+    # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
+    # under FSDP's bf16 parameter policy, fp32 on CPU
+    f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
+    rk = "f" if f32s else "a"
     d = spec.hidden_size
+
+    def tr(m):  # does this linear save its input?
+        return full or m in targets
+
+    def lora(name, out, per_choice=1.0):  # adapter: x A kept; selective keeps base out, x A, (x A) B
+        if not full and name in targets:
+            acc.keep(name + ".xA", per_choice * rank, "a")
+            acc.gemm(name + ".lora_gemms", per_choice * (rank + out), "a")
+
+    kind = spec.resolved_layer_types()[i]
+    acc.keep("residual", 2 * d, rk)  # h = x + attn (ffn_norm input), block output
+    _norm(acc, "attn_norm", d, full, f32s or act_bytes != 2)
+    acc.gemm("block_input", d, rk)
     if kind == "kda":
         H, K = spec.kda_n_heads, spec.kda_head_dim
         HK = H * K
-        gemm = 3 * HK + 2 * K + 2 * HK + H + HK + d  # q,k,v, f_a,g_a, f_b,g_b, beta, kernel out, o_proj
-        other = 3 * HK + 3 * HK + 2 * HK + 2 * HK  # conv in/out, l2-normed q,k, gate sigmoid + gated out
-        f32 = HK * 2 + H + HK  # decay g (fp32), beta, o_norm internals
-        f32 += H * K * K / 64  # chunk states (chunk 64)
-        if backend == "reference":  # the reference's chunk (64) / sub-chunk (16) WY-UT intermediates:
-            f32 += 64 * HK + 195 * H  # measured with saved-tensor hooks, exact to 0.1% on 4 (H, K, T) shapes
-        return gemm, other, f32
-    if kind == "gqa":
-        H, HK, Dh = spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
-        gemm = (H + 2 * HK) * Dh + H * Dh + d
-        other = 2 * (H + HK) * Dh + 2 * H * Dh  # normed + rotated q, k; repeated k, v
-        f32 = (H + HK) * Dh + H  # qk-norm internals, lse
-        if backend == "reference":
-            f32 += H * seq  # math SDPA keeps the probabilities
-        return gemm, other, f32
-    # dsa: MLA absorbed into MQA over the kv latent + lightning indexer
-    H, n, r, vd, c = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
-    qr = spec.q_lora_rank or 0
-    HI, DI, k = spec.index_n_heads, spec.index_head_dim, min(spec.index_topk, seq)
-    gemm = qr + H * (n + r) + (c + r) + H * c + H * c + H * vd + d + (H if spec.attn_output_gate else 0)
-    other = H * (c + r) + (c + r) + H * r + H * vd + HI * DI + DI + HI
-    f32 = qr + c + H + k * 1.0  # norm internals, lse, int32 indices (4 bytes each)
-    if backend == "reference":  # the reference gathers the selected keys/values per query and keeps probs
-        f32 += k * (2 * c + r) + 2 * H * k
-    return gemm, other, f32
-
-
-def _ffn_elems(spec: ModelSpec, moe: bool) -> tuple[float, float, float]:
-    d = spec.hidden_size
-    if not moe:
-        inter = spec.intermediate_size
-        return 2 * inter + d, 2 * inter, 0.0
-    E, K, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
+        mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.f_a", "attn.b_proj", "attn.g_a")
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
+        for m in ("q_proj", "k_proj", "v_proj"):
+            acc.gemm(m, HK)
+            lora("attn." + m, HK)
+        acc.keep("qkv_proj_out (conv input)", 3 * HK, gemm_out=1)  # convolution saves its input unconditionally
+        acc.keep("conv_out (silu input)", 3 * HK * (1 + (spec.kda_conv_size - 1) / seq))  # padded T+k-1
+        acc.gemm("f_a,g_a", 2 * K)
+        acc.gemm("f_b,g_b", 2 * HK)
+        acc.gemm("b_proj", H)
+        acc.keep("f_a,g_a out", K * (tr("attn.f_b") + tr("attn.g_b")), gemm_out=1)
+        if ref:
+            acc.keep("q,k silu out (l2norm input)", 2 * HK)
+            # chunk_kda_reference's own saved set (chunk 64, sub-chunk 16), measured alone with the live-storage
+            # accounting on head dims 8-64 and T 128-256: per head 54.25 K + 196.5 + K^2/64 floats per token
+            # (the sub-chunk decay products k e^(G_i-G_j) and their exponent: 2 x 16 K; the off-diagonal
+            # row/column factors: ~9 K; G, e^G, q e^G, k e^(Glast-G), w | u: ~8 K; A_kk, A_qk: 2 x 64; the
+            # 16x16 sub-chunk blocks: 64; masks and per-chunk states: K^2/64 ...); the decay's
+            # softplus output (HK) only when A_log / dt_bias train
+            acc.keep("chunk_kda reference internals", H * (54.25 * K + 196.5 + K * K / 64) - (0 if full else HK), "f")
+            acc.gemm("chunk_kda reference bmm outputs", H * (2 * REF_KDA_CHUNK + 2.5 * K), "f")
+        else:
+            # l2norm in PyTorch (fp32 copies of q, k and their norms), then ChunkKDAFunction.save_for_backward:
+            # q, k, v, g, beta, A_qk and T_inv (64 per token per head, fp32), w, kd, qg, u, per-chunk gate
+            # and (save_h) the chunk states h (K*V/64 per token per head) and v_new
+            acc.keep("l2norm fp32 q,k + norms", 2 * HK + 2 * H, "f")
+            acc.keep("kernel q,k,v,g,w,kd,qg,u,v_new", 9 * HK)
+            acc.keep("kernel A_qk,T_inv,beta,gate", H * (2 * 64 + 1) + HK / 64 + H, "f")
+            acc.keep("kernel chunk states", HK * K / 64, "f")
+        acc.keep("o (o_norm input)", HK)
+        _norm(acc, "o_norm", HK, full, act_bytes != 2)
+        acc.keep("o_norm out, sigmoid gate (mul inputs)", 2 * HK)
+        acc.gemm("o_proj", d)
+        lora("attn.o_proj", d)
+        _lin_in(acc, "o_proj input", HK, int(tr("attn.o_proj")), False)
+    elif kind == "gqa":
+        H, HKV, Dh = spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
+        mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
+        for m, w in (("q_proj", H * Dh), ("k_proj", HKV * Dh), ("v_proj", HKV * Dh)):
+            acc.gemm(m, w)
+            lora("attn." + m, w)
+        if spec.gqa_qk_norm:
+            acc.keep("q,k proj out (qk-norm inputs)", (H + HKV) * Dh, gemm_out=1)
+            acc.keep("qk-norm rstd", H + HKV, "f")
+            if full:
+                acc.keep("qk-norm normed", (H + HKV) * Dh, "f")
+        acc.keep("rotated q (sdpa input)", H * Dh)
+        if HKV != H:  # repeat_interleave'd k, v are what SDPA saves (the repeat itself saves nothing)
+            acc.keep("repeated k, v (sdpa inputs)", 2 * H * Dh)
+        else:
+            acc.keep("rotated k, v (sdpa inputs)", 2 * HKV * Dh, gemm_out=0.5)
+        acc.keep("sdpa out + lse", H * Dh + H)  # flash attention (also the CPU flash kernel): no probabilities
+        if not ref:  # aten flash attention is in the selective save list; the CPU flash op is not
+            acc.gemm("sdpa", H * Dh)
+        acc.gemm("o_proj", d)
+        lora("attn.o_proj", d)
+        _lin_in(acc, "o_proj input", H * Dh, int(tr("attn.o_proj")), False)
+    else:  # dsa: MLA absorbed into MQA over the kv latent + lightning indexer
+        H, n, r, vd, c = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+        qr = spec.q_lora_rank or 0
+        HI, DI, k = spec.index_n_heads, spec.index_head_dim, min(spec.index_topk, seq)
+        idx_train = full and spec.index_loss_coef > 0  # the indexer trains only through its KL loss
+        qm = "attn.wq_b" if qr else "attn.wq"
+        first = ("attn.wq_a",) if qr else (qm,)
+        mods = (*first, "attn.wkv_a", *(("attn.w_gate",) if spec.attn_output_gate else ()))
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), f32s)
+        if qr:
+            acc.gemm("wq_a", qr)
+            acc.keep("wq_a out (q_norm input)", qr, gemm_out=1)
+            _norm(acc, "q_norm", qr, full, act_bytes != 2)
+            _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train), False)
+        acc.gemm("wq_b", H * (n + r))
+        lora(qm, H * (n + r))
+        if full:
+            acc.keep("q (q_nope: absorb bmm input)", H * (n + r), gemm_out=1)
+        acc.gemm("wkv_a", c + r)
+        lora("attn.wkv_a", c + r)
+        acc.keep("wkv_a out (kv_norm input)", c + r, gemm_out=1)
+        _norm(acc, "kv_norm", c, full, act_bytes != 2)
+        acc.gemm("q absorb bmm", H * c)
+        acc.keep("q_full (attention input)", H * (c + r))
+        if ref:  # sparse_attention_reference gathers k and v rows per query and keeps the scores/probs
+            acc.keep("gathered k, v", k * (2 * c + r), "f")
+            acc.keep("scores, probs, lse", 2 * H * k + H, "f", gemm_out=0.5)
+            acc.keep("gather indices int64 x2, mask", 2 * k * 8 + k, "b")
+            acc.gemm("attention bmm (scores, o)", H * k + H * c, "f")
+            acc.gemm("indexer dense scores (no_grad bmm)", (HI + 1) * seq, "f")
+        else:  # triton sparse attention: q, k, indices (int32), o, lse
+            acc.keep("k_full, indices, lse", (c + r) + H, "f")
+            acc.keep("indices", k * 4, "b")
+        if full:
+            acc.keep("o_lat (o bmm input)", H * c, gemm_out=1)
+        acc.gemm("o bmm", H * vd)
+        if spec.attn_output_gate:
+            acc.gemm("w_gate", H)
+            acc.keep("o, sigmoid gate (mul inputs)", H * vd + H, gemm_out=vd / (vd + 1))
+        acc.gemm("wo", d)
+        lora("attn.wo", d)
+        _lin_in(acc, "wo input", H * vd, int(tr("attn.wo")), False)
+        acc.gemm("indexer projections", HI * DI + DI + HI)
+        if ref and spec.index_loss_coef > 0:  # the KL target (no_grad, even with a frozen indexer) gathers the
+            # selected latent keys per query and softmaxes the scores: freed before the layer ends
+            acc.set_work(4 * (k * (c + r) + 3 * H * k))
+        if idx_train:
+            acc.keep("indexer k (LayerNorm input), stats, q_idx, w_idx", DI + HI * DI + HI)
+            acc.keep("LayerNorm stats", 2, "f")
+            if ref:  # indexer_kl_loss_reference: gathered k_idx, relu'd scores, log-softmax, target p
+                acc.keep("kl: gathered k_idx, scores, log_softmax, p", k * DI + HI * k + 2 * k, "f")
+                acc.keep("kl: indices int64, masks", k * 8 + 2 * k + 1, "b")
+                acc.gemm("kl bmm (scores, weighted, target)", HI * k + k + H * k, "f")
+            else:  # triton KL: gradients computed in forward and kept (dq, dk, dw)
+                acc.keep("kl: dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f")
+    # FFN
+    _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
+    if not spec.is_moe_layer(i):
+        S = spec.intermediate_size
+        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), f32s)
+        acc.gemm("w1,w3", 2 * S)
+        acc.gemm("w2", d)
+        for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
+            lora(m, w)
+        acc.keep("w1 out, w3 out, silu out", 3 * S, gemm_out=2 / 3)
+        _lin_in(acc, "w2 input", S, int(tr("ffn.w2")), False)
+        return acc
+    E, Kt, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
     L = spec.latent_dim or d
     S = spec.n_shared_experts * (spec.shared_intermediate_size or F)
-    gemm = K * (2 * F + L) + (2 * S + d if S else 0) + ((L + d) if spec.latent_dim else 0)
-    other = K * (2 * F + L) + (2 * S if S else 0) + (L if spec.latent_dim else 0)  # permuted x, silu, prod
-    f32 = 3 * E + 3 * K + (L if spec.latent_dim and spec.latent_norm else 0)  # logits, scores, selection
-    f32 += 20 * K  # int64 permutation / offset vectors of permute-unpermute (~10 per token-choice)
-    return gemm, other, f32
+    sh = ("ffn.shared.w1", "ffn.shared.w3")
+    _lin_in(acc, "ffn_norm.out", d, int(full) + int(tr("ffn.fc1_latent_proj")) * bool(spec.latent_dim)
+            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), f32s)
+    acc.gemm("router logits", E, "f")
+    acc.keep("router scores, top-k ids (int64), weights", E + 3 * Kt + 1, "f")
+    if spec.latent_dim:
+        acc.gemm("fc1_latent_proj", L)
+        lora("ffn.fc1_latent_proj", L)
+        if spec.latent_norm:
+            acc.keep("fc1 out (latent_norm input)", L, gemm_out=1)
+            _norm(acc, "latent_norm", L, full, act_bytes != 2)
+    acc.keep("permute indices", Kt * 8, "b")
+    if ref:
+        # grouped_mm_reference: one padded [E, C, in] bmm per GroupedLinear; C = the largest expert's rows.
+        # Expected largest of E multinomial loads of mean m = T K / E: m + sqrt(2 m ln E) (Gaussian tail)
+        m = max((tokens or seq) * Kt / E, 1.0)
+        pad = (m + math.sqrt(2 * m * math.log(max(E, 2)))) / m  # padded rows per token-choice
+        ins = {"w1": L, "w3": L, "w2": F}
+        outs = {"w1": F, "w3": F, "w2": L}
+        for w in ("w1", "w3", "w2"):
+            name = "ffn.experts." + w
+            if full:
+                acc.keep(f"experts.{w} padded input", Kt * pad * ins[w], "f")
+                acc.keep(f"experts.{w} row/slot indices", Kt * 16, "b")
+            elif name in targets:  # A saves the padded x, B the padded x A; the frozen base saves nothing
+                acc.keep(f"experts.{w} padded input (lora A)", Kt * pad * (ins[w] + rank), "f")
+                acc.keep(f"experts.{w} row/slot indices", Kt * 32, "b")
+            acc.gemm(f"experts.{w} padded bmm out", Kt * pad * outs[w], "f")
+            if name in targets and not full:
+                acc.gemm(f"experts.{w} lora padded bmm outs", Kt * pad * (rank + outs[w]), "f")
+    else:
+        ins = {"w1": L, "w3": L, "w2": F}
+        for w in ("w1", "w3", "w2"):
+            name = "ffn.experts." + w
+            if full or name in targets:
+                acc.keep(f"experts.{w} input", Kt * ins[w] * (1 if w == "w2" else 0.5))  # w1, w3 share x
+            if name in targets and not full:
+                acc.keep(f"experts.{w} x A", Kt * rank)
+        # ops/moe "auto" on CUDA: torch._grouped_mm (an aten GEMM: selective keeps its output); LoRA targets use
+        # the fused Triton grouped_lora below 1536 rows per expert (a custom kernel: selective does not see a
+        # GEMM there and recomputes it) and torch._grouped_mm above
+        fused_lora = (tokens or seq) * Kt / E < 1536
+        for w, o in (("w1", F), ("w3", F), ("w2", L)):
+            if full or "ffn.experts." + w not in targets:
+                acc.gemm(f"experts.{w} grouped mm out", Kt * o)
+            elif not fused_lora:
+                acc.gemm(f"experts.{w} base + lora grouped mm outs", Kt * (2 * o + rank))
+    acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
+    acc.keep("expert out rows (combine input) + combine", Kt * L * (1 if full else 0) + L)
+    if spec.latent_dim:
+        acc.gemm("fc2_latent_proj", d)
+        lora("ffn.fc2_latent_proj", d)
+    if S:
+        acc.gemm("shared w1,w3,w2", 2 * S + d)
+        for m, w in (("ffn.shared.w1", S), ("ffn.shared.w3", S), ("ffn.shared.w2", d)):
+            lora(m, w)
+        acc.keep("shared w1 out, w3 out, silu out", 3 * S if full or any(m in targets for m in sh) else 2 * S, gemm_out=2 / 3)
+        _lin_in(acc, "shared w2 input", S, int(tr("ffn.shared.w2")), False)
+    return acc
 
 
 def layer_activation_bytes(spec: ModelSpec, i: int, tokens: int, seq: int, recompute: str, act_bytes: int,
-                           backend: str = "kernel", lora_act: tuple[int, int, int, int] = (0, 0, 0, 0)) -> float:
-    """Bytes one layer keeps for backward for `tokens` local tokens (recompute none / selective). LoRA adds
-    the adapter's x A (r per token, per token-choice for experts) and, under selective, x A B (a GEMM output)."""
-    K = spec.n_experts_per_tok if spec.is_moe_layer(i) else 0
-    lo_none = lora_act[0] + K * lora_act[2]
-    lo_sel = lora_act[1] + K * lora_act[3]
-    kind = spec.resolved_layer_types()[i]
-    ag, ao, af = _attn_elems(spec, kind, seq, backend)
-    fg, fo, ff = _ffn_elems(spec, spec.is_moe_layer(i))
-    d = spec.hidden_size
-    norms_a, norms_f = 2 * d, 2 * d  # two RMSNorms: input and fp32 normalised copy
-    if recompute == "selective":  # GEMM / kernel outputs only (the router logits are an fp32 GEMM output)
-        return tokens * (act_bytes * (ag + fg + d + lo_sel) + 4 * (spec.n_routed_experts if spec.is_moe_layer(i) else 0))
-    return tokens * (act_bytes * (ag + ao + fg + fo + norms_a + d + lo_none) + 4 * (af + ff + norms_f))
+                           backend: str = "kernel", full: bool = True, targets: frozenset = frozenset(),
+                           rank: int = 0) -> float:
+    """Bytes layer i keeps from forward to backward for `tokens` local tokens: recompute 'none' (everything
+    backward needs) or 'selective' (the block input and every GEMM output of the block)."""
+    acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank)
+    return tokens * (acc.sel if recompute == "selective" else acc.none)
 
 
 def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: str = "kernel",
-                     lora_act: tuple = ()) -> dict:
-    """kept: what the layers keep from forward to backward; transient: the larger of the loss phase (logits,
-    their fp32 copy and log-softmax, alive at the end of forward) and one block being recomputed in backward
-    (by then the loss tensors are gone)."""
+                     lora_targets: tuple = (), rank: int = 0, weight_casts: tuple = (),
+                     fp32_stream: bool | None = None) -> dict:
+    """The step's activation phases. 'forward end': every layer's kept set + the loss phase (logits, their
+    fp32 copy and log-softmax); no parameter gradient exists yet (zero_grad(set_to_none=True)).
+    'backward i' (blocks run backward from the last): blocks below i still kept, block i's activations
+    (recomputed unless recompute is none) plus the gradients of its activations (x the factor), parameter
+    gradients of blocks >= i and the root (see memory_breakdown). Layers above i are freed by then.
+    weight_casts: per layer, bytes of the bf16 copies autocast makes of the layer's fp32 weights; each matmul
+    saves its copy for dx, so they live as long as the layer's activations (recompute none) or only while the
+    block is recomputed (selective / full: the cast is not a GEMM, so it is recomputed)."""
     t = plan.micro_batch * plan.seq_len // plan.cp
-    la = lora_act or ((0, 0, 0, 0),) * spec.n_layers
-    per = [layer_activation_bytes(spec, i, t, plan.seq_len, "none", act_bytes, backend, la[i])
-           for i in range(spec.n_layers)]
+    full = not lora_targets
+    tg = lora_targets or (frozenset(),) * spec.n_layers
+    f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
+    accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s)
+            for i in range(spec.n_layers)]
+    wc = weight_casts or (0.0,) * spec.n_layers
+    per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     logits = t * spec.vocab_size * (act_bytes + 4 + 4)
     if plan.recompute == "none":
-        kept, recompute = sum(per), 0.0
+        kept = per
     elif plan.recompute == "selective":
-        sel = [layer_activation_bytes(spec, i, t, plan.seq_len, "selective", act_bytes, backend, la[i])
-               for i in range(spec.n_layers)]
-        kept, recompute = sum(sel), max(p - s for p, s in zip(per, sel))
+        kept = [t * a.sel for a in accs]
     else:  # full: block inputs only, one block recomputed at a time
-        kept, recompute = spec.n_layers * t * spec.hidden_size * act_bytes, max(per)
-    # a block's backward holds the gradients of its activations while they are still alive
-    recompute *= FULL_RECOMPUTE_GRAD_FACTOR if plan.recompute == "full" else RECOMPUTE_GRAD_FACTOR
-    return {"layers": kept, "transient": max(logits, recompute), "logits": logits, "tokens_per_gpu": t}
+        kept = [t * spec.hidden_size * (4 if f32s else act_bytes)] * spec.n_layers
+    f = BACKWARD_GRAD_FACTOR
+    # selective: block i's recompute starts from its cached GEMM outputs and adds the rest of its saved set
+    extra = [kept[i] if plan.recompute == "selective" else 0.0 for i in range(spec.n_layers)]
+    phases = [("forward end", sum(kept), logits, None)]
+    for i, a in enumerate(accs):
+        if a.work:  # the layer's largest forward transient, on top of what it saved so far
+            n0, s0, sn0 = (t * x for x in a.work_at)
+            so_far = {"none": n0, "selective": s0, "full": 0.0}[plan.recompute]
+            phases.append((f"forward {i}", sum(kept[:i]) + so_far, t * a.work, -1))
+            if plan.recompute != "none":
+                phases.append((f"recompute {i}", sum(kept[:i]) + extra[i],
+                               n0 - (sn0 if plan.recompute == "selective" else 0.0) + t * a.work, i))
+        # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
+        # the no_grad indexer scores, are freed after their use); the block holds its full saved set
+        phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
+    return {"layers": sum(kept), "phases": phases, "logits": logits, "tokens_per_gpu": t}
 
 
 def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_bytes: int = 2,
@@ -238,17 +500,41 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         tr_block = max((pc.lora_dense[i] + pc.lora_experts[i] / plan.ep) if lora else
                        (pc.block_dense[i] + pc.block_experts[i] / plan.ep) for i in range(spec.n_layers))
         gathered += 4 * tr_block  # one unsharded fp32 gradient block before reduce-scatter
-    act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_act if lora is not None else ())
+    # single GPU under autocast (no FSDP mixed precision): bf16 copies of the fp32 trainable weights
+    casts = ()
+    if act_bytes == 2 and n == 1:
+        casts = tuple(2.0 * (pc.lora_dense[i] + pc.lora_experts[i] if lora is not None else
+                             pc.block_dense[i] + pc.block_experts[i]) for i in range(spec.n_layers))
+    act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_targets if lora is not None else (), pc.lora_rank,
+                           casts, fp32_stream=act_bytes == 2 and n == 1)
     t = act["tokens_per_gpu"]
     a2a = 0.0
     if spec.n_routed_experts and plan.ep > 1:
         L = spec.latent_dim or spec.hidden_size
         a2a = 4 * t * spec.n_experts_per_tok * L * act_bytes * straggler  # dispatch+combine, send+recv
-    sub = weights + grads + optimizer + gathered + act["layers"] + act["transient"] + a2a
+    # parameter gradients alive in each phase (zero_grad(set_to_none=True): none in forward; in backward of
+    # block i those of blocks >= i and of the root; all of them in the optimizer step)
+    if lora is not None:
+        tr_layer = [pc.lora_dense[i] + pc.lora_experts[i] for i in range(spec.n_layers)]
+        tr_root = 0
+    else:
+        tr_layer = [pc.block_dense[i] + pc.block_experts[i] for i in range(spec.n_layers)]
+        tr_root = pc.root
+    best = None
+    for name, kept, transient, i in act["phases"]:
+        g = 0.0 if i is None or i < 0 else 4 * (tr_root + sum(tr_layer[i + 1:])) / n
+        tot = g + kept + transient
+        if best is None or tot > best[0]:
+            best = (tot, name, g, kept, transient)
+    if grads > best[0]:  # the optimizer step (all gradients, no activations) is the peak
+        best = (grads, "optimizer step", grads, 0.0, 0.0)
+    _, phase, grads_at_peak, kept, transient = best
+    sub = weights + grads_at_peak + optimizer + gathered + kept + transient + a2a
     reserve = reserve_frac * sub + context_bytes
-    out = {"weights": weights, "grads": grads, "optimizer": optimizer, "fsdp_gather": gathered,
-           "activations": act["layers"], "loss_or_recompute": act["transient"], "a2a_buffers": a2a,
+    out = {"weights": weights, "grads": grads_at_peak, "optimizer": optimizer, "fsdp_gather": gathered,
+           "activations": kept, "loss_or_recompute": transient, "a2a_buffers": a2a,
            "reserve": reserve}
     out["total"] = sum(out.values())
     out["params_total"], out["params_trainable"], out["tokens_per_gpu"] = total, trainable, t
+    out["peak_phase"] = phase
     return out

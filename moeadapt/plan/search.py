@@ -36,11 +36,12 @@ class Candidate:
 
     def row(self) -> dict:
         return {"plan": self.plan.label(), **self.plan.__dict__, "fits": self.fits, "why": self.why,
-                "mem_GiB": self.memory["total"] / GiB, "tokens_per_s_per_gpu": self.comm["tokens_per_s_per_gpu"],
+                "mem_GiB": self.memory["total"] / GiB, "peak_phase": self.memory.get("peak_phase"),
+                "tokens_per_s_per_gpu": self.comm["tokens_per_s_per_gpu"],
                 "step_s": self.comm["step_s"], "a2a_GB_per_step": self.comm["a2a_bytes"] / 1e9,
                 "fsdp_GB_per_step": (self.comm["fsdp_allgather_bytes"] + self.comm["fsdp_reduce_scatter_bytes"]) / 1e9,
                 "breakdown_GiB": {k: v / GiB for k, v in self.memory.items()
-                                  if k not in ("params_total", "params_trainable", "tokens_per_gpu")}}
+                                  if k not in ("params_total", "params_trainable", "tokens_per_gpu", "peak_phase")}}
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _why(mem: dict, cap: float) -> str:
-    big = max((k for k in mem if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu")),
+    big = max((k for k in mem if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu", "peak_phase")),
               key=lambda k: mem[k])
     return (f"needs {mem['total'] / GiB:.1f} GiB > {cap / GiB:.1f} GiB; largest term {big} "
             f"{mem[big] / GiB:.1f} GiB")
@@ -121,7 +122,7 @@ def print_result(res: SearchResult, spec: ModelSpec, top: int = 5, console=None)
     best = res.feasible[0] if res.feasible else (res.rejected[0] if res.rejected else None)
     if best is not None:
         b = Table(title=f"per-GPU memory of {'the best plan' if best.fits else 'the smallest plan (does not fit)'}: "
-                        f"{best.plan.label()}")
+                        f"{best.plan.label()} (peak: {best.memory.get('peak_phase')})")
         b.add_column("term")
         b.add_column("GiB", justify="right")
         for k, v in best.row()["breakdown_GiB"].items():

@@ -280,7 +280,10 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     plain = dr.unsharded_copy(model) if dr else model  # (None on ranks other than 0: they write nothing)
     if plain is not None:
         if cfg.lora is not None:
-            export_peft(plain, cfg.lora, out_dir / "adapter", base_model=t.init_from or cfg.model.name)
+            from ..onboard import peft_maps  # checkpoint names / row order for a Hugging Face init_from
+
+            export_peft(plain, cfg.lora, out_dir / "adapter", base_model=t.init_from or cfg.model.name,
+                        **peft_maps(t.init_from))
         else:
             save_model_dir(plain, cfg.model.model_dump(), out_dir / "model")
         plot_report(logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")

@@ -19,11 +19,12 @@ def test_unmapped_fields_are_named():
     cfg = transformers.Qwen3MoeConfig().to_dict()
     cfg["frobnicate_heads"] = 3
     cfg["use_sliding_window"] = True
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
     with pytest.raises(OnboardError) as e:
         read_family(cfg)
     msg = str(e.value)
-    assert "frobnicate_heads (not understood)" in msg and "use_sliding_window=True" in msg and "'yarn'" in msg
+    assert "frobnicate_heads (not understood)" in msg and "use_sliding_window=True" in msg
+    assert "rope scaling type 'dynamic' (implemented: default, yarn)" in msg
     fam = read_family(cfg, allow_unmapped=True)
     assert any("frobnicate_heads" in n for n in fam.notes)
 

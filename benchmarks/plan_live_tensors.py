@@ -1,0 +1,133 @@
+"""Which storages are live at the peak of a CPU training step (and at the end of forward), by creating op,
+shape and module / op scope, next to the planner's per-layer prediction. The tool behind the planner's
+activation model (benchmarks/RESULTS.md "Planner").
+
+    python benchmarks/plan_live_tensors.py tiny|micro|gqa SEQ MB none|selective|full LORA_RANK [-v] [-f PREFIX]
+
+Runs the step twice: the first finds the peak, the second snapshots the live set when it is reached. -v lists
+the peak's tensors per module; -f PREFIX lists the end-of-forward tensors of modules starting with PREFIX.
+"""
+import collections
+import sys
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from moeadapt.config import LoRASpec, get_preset, ModelSpec
+from moeadapt.plan import accuracy as A
+from moeadapt.plan.accuracy import predict_step
+
+STACK = ["-"]
+class Tagged(A.LiveBytes):
+    def __init__(self, target=None, held=None):
+        super().__init__(held); self.tags = {}; self.target = target; self.snap = None; self.fwd = None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage(); key, n = st.data_ptr(), st.nbytes()
+                if n == 0 or key in self._seen or key in self._held: continue
+                self._seen.add(key); self.live += n; self.peak = max(self.peak, self.live)
+                self.tags[key] = (n, STACK[-1], str(func).replace("aten.", ""), tuple(t.shape), torch.is_grad_enabled())
+                weakref.finalize(st, self._free, key, n)
+                if self.target is not None and self.snap is None and self.live == self.target:
+                    self.snap = {k: self.tags[k] for k in self._seen}
+        return out
+
+def _scope(mod, name):
+    fn = getattr(mod, name)
+    def w(*a, **k):
+        STACK.append(STACK[-1] + "/" + name)
+        try: return fn(*a, **k)
+        finally: STACK.pop()
+    setattr(mod, name, w)
+import moeadapt.models.kda_attn as _K, moeadapt.models.dsa_attn as _D, moeadapt.models.moe as _M, moeadapt.lora.layers as _L
+for _n in ("chunk_kda",): _scope(_K, _n)
+for _n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_rope"): _scope(_D, _n)
+for _n in ("permute", "unpermute", "grouped_mm"): _scope(_M, _n)
+_scope(_L, "grouped_lora")
+
+def run(spec, seq, mb, rc, rank):
+    lora = LoRASpec(rank=rank) if rank else None
+    orig = A.LiveBytes
+    # hook module stack
+    from torch import nn
+    def pre(m, a): STACK.append(m._tag)
+    def post(m, a, o):
+        STACK.pop()
+        if m._tag == "root" and holder and holder[-1].fwd is None:
+            t = holder[-1]; t.fwd = {k: t.tags[k] for k in t._seen}
+    import moeadapt.models.model as MM
+    real_build = MM.build_model
+    res = {}
+    for target_pass in (0, 1):
+        def mk():
+            return Tagged(res.get("peak_live"))
+        A.LiveBytes = mk
+        torch.manual_seed(0)
+        # patch materialize to add hooks
+        real_mat = MM.materialize
+        def mat(*a, **k):
+            m = real_mat(*a, **k)
+            for name, mod in m.named_modules():
+                parts = name.split(".")
+                mod._tag = ".".join(parts[:4]) if name else "root"
+                mod.register_forward_pre_hook(pre); mod.register_forward_hook(post)
+            return m
+        MM.materialize = mat
+        inst = {}
+        real_mode = mk
+        holder = []
+        def mk2(held=None):
+            t = Tagged(res.get("peak_live"), held); holder.append(t); return t
+        A.LiveBytes = mk2
+        r = A.measure_step(spec, seq, mb, rc, lora)
+        MM.materialize = real_mat
+        t = holder[-1]
+        res["peak_live"] = t.peak
+        res["meas"] = r["peak"]
+    A.LiveBytes = orig
+    pred = predict_step(spec, seq, mb, rc, lora)
+    print(f"== {spec.name} seq={seq} mb={mb} {rc} lora={rank}: measured {res['meas']/1e6:.3f} MB predicted {pred['total']/1e6:.3f} MB err {100*(pred['total']/res['meas']-1):+.1f}%")
+    print("  phase", pred["peak_phase"], " pred terms:", {k: round(v/1e6, 3) for k, v in pred.items() if k not in ('params_total','params_trainable','tokens_per_gpu','peak_phase')})
+    from moeadapt.plan.memory import layer_activation_bytes, param_counts
+    pc = param_counts(spec, lora)
+    la = pc.lora_targets if lora else (frozenset(),)*spec.n_layers
+    fl = collections.Counter()
+    for k, (n, mod, op, shape, ge) in t.fwd.items():
+        fl[".".join(mod.split(".")[:2]) if mod.startswith("layers") else mod] += n
+    print("  end-of-forward kept by layer (measured / predicted MB):")
+    for i in range(spec.n_layers):
+        p = layer_activation_bytes(spec, i, seq*mb, seq, rc if rc != "full" else "none", 4, "reference", lora is None, la[i], pc.lora_rank)
+        print(f"    layers.{i} {spec.resolved_layer_types()[i]} {fl[f'layers.{i}']/1e6:.3f} / {p/1e6:.3f}")
+    print("    others", {k: round(v/1e6, 3) for k, v in fl.items() if not k.startswith("layers")})
+    if "-f" in sys.argv:
+        by = collections.Counter()
+        for k, (n, mod, op, shape, ge) in t.fwd.items():
+            if mod.startswith(sys.argv[-1]): by[(mod, op, shape)] += n
+        for k, v in by.most_common(): print("      ", round(v/1e3, 1), "kB", *k)
+    snap = t.snap
+    by_mod = collections.Counter(); by_op = collections.defaultdict(collections.Counter)
+    for k, (n, mod, op, shape, ge) in snap.items():
+        by_mod[mod] += n; by_op[mod][(op, shape)] += n
+    print(f"  live-at-peak (excluding params/opt state) {sum(by_mod.values())/1e6:.3f} MB")
+    for mod, n in sorted(by_mod.items()):
+        print(f"  {mod:40s} {n/1e6:8.3f}")
+        if "-v" in sys.argv:
+            for (op, shape), b in by_op[mod].most_common():
+                print(f"       {b/1e3:9.1f} kB  {op} {shape}")
+
+if __name__ == "__main__":
+    name, seq, mb, rc, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    if name == "gqa":
+        sys.path.insert(0, "tests/plan"); from test_accuracy import SPEC
+        spec = SPEC.model_copy(update=dict(layer_types=["gqa"] * 4, gqa_n_kv_heads=1, gqa_head_dim=8, n_heads=4, latent_dim=None))
+        spec = type(SPEC)(**spec.model_dump())
+    elif name == "micro":
+        sys.path.insert(0, "tests/plan"); from test_accuracy import SPEC as spec
+    else:
+        spec = get_preset(name)
+    run(spec, seq, mb, rc, rank)
