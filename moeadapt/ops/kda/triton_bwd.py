@@ -163,13 +163,15 @@ def _bwd_wy(
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dmax,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
     DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """Per (chunk, head, K-block): the intra-chunk pair terms of Aqk and Akk added to dq, dk,
-    dg, dbeta, then dg = reverse cumsum of dG within the chunk."""
+    dg, dbeta, then dg = reverse cumsum of dG within the chunk. With DIAG_IN_KERNEL the diagonal
+    16x16 blocks are done here too: by the reference-row dots when every sub-chunk's decay range in
+    this K-block is <= dmax (as in `_fwd_intra`), else elementwise column by column."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -187,9 +189,6 @@ def _bwd_intra(
     b_dAqk = tl.load(dAqk + o_A, mask=rmask[:, None], other=0.0)
     b_dAkk = tl.load(dAkk + o_A, mask=rmask[:, None], other=0.0)
     b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
-    eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-    Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
-    Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
     ii = tl.arange(0, BC)
     ck = i_k * BK + tl.arange(0, BK)
     o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -200,45 +199,61 @@ def _bwd_intra(
     b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
     b_kb = b_k * b_beta[:, None]
     G3 = tl.reshape(b_G, (NS, BC, BK))
-    q3 = tl.reshape(b_q, (NS, BC, BK))
-    k3 = tl.reshape(b_k, (NS, BC, BK))
-    kb3 = tl.reshape(b_kb, (NS, BC, BK))
-    # diagonal sub-chunks, one column j at a time:
-    # row side  r[a,i] += D[a,i,j] k_j e^(G_i - G_j);  col side c[a,j] = sum_i D[a,i,j] X_i e^(G_i - G_j)
-    rq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-    rk3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-    cq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-    ck3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-    for j in range(BC if DIAG_IN_KERNEL else 0):
-        colj = (ii == j)[None, None, :]
-        dq_j = tl.sum(tl.where(colj, Dqk, 0.0), axis=2)[:, :, None]  # [NS, BC(i), 1]
-        dk_j = tl.sum(tl.where(colj, Dkk, 0.0), axis=2)[:, :, None]
-        Gj = _row(G3, j, BC)
-        Ej = tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
-        kE = _row(k3, j, BC)[:, None, :] * Ej
-        rq3 += dq_j * kE
-        rk3 += dk_j * kE
-        rowj = (ii == j)[None, :, None]
-        cq3 += tl.where(rowj, tl.sum(dq_j * q3 * Ej, axis=1)[:, None, :], 0.0)
-        ck3 += tl.where(rowj, tl.sum(dk_j * kb3 * Ej, axis=1)[:, None, :], 0.0)
-    rq = tl.reshape(rq3, (BT, BK))
-    rk = tl.reshape(rk3, (BT, BK))
-    cq = tl.reshape(cq3, (BT, BK))
-    ckk = tl.reshape(ck3, (BT, BK))
     r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
     r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-    for a in tl.static_range(1, NS):
-        r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-        colf = tl.exp(tl.where((rows < a * BC)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
-        ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
-        rq += ef * tl.dot(b_dAqk, colf, input_precision=PREC)
-        rk += ef * tl.dot(b_dAkk, colf, input_precision=PREC)
-    for b in tl.static_range(0, NS - 1):
-        r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
-        ex = tl.exp(tl.where((rows >= (b + 1) * BC)[:, None], b_G - r_b[None, :], float("-inf")))
-        ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
-        cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=PREC)
-        ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=PREC)
+    ext = 0
+    if DIAG_IN_KERNEL:
+        ext = tl.where(tl.max(tl.max(r_first - r_last, axis=1), axis=0) <= dmax, BC, 0)
+    rq = tl.zeros([BT, BK], dtype=tl.float32)
+    rk = tl.zeros([BT, BK], dtype=tl.float32)
+    cq = tl.zeros([BT, BK], dtype=tl.float32)
+    ckk = tl.zeros([BT, BK], dtype=tl.float32)
+    # row side r_i += sum_j dA_ij k_j e^(G_i - G_j), split at r_a = G_first of row sub-chunk a; with
+    # ext = BC the columns of sub-chunk a itself are included (dA is zero above the diagonal)
+    for a in tl.static_range(0, NS):
+        if a > 0 or DIAG_IN_KERNEL:
+            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+            colf = tl.exp(tl.where((rows < a * BC + ext)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
+            ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
+            rq += ef * tl.dot(b_dAqk, colf, input_precision=DPREC)
+            rk += ef * tl.dot(b_dAkk, colf, input_precision=DPREC)
+    # column side c_j += sum_i dA_ij X_i e^(G_i - G_j), split at r_b = G_last of column sub-chunk b
+    for b in tl.static_range(0, NS):
+        if b < NS - 1 or DIAG_IN_KERNEL:
+            r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
+            ex = tl.exp(tl.where((rows >= (b + 1) * BC - ext)[:, None], b_G - r_b[None, :], float("-inf")))
+            ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
+            cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=DPREC)
+            ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=DPREC)
+    if DIAG_IN_KERNEL:
+        if ext == 0:  # large in-block decay: diagonal sub-chunks elementwise, one column j at a time
+            # row side  r[a,i] += D[a,i,j] k_j e^(G_i - G_j);  col side c[a,j] = sum_i D[a,i,j] X_i e^(G_i - G_j)
+            eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+            Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
+            Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
+            q3 = tl.reshape(b_q, (NS, BC, BK))
+            k3 = tl.reshape(b_k, (NS, BC, BK))
+            kb3 = tl.reshape(b_kb, (NS, BC, BK))
+            rq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+            rk3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+            cq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+            ck3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+            for j in range(BC):
+                colj = (ii == j)[None, None, :]
+                dq_j = tl.sum(tl.where(colj, Dqk, 0.0), axis=2)[:, :, None]  # [NS, BC(i), 1]
+                dk_j = tl.sum(tl.where(colj, Dkk, 0.0), axis=2)[:, :, None]
+                Gj = _row(G3, j, BC)
+                Ej = tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
+                kE = _row(k3, j, BC)[:, None, :] * Ej
+                rq3 += dq_j * kE
+                rk3 += dk_j * kE
+                rowj = (ii == j)[None, :, None]
+                cq3 += tl.where(rowj, tl.sum(dq_j * q3 * Ej, axis=1)[:, None, :], 0.0)
+                ck3 += tl.where(rowj, tl.sum(dk_j * kb3 * Ej, axis=1)[:, None, :], 0.0)
+            rq += tl.reshape(rq3, (BT, BK))
+            rk += tl.reshape(rk3, (BT, BK))
+            cq += tl.reshape(cq3, (BT, BK))
+            ckk += tl.reshape(ck3, (BT, BK))
     b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
     b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
     dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)

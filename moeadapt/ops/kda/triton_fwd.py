@@ -45,11 +45,15 @@ def _diag_fwd(q3, k3, G3, NS: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _fwd_intra(
-    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
+    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias, dmax,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
+    DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
 ):
+    """Per (chunk, head). With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block,
+    when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
+    reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
+    for dmax < 80); otherwise (or with dmax < 0) elementwise, column by column (`_diag_fwd`)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -66,8 +70,6 @@ def _fwd_intra(
     b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
     ii = tl.arange(0, BC)
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
@@ -78,28 +80,33 @@ def _fwd_intra(
         b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         G3 = tl.reshape(b_G, (NS, BC, BK))
-        if DIAG_IN_KERNEL:  # diagonal sub-chunks, elementwise
-            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
-            d_kk += dkk
-            d_qk += dqk
-        # off-diagonal: reference r_a = G at the first row of row sub-chunk a
+        # reference r_a = G at the first row of row sub-chunk a
         r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
         r_row = tl.reshape(tl.broadcast_to(r_first[:, None, :], (NS, BC, BK)), (BT, BK))
         e_row = tl.exp(b_G - r_row)
         kr = b_k * e_row
         qr = b_q * e_row
-        for a in tl.static_range(1, NS):
-            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-            cm = (rows < a * BC)[:, None]
-            colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
-            sel = (blk == a)[:, None]
-            b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=PREC)
-            b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=PREC)
+        ext = 0
+        if DIAG_IN_KERNEL:  # dots also cover sub-chunk a's own columns when its decay range is <= dmax
+            r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+            safe = tl.max(tl.max(r_first - r_last, axis=1), axis=0) <= dmax
+            ext = tl.where(safe, BC, 0)
+        for a in tl.static_range(0, NS):
+            if a > 0 or DIAG_IN_KERNEL:
+                r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+                cm = (rows < a * BC + ext)[:, None]
+                colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
+                sel = (blk == a)[:, None]
+                b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
+                b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
+        if DIAG_IN_KERNEL:
+            if ext == 0:  # large in-block decay: diagonal sub-chunks elementwise (exponents <= 0)
+                dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
+                eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+                b_Akk += tl.reshape(tl.where(eye_s, dkk[:, :, None, :], 0.0), (BT, BT))
+                b_Aqk += tl.reshape(tl.where(eye_s, dqk[:, :, None, :], 0.0), (BT, BT))
     o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-    if DIAG_IN_KERNEL:
-        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-        b_Akk += tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT))
-        b_Aqk += tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT))
+    if DIAG_IN_KERNEL:  # (entries j > i of the diagonal blocks hold bounded garbage: masked here)
         b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0) * b_beta[:, None]
         b_Aqk = tl.where(rows[:, None] >= rows[None, :], b_Aqk, 0.0)
     else:  # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)

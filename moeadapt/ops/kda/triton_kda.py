@@ -36,7 +36,11 @@ CONFIG = dict(
     intra_BK=32, intra_warps=8, h_BV=32, h_warps=4, o_BV=64, o_warps=4, dh_warps=8,
     dv_warps=8, dv_BV=32, local_BK=64, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
-    diag="chunk",  # diagonal 16x16 blocks: "chunk" (inside the per-chunk kernels) or "token" (token-parallel)
+    # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
+    # decay range is <= diag_max, else elementwise), "chunk" (inside, always elementwise: the old path),
+    # or "token" (token-parallel kernels)
+    diag="dot", diag_max=60.0,
+    dot_prec="tf32x3",  # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32: ieee)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
 
@@ -78,6 +82,10 @@ def _cfg(K, V, dtype, HV=16):
     c["local_BV"] = min(c["local_BV"], V)
     c["BV"] = c["local_BV"]
     c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
+    c["DPREC"] = "ieee" if dtype == torch.float32 else c["dot_prec"]
+    if c["diag"] not in ("dot", "chunk", "token"):
+        raise ValueError(f"CONFIG['diag'] must be 'dot', 'chunk' or 'token', got {c['diag']!r}.")
+    c["dmax"] = float(c["diag_max"]) if c["diag"] == "dot" else -1.0
     c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
     return c
 
@@ -102,7 +110,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
         u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
         gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
-        in_kernel = cfg["diag"] == "chunk"
+        in_kernel = cfg["diag"] != "token"
         if not in_kernel:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
@@ -111,8 +119,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             )
             del Gc
         _fwd_intra[(NC, HV)](
-            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"],
+            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
             DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"],
         )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
@@ -172,7 +180,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
             num_warps=cfg["local_warps"],
         )
-        in_kernel = cfg["diag"] == "chunk"
+        in_kernel = cfg["diag"] != "token"
         if not in_kernel:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
@@ -184,8 +192,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             db0 += db3
         dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
         _bwd_intra[(NC, HV, K // BK2)](
-            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"],
+            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, cfg["dmax"],
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
             DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"],
         )
         dA_log = ddt = None
