@@ -170,8 +170,9 @@ def _bwd_intra(
 ):
     """Per (chunk, head, K-block): the intra-chunk pair terms of Aqk and Akk added to dq, dk,
     dg, dbeta, then dg = reverse cumsum of dG within the chunk. With DIAG_IN_KERNEL the diagonal
-    16x16 blocks are done here too: by the reference-row dots when every sub-chunk's decay range in
-    this K-block is <= dmax (as in `_fwd_intra`), else elementwise column by column."""
+    16x16 blocks are done here too by the reference-row dots when every sub-chunk's decay range in
+    this K-block is <= dmax (as in `_fwd_intra`); the other K-blocks got theirs from `_bwd_diag_chunk`
+    (run before, adding into dq, dk, dg and db), kept out of this kernel for its register count."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -225,35 +226,6 @@ def _bwd_intra(
             ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
             cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=DPREC)
             ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=DPREC)
-    if DIAG_IN_KERNEL:
-        if ext == 0:  # large in-block decay: diagonal sub-chunks elementwise, one column j at a time
-            # row side  r[a,i] += D[a,i,j] k_j e^(G_i - G_j);  col side c[a,j] = sum_i D[a,i,j] X_i e^(G_i - G_j)
-            eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-            Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
-            Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
-            q3 = tl.reshape(b_q, (NS, BC, BK))
-            k3 = tl.reshape(b_k, (NS, BC, BK))
-            kb3 = tl.reshape(b_kb, (NS, BC, BK))
-            rq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-            rk3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-            cq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-            ck3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-            for j in range(BC):
-                colj = (ii == j)[None, None, :]
-                dq_j = tl.sum(tl.where(colj, Dqk, 0.0), axis=2)[:, :, None]  # [NS, BC(i), 1]
-                dk_j = tl.sum(tl.where(colj, Dkk, 0.0), axis=2)[:, :, None]
-                Gj = _row(G3, j, BC)
-                Ej = tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
-                kE = _row(k3, j, BC)[:, None, :] * Ej
-                rq3 += dq_j * kE
-                rk3 += dk_j * kE
-                rowj = (ii == j)[None, :, None]
-                cq3 += tl.where(rowj, tl.sum(dq_j * q3 * Ej, axis=1)[:, None, :], 0.0)
-                ck3 += tl.where(rowj, tl.sum(dk_j * kb3 * Ej, axis=1)[:, None, :], 0.0)
-            rq += tl.reshape(rq3, (BT, BK))
-            rk += tl.reshape(rk3, (BT, BK))
-            cq += tl.reshape(cq3, (BT, BK))
-            ckk += tl.reshape(ck3, (BT, BK))
     b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
     b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
     dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)
@@ -267,7 +239,83 @@ def _bwd_intra(
     tl.store(dq + o_g, b_dq, mask=rmask[:, None])
     tl.store(dk + o_g, b_dk, mask=rmask[:, None])
     tl.store(dg + o_g, b_dg, mask=rmask[:, None])
-    tl.store(db + i_k * T_total * HV + tok * HV + i_hv, tl.sum(b_k * rk, axis=1), mask=rmask)
+    b_db = tl.sum(b_k * rk, axis=1)
+    if DIAG_IN_KERNEL:  # plus the partial of `_bwd_diag_chunk` (zero where it had nothing to do)
+        b_db += tl.load(db + i_k * T_total * HV + tok * HV + i_hv, mask=rmask, other=0.0)
+    tl.store(db + i_k * T_total * HV + tok * HV + i_hv, b_db, mask=rmask)
+
+
+@triton.jit
+def _bwd_diag_chunk(
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dmax,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """Per (chunk, head, K-block), only where `_bwd_intra` does not take the dot path (some sub-chunk's
+    decay range in this K-block > dmax; all K-blocks when dmax < 0): the diagonal 16x16 pair terms,
+    elementwise one column j at a time (every exponent <= 0), added into dq, dk, dg; the dbeta partial
+    goes to db (which the caller zeroed)."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    NS: tl.constexpr = BT // BC
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    L = tl.minimum(eos - t0, BT)
+    rows = tl.arange(0, BT)
+    rmask = rows < L
+    tok = t0 + rows
+    ii = tl.arange(0, BC)
+    ck = i_k * BK + tl.arange(0, BK)
+    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+    G3 = tl.reshape(b_G, (NS, BC, BK))
+    r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # same test as in _bwd_intra
+    r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+    if tl.max(tl.max(r_first - r_last, axis=1), axis=0) > dmax:
+        o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+        b_dAqk = tl.load(dAqk + o_A, mask=rmask[:, None], other=0.0)
+        b_dAkk = tl.load(dAkk + o_A, mask=rmask[:, None], other=0.0)
+        b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
+        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        # row side  r[a,i] += D[a,i,j] k_j e^(G_i - G_j);  col side c[a,j] = sum_i D[a,i,j] X_i e^(G_i - G_j)
+        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+        Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
+        Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
+        q3 = tl.reshape(b_q, (NS, BC, BK))
+        k3 = tl.reshape(b_k, (NS, BC, BK))
+        kb3 = tl.reshape(b_kb, (NS, BC, BK))
+        rq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+        rk3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+        cq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+        ck3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
+        for j in range(BC):
+            colj = (ii == j)[None, None, :]
+            dq_j = tl.sum(tl.where(colj, Dqk, 0.0), axis=2)[:, :, None]  # [NS, BC(i), 1]
+            dk_j = tl.sum(tl.where(colj, Dkk, 0.0), axis=2)[:, :, None]
+            Gj = _row(G3, j, BC)
+            Ej = tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
+            kE = _row(k3, j, BC)[:, None, :] * Ej
+            rq3 += dq_j * kE
+            rk3 += dk_j * kE
+            rowj = (ii == j)[None, :, None]
+            cq3 += tl.where(rowj, tl.sum(dq_j * q3 * Ej, axis=1)[:, None, :], 0.0)
+            ck3 += tl.where(rowj, tl.sum(dk_j * kb3 * Ej, axis=1)[:, None, :], 0.0)
+        rq = tl.reshape(rq3, (BT, BK))
+        rk = tl.reshape(rk3, (BT, BK))
+        cq = tl.reshape(cq3, (BT, BK))
+        ckk = tl.reshape(ck3, (BT, BK))
+        tl.store(dq + o_g, tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq, mask=rmask[:, None])
+        b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
+        tl.store(dk + o_g, b_dk, mask=rmask[:, None])
+        dG = b_q * rq + b_k * (b_beta[:, None] * rk - cq - ckk)
+        tl.store(dg + o_g, tl.load(dg + o_g, mask=rmask[:, None], other=0.0) + dG, mask=rmask[:, None])
+        tl.store(db + i_k * T_total * HV + tok * HV + i_hv, tl.sum(b_k * rk, axis=1), mask=rmask)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import functools
 import torch
 import triton
 
-from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
+from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_diag_chunk, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
 
 BT = 64
@@ -40,7 +40,9 @@ CONFIG = dict(
     # decay range is <= diag_max, else elementwise), "chunk" (inside, always elementwise: the old path),
     # or "token" (token-parallel kernels)
     diag="dot", diag_max=60.0,
-    dot_prec="tf32x3",  # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32: ieee)
+    # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
+    # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
+    dot_prec="tf32",
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
 
@@ -170,7 +172,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
         db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
         db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
-        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+        in_kernel = cfg["diag"] != "token"
+        db2 = (torch.zeros if in_kernel else torch.empty)(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
         _bwd_dv[(NC, HV)](
             v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
             HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"],
@@ -180,8 +183,12 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
             num_warps=cfg["local_warps"],
         )
-        in_kernel = cfg["diag"] != "token"
-        if not in_kernel:
+        if in_kernel:  # diagonal blocks of the K-blocks that cannot take the dot path in _bwd_intra
+            _bwd_diag_chunk[(NC, HV, K // BK2)](
+                q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, cfg["dmax"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, USE_GATE=gate, num_warps=cfg["intra2_warps"],
+            )
+        else:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
             _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
