@@ -66,18 +66,18 @@ def main():
     P = lambda *names, t: {n: t for n in names}  # noqa: E731
     f32, i32 = "*fp32", "*i32"
     fwd_types = {**P("q", "k", "v", "beta", "w", "u", "kd", "qg", t=f"*{dt}"), **P("g", "Aqk", "Ti", "gl", "A_log",
-                 "dt_bias", t=f32), **P("cu", "cidx", t=i32), "dmax": "fp32"}
-    fwd_c = dict(H=H, HV=HV, K=K, V=V, BT=64, BC=16, BK=c["intra_BK"], BV=c["BV"], PREC=c["PREC"], DPREC=c["DPREC"],
+                 "dt_bias", t=f32), **P("cu", "cidx", t=i32), "dmax": "fp32", "H": "i32", "HV": "i32"}
+    fwd_c = dict(K=K, V=V, BT=64, BC=16, BK=c["intra_BK"], BV=c["BV"], PREC=c["PREC"], DPREC=c["DPREC"],
                  DIAG_IN_KERNEL=in_k, USE_GATE=False)
     if a.only != "bwd":
         print("_fwd_intra", compile_one(triton_fwd._fwd_intra, fwd_types, fwd_c, c["intra_warps"]))
     bwd_types = {**P("q", "k", "beta", t=f"*{dt}"), **P("g", "dAqk", "dAkk", "dq", "dk", "dg", "db", "A_log", "dt_bias",
-                 "dA", t=f32), **P("cu", "cidx", t=i32), "T_total": "i32", "dmax": "fp32"}
-    bwd_c = dict(H=H, HV=HV, K=K, BT=64, BC=16, BK=c["local_BK2"], PREC=c["PREC"], DPREC=c["DPREC"],
+                 "dA", t=f32), **P("cu", "cidx", t=i32), "T_total": "i32", "dmax": "fp32", "H": "i32", "HV": "i32"}
+    bwd_c = dict(K=K, BT=64, BC=16, BK=c["local_BK2"], PREC=c["PREC"], DPREC=c["DPREC"],
                  DIAG_IN_KERNEL=in_k, USE_GATE=False)
     if a.only != "fwd":
         print("_bwd_intra", compile_one(triton_bwd._bwd_intra, bwd_types, bwd_c, c["intra2_warps"]))
-        fb_c = {n: bwd_c[n] for n in ("H", "HV", "K", "BT", "BC", "BK", "USE_GATE")}
+        fb_c = {n: bwd_c[n] for n in ("K", "BT", "BC", "BK", "USE_GATE")}
         print("_bwd_diag_chunk", compile_one(triton_bwd._bwd_diag_chunk, bwd_types, fb_c, c["intra2_warps"]))
 
 

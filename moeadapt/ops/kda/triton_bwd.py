@@ -12,7 +12,7 @@ from .triton_fwd import _load_g, _row, _tok_setup
 @triton.jit
 def _bwd_dh(
     qg, kd, w, gl, Aqk, do, dh, dd, dht, dh0, cu, coff, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
@@ -58,7 +58,7 @@ def _bwd_dh(
 @triton.jit
 def _bwd_dv(
     v, beta, Ti, vn, dd, do, dv, dRu, db, dAqk, dAkk, cu, cidx, scale,
-    HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    HV, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per (chunk, head): dRu = Ti^T dd, dv = beta dRu, dbeta(v) = sum dRu v,
     dAkk = -dRu d^T (strictly lower), dAqk = scale dO d^T (lower)."""
@@ -101,7 +101,7 @@ def _bwd_dv(
 @triton.jit
 def _bwd_wy(
     q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db, cu, cidx, scale, T_total, A_log, dt_bias,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """Per (chunk, head, K-block): state and WY terms of dq, dk, dg (partial), dbeta (partial)."""
@@ -164,7 +164,7 @@ def _bwd_wy(
 @triton.jit
 def _bwd_intra(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dmax,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
     DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
 ):
@@ -248,7 +248,7 @@ def _bwd_intra(
 @triton.jit
 def _bwd_diag_chunk(
     q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dmax,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """Per (chunk, head, K-block), only where `_bwd_intra` does not take the dot path (some sub-chunk's
@@ -321,7 +321,7 @@ def _bwd_diag_chunk(
 @triton.jit
 def _bwd_diag(
     q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
 ):
     """Token-parallel diagonal sub-chunk terms of dq, dk, dG, dbeta for token t, both as row i = t
     (sum over j <= t) and as column j = t (sum over i >= t); adds to the partials in dq, dk, dg."""

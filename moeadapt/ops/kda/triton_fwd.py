@@ -46,14 +46,15 @@ def _diag_fwd(q3, k3, G3, NS: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _fwd_intra(
     g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias, dmax,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """Per (chunk, head). With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block,
     when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
     reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
-    for dmax < 80); otherwise (or with dmax < 0) elementwise, column by column (`_diag_fwd`)."""
+    for dmax < 80); otherwise (or with dmax < 0) their sums were computed elementwise by `_fwd_diag_chunk`
+    (kept out of this kernel for its register count) and are read back from the Ti / Aqk buffers."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -71,6 +72,7 @@ def _fwd_intra(
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     ii = tl.arange(0, BC)
+    fb = tl.full([], 0, tl.int32)  # some K-block's diagonal blocks came from _fwd_diag_chunk
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -100,20 +102,22 @@ def _fwd_intra(
                 b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
                 b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
         if DIAG_IN_KERNEL:
-            if ext == 0:  # large in-block decay: diagonal sub-chunks elementwise (exponents <= 0)
-                dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
-                eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-                b_Akk += tl.reshape(tl.where(eye_s, dkk[:, :, None, :], 0.0), (BT, BT))
-                b_Aqk += tl.reshape(tl.where(eye_s, dqk[:, :, None, :], 0.0), (BT, BT))
+            fb = tl.maximum(fb, (ext == 0).to(tl.int32))
     o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+    dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
     if DIAG_IN_KERNEL:  # (entries j > i of the diagonal blocks hold bounded garbage: masked here)
-        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0) * b_beta[:, None]
         b_Aqk = tl.where(rows[:, None] >= rows[None, :], b_Aqk, 0.0)
+        if fb > 0:  # diagonal-block sums of the K-blocks over dmax, from _fwd_diag_chunk
+            b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
+        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0)
+        if fb > 0:  # (Akk without beta)
+            b_Akk += tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
+        b_Akk = b_Akk * b_beta[:, None]
     else:  # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
-        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
         b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
         b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
-    tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
     # Ti = (I + Akk)^-1: block-diagonal part by (I-N)(I+N^2)(I+N^4)(I+N^8) (N^16 = 0 in a
     # 16-block), then the block-lower part by (I+E)^-1 = (I-E)(I+E^2) with E = Xd Lo.
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -153,9 +157,57 @@ def _fwd_intra(
 
 
 @triton.jit
+def _fwd_diag_chunk(
+    g, q, k, Aqk, Ti, cu, cidx, A_log, dt_bias, dmax,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """Per (chunk, head), before `_fwd_intra`: for the K-blocks where some sub-chunk's decay range exceeds
+    dmax (the same test, on the same BK blocks, as `_fwd_intra`), the diagonal 16x16 blocks elementwise
+    (every exponent <= 0); their sum goes to the diagonal blocks of Ti (Akk, no beta) and Aqk, written
+    only when at least one K-block needed it."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    NS: tl.constexpr = BT // BC
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    blk = rows // BC
+    tok = t0 + rows
+    ii = tl.arange(0, BC)
+    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    fb = tl.full([], 0, tl.int32)
+    for kb in range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+        G3 = tl.reshape(b_G, (NS, BC, BK))
+        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)
+        r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+        if tl.max(tl.max(r_first - r_last, axis=1), axis=0) > dmax:
+            o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+            b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+            b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
+            d_kk += dkk
+            d_qk += dqk
+            fb = 1
+    if fb > 0:
+        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+        o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
+        tl.store(Ti + o_A, tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
+        tl.store(Aqk + o_A, tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
+
+
+@triton.jit
 def _fwd_h(
     kd, w, u, gl, h, vn, h0, ht, cu, coff,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
@@ -197,7 +249,7 @@ def _fwd_h(
 @triton.jit
 def _fwd_o(
     qg, h, vn, Aqk, o, cu, cidx, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -223,7 +275,7 @@ def _fwd_o(
 
 @triton.jit
 def _fwd_gcum(
-    g, Gc, cu, cidx, A_log, dt_bias, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
+    g, Gc, cu, cidx, A_log, dt_bias, HV, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """G = in-chunk cumulative sum of g (float32), per (chunk, head)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -260,7 +312,7 @@ def _tok_setup(cu, cidx, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _fwd_diag(
     q, k, Gc, beta, Aqk, Akk, cu, cidx,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
 ):
     """Token-parallel diagonal sub-chunk entries of row t: Aqk[t, j] = sum_c q_t k_j e^(G_t - G_j)
     (j <= t) and Akk[t, j] = beta_t sum_c k_t k_j e^(G_t - G_j) (j < t), j in t's sub-chunk."""

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_diag_chunk, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
+from .triton_fwd import _fwd_diag, _fwd_diag_chunk, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
 
 BT = 64
 BC = 16
@@ -120,6 +120,11 @@ class ChunkKDAFunction(torch.autograd.Function):
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
             )
             del Gc
+        else:  # diagonal blocks of the K-blocks that cannot take the dot path in _fwd_intra
+            _fwd_diag_chunk[(NC, HV)](
+                g, q, k, Aqk, Ti, cu, cidx, A32, b32, cfg["dmax"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], USE_GATE=gate, num_warps=cfg["intra_warps"],
+            )
         _fwd_intra[(NC, HV)](
             g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
