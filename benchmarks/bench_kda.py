@@ -254,6 +254,8 @@ def sweep(shape):
         dict(local_BK2=32, intra2_warps=4),
         dict(local_warps=4),
         dict(dh_warps=4, dv_warps=4),
+        dict(fuse_wu=True),
+        dict(wu_BK=32, wu_BV=32, wu_warps=4),
     ]
     best = (float("inf"), {})
     for var in variants:

@@ -28,7 +28,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def compile_one(fn, types, consts, num_warps):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": int(os.environ.get("KDA_STAGES", 3))})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
@@ -68,9 +68,13 @@ def main():
     fwd_types = {**P("q", "k", "v", "beta", "w", "u", "kd", "qg", t=f"*{dt}"), **P("g", "Aqk", "Ti", "gl", "A_log",
                  "dt_bias", t=f32), **P("cu", "cidx", t=i32), "dmax": "fp32", "H": "i32", "HV": "i32"}
     fwd_c = dict(K=K, V=V, BT=64, BC=16, BK=c["intra_BK"], BV=c["BV"], PREC=c["PREC"], DPREC=c["DPREC"],
-                 DIAG_IN_KERNEL=in_k, USE_GATE=False)
+                 DIAG_IN_KERNEL=in_k, USE_GATE=False, FUSE_WU=c["fuse_wu"])
     if a.only != "bwd":
         print("_fwd_intra", compile_one(triton_fwd._fwd_intra, fwd_types, fwd_c, c["intra_warps"]))
+        if not c["fuse_wu"]:
+            wu_c = {n: fwd_c[n] for n in ("K", "V", "BT", "PREC", "USE_GATE")}
+            wu_c.update(BK=c["wu_BK"], BV=c["wu_BV"])
+            print("_fwd_wu", compile_one(triton_fwd._fwd_wu, fwd_types, wu_c, c["wu_warps"]))
     bwd_types = {**P("q", "k", "beta", t=f"*{dt}"), **P("g", "dAqk", "dAkk", "dq", "dk", "dg", "db", "A_log", "dt_bias",
                  "dA", t=f32), **P("cu", "cidx", t=i32), "T_total": "i32", "dmax": "fp32", "H": "i32", "HV": "i32"}
     bwd_c = dict(K=K, BT=64, BC=16, BK=c["local_BK2"], PREC=c["PREC"], DPREC=c["DPREC"],

@@ -273,3 +273,13 @@ def test_triton_dot_diag_mixed_decay(seed):
     scale[:, :, :, K // 2:] = 40.0  # second half of the channels: sub-chunk ranges far above diag_max
     scale[:, 64:128] = 1.0  # the second chunk: weak everywhere
     test_triton_matches_reference(seed, (1, T, 1, 1, K, 16, None, False), diag="dot", decay=1.0, g_scale=scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [TRITON_CASES[1], TRITON_CASES[4]])
+def test_triton_fused_wu(seed, case, monkeypatch):
+    """w / u inside _fwd_intra (CONFIG["fuse_wu"] = True) instead of the separate _fwd_wu kernel."""
+    from moeadapt.ops.kda import triton_kda
+
+    monkeypatch.setitem(triton_kda.CONFIG, "fuse_wu", True)
+    test_triton_matches_reference(seed, case)

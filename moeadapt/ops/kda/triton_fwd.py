@@ -48,9 +48,9 @@ def _fwd_intra(
     g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias, dmax,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
+    DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
 ):
-    """Per (chunk, head). With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block,
+    """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those). With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block,
     when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
     reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
     for dmax < 80); otherwise (or with dmax < 0) their sums were computed elementwise by `_fwd_diag_chunk`
@@ -134,6 +134,16 @@ def _fwd_intra(
     E2 = tl.dot(Em, Em, input_precision=PREC)
     b_Ti = tl.dot(tl.dot(eye - Em, eye + E2, input_precision=PREC), X, input_precision=PREC)
     tl.store(Ti + o_A, b_Ti, mask=rmask[:, None])
+    if FUSE_WU:
+        _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
+            H, HV, K, V, BT, BK, BV, PREC, USE_GATE)
+
+
+@triton.jit
+def _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
+        H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """w = Ti (beta k e^G), u = Ti (beta v), k e^(gam-G), q e^G and gam for one (chunk, head)."""
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -150,6 +160,48 @@ def _fwd_intra(
         tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
     for vb in range(0, V, BV):
         cv = vb + tl.arange(0, BV)
+        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _fwd_wu(
+    g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """Per (chunk, head, block), after `_fwd_intra` with FUSE_WU=False, Ti read back: blocks 0..K/BK-1
+    give w = Ti (beta k e^G), k e^(gam-G), q e^G and gam on BK channels; the next V/BV give u = Ti (beta v)."""
+    i_c, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    tok = t0 + rows
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
+    b_Ti = tl.load(Ti + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
+    if i_b < K // BK:
+        ck = i_b * BK + tl.arange(0, BK)
+        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        eG = tl.exp(b_G)
+        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
+        tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
+        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
+        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+    else:
+        cv = (i_b - K // BK) * BV + tl.arange(0, BV)
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)

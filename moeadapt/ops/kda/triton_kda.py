@@ -27,7 +27,7 @@ import torch
 import triton
 
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_diag_chunk, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_diag, _fwd_diag_chunk, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
+from .triton_fwd import _fwd_diag, _fwd_diag_chunk, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 
 BT = 64
 BC = 16
@@ -43,6 +43,7 @@ CONFIG = dict(
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec="tf32",
+    fuse_wu=False, wu_warps=8, wu_BK=64, wu_BV=64,  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
 
@@ -80,6 +81,8 @@ def _cfg(K, V, dtype, HV=16):
         c[key] = min(c[key], V)
     c["local_BK"] = min(c["local_BK"], K)
     c["intra_BK"] = min(c["intra_BK"], K)
+    c["wu_BK"] = min(c["wu_BK"], K)
+    c["wu_BV"] = min(c["wu_BV"], V)
     c["local_BK2"] = min(c["local_BK2"], K)
     c["local_BV"] = min(c["local_BV"], V)
     c["BV"] = c["local_BV"]
@@ -128,8 +131,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         _fwd_intra[(NC, HV)](
             g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_warps=cfg["intra_warps"],
         )
+        if not cfg["fuse_wu"]:
+            _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
+                g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+                num_warps=cfg["wu_warps"],
+            )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
