@@ -255,6 +255,9 @@ def sweep(shape):
         dict(local_warps=4),
         dict(dh_warps=4, dv_warps=4),
         dict(fuse_wu=True),
+        dict(local_BK=64),
+        dict(h_BV=16),
+        dict(dv_BV=32),
         dict(wu_BK=32, wu_BV=32, wu_warps=4),
     ]
     best = (float("inf"), {})

@@ -84,6 +84,23 @@ def main():
         fb_c = {n: bwd_c[n] for n in ("K", "BT", "BC", "BK", "USE_GATE")}
         print("_bwd_diag_chunk", compile_one(triton_bwd._bwd_diag_chunk, bwd_types, fb_c, c["intra2_warps"]))
 
+    if a.only == "all":  # the state / output / WY kernels too
+        lo = {"q", "k", "v", "beta", "w", "u", "kd", "qg", "h", "vn", "dh", "dRu", "do", "o"}
+        scal = {"scale": "fp32", "T_total": "i32", "dmax": "fp32", "H": "i32", "HV": "i32"}
+        com = dict(K=K, V=V, BT=64, PREC=c["PREC"])
+        jobs = [
+            (triton_fwd._fwd_h, dict(BV=c["h_BV"], HAS_H0=True, STORE_HT=True), c["h_warps"]),
+            (triton_fwd._fwd_o, dict(BV=c["o_BV"]), c["o_warps"]),
+            (triton_bwd._bwd_dh, dict(BV=c["h_BV"], HAS_DHT=True, STORE_DH0=True), c["dh_warps"]),
+            (triton_bwd._bwd_dv, dict(BV=c["dv_BV"]), c["dv_warps"]),
+            (triton_bwd._bwd_wy, dict(BK=c["local_BK"], BV=c["local_BV"], USE_GATE=False), c["local_warps"]),
+        ]
+        for fn, extra, nw in jobs:
+            cons = {n: v for n, v in {**com, **extra}.items() if n in fn.arg_names}
+            types = {n: scal.get(n, f"*{dt}" if n in lo else ("*i32" if n in ("cu", "cidx", "coff") else "*fp32"))
+                     for n in fn.arg_names if n not in cons}
+            print(fn.__name__, compile_one(fn, types, cons, nw))
+
 
 if __name__ == "__main__":
     main()
