@@ -6,16 +6,24 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
   Ti = (I + Akk)^-1,  w = Ti (beta k e^G),  u = Ti (beta v)
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
-Every exponent taken is <= 0: diagonal BCxBC blocks form e^(G_i-G_j) elementwise; off-
-diagonal blocks split it at a reference row between i and j.
+Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
+<= 1) and use tensor-core dots. Diagonal blocks (CONFIG["diag"]):
+  "dot" (default): per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is
+    <= CONFIG["diag_max"] (60), the same dots with r = the sub-chunk's first row (forward, backward row
+    side) or last row (backward column side): one factor is then >= 1 but <= e^60, no overflow, and the
+    entries above the diagonal (bounded garbage or zero dA) are masked. K-blocks over the bound take the
+    elementwise path (every exponent <= 0) in `_fwd_diag_chunk` / `_bwd_diag_chunk`, which test the same
+    condition, skip the other blocks, and hand their sums to `_fwd_intra` / `_bwd_intra`.
+  "chunk": that elementwise path for every K-block (same compiled kernels, diag_max = -1).
+  "token": token-parallel `_fwd_diag` / `_bwd_diag` on a stored in-chunk cumsum (`_fwd_gcum`).
 
-Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk,
-Ti, w, u, k e^(gam-G), q e^G), `_fwd_h` (per sequence and V-block: the state recurrence, storing the
-state entering each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per
-chunk and dd), `_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra`
-(intra-chunk pair terms, dg = reverse cumsum). With CONFIG["diag"] = "token" the diagonal 16x16 blocks
-come from the token-parallel `_fwd_diag` / `_bwd_diag` (on a stored in-chunk cumsum from `_fwd_gcum`)
-instead of the per-chunk kernels. The gate (A_log, dt_bias) is fused wherever g is read.
+Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
+`_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; inside `_fwd_intra` with
+CONFIG["fuse_wu"]), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
+each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per chunk and dd),
+`_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra` (intra-chunk pair
+terms, dg = reverse cumsum). The gate (A_log, dt_bias) is fused wherever g is read.
+`benchmarks/kda_sm90_resources.py` compiles them for sm_90 without a GPU and prints registers / spills.
 Sequences are always handled in varlen form (dense batches become B sequences of T).
 """
 
