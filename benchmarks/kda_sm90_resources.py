@@ -1,7 +1,7 @@
 """Compile the KDA Triton kernels for sm_90 without a GPU and print registers / spills per kernel.
 
 Usage: python3 benchmarks/kda_sm90_resources.py [--diag dot|chunk|token] [--dtype bf16|fp32]
-Uses the ptxas / cuobjdump that ship with Triton (triton/backends/nvidia/bin). Shapes: K=V=128, H=HV=16,
+Uses the ptxas / cuobjdump that ship with Triton (triton/backends/nvidia/bin). Shapes: K=V=128 (H, HV are runtime arguments),
 launch parameters from triton_kda.CONFIG. Imports nothing from moeadapt beyond moeadapt.ops.
 """
 
@@ -61,7 +61,6 @@ def main():
     dt = a.dtype
     c = triton_kda._cfg(128, 128, torch.bfloat16 if dt == "bf16" else torch.float32, 16)
     K = V = 128
-    H = HV = 16
     in_k = c["diag"] != "token"
     P = lambda *names, t: {n: t for n in names}  # noqa: E731
     f32, i32 = "*fp32", "*i32"
