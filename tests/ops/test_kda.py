@@ -283,3 +283,10 @@ def test_triton_fused_wu(seed, case, monkeypatch):
 
     monkeypatch.setitem(triton_kda.CONFIG, "fuse_wu", True)
     test_triton_matches_reference(seed, case)
+
+
+@needs_triton
+def test_triton_k128(seed):
+    """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, decay ranges on both sides of
+    diag_max."""
+    test_triton_matches_reference(seed, (1, 150, 1, 2, 128, 64, [0, 20, 150], True), diag="dot", decay=8.0)
