@@ -7,8 +7,8 @@ Our variants (triton_kda.CONFIG): dot = diagonal 16x16 blocks by reference-row t
 in-block decay allows (the default), dot3 = the same with tf32x3 dots, chunk = diagonal blocks always
 elementwise inside the per-chunk kernels, token = token-parallel diagonal kernels.
 Order, so that a time limit cuts the least important numbers: (1) ours, every variant and shape, timed;
-(2) numerics at small shapes vs the float64 reference (ours and fla; dense bf16, and varlen + in-kernel
-gate + beta logits + grouped value heads); (3) fla per shape (first --fla-shapes shapes): numerics vs each
+(2) numerics at small shapes vs the float64 reference (ours, and fla with --ref-fla; dense bf16, and
+varlen + in-kernel gate + beta logits + grouped value heads); (3) fla per shape (first --fla-shapes shapes): numerics vs each
 of ours, then timed (its first call per head count autotunes for a long time); (4) the PyTorch reference
 timed on the first shape. Stops starting new fla / reference work once --time-limit seconds have passed,
 and prints the summary table after every fla shape and at the end.
@@ -328,6 +328,8 @@ def main():
     p.add_argument("--ours", default="dot,chunk,token", help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--no-ref", action="store_true", help="skip the float64 reference checks and reference timing")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--ref-fla", action="store_true",
+                   help="also check fla vs the float64 reference (its autotune runs again for those head counts)")
     p.add_argument("--fla-shapes", type=int, default=99, help="run fla on the first N shapes only")
     p.add_argument("--time-limit", type=float, default=240.0, help="start no fla/reference work after this many s")
     p.add_argument("--sweep", action="store_true", help="try launch variants on the first shape first")
@@ -366,7 +368,7 @@ def main():
             torch.cuda.empty_cache()
     if not a.no_ref:  # (2) numerics vs float64
         try:
-            check_vs_reference(ours, have_fla, *ref_small)
+            check_vs_reference(ours, have_fla and a.ref_fla, *ref_small)
         except Exception as e:
             print(f"reference check FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
     for shape in shapes[: a.fla_shapes] if have_fla else []:  # (3) fla
