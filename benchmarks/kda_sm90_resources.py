@@ -86,11 +86,11 @@ def main():
     if a.only == "all":  # the state / output / WY kernels too
         lo = {"q", "k", "v", "beta", "w", "u", "kd", "qg", "h", "vn", "dh", "dRu", "do", "o"}
         scal = {"scale": "fp32", "T_total": "i32", "dmax": "fp32", "H": "i32", "HV": "i32"}
-        com = dict(K=K, V=V, BT=64, PREC=c["PREC"])
+        com = dict(K=K, V=V, KH=c["KH"], BT=64, PREC=c["PREC"])
         jobs = [
             (triton_fwd._fwd_h, dict(BV=c["h_BV"], HAS_H0=True, STORE_HT=True), c["h_warps"]),
             (triton_fwd._fwd_o, dict(BV=c["o_BV"]), c["o_warps"]),
-            (triton_bwd._bwd_dh, dict(BV=c["h_BV"], HAS_DHT=True, STORE_DH0=True), c["dh_warps"]),
+            (triton_bwd._bwd_dh, dict(BV=c["h_BV"], HAS_DHT=True, STORE_DH0=True, KH=c["KHB"]), c["dh_warps"]),
             (triton_bwd._bwd_dv, dict(BV=c["dv_BV"]), c["dv_warps"]),
             (triton_bwd._bwd_wy, dict(BK=c["local_BK"], BV=c["local_BV"], USE_GATE=False), c["local_warps"]),
         ]

@@ -286,7 +286,12 @@ def test_triton_fused_wu(seed, case, monkeypatch):
 
 
 @needs_triton
-def test_triton_k128(seed):
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_k128(seed, split, monkeypatch):
     """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, decay ranges on both sides of
-    diag_max."""
+    diag_max; the state recurrences with K whole or as two 64-row blocks."""
+    from moeadapt.ops.kda import triton_kda
+
+    monkeypatch.setitem(triton_kda.CONFIG, "h_split", split)
+    monkeypatch.setitem(triton_kda.CONFIG, "dh_split", split)
     test_triton_matches_reference(seed, (1, 150, 1, 2, 128, 64, [0, 20, 150], True), diag="dot", decay=8.0)

@@ -12,10 +12,12 @@ from .triton_fwd import _load_g, _row, _tok_setup
 @triton.jit
 def _bwd_dh(
     qg, kd, w, gl, Aqk, do, dh, dd, dht, dh0, cu, coff, scale,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
+    """Per (V-block, sequence and head): the reverse recurrence, storing dS entering each chunk (dh, from
+    its end) and dd = (Aqk^T scale dO) + kd dS; dS kept as K/KH (1 or 2) row blocks of KH rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -23,36 +25,57 @@ def _bwd_dh(
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
-    ck = tl.arange(0, K)
+    TWO: tl.constexpr = K // KH == 2
+    c1 = tl.arange(0, KH)
+    c2 = KH + tl.arange(0, KH)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    o_s = ck[:, None] * V + cv[None, :]
+    o_s1 = c1[:, None] * V + cv[None, :]
+    o_s2 = c2[:, None] * V + cv[None, :]
     DT = w.dtype.element_ty
+    b_dS1 = tl.zeros([KH, BV], dtype=tl.float32)
+    b_dS2 = tl.zeros([KH, BV], dtype=tl.float32)
     if HAS_DHT:
-        b_dS = tl.load(dht + (i_n * HV + i_hv) * K * V + o_s).to(tl.float32)
-    else:
-        b_dS = tl.zeros([K, BV], dtype=tl.float32)
+        b_dS1 = tl.load(dht + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
+        if TWO:
+            b_dS2 = tl.load(dht + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
     for j in range(0, NT):
         it = NT - 1 - j
         t0 = bos + it * BT
         L = tl.minimum(eos - t0, BT)
         rmask = rows < L
         tok = t0 + rows
-        tl.store(dh + ((c0 + it) * HV + i_hv) * K * V + o_s, b_dS.to(dh.dtype.element_ty))
-        o_k = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        o_hc = ((c0 + it) * HV + i_hv) * K * V
+        tl.store(dh + o_hc + o_s1, b_dS1.to(dh.dtype.element_ty))
+        if TWO:
+            tl.store(dh + o_hc + o_s2, b_dS2.to(dh.dtype.element_ty))
+        o_k = tok[:, None] * (HV * K) + i_hv * K
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        o_gl = ((c0 + it) * HV + i_hv) * K
         b_do = (tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(tl.float32) * scale).to(DT)
         b_A = tl.load(Aqk + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
-        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
-        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
-        b_qg = tl.load(qg + o_k, mask=rmask[:, None], other=0.0)
-        b_w = tl.load(w + o_k, mask=rmask[:, None], other=0.0)
-        b_dd = tl.dot(b_kd, b_dS.to(DT), tl.dot(tl.trans(b_A.to(DT)), b_do, input_precision=PREC), input_precision=PREC)
+        b_dd = tl.dot(tl.trans(b_A.to(DT)), b_do, input_precision=PREC)
+        b_dd = tl.dot(tl.load(kd + o_k + c1[None, :], mask=rmask[:, None], other=0.0), b_dS1.to(DT), b_dd,
+                      input_precision=PREC)
+        if TWO:
+            b_dd = tl.dot(tl.load(kd + o_k + c2[None, :], mask=rmask[:, None], other=0.0), b_dS2.to(DT), b_dd,
+                          input_precision=PREC)
         tl.store(dd + o_v, b_dd, mask=rmask[:, None])
-        b_dS = tl.dot(tl.trans(b_qg), b_do, b_dS * tl.exp(gam)[:, None], input_precision=PREC)
-        b_dS = tl.dot(tl.trans(-b_w), b_dd.to(DT), b_dS, input_precision=PREC)
+        b_ddc = b_dd.to(DT)
+        b_qg = tl.load(qg + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
+        b_w = tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
+        b_dS1 = tl.dot(tl.trans(b_qg), b_do, b_dS1 * tl.exp(tl.load(gl + o_gl + c1))[:, None], input_precision=PREC)
+        b_dS1 = tl.dot(tl.trans(-b_w), b_ddc, b_dS1, input_precision=PREC)
+        if TWO:
+            b_qg = tl.load(qg + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
+            b_w = tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
+            b_dS2 = tl.dot(tl.trans(b_qg), b_do, b_dS2 * tl.exp(tl.load(gl + o_gl + c2))[:, None],
+                           input_precision=PREC)
+            b_dS2 = tl.dot(tl.trans(-b_w), b_ddc, b_dS2, input_precision=PREC)
     if STORE_DH0:
-        tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s, b_dS)
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s1, b_dS1)
+        if TWO:
+            tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s2, b_dS2)
 
 
 @triton.jit

@@ -259,10 +259,12 @@ def _fwd_diag_chunk(
 @triton.jit
 def _fwd_h(
     kd, w, u, gl, h, vn, h0, ht, cu, coff,
-    HV, K: tl.constexpr, V: tl.constexpr,
+    HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
+    """Per (V-block, sequence and head): the state recurrence over chunks, storing the state entering each
+    chunk (h) and d = u - w S (vn). The state is kept as K/KH (1 or 2) row blocks of KH rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -270,32 +272,50 @@ def _fwd_h(
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
-    ck = tl.arange(0, K)
+    TWO: tl.constexpr = K // KH == 2
+    c1 = tl.arange(0, KH)
+    c2 = KH + tl.arange(0, KH)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    o_s = ck[:, None] * V + cv[None, :]
+    o_s1 = c1[:, None] * V + cv[None, :]
+    o_s2 = c2[:, None] * V + cv[None, :]
     DT = w.dtype.element_ty
+    b_S1 = tl.zeros([KH, BV], dtype=tl.float32)
+    b_S2 = tl.zeros([KH, BV], dtype=tl.float32)
     if HAS_H0:
-        b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s).to(tl.float32)
-    else:
-        b_S = tl.zeros([K, BV], dtype=tl.float32)
+        b_S1 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
+        if TWO:
+            b_S2 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
     for it in range(0, NT):
         t0 = bos + it * BT
         L = tl.minimum(eos - t0, BT)
         rmask = rows < L
         tok = t0 + rows
-        tl.store(h + ((c0 + it) * HV + i_hv) * K * V + o_s, b_S.to(h.dtype.element_ty))
-        o_k = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        o_hc = ((c0 + it) * HV + i_hv) * K * V
+        tl.store(h + o_hc + o_s1, b_S1.to(h.dtype.element_ty))
+        if TWO:
+            tl.store(h + o_hc + o_s2, b_S2.to(h.dtype.element_ty))
+        o_k = tok[:, None] * (HV * K) + i_hv * K
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        b_w = tl.load(w + o_k, mask=rmask[:, None], other=0.0)
+        o_gl = ((c0 + it) * HV + i_hv) * K
         b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_d = tl.dot(-b_w, b_S.to(DT), b_d, input_precision=PREC)
+        b_d = tl.dot(-tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0), b_S1.to(DT), b_d,
+                     input_precision=PREC)
+        if TWO:
+            b_d = tl.dot(-tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0), b_S2.to(DT), b_d,
+                         input_precision=PREC)
         tl.store(vn + o_v, b_d.to(vn.dtype.element_ty), mask=rmask[:, None])
-        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
-        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
-        b_S = tl.dot(tl.trans(b_kd), b_d.to(DT), b_S * tl.exp(gam)[:, None], input_precision=PREC)
+        b_dc = b_d.to(DT)
+        b_kd = tl.load(kd + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
+        b_S1 = tl.dot(tl.trans(b_kd), b_dc, b_S1 * tl.exp(tl.load(gl + o_gl + c1))[:, None], input_precision=PREC)
+        if TWO:
+            b_kd = tl.load(kd + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
+            b_S2 = tl.dot(tl.trans(b_kd), b_dc, b_S2 * tl.exp(tl.load(gl + o_gl + c2))[:, None],
+                          input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s, b_S)
+        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s1, b_S1)
+        if TWO:
+            tl.store(ht + (i_n * HV + i_hv) * K * V + o_s2, b_S2)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ BT = 64
 BC = 16
 # Launch parameters (the benchmark may override them to compare variants).
 CONFIG = dict(
-    intra_BK=32, intra_warps=8, h_BV=32, h_warps=4, o_BV=64, o_warps=4, dh_warps=8,
+    intra_BK=32, intra_warps=8, h_BV=32, h_warps=8, o_BV=64, o_warps=4, dh_warps=8,
     dv_warps=8, dv_BV=16, local_BK=32, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
     # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
@@ -51,6 +51,9 @@ CONFIG = dict(
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec="tf32",
+    # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
+    # has no spill; _bwd_dh spills more split than whole)
+    h_split=True, dh_split=False,
     fuse_wu=False, wu_warps=8, wu_BK=64, wu_BV=64,  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
@@ -90,6 +93,8 @@ def _cfg(K, V, dtype, HV=16):
     c["local_BK"] = min(c["local_BK"], K)
     c["intra_BK"] = min(c["intra_BK"], K)
     c["wu_BK"] = min(c["wu_BK"], K)
+    c["KH"] = K // 2 if c["h_split"] and K > 64 else K
+    c["KHB"] = K // 2 if c["dh_split"] and K > 64 else K
     c["wu_BV"] = min(c["wu_BV"], V)
     c["local_BK2"] = min(c["local_BK2"], K)
     c["local_BV"] = min(c["local_BV"], V)
@@ -181,7 +186,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
         _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
             qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
-            cu, coff, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
+            cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
             HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"],
         )
         dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
@@ -256,7 +261,7 @@ def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_st
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _fwd_h[(triton.cdiv(V, BV), N * HV)](
         kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
-        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
+        HV=HV, K=K, V=V, KH=cfg["KH"], BT=BT, BV=BV, PREC=cfg["PREC"],
         HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"],
     )
     return h, vn, ht
