@@ -22,13 +22,14 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moeadapt.ops.kda import triton_bwd, triton_fwd, triton_kda  # noqa: E402
 
+STAGES = [3]  # set from triton_kda's launch config in main(); KDA_STAGES overrides
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_one(fn, types, consts, num_warps):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": int(os.environ.get("KDA_STAGES", 3))})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": int(os.environ.get("KDA_STAGES", STAGES[0]))})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
@@ -36,7 +37,8 @@ def compile_one(fn, types, consts, num_warps):
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     local = re.search(r"LOCAL:(\d+)", out)
-    return f"REG {regs and regs.group(1)} STACK {stack and stack.group(1)} LOCAL {local and local.group(1)}"
+    return (f"REG {regs and regs.group(1)} STACK {stack and stack.group(1)} LOCAL {local and local.group(1)} "
+            f"SMEM {k.metadata.shared}{' (over the 232448 B of sm_90)' if k.metadata.shared > 232448 else ''}")
 
 
 def main():
@@ -62,6 +64,7 @@ def main():
     c = triton_kda._cfg(128, 128, torch.bfloat16 if dt == "bf16" else torch.float32, 16)
     K = V = 128
     in_k = c["diag"] != "token"
+    STAGES[0] = c["stages"]
     P = lambda *names, t: {n: t for n in names}  # noqa: E731
     f32, i32 = "*fp32", "*i32"
     fwd_types = {**P("q", "k", "v", "beta", "w", "u", "kd", "qg", t=f"*{dt}"), **P("g", "Aqk", "Ti", "gl", "A_log",

@@ -54,6 +54,7 @@ CONFIG = dict(
     # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
     # has no spill; _bwd_dh spills more split than whole)
     h_split=True, dh_split=False,
+    stages=3, fp32_stages=1,  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
     fuse_wu=False, wu_warps=8, wu_BK=64, wu_BV=64,  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
@@ -101,6 +102,8 @@ def _cfg(K, V, dtype, HV=16):
     c["BV"] = c["local_BV"]
     c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
     c["DPREC"] = "ieee" if dtype == torch.float32 else c["dot_prec"]
+    # float32 tiles pipelined 3 deep overflow sm_90 shared memory (_bwd_dh needs 278528 B > 232448 at K=V=128)
+    c["stages"] = c["fp32_stages"] if dtype == torch.float32 else c["stages"]
     if c["diag"] not in ("dot", "chunk", "token"):
         raise ValueError(f"CONFIG['diag'] must be 'dot', 'chunk' or 'token', got {c['diag']!r}.")
     c["dmax"] = float(c["diag_max"]) if c["diag"] == "dot" else -1.0
@@ -133,30 +136,30 @@ class ChunkKDAFunction(torch.autograd.Function):
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, Aqk, Ti, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
             )
             del Gc
         else:  # diagonal blocks of the K-blocks that cannot take the dot path in _fwd_intra
             _fwd_diag_chunk[(NC, HV)](
                 g, q, k, Aqk, Ti, cu, cidx, A32, b32, cfg["dmax"],
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], USE_GATE=gate, num_warps=cfg["intra_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
             )
         _fwd_intra[(NC, HV)](
             g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_warps=cfg["intra_warps"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
         )
         if not cfg["fuse_wu"]:
             _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
                 g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-                num_warps=cfg["wu_warps"],
+                num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
             )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
             qg, h, vn, Aqk, o, cu, cidx, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["o_warps"],
         )
         keep = cfg["save_h"]
         ctx.save_for_backward(
@@ -187,7 +190,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
             qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
             cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
-            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"],
+            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
         )
         dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
         dk = torch.empty_like(dq)
@@ -203,24 +206,24 @@ class ChunkKDAFunction(torch.autograd.Function):
         db2 = (torch.zeros if in_kernel else torch.empty)(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
         _bwd_dv[(NC, HV)](
             v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
-            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"],
+            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
         )
         _bwd_wy[(NC, HV, K // BK)](
             q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-            num_warps=cfg["local_warps"],
+            num_stages=cfg["stages"], num_warps=cfg["local_warps"],
         )
         if in_kernel:  # diagonal blocks of the K-blocks that cannot take the dot path in _bwd_intra
             _bwd_diag_chunk[(NC, HV, K // BK2)](
                 q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, cfg["dmax"],
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, USE_GATE=gate, num_warps=cfg["intra2_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
             )
         else:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
             _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
             )
             del Gc
             db0 += db3
@@ -228,7 +231,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         _bwd_intra[(NC, HV, K // BK2)](
             q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, cfg["dmax"],
             H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
         )
         dA_log = ddt = None
         if gate:
@@ -262,7 +265,7 @@ def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_st
     _fwd_h[(triton.cdiv(V, BV), N * HV)](
         kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
         HV=HV, K=K, V=V, KH=cfg["KH"], BT=BT, BV=BV, PREC=cfg["PREC"],
-        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"],
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_stages=cfg["stages"], num_warps=cfg["h_warps"],
     )
     return h, vn, ht
 
