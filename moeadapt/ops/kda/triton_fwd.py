@@ -50,8 +50,8 @@ def _fwd_intra(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
 ):
-    """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those). With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block,
-    when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
+    """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those).
+    With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
     reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
     for dmax < 80); otherwise (or with dmax < 0) their sums were computed elementwise by `_fwd_diag_chunk`
     (kept out of this kernel for its register count) and are read back from the Ti / Aqk buffers."""
