@@ -73,6 +73,8 @@ def main():
                  DIAG_IN_KERNEL=in_k, USE_GATE=False, FUSE_WU=c["fuse_wu"])
     if a.only != "bwd":
         print("_fwd_intra", compile_one(triton_fwd._fwd_intra, fwd_types, fwd_c, c["intra_warps"]))
+        fb_c = {n: fwd_c[n] for n in ("K", "BT", "BC", "BK", "USE_GATE")}
+        print("_fwd_diag_chunk", compile_one(triton_fwd._fwd_diag_chunk, fwd_types, fb_c, c["intra_warps"]))
         if not c["fuse_wu"]:
             wu_c = {n: fwd_c[n] for n in ("K", "V", "BT", "PREC", "USE_GATE")}
             wu_c.update(BK=c["wu_BK"], BV=c["wu_BV"])

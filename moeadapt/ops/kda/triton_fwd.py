@@ -247,7 +247,7 @@ def _fwd_diag_chunk(
             dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
             d_kk += dkk
             d_qk += dqk
-            fb = 1
+            fb = tl.maximum(fb, 1)
     if fb > 0:
         eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
         o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
