@@ -41,7 +41,7 @@ BT = 64
 BC = 16
 # Launch parameters (the benchmark may override them to compare variants).
 CONFIG = dict(
-    intra_BK=32, intra_warps=8, h_BV=32, h_warps=8, o_BV=64, o_warps=4, dh_warps=8,
+    intra_BK=32, intra_warps=8, h_BV=32, h_warps=8, o_BV=64, o_warps=8, dh_warps=8,
     dv_warps=8, dv_BV=16, local_BK=32, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
     # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
