@@ -22,6 +22,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moeadapt.ops.kda import triton_bwd, triton_fwd, triton_kda  # noqa: E402
 
+GATE = [False]  # --gate: kernels with the fused gate (A_log, dt_bias)
 STAGES = [3]  # set from triton_kda's launch config in main(); KDA_STAGES overrides
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -46,7 +47,8 @@ def main():
     p.add_argument("--diag", default=None)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--set", nargs="*", default=[], help="CONFIG overrides key=value (ints/floats parsed)")
-    p.add_argument("--only", default=None, help="fwd or bwd")
+    p.add_argument("--only", default=None, help="fwd, bwd or all (default: the intra kernels)")
+    p.add_argument("--gate", action="store_true", help="compile the fused-gate (A_log, dt_bias) versions")
     a = p.parse_args()
     for kv in a.set:
         key, val = kv.split("=")
@@ -65,12 +67,13 @@ def main():
     K = V = 128
     in_k = c["diag"] != "token"
     STAGES[0] = c["stages"]
+    GATE[0] = a.gate
     P = lambda *names, t: {n: t for n in names}  # noqa: E731
     f32, i32 = "*fp32", "*i32"
     fwd_types = {**P("q", "k", "v", "beta", "w", "u", "kd", "qg", t=f"*{dt}"), **P("g", "Aqk", "Ti", "gl", "A_log",
                  "dt_bias", t=f32), **P("cu", "cidx", t=i32), "dmax": "fp32", "H": "i32", "HV": "i32"}
     fwd_c = dict(K=K, V=V, BT=64, BC=16, BK=c["intra_BK"], BV=c["BV"], PREC=c["PREC"], DPREC=c["DPREC"],
-                 DIAG_IN_KERNEL=in_k, USE_GATE=False, FUSE_WU=c["fuse_wu"])
+                 DIAG_IN_KERNEL=in_k, USE_GATE=GATE[0], FUSE_WU=c["fuse_wu"])
     if a.only != "bwd":
         print("_fwd_intra", compile_one(triton_fwd._fwd_intra, fwd_types, fwd_c, c["intra_warps"]))
         fb_c = {n: fwd_c[n] for n in ("K", "BT", "BC", "BK", "USE_GATE")}
@@ -82,7 +85,7 @@ def main():
     bwd_types = {**P("q", "k", "beta", t=f"*{dt}"), **P("g", "dAqk", "dAkk", "dq", "dk", "dg", "db", "A_log", "dt_bias",
                  "dA", t=f32), **P("cu", "cidx", t=i32), "T_total": "i32", "dmax": "fp32", "H": "i32", "HV": "i32"}
     bwd_c = dict(K=K, BT=64, BC=16, BK=c["local_BK2"], PREC=c["PREC"], DPREC=c["DPREC"],
-                 DIAG_IN_KERNEL=in_k, USE_GATE=False)
+                 DIAG_IN_KERNEL=in_k, USE_GATE=GATE[0])
     if a.only != "fwd":
         print("_bwd_intra", compile_one(triton_bwd._bwd_intra, bwd_types, bwd_c, c["intra2_warps"]))
         fb_c = {n: bwd_c[n] for n in ("K", "BT", "BC", "BK", "USE_GATE")}
@@ -97,7 +100,7 @@ def main():
             (triton_fwd._fwd_o, dict(BV=c["o_BV"]), c["o_warps"]),
             (triton_bwd._bwd_dh, dict(BV=c["h_BV"], HAS_DHT=True, STORE_DH0=True, KH=c["KHB"]), c["dh_warps"]),
             (triton_bwd._bwd_dv, dict(BV=c["dv_BV"]), c["dv_warps"]),
-            (triton_bwd._bwd_wy, dict(BK=c["local_BK"], BV=c["local_BV"], USE_GATE=False), c["local_warps"]),
+            (triton_bwd._bwd_wy, dict(BK=c["local_BK"], BV=c["local_BV"], USE_GATE=GATE[0]), c["local_warps"]),
         ]
         for fn, extra, nw in jobs:
             cons = {n: v for n, v in {**com, **extra}.items() if n in fn.arg_names}
