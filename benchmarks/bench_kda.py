@@ -257,6 +257,7 @@ def sweep(shape):
         dict(fuse_wu=True),
         dict(local_BK=64),
         dict(h_BV=16),
+        dict(h_BV=32),
         dict(h_split=False, h_warps=4),
         dict(dh_split=True),
         dict(dv_BV=32),

@@ -64,6 +64,7 @@ def main():
         triton_kda.CONFIG["diag"] = a.diag
     dt = a.dtype
     c = triton_kda._cfg(128, 128, torch.bfloat16 if dt == "bf16" else torch.float32, 16)
+    c["h_BV"] = 32 if c["h_BV"] == "auto" else c["h_BV"]
     K = V = 128
     in_k = c["diag"] != "token"
     STAGES[0] = c["stages"]

@@ -52,26 +52,27 @@ def _bwd_dh(
         o_k = tok[:, None] * (HV * K) + i_hv * K
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         o_gl = ((c0 + it) * HV + i_hv) * K
-        b_do = (tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(tl.float32) * scale).to(DT)
+        b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(DT)  # (scale applied to the products)
         b_A = tl.load(Aqk + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
-        b_dd = tl.dot(tl.trans(b_A.to(DT)), b_do, input_precision=PREC)
+        b_dd = tl.dot(tl.trans(b_A.to(DT)), b_do, input_precision=PREC) * scale
         b_dd = tl.dot(tl.load(kd + o_k + c1[None, :], mask=rmask[:, None], other=0.0), b_dS1.to(DT), b_dd,
                       input_precision=PREC)
         if TWO:
             b_dd = tl.dot(tl.load(kd + o_k + c2[None, :], mask=rmask[:, None], other=0.0), b_dS2.to(DT), b_dd,
                           input_precision=PREC)
         tl.store(dd + o_v, b_dd, mask=rmask[:, None])
-        b_ddc = b_dd.to(DT)
+        b_ddn = (-b_dd).to(DT)
         b_qg = tl.load(qg + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
         b_w = tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
-        b_dS1 = tl.dot(tl.trans(b_qg), b_do, b_dS1 * tl.exp(tl.load(gl + o_gl + c1))[:, None], input_precision=PREC)
-        b_dS1 = tl.dot(tl.trans(-b_w), b_ddc, b_dS1, input_precision=PREC)
+        b_dS1 = b_dS1 * tl.exp(tl.load(gl + o_gl + c1))[:, None] + scale * tl.dot(
+            tl.trans(b_qg), b_do, input_precision=PREC)
+        b_dS1 = tl.dot(tl.trans(b_w), b_ddn, b_dS1, input_precision=PREC)
         if TWO:
             b_qg = tl.load(qg + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
             b_w = tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
-            b_dS2 = tl.dot(tl.trans(b_qg), b_do, b_dS2 * tl.exp(tl.load(gl + o_gl + c2))[:, None],
-                           input_precision=PREC)
-            b_dS2 = tl.dot(tl.trans(-b_w), b_ddc, b_dS2, input_precision=PREC)
+            b_dS2 = b_dS2 * tl.exp(tl.load(gl + o_gl + c2))[:, None] + scale * tl.dot(
+                tl.trans(b_qg), b_do, input_precision=PREC)
+            b_dS2 = tl.dot(tl.trans(b_w), b_ddn, b_dS2, input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s1, b_dS1)
         if TWO:

@@ -41,7 +41,7 @@ BT = 64
 BC = 16
 # Launch parameters (the benchmark may override them to compare variants).
 CONFIG = dict(
-    intra_BK=32, intra_warps=8, h_BV=32, h_warps=8, o_BV=64, o_warps=8, dh_warps=8,
+    intra_BK=32, intra_warps=8, h_BV="auto", h_warps=8, o_BV=64, o_warps=8, dh_warps=8,
     dv_warps=8, dv_BV=16, local_BK=32, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
     # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
@@ -89,7 +89,7 @@ def _cfg(K, V, dtype, HV=16):
     if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
         raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
     c = dict(CONFIG)
-    for key in ("h_BV", "o_BV", "local_BV", "dv_BV"):
+    for key in ("o_BV", "local_BV", "dv_BV"):
         c[key] = min(c[key], V)
     c["local_BK"] = min(c["local_BK"], K)
     c["intra_BK"] = min(c["intra_BK"], K)
@@ -187,9 +187,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh = torch.empty_like(h)
         dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-        _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
+        BVh = _state_bv(cfg, N * HV, V, dev)
+        _bwd_dh[(triton.cdiv(V, BVh), N * HV)](
             qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
-            cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
+            cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=BVh, PREC=cfg["PREC"],
             HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
         )
         dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
@@ -250,6 +251,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
 
 
+def _state_bv(cfg, NH, V, device):
+    """V-block of the state recurrences (one program per sequence, head and V-block, looping over chunks):
+    cfg["h_BV"], or with "auto" 16 when 32-wide blocks would leave SMs idle (fewer programs than SMs), else
+    32 (narrower blocks re-read w / kd / qg once more per block)."""
+    bv = cfg["h_BV"]
+    if bv == "auto":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        bv = 16 if NH * triton.cdiv(V, 32) < sms else 32
+    return min(bv, V)
+
+
 def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
     Gc = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     _fwd_gcum[(NC, HV)](g, Gc, cu, cidx, A32, b32, HV=HV, K=K, BT=BT, USE_GATE=gate, num_warps=4)
@@ -258,7 +270,7 @@ def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
 
 def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state):
     dev = kd.device
-    BV = cfg["h_BV"]
+    BV = _state_bv(cfg, N * HV, V, dev)
     h = torch.empty(NC, HV, K, V, device=dev, dtype=kd.dtype)
     vn = torch.empty(u.shape, device=dev, dtype=u.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
