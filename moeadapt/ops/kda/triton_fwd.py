@@ -299,10 +299,10 @@ def _fwd_h(
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         o_gl = ((c0 + it) * HV + i_hv) * K
         b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_d = tl.dot(-tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0), b_S1.to(DT), b_d,
+        b_d = tl.dot(tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0), (-b_S1).to(DT), b_d,
                      input_precision=PREC)
         if TWO:
-            b_d = tl.dot(-tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0), b_S2.to(DT), b_d,
+            b_d = tl.dot(tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0), (-b_S2).to(DT), b_d,
                          input_precision=PREC)
         tl.store(vn + o_v, b_d.to(vn.dtype.element_ty), mask=rmask[:, None])
         b_dc = b_d.to(DT)
