@@ -1,11 +1,21 @@
-"""Benchmark KDA: our Triton kernels vs fla.ops.kda.chunk_kda (fla-core) vs our PyTorch reference.
+"""Benchmark KDA: our Triton variants vs fla.ops.kda.chunk_kda (fla-core) vs our PyTorch reference.
 
-Usage (GPU): python3 benchmarks/bench_kda.py [--shapes 1,16384,16,128 ...] [--no-ref] [--sweep]
+Usage (GPU): python3 -u benchmarks/bench_kda.py [--shapes 1,16384,16,128 ...] [--ours dot,chunk,token]
+             [--fla-shapes N] [--time-limit S] [--profile] [--no-ref]
+
+Our variants (triton_kda.CONFIG): dot = diagonal 16x16 blocks by reference-row tensor-core dots where the
+in-block decay allows (the default), dot3 = the same with tf32x3 dots, chunk = diagonal blocks always
+elementwise inside the per-chunk kernels, token = token-parallel diagonal kernels.
+Order, so that a time limit cuts the least important numbers: (1) ours, every variant and shape, timed;
+(2) numerics at small shapes vs the float64 reference (ours, and fla with --ref-fla; dense bf16, and
+varlen + in-kernel gate + beta logits + grouped value heads); (3) fla per shape (first --fla-shapes shapes): numerics vs each
+of ours, then timed (its first call per head count autotunes for a long time); (4) the PyTorch reference
+timed on the first shape. Stops starting new fla / reference work once --time-limit seconds have passed,
+and prints the summary table after every fla shape and at the end.
 
 For each (B,T,H,D): bf16 q/k/v (q, k L2-normalised), fp32 gates g = -exp(A_log) softplus(x + dt_bias)
 with Kimi-style A_log ~ log U(1,16), dt ~ U(1e-3, 0.1); beta = sigmoid(randn). Times the median of
-triton.testing.do_bench for forward (no grad) and forward+backward, checks ours against fla
-(output, final state and all gradients), prints ratios, TFLOP/s and peak memory of fwd+bwd.
+triton.testing.do_bench for forward (no grad) and forward+backward (of o and the final state).
 
 FLOP count (matmul work of the chunk algorithm, chunk C=64, per token and head):
 fwd = 2*(2CK [Akk,Aqk] + CK [w] + CV [u] + 2KV [d = u - wS, S update] + KV [qS] + CV [Aqk d])
@@ -32,18 +42,29 @@ from moeadapt.ops.kda import (
 
 SHAPES = [(1, 16384, 16, 128), (1, 65536, 16, 128), (8, 4096, 32, 128), (2, 8192, 64, 128)]
 FLA_REF_MS = {(1, 16384, 16, 128): 5.8, (1, 65536, 16, 128): 22.6, (8, 4096, 32, 128): 19.8, (2, 8192, 64, 128): 20.0}
+BASE_CONFIG = dict(triton_kda.CONFIG)
+VARIANTS = {
+    "dot": dict(diag="dot"),
+    "dot3": dict(diag="dot", dot_prec="tf32x3"),
+    "chunk": dict(diag="chunk"),
+    "token": dict(diag="token"),
+}
+T_START = time.time()
+DEV = "cuda"
+DRY = False  # --dry-run: tiny CPU run (TRITON_INTERPRET=1) that only exercises this script's code paths
+LOWP = torch.bfloat16  # input dtype of q, k, v, beta (float32 in --dry-run: the CPU interpreter has no bf16)
 
 
 def make(B, T, H, D, seed=0):
     torch.manual_seed(seed)
-    dev = "cuda"
-    q = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
-    v = torch.randn(B, T, H, D, device=dev).bfloat16()
+    dev = DEV
+    q = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(LOWP)
+    k = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(LOWP)
+    v = torch.randn(B, T, H, D, device=dev).to(LOWP)
     A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
     dt_bias = torch.log(torch.expm1(torch.empty(H, D, device=dev).uniform_(1e-3, 0.1)))
     g = -A_log.exp()[:, None] * F.softplus(torch.randn(B, T, H, D, device=dev) * 0.5 + dt_bias)
-    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).bfloat16()
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev)).to(LOWP)
     h0 = torch.randn(B, H, D, D, device=dev) * 0.1
     return q, k, v, g, beta, h0
 
@@ -53,9 +74,10 @@ def flops_fwd(B, T, H, D, C=64):
 
 
 def set_backend(backend):
-    """'triton:token' / 'triton:chunk' pick how the Triton path computes the diagonal 16x16 blocks."""
+    """'triton:<variant>' sets triton_kda.CONFIG to that variant (VARIANTS) and returns 'triton'."""
     if backend.startswith("triton:"):
-        triton_kda.CONFIG["diag"] = backend.split(":")[1]
+        triton_kda.CONFIG.clear()
+        triton_kda.CONFIG.update(BASE_CONFIG, **VARIANTS[backend.split(":")[1]])
         return "triton"
     return backend
 
@@ -79,13 +101,20 @@ def runner(backend, args, need_grad):
     return fwd, fwdbwd, xs, do
 
 
-def outputs_and_grads(backend, args):
+def outputs_and_grads(backend, args, cu_seqlens=None, double=False, seed=123, **kw):
+    """o, final state and the gradients of every input (q, k, v, g, beta, h0, then any tensor in kw) for
+    fixed float32 cotangents (seeded), so that backends and dtypes see the same cotangents."""
     backend = set_backend(backend)
-    q, k, v, g, beta, h0 = args
-    xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    torch.manual_seed(123)
-    o, ht = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    names = [n for n in kw if torch.is_tensor(kw[n])]
+    xs = [x.detach().clone().requires_grad_() for x in list(args) + [kw[n] for n in names]]
+    if double:
+        xs = [x.detach().double().requires_grad_() for x in xs]
+    extra = dict(zip(names, xs[6:]))
+    o, ht = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu_seqlens,
+                      backend=backend, **{n: v for n, v in kw.items() if not torch.is_tensor(v)}, **extra)
+    gen = torch.Generator(device=o.device).manual_seed(seed)
+    do = torch.randn(o.shape, device=o.device, generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device=o.device, generator=gen).to(ht.dtype)
     torch.autograd.backward([o, ht], [do, dht])
     return [o, ht] + [x.grad for x in xs]
 
@@ -95,21 +124,81 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def check_vs_fla(args, shape, ours_backends):
+NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+def fmt_err(err):
+    return " ".join(f"{n}={e:.1e}" for n, e in err.items()) + f"  max={max(err.values()):.1e}"
+
+
+def check_vs_fla(args, shape, ours):
+    """Max abs error / max |fla| of o, final state and every gradient, for each of our variants."""
     try:
         theirs = outputs_and_grads("fla", args)
-    except Exception as e:  # report and keep timing
-        print(f"{shape} fla FAILED: {type(e).__name__}: {str(e)[:300]}")
-        return None
-    names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    for b in ours_backends:
-        ours = outputs_and_grads(b, args)
-        err = {n: rel_err(x, y) for n, x, y in zip(names, ours, theirs)}
-        print(f"{shape} {b} vs fla (max abs err / max |fla|): " + " ".join(f"{n}={e:.1e}" for n, e in err.items()))
-    return err
+    except Exception as e:  # report and keep going
+        print(f"{shape} fla FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {}
+    worst = {}
+    for b in ours:
+        try:
+            mine = outputs_and_grads(b, args)
+        except Exception as e:
+            print(f"{shape} {b}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        err = {n: rel_err(x, y) for n, x, y in zip(NAMES, mine, theirs)}
+        worst[b] = max(err.values())
+        print(f"{shape} {b} vs fla: {fmt_err(err)}", flush=True)
+        del mine
+    del theirs
+    return worst
+
+
+def make_gated(B, T, H, HV, D, seed=1):
+    """Varlen-style inputs with the gate in the kernel: raw g, A_log, dt_bias, beta logits, HV value heads."""
+    torch.manual_seed(seed)
+    dev = DEV
+    q = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(LOWP)
+    k = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(LOWP)
+    v = torch.randn(B, T, HV, D, device=dev).to(LOWP)
+    g = (torch.randn(B, T, HV, D, device=dev) * 0.5).float()
+    beta = torch.randn(B, T, HV, device=dev).to(LOWP)
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16))
+    dt_bias = torch.log(torch.expm1(torch.empty(HV * D, device=dev).uniform_(1e-3, 0.1)))
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def check_vs_reference(ours, have_fla, dense, gated):
+    """Numerics vs the float64 PyTorch reference at small shapes (max abs err / max |ref|): a dense
+    bf16 batch like the timed ones, and a varlen batch with the gate in the kernel, beta logits and
+    HV = 2H value heads."""
+    cases = [(f"dense {','.join(map(str, dense))}", make(*dense, seed=3), None, {})]
+    B, T, H, HV, D = gated
+    q, k, v, g, beta, A_log, dt_bias = make_gated(B, T, H, HV, D)
+    cuts = [0, T // 3, T // 3 + 64, T // 3 + 100, T]
+    cu = torch.tensor(cuts, device=DEV, dtype=torch.int32)
+    h0 = torch.randn(len(cuts) - 1, HV, D, D, device=DEV) * 0.1
+    cases.append((f"varlen+gate+logits {B},{T},{H},{HV},{D}", (q, k, v, g, beta, h0), cu,
+                  dict(A_log=A_log, dt_bias=dt_bias, beta_is_logits=True)))
+    for label, args, cu, kw in cases:
+        ref = outputs_and_grads("reference", args, cu_seqlens=cu, double=True, **kw)
+        names = NAMES + [n for n in kw if torch.is_tensor(kw[n])]
+        for b in ours + (["fla"] if have_fla else []):
+            try:
+                got = outputs_and_grads(b, args, cu_seqlens=None if cu is None else (cu.long() if b == "fla" else cu),
+                                        **kw)
+            except Exception as e:
+                print(f"[{label}] {b}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            err = {n: rel_err(x, y) for n, x, y in zip(names, got, ref)}
+            print(f"[{label}] {b} vs float64 reference: {fmt_err(err)}", flush=True)
+        del ref
 
 
 def bench(fn, fast=True):
+    if DRY:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     if fast:
         return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
     fn()  # slow path (our PyTorch reference): one warm-up call, median of 3 timed calls
@@ -124,6 +213,8 @@ def bench(fn, fast=True):
 
 
 def peak_mem(fn):
+    if DRY:
+        return 0.0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -134,6 +225,8 @@ def peak_mem(fn):
 
 def kernel_times(fn, label):
     """Per-kernel CUDA time of one call (torch.profiler), to say where the time goes."""
+    if DRY:
+        return
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -152,16 +245,23 @@ def sweep(shape):
     """Try launch variants on one shape; keep the fastest fwd+bwd in triton_kda.CONFIG."""
     args = make(*shape)
     base = dict(triton_kda.CONFIG)
-    variants = [
+    variants = [  # launch knobs of the default (dot) variant's kernels
         {},
-        dict(h_BV=32),
         dict(intra_warps=4),
-        dict(local_warps=4),
+        dict(intra_BK=16),
+        dict(intra2_warps=4),
         dict(local_BK2=32),
-        dict(intra_BK=32),
-        dict(o_warps=8, h_warps=8, dh_warps=8),
-        dict(save_h=False),
-        dict(diag="token"),
+        dict(local_BK2=32, intra2_warps=4),
+        dict(local_warps=4),
+        dict(dh_warps=4, dv_warps=4),
+        dict(fuse_wu=True),
+        dict(local_BK=64),
+        dict(h_BV=16),
+        dict(h_BV=32),
+        dict(h_split=False, h_warps=4),
+        dict(dh_split=True),
+        dict(dv_BV=32),
+        dict(wu_BK=32, wu_BV=32, wu_warps=4),
     ]
     best = (float("inf"), {})
     for var in variants:
@@ -174,30 +274,78 @@ def sweep(shape):
         except Exception as e:  # a variant that fails to compile must not stop the run
             print(f"  sweep {var}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
-        print(f"  sweep {var}: fwd {tf:.3f} ms  fwd+bwd {tb:.3f} ms")
+        print(f"  [{elapsed():.0f} s] sweep {var}: fwd {tf:.3f} ms  fwd+bwd {tb:.3f} ms", flush=True)
         if tb < best[0]:
             best = (tb, var)
     triton_kda.CONFIG.clear()
     triton_kda.CONFIG.update(base, **best[1])
+    BASE_CONFIG.update(best[1])  # the variants start from it
     print(f"  sweep best: {best[1]} -> CONFIG {triton_kda.CONFIG}")
+
+
+def elapsed():
+    return time.time() - T_START
+
+
+def print_table(shapes, ours, res):
+    print(f"\n[{elapsed():.0f} s] | B,T,H,D | ours | fwd ms | f+b ms | fla fwd | fla f+b | ours/fla f+b | "
+          "max err vs fla | TFLOP/s f+b | peak GiB ours/fla |", flush=True)
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for shape in shapes:
+        r = res[shape]
+        f = r.get("fla")
+        for b in ours:
+            t = r.get(b)
+            if not t:
+                continue
+            fl = 3 * flops_fwd(*shape)
+            e = r.get("err", {}).get(b)
+            print(f"| {','.join(map(str, shape))} | {b} | {t[0]:.2f} | {t[1]:.2f} | "
+                  f"{f[0] if f else float('nan'):.2f} | {f[1] if f else float('nan'):.2f} | "
+                  f"{t[1] / f[1] if f else t[1] / FLA_REF_MS.get(shape, float('nan')):.2f}{'' if f else ' (brief)'} | "
+                  f"{'n/a' if e is None else f'{e:.1e}'} | {fl / t[1] / 1e9:.0f} | "
+                  f"{t[2]:.2f}/{f[2] if f else float('nan'):.2f} |", flush=True)
+        if r.get("reference"):
+            c = r["reference"]
+            print(f"| {','.join(map(str, shape))} | reference | {c[0]:.1f} | {c[1]:.1f} | | | | | | {c[2]:.2f} |")
+
+
+def time_backend(backend, shape, args, profile):
+    fwd, fwdbwd, _, _ = runner(backend, args, True)
+    fast = backend != "reference"
+    t = (bench(fwd, fast), bench(fwdbwd, fast), peak_mem(fwdbwd))
+    fl = flops_fwd(*shape)
+    print(f"[{elapsed():.0f} s] {shape} {backend}: fwd {t[0]:.2f} ms, fwd+bwd {t[1]:.2f} ms "
+          f"({fl / t[0] / 1e9:.0f} / {3 * fl / t[1] / 1e9:.0f} TFLOP/s), peak fwd+bwd {t[2]:.2f} GiB", flush=True)
+    if profile:
+        try:
+            kernel_times(fwdbwd, f"{backend} fwd+bwd {shape}")
+        except Exception as e:
+            print(f"  profile failed: {type(e).__name__}: {str(e)[:200]}")
+    return t
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D ...")
-    p.add_argument("--no-ref", action="store_true", help="skip our PyTorch reference timings")
+    p.add_argument("--ours", default="dot,chunk,token", help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--no-ref", action="store_true", help="skip the float64 reference checks and reference timing")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--ref-fla", action="store_true",
+                   help="also check fla vs the float64 reference (its autotune runs again for those head counts)")
+    p.add_argument("--fla-shapes", type=int, default=99, help="run fla on the first N shapes only")
+    p.add_argument("--time-limit", type=float, default=240.0, help="start no fla/reference work after this many s")
     p.add_argument("--sweep", action="store_true", help="try launch variants on the first shape first")
-    p.add_argument("--profile", action="store_true", help="print per-kernel times")
-    p.add_argument("--fla-first", action="store_true",
-                   help="time fla before ours (its first call autotunes for minutes; with FLA_CACHE_RESULTS=1, "
-                        "the default, the choices land in the Triton cache and a later run reuses them)")
-    p.add_argument("--diag", choices=["chunk", "token", "both"], default="both",
-                   help="how our Triton path computes the diagonal 16x16 blocks (both: time each)")
+    p.add_argument("--profile", action="store_true", help="per-kernel times on the first shape")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: test this script")
     a = p.parse_args()
+    global DEV, DRY, LOWP
+    if a.dry_run:
+        DEV, DRY, LOWP = "cpu", True, torch.float32
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {torch.cuda.get_device_name()}  "
-          f"torch {torch.__version__}  triton {triton.__version__}")
+    ours = [f"triton:{v}" for v in a.ours.split(",")]
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {DEV if DRY else torch.cuda.get_device_name()}  "
+          f"torch {torch.__version__}  triton {triton.__version__}", flush=True)
     have_fla = False
     if not a.no_fla:
         try:
@@ -209,50 +357,43 @@ def main():
             print(f"# fla not importable: {e}")
     if a.sweep:
         sweep(shapes[0])
-    res = {shape: {"shape": shape} for shape in shapes}
-    # one pass per backend (ours first), so a time limit cuts the least important numbers
-    ours = [f"triton:{d}" for d in (["chunk", "token"] if a.diag == "both" else [a.diag])]
-    theirs = ["fla"] if have_fla else []
-    order = theirs + ours if a.fla_first else ours + theirs
-    for backend in order + ([] if a.no_ref else ["reference"]):
-        for shape in shapes:
-            r = res[shape]
-            args = make(*shape)
-            if backend == "fla":
-                r["err"] = check_vs_fla(args, shape, ours)
-            elif backend == "reference" and not any(r.get(b) for b in ours):
-                continue  # the reference is only timed for the ratio to ours
+    ref_small = ((1, 200, 2, 32), (1, 300, 1, 2, 32)) if DRY else ((2, 1024, 4, 128), (1, 3000, 2, 4, 128))
+    res = {shape: {} for shape in shapes}
+    for shape in shapes:  # (1) ours
+        args = make(*shape)
+        for b in ours:
             try:
-                fwd, fwdbwd, _, _ = runner(backend, args, True)
-                r[backend] = (bench(fwd, backend != "reference"), bench(fwdbwd, backend != "reference"), peak_mem(fwdbwd))
-                if a.profile and backend != "reference" and shape == shapes[0]:
-                    try:
-                        kernel_times(fwdbwd, f"{backend} fwd+bwd {shape}")
-                    except Exception as e:
-                        print(f"  profile failed: {type(e).__name__}: {str(e)[:200]}")
-            except Exception as e:  # out of memory, or a backend that fails: report and go on
-                r[backend] = None
-                print(f"{shape} {backend}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            t = r.get(backend)
-            if t:
-                fl = flops_fwd(*shape)
-                print(f"{shape} {backend}: fwd {t[0]:.2f} ms, fwd+bwd {t[1]:.2f} ms "
-                      f"({fl / t[0] / 1e9:.0f} / {3 * fl / t[1] / 1e9:.0f} TFLOP/s), peak fwd+bwd {t[2]:.2f} GiB",
-                      flush=True)
-            del args
+                res[shape][b] = time_backend(b, shape, args, a.profile and shape == shapes[0])
+            except Exception as e:  # out of memory, or a variant that fails: report and go on
+                print(f"{shape} {b}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del args
+        if not DRY:
             torch.cuda.empty_cache()
-    print("\n| B,T,H,D | ours | ours fwd | ours fwd+bwd | fla fwd | fla fwd+bwd | ours/fla (f+b) | ref fwd+bwd | "
-          "ref/ours | TFLOP/s ours f+b | peak GiB ours/fla |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for shape, b in [(s_, b) for s_ in shapes for b in ours if res[s_].get(b)]:
-        r = res[shape]
-        t, f, c = r[b], r.get("fla"), r.get("reference")
-        fl = 3 * flops_fwd(*r["shape"])
-        print(f"| {','.join(map(str, r['shape']))} | {b} | {t[0]:.2f} | {t[1]:.2f} | "
-              f"{f[0] if f else float('nan'):.2f} | {f[1] if f else float('nan'):.2f} | "
-              f"{t[1] / f[1] if f else float('nan'):.2f} | {c[1] if c else float('nan'):.1f} | "
-              f"{c[1] / t[1] if c else float('nan'):.0f} | {fl / t[1] / 1e9:.0f} | "
-              f"{t[2]:.2f}/{f[2] if f else float('nan'):.2f} |")
+    if not a.no_ref:  # (2) numerics vs float64
+        try:
+            check_vs_reference(ours, have_fla and a.ref_fla, *ref_small)
+        except Exception as e:
+            print(f"reference check FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for shape in shapes[: a.fla_shapes] if have_fla else []:  # (3) fla
+        if elapsed() > a.time_limit:
+            print(f"[{elapsed():.0f} s] time limit: fla skipped from {shape} on", flush=True)
+            break
+        args = make(*shape)
+        res[shape]["err"] = check_vs_fla(args, shape, ours)
+        try:
+            res[shape]["fla"] = time_backend("fla", shape, args, a.profile and shape == shapes[0])
+        except Exception as e:
+            print(f"{shape} fla: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del args
+        if not DRY:
+            torch.cuda.empty_cache()
+        print_table(shapes, ours, res)
+    if not a.no_ref and elapsed() < a.time_limit:  # (4) our PyTorch reference, first shape
+        try:
+            res[shapes[0]]["reference"] = time_backend("reference", shapes[0], make(*shapes[0]), False)
+        except Exception as e:
+            print(f"{shapes[0]} reference: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print_table(shapes, ours, res)
 
 
 if __name__ == "__main__":

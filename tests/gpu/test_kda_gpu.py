@@ -43,22 +43,27 @@ def inputs(B, T, H, HV, D, dtype, N):
     return [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
 
 
-@pytest.mark.parametrize(
-    "B, T, H, HV, D, dtype, cu",
-    [
-        (2, 1000, 4, 4, 128, torch.bfloat16, None),
-        (1, 777, 2, 4, 64, torch.float32, [0, 100, 164, 600, 777]),
-        (1, 2048, 8, 8, 128, torch.float32, None),
-    ],
-)
-@pytest.mark.parametrize("diag", ["chunk", "token"])
-def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, diag, monkeypatch):
+CASES = [  # B, T, H, HV, D, dtype, cu, decay multiplier (20: in-block decay ranges above diag_max)
+    (2, 1000, 4, 4, 128, torch.bfloat16, None, 1.0),
+    (1, 777, 2, 4, 64, torch.float32, [0, 100, 164, 600, 777], 1.0),
+    (1, 2048, 2, 2, 128, torch.float32, None, 1.0),
+    (1, 1000, 2, 2, 128, torch.bfloat16, None, 20.0),
+]
+
+
+@pytest.mark.parametrize("B, T, H, HV, D, dtype, cu, decay", CASES)
+@pytest.mark.parametrize("diag", ["dot", "chunk", "token"])
+def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, decay, diag, monkeypatch):
+    """diag: "dot" (default: diagonal blocks by dots where the in-block decay allows, else elementwise),
+    "chunk" (always elementwise; same compiled kernels as "dot"), "token" (token-parallel kernels)."""
     from moeadapt.ops.kda import triton_kda
 
     monkeypatch.setitem(triton_kda.CONFIG, "diag", diag)
     cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
     N = B if cu is None else cu.numel() - 1
     args = inputs(B, T, H, HV, D, dtype, N)
+    with torch.no_grad():
+        args[3].mul_(decay)
     outs = {}
     # one set of float32 cotangents shared by both backends (randn_like in bf16 and float64 would differ)
     do32 = torch.randn(B, T, HV, D, device="cuda")
@@ -75,5 +80,6 @@ def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, diag, monkeypa
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # a wrong term gives O(1)
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errs = {n: rel(a, b) for n, a, b in zip(names, outs["triton"], outs["reference"])}
-    print(errs)
+    print(f"\nKDA {diag} B={B} T={T} H={H} HV={HV} D={D} {dtype} cu={cu is not None} decay x{decay}: "
+          + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
     assert all(e < tol for e in errs.values()), errs

@@ -196,7 +196,9 @@ TRITON_CASES = [  # B, T, H, HV, K, V, cu_seqlens, fused
 
 @needs_triton
 @pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_matches_reference(seed, case, diag="chunk", decay=1.0):
+def test_triton_matches_reference(seed, case, diag="dot", decay=1.0, g_scale=None):
+    """diag="dot" (the default path: diagonal blocks by dots where the in-block decay allows, else
+    elementwise), "chunk" (always elementwise) or "token" (token-parallel kernels)."""
     B, T, H, HV, K, V, cu, fused = case
     from moeadapt.ops.kda import triton_kda
 
@@ -205,6 +207,8 @@ def test_triton_matches_reference(seed, case, diag="chunk", decay=1.0):
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     N = B if cu is None else cu.numel() - 1
     inp = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, fused=fused, N=N, decay=decay)
+    if g_scale is not None:  # per-token, per-channel decay multipliers
+        inp["g"] = (inp["g"].detach() * g_scale).requires_grad_()
     inp = {n: x.detach().to(dev).requires_grad_() for n, x in inp.items()}
     kw = dict(use_qk_l2norm=True, beta_is_logits=True) if fused else {}
     try:
@@ -247,3 +251,47 @@ def test_triton_strong_decay_and_no_final_state(seed):
 def test_triton_token_parallel_diag(seed, case, decay):
     """The token-parallel kernels for the diagonal 16x16 blocks (CONFIG["diag"] = "token")."""
     test_triton_matches_reference(seed, case, diag="token", decay=decay)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "case, decay",
+    [((2, 70, 2, 2, 16, 16, None, False), 1.0), ((1, 100, 1, 1, 32, 16, [0, 64, 65, 100], True), 1.0),
+     ((1, 36, 2, 2, 16, 16, None, False), 30.0)],
+)
+def test_triton_chunk_diag(seed, case, decay):
+    """The always-elementwise diagonal blocks (CONFIG["diag"] = "chunk", the fallback of "dot")."""
+    test_triton_matches_reference(seed, case, diag="chunk", decay=decay)
+
+
+@needs_triton
+def test_triton_dot_diag_mixed_decay(seed):
+    """diag="dot" with weak decay on some channels / chunks and strong on others, so that K-blocks and
+    chunks take the dot path and the elementwise fallback in one call (K=64: two forward K-blocks)."""
+    T, K = 150, 64
+    scale = torch.ones(1, T, 1, K, dtype=torch.float32)
+    scale[:, :, :, K // 2:] = 40.0  # second half of the channels: sub-chunk ranges far above diag_max
+    scale[:, 64:128] = 1.0  # the second chunk: weak everywhere
+    test_triton_matches_reference(seed, (1, T, 1, 1, K, 16, None, False), diag="dot", decay=1.0, g_scale=scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [TRITON_CASES[1], TRITON_CASES[4]])
+def test_triton_fused_wu(seed, case, monkeypatch):
+    """w / u inside _fwd_intra (CONFIG["fuse_wu"] = True) instead of the separate _fwd_wu kernel."""
+    from moeadapt.ops.kda import triton_kda
+
+    monkeypatch.setitem(triton_kda.CONFIG, "fuse_wu", True)
+    test_triton_matches_reference(seed, case)
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_k128(seed, split, monkeypatch):
+    """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, decay ranges on both sides of
+    diag_max; the state recurrences with K whole or as two 64-row blocks."""
+    from moeadapt.ops.kda import triton_kda
+
+    monkeypatch.setitem(triton_kda.CONFIG, "h_split", split)
+    monkeypatch.setitem(triton_kda.CONFIG, "dh_split", split)
+    test_triton_matches_reference(seed, (1, 150, 1, 2, 128, 64, [0, 20, 150], True), diag="dot", decay=8.0)

@@ -45,11 +45,16 @@ def _diag_fwd(q3, k3, G3, NS: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _fwd_intra(
-    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias, dmax,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
+    DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
 ):
+    """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those).
+    With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
+    reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
+    for dmax < 80); otherwise (or with dmax < 0) their sums were computed elementwise by `_fwd_diag_chunk`
+    (kept out of this kernel for its register count) and are read back from the Ti / Aqk buffers."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -66,9 +71,8 @@ def _fwd_intra(
     b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
     ii = tl.arange(0, BC)
+    fb = tl.full([], 0, tl.int32)  # some K-block's diagonal blocks came from _fwd_diag_chunk
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -78,35 +82,42 @@ def _fwd_intra(
         b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
         G3 = tl.reshape(b_G, (NS, BC, BK))
-        if DIAG_IN_KERNEL:  # diagonal sub-chunks, elementwise
-            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
-            d_kk += dkk
-            d_qk += dqk
-        # off-diagonal: reference r_a = G at the first row of row sub-chunk a
+        # reference r_a = G at the first row of row sub-chunk a
         r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
         r_row = tl.reshape(tl.broadcast_to(r_first[:, None, :], (NS, BC, BK)), (BT, BK))
         e_row = tl.exp(b_G - r_row)
         kr = b_k * e_row
         qr = b_q * e_row
-        for a in tl.static_range(1, NS):
-            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-            cm = (rows < a * BC)[:, None]
-            colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
-            sel = (blk == a)[:, None]
-            b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=PREC)
-            b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=PREC)
+        ext = 0
+        if DIAG_IN_KERNEL:  # dots also cover sub-chunk a's own columns when its decay range is <= dmax
+            r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+            safe = tl.max(tl.max(r_first - r_last, axis=1), axis=0) <= dmax
+            ext = tl.where(safe, BC, 0)
+        for a in tl.static_range(0, NS):
+            if a > 0 or DIAG_IN_KERNEL:
+                r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+                cm = (rows < a * BC + ext)[:, None]
+                colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
+                sel = (blk == a)[:, None]
+                b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
+                b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
+        if DIAG_IN_KERNEL:
+            fb = tl.maximum(fb, (ext == 0).to(tl.int32))
     o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-    if DIAG_IN_KERNEL:
-        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-        b_Akk += tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT))
-        b_Aqk += tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT))
-        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0) * b_beta[:, None]
+    dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
+    if DIAG_IN_KERNEL:  # (entries j > i of the diagonal blocks hold bounded garbage: masked here)
         b_Aqk = tl.where(rows[:, None] >= rows[None, :], b_Aqk, 0.0)
+        if fb > 0:  # diagonal-block sums of the K-blocks over dmax, from _fwd_diag_chunk
+            b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
+        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0)
+        if fb > 0:  # (Akk without beta)
+            b_Akk += tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
+        b_Akk = b_Akk * b_beta[:, None]
     else:  # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
-        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
         b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
         b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
-    tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
     # Ti = (I + Akk)^-1: block-diagonal part by (I-N)(I+N^2)(I+N^4)(I+N^8) (N^16 = 0 in a
     # 16-block), then the block-lower part by (I+E)^-1 = (I-E)(I+E^2) with E = Xd Lo.
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -123,6 +134,16 @@ def _fwd_intra(
     E2 = tl.dot(Em, Em, input_precision=PREC)
     b_Ti = tl.dot(tl.dot(eye - Em, eye + E2, input_precision=PREC), X, input_precision=PREC)
     tl.store(Ti + o_A, b_Ti, mask=rmask[:, None])
+    if FUSE_WU:
+        _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
+            H, HV, K, V, BT, BK, BV, PREC, USE_GATE)
+
+
+@triton.jit
+def _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
+        H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """w = Ti (beta k e^G), u = Ti (beta v), k e^(gam-G), q e^G and gam for one (chunk, head)."""
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -146,12 +167,104 @@ def _fwd_intra(
 
 
 @triton.jit
+def _fwd_wu(
+    g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """Per (chunk, head, block), after `_fwd_intra` with FUSE_WU=False, Ti read back: blocks 0..K/BK-1
+    give w = Ti (beta k e^G), k e^(gam-G), q e^G and gam on BK channels; the next V/BV give u = Ti (beta v)."""
+    i_c, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    tok = t0 + rows
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
+    b_Ti = tl.load(Ti + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
+    if i_b < K // BK:
+        ck = i_b * BK + tl.arange(0, BK)
+        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+        eG = tl.exp(b_G)
+        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
+        tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
+        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
+        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
+        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+    else:
+        cv = (i_b - K // BK) * BV + tl.arange(0, BV)
+        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _fwd_diag_chunk(
+    g, q, k, Aqk, Ti, cu, cidx, A_log, dt_bias, dmax,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+):
+    """Per (chunk, head), before `_fwd_intra`: for the K-blocks where some sub-chunk's decay range exceeds
+    dmax (the same test, on the same BK blocks, as `_fwd_intra`), the diagonal 16x16 blocks elementwise
+    (every exponent <= 0); their sum goes to the diagonal blocks of Ti (Akk, no beta) and Aqk, written
+    only when at least one K-block needed it."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    NS: tl.constexpr = BT // BC
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    rows = tl.arange(0, BT)
+    rmask = rows < eos - t0
+    blk = rows // BC
+    tok = t0 + rows
+    ii = tl.arange(0, BC)
+    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
+    fb = tl.full([], 0, tl.int32)
+    for kb in range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+        G3 = tl.reshape(b_G, (NS, BC, BK))
+        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)
+        r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
+        if tl.max(tl.max(r_first - r_last, axis=1), axis=0) > dmax:
+            o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+            b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+            b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
+            d_kk += dkk
+            d_qk += dqk
+            fb = tl.maximum(fb, 1)
+    if fb > 0:
+        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
+        o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
+        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
+        tl.store(Ti + o_A, tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
+        tl.store(Aqk + o_A, tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
+
+
+@triton.jit
 def _fwd_h(
     kd, w, u, gl, h, vn, h0, ht, cu, coff,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
+    """Per (V-block, sequence and head): the state recurrence over chunks, storing the state entering each
+    chunk (h) and d = u - w S (vn). The state is kept as K/KH (1 or 2) row blocks of KH rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
@@ -159,38 +272,56 @@ def _fwd_h(
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
-    ck = tl.arange(0, K)
+    TWO: tl.constexpr = K // KH == 2
+    c1 = tl.arange(0, KH)
+    c2 = KH + tl.arange(0, KH)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    o_s = ck[:, None] * V + cv[None, :]
+    o_s1 = c1[:, None] * V + cv[None, :]
+    o_s2 = c2[:, None] * V + cv[None, :]
     DT = w.dtype.element_ty
+    b_S1 = tl.zeros([KH, BV], dtype=tl.float32)
+    b_S2 = tl.zeros([KH, BV], dtype=tl.float32)
     if HAS_H0:
-        b_S = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s).to(tl.float32)
-    else:
-        b_S = tl.zeros([K, BV], dtype=tl.float32)
+        b_S1 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
+        if TWO:
+            b_S2 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
     for it in range(0, NT):
         t0 = bos + it * BT
         L = tl.minimum(eos - t0, BT)
         rmask = rows < L
         tok = t0 + rows
-        tl.store(h + ((c0 + it) * HV + i_hv) * K * V + o_s, b_S.to(h.dtype.element_ty))
-        o_k = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+        o_hc = ((c0 + it) * HV + i_hv) * K * V
+        tl.store(h + o_hc + o_s1, b_S1.to(h.dtype.element_ty))
+        if TWO:
+            tl.store(h + o_hc + o_s2, b_S2.to(h.dtype.element_ty))
+        o_k = tok[:, None] * (HV * K) + i_hv * K
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        b_w = tl.load(w + o_k, mask=rmask[:, None], other=0.0)
+        o_gl = ((c0 + it) * HV + i_hv) * K
         b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_d = tl.dot(-b_w, b_S.to(DT), b_d, input_precision=PREC)
+        b_d = tl.dot(tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0), (-b_S1).to(DT), b_d,
+                     input_precision=PREC)
+        if TWO:
+            b_d = tl.dot(tl.load(w + o_k + c2[None, :], mask=rmask[:, None], other=0.0), (-b_S2).to(DT), b_d,
+                         input_precision=PREC)
         tl.store(vn + o_v, b_d.to(vn.dtype.element_ty), mask=rmask[:, None])
-        gam = tl.load(gl + ((c0 + it) * HV + i_hv) * K + ck)
-        b_kd = tl.load(kd + o_k, mask=rmask[:, None], other=0.0)
-        b_S = tl.dot(tl.trans(b_kd), b_d.to(DT), b_S * tl.exp(gam)[:, None], input_precision=PREC)
+        b_dc = b_d.to(DT)
+        b_kd = tl.load(kd + o_k + c1[None, :], mask=rmask[:, None], other=0.0)
+        b_S1 = tl.dot(tl.trans(b_kd), b_dc, b_S1 * tl.exp(tl.load(gl + o_gl + c1))[:, None], input_precision=PREC)
+        if TWO:
+            b_kd = tl.load(kd + o_k + c2[None, :], mask=rmask[:, None], other=0.0)
+            b_S2 = tl.dot(tl.trans(b_kd), b_dc, b_S2 * tl.exp(tl.load(gl + o_gl + c2))[:, None],
+                          input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s, b_S)
+        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s1, b_S1)
+        if TWO:
+            tl.store(ht + (i_n * HV + i_hv) * K * V + o_s2, b_S2)
 
 
 @triton.jit
 def _fwd_o(
     qg, h, vn, Aqk, o, cu, cidx, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -216,7 +347,7 @@ def _fwd_o(
 
 @triton.jit
 def _fwd_gcum(
-    g, Gc, cu, cidx, A_log, dt_bias, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
+    g, Gc, cu, cidx, A_log, dt_bias, HV, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
 ):
     """G = in-chunk cumulative sum of g (float32), per (chunk, head)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -253,7 +384,7 @@ def _tok_setup(cu, cidx, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _fwd_diag(
     q, k, Gc, beta, Aqk, Akk, cu, cidx,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
 ):
     """Token-parallel diagonal sub-chunk entries of row t: Aqk[t, j] = sum_c q_t k_j e^(G_t - G_j)
     (j <= t) and Akk[t, j] = beta_t sum_c k_t k_j e^(G_t - G_j) (j < t), j in t's sub-chunk."""

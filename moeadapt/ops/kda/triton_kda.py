@@ -6,16 +6,24 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
   Ti = (I + Akk)^-1,  w = Ti (beta k e^G),  u = Ti (beta v)
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
-Every exponent taken is <= 0: diagonal BCxBC blocks form e^(G_i-G_j) elementwise; off-
-diagonal blocks split it at a reference row between i and j.
+Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
+<= 1) and use tensor-core dots. Diagonal blocks (CONFIG["diag"]):
+  "dot" (default): per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is
+    <= CONFIG["diag_max"] (60), the same dots with r = the sub-chunk's first row (forward, backward row
+    side) or last row (backward column side): one factor is then >= 1 but <= e^60, no overflow, and the
+    entries above the diagonal (bounded garbage or zero dA) are masked. K-blocks over the bound take the
+    elementwise path (every exponent <= 0) in `_fwd_diag_chunk` / `_bwd_diag_chunk`, which test the same
+    condition, skip the other blocks, and hand their sums to `_fwd_intra` / `_bwd_intra`.
+  "chunk": that elementwise path for every K-block (same compiled kernels, diag_max = -1).
+  "token": token-parallel `_fwd_diag` / `_bwd_diag` on a stored in-chunk cumsum (`_fwd_gcum`).
 
-Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk,
-Ti, w, u, k e^(gam-G), q e^G), `_fwd_h` (per sequence and V-block: the state recurrence, storing the
-state entering each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per
-chunk and dd), `_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra`
-(intra-chunk pair terms, dg = reverse cumsum). With CONFIG["diag"] = "token" the diagonal 16x16 blocks
-come from the token-parallel `_fwd_diag` / `_bwd_diag` (on a stored in-chunk cumsum from `_fwd_gcum`)
-instead of the per-chunk kernels. The gate (A_log, dt_bias) is fused wherever g is read.
+Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
+`_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; inside `_fwd_intra` with
+CONFIG["fuse_wu"]), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
+each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per chunk and dd),
+`_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra` (intra-chunk pair
+terms, dg = reverse cumsum). The gate (A_log, dt_bias) is fused wherever g is read.
+`benchmarks/kda_sm90_resources.py` compiles them for sm_90 without a GPU and prints registers / spills.
 Sequences are always handled in varlen form (dense batches become B sequences of T).
 """
 
@@ -26,17 +34,28 @@ import functools
 import torch
 import triton
 
-from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o
+from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_diag_chunk, _bwd_dv, _bwd_intra, _bwd_wy
+from .triton_fwd import _fwd_diag, _fwd_diag_chunk, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 
 BT = 64
 BC = 16
 # Launch parameters (the benchmark may override them to compare variants).
 CONFIG = dict(
-    intra_BK=32, intra_warps=8, h_BV=32, h_warps=4, o_BV=64, o_warps=4, dh_warps=8,
-    dv_warps=8, dv_BV=32, local_BK=64, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
+    intra_BK=32, intra_warps=8, h_BV="auto", h_warps=8, o_BV=64, o_warps=8, dh_warps=8,
+    dv_warps=8, dv_BV=16, local_BK=32, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
-    diag="token",  # diagonal 16x16 blocks: "chunk" (inside the per-chunk kernels) or "token" (token-parallel)
+    # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
+    # decay range is <= diag_max, else elementwise), "chunk" (inside, always elementwise: the old path),
+    # or "token" (token-parallel kernels)
+    diag="dot", diag_max=60.0,
+    # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
+    # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
+    dot_prec="tf32",
+    # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
+    # has no spill; _bwd_dh spills more split than whole)
+    h_split=True, dh_split=False,
+    stages=3, fp32_stages=1,  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
+    fuse_wu=False, wu_warps=8, wu_BK=64, wu_BV=64,  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
     BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
 )
 
@@ -70,18 +89,24 @@ def _cfg(K, V, dtype, HV=16):
     if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
         raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
     c = dict(CONFIG)
-    for key in ("h_BV", "o_BV", "local_BV", "dv_BV"):
+    for key in ("o_BV", "local_BV", "dv_BV"):
         c[key] = min(c[key], V)
     c["local_BK"] = min(c["local_BK"], K)
     c["intra_BK"] = min(c["intra_BK"], K)
+    c["wu_BK"] = min(c["wu_BK"], K)
+    c["KH"] = K // 2 if c["h_split"] and K > 64 else K
+    c["KHB"] = K // 2 if c["dh_split"] and K > 64 else K
+    c["wu_BV"] = min(c["wu_BV"], V)
     c["local_BK2"] = min(c["local_BK2"], K)
     c["local_BV"] = min(c["local_BV"], V)
     c["BV"] = c["local_BV"]
     c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
-    # fp32 tiles are twice the bytes: Triton's default 3-stage pipelining of the [64, 128] loads needs
-    # ~280 KB of shared memory in _bwd_dh (H200 run, 2026-11-29), over sm_90's 227 KB; fp32 is the
-    # checking path, not the fast one, so it runs unpipelined.
-    c["stages"] = 1 if dtype == torch.float32 and max(K, V) > 64 else 3
+    c["DPREC"] = "ieee" if dtype == torch.float32 else c["dot_prec"]
+    # float32 tiles pipelined 3 deep overflow sm_90 shared memory (_bwd_dh needs 278528 B > 232448 at K=V=128)
+    c["stages"] = c["fp32_stages"] if dtype == torch.float32 else c["stages"]
+    if c["diag"] not in ("dot", "chunk", "token"):
+        raise ValueError(f"CONFIG['diag'] must be 'dot', 'chunk' or 'token', got {c['diag']!r}.")
+    c["dmax"] = float(c["diag_max"]) if c["diag"] == "dot" else -1.0
     c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
     return c
 
@@ -106,24 +131,35 @@ class ChunkKDAFunction(torch.autograd.Function):
         w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
         u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
         gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
-        in_kernel = cfg["diag"] == "chunk"
+        in_kernel = cfg["diag"] != "token"
         if not in_kernel:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, Aqk, Ti, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"], num_stages=cfg["stages"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
             )
             del Gc
+        else:  # diagonal blocks of the K-blocks that cannot take the dot path in _fwd_intra
+            _fwd_diag_chunk[(NC, HV)](
+                g, q, k, Aqk, Ti, cu, cidx, A32, b32, cfg["dmax"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+            )
         _fwd_intra[(NC, HV)](
-            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra_warps"], num_stages=cfg["stages"],
+            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
         )
+        if not cfg["fuse_wu"]:
+            _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
+                g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+                num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
+            )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
             qg, h, vn, Aqk, o, cu, cidx, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_warps=cfg["o_warps"], num_stages=cfg["stages"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["o_warps"],
         )
         keep = cfg["save_h"]
         ctx.save_for_backward(
@@ -151,10 +187,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh = torch.empty_like(h)
         dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-        _bwd_dh[(triton.cdiv(V, cfg["h_BV"]), N * HV)](
+        BVh = _state_bv(cfg, N * HV, V, dev)
+        _bwd_dh[(triton.cdiv(V, BVh), N * HV)](
             qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
-            cu, coff, scale, H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["h_BV"], PREC=cfg["PREC"],
-            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_warps=cfg["dh_warps"], num_stages=cfg["stages"],
+            cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=BVh, PREC=cfg["PREC"],
+            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
         )
         dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
         dk = torch.empty_like(dq)
@@ -166,31 +203,36 @@ class ChunkKDAFunction(torch.autograd.Function):
         BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
         db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
         db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
-        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+        in_kernel = cfg["diag"] != "token"
+        db2 = (torch.zeros if in_kernel else torch.empty)(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
         _bwd_dv[(NC, HV)](
             v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
-            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_warps=cfg["dv_warps"], num_stages=cfg["stages"],
+            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
         )
         _bwd_wy[(NC, HV, K // BK)](
             q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-            num_warps=cfg["local_warps"], num_stages=cfg["stages"],
+            num_stages=cfg["stages"], num_warps=cfg["local_warps"],
         )
-        in_kernel = cfg["diag"] == "chunk"
-        if not in_kernel:
+        if in_kernel:  # diagonal blocks of the K-blocks that cannot take the dot path in _bwd_intra
+            _bwd_diag_chunk[(NC, HV, K // BK2)](
+                q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, cfg["dmax"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
+            )
+        else:
             Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
             db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
             _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
                 q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_warps=cfg["diag_warps"], num_stages=cfg["stages"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
             )
             del Gc
             db0 += db3
         dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
         _bwd_intra[(NC, HV, K // BK2)](
-            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_warps=cfg["intra2_warps"], num_stages=cfg["stages"],
+            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, cfg["dmax"],
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
         )
         dA_log = ddt = None
         if gate:
@@ -209,6 +251,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
 
 
+def _state_bv(cfg, NH, V, device):
+    """V-block of the state recurrences (one program per sequence, head and V-block, looping over chunks):
+    cfg["h_BV"], or with "auto" 16 when 32-wide blocks would leave SMs idle (fewer programs than SMs), else
+    32 (narrower blocks re-read w / kd / qg once more per block)."""
+    bv = cfg["h_BV"]
+    if bv == "auto":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        bv = 16 if NH * triton.cdiv(V, 32) < sms else 32
+    return min(bv, V)
+
+
 def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
     Gc = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     _fwd_gcum[(NC, HV)](g, Gc, cu, cidx, A32, b32, HV=HV, K=K, BT=BT, USE_GATE=gate, num_warps=4)
@@ -217,14 +270,14 @@ def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
 
 def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state):
     dev = kd.device
-    BV = cfg["h_BV"]
+    BV = _state_bv(cfg, N * HV, V, dev)
     h = torch.empty(NC, HV, K, V, device=dev, dtype=kd.dtype)
     vn = torch.empty(u.shape, device=dev, dtype=u.dtype)
     ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     _fwd_h[(triton.cdiv(V, BV), N * HV)](
         kd, w, u, gl, h, vn, h0 if h0 is not None else vn, ht if ht is not None else vn, cu, coff,
-        HV=HV, K=K, V=V, BT=BT, BV=BV, PREC=cfg["PREC"],
-        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_warps=cfg["h_warps"], num_stages=cfg["stages"],
+        HV=HV, K=K, V=V, KH=cfg["KH"], BT=BT, BV=BV, PREC=cfg["PREC"],
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, num_stages=cfg["stages"], num_warps=cfg["h_warps"],
     )
     return h, vn, ht
 
