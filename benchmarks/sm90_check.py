@@ -150,13 +150,15 @@ def run_kda(a):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("op", choices=["kda", "pytest"])
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="with op=pytest: the pytest arguments")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--diag", default=None)
-    a = p.parse_args()
+    a, rest = p.parse_known_args()
+    a.pytest_args = rest  # op=pytest: everything else goes to pytest
+    if rest and a.op != "pytest":
+        p.error(f"unrecognised arguments: {rest}")
     if a.diag:
         from moeadapt.ops.kda import triton_kda
 
