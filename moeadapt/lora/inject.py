@@ -82,3 +82,16 @@ def merge_lora(model: nn.Module) -> int:
             plain.weight, plain.backend = m.weight, m.backend
         setattr(parent, child, plain)
     return len(mods)
+
+
+@torch.no_grad()
+def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every frozen parameter to `dtype` (the BF16 backbone of a LoRA run), adapters untouched.
+
+    Grouped LoRA layers keep their base weight a view of the fused [W | B] buffer (no second copy)."""
+    for m in model.modules():
+        if isinstance(m, GroupedLoRALinear) and not m.weight.requires_grad:
+            m.cast_base_(dtype)
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)

@@ -90,12 +90,32 @@ class GroupedLoRALinear(GroupedLinear):
         self._attach_cat()  # .to() / .cuda() / to_empty() gave the weight fresh storage
         return out
 
+    @torch.no_grad()
+    def cast_base_(self, dtype: torch.dtype) -> None:
+        """Cast the frozen base weight to `dtype` keeping it a view of a (new) [W | B] buffer.
+
+        Use this, not `weight.data = weight.data.to(dtype)`: that leaves the old buffer behind
+        (until the next forward drops it) and the fused path off."""
+        w = self.weight
+        if w.dtype == dtype:
+            return
+        data = w.data.to(dtype)
+        self._wcat = None
+        w.data = data
+        self._attach_cat()
+
     def cat_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The concatenated buffer when `weight` is still its view in `dtype`, else None."""
+        """The concatenated buffer when `weight` is still its view in `dtype`, else None.
+
+        A buffer the weight no longer aliases (someone replaced `weight.data`: a dtype cast, FSDP's
+        sharding) is released here, so it cannot hold a second copy of the base weights."""
         wc = self._wcat
-        if wc is None or wc.dtype != dtype or not aliases_cat(self.weight.transpose(1, 2), wc):
+        if wc is None:
             return None
-        return wc
+        if not aliases_cat(self.weight.transpose(1, 2), wc):
+            self._wcat = None
+            return None
+        return wc if wc.dtype == dtype else None
 
     def reset_lora(self) -> None:
         bound = 1.0 / math.sqrt(self.in_features)

@@ -54,7 +54,7 @@ class LiveBytes(TorchDispatchMode):
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,
                  device: str = "cpu", seed: int = 0) -> dict:
     """One forward + backward + AdamW step of a fresh model; returns measured peak bytes and the split."""
-    from ..lora import inject_lora
+    from ..lora import cast_frozen_, inject_lora
     from ..models.model import build_model, materialize
     from ..parallel.activation import apply_activation_checkpointing
 
@@ -65,9 +65,7 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str
     if lora is not None:
         inject_lora(model, lora)
         if device == "cuda":
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
+            cast_frozen_(model, torch.bfloat16)
     if recompute != "none":
         apply_activation_checkpointing(model, recompute)
     model.train()

@@ -24,7 +24,7 @@ from ..config import RunConfig
 from ..data.dataset import Sampler, build_datasets
 from ..data.tokenizer import get_tokenizer
 from ..io import atomic_write_text, load_state_into, load_tensors, save_model_dir
-from ..lora import export_peft, inject_lora
+from ..lora import cast_frozen_, export_peft, inject_lora
 from ..models.model import HybridMoEModel, build_model, materialize
 from ..models.router import update_expert_bias
 from ..models.stats import count_parameters
@@ -82,9 +82,7 @@ def prepare_model(cfg: RunConfig, device: torch.device) -> HybridMoEModel:
     if cfg.lora is not None:
         inject_lora(model, cfg.lora)
         if device.type == "cuda":  # frozen BF16 backbone, fp32 adapters
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
+            cast_frozen_(model, torch.bfloat16)
     model.set_backend(cfg.train.kernel_backend)
     return model
 

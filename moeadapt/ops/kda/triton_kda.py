@@ -46,8 +46,9 @@ CONFIG = dict(
     save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
     # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
     # decay range is <= diag_max, else elementwise), "chunk" (inside, always elementwise: the old path),
-    # or "token" (token-parallel kernels)
-    diag="dot", diag_max=60.0,
+    # or "token" (token-parallel kernels). H200, 2026-11-29 (RESULTS.md "## KDA", call 4): fwd+bwd of
+    # 1,16384,16,128 token 7.70 ms, dot 8.52 ms, chunk 14.3 ms; token is faster on all four bench shapes
+    diag="token", diag_max=60.0,
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec="tf32",
