@@ -35,6 +35,7 @@ class Tagged(A.LiveBytes):
                 weakref.finalize(st, self._free, key, n)
                 if self.target is not None and self.snap is None and self.live == self.target:
                     self.snap = {k: self.tags[k] for k in self._seen}
+                    self.snap_op = (str(func), STACK[-1], tuple(t.shape))
         return out
 
 def _scope(mod, name):
@@ -50,8 +51,8 @@ for _n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_ro
 for _n in ("permute", "unpermute", "grouped_mm"): _scope(_M, _n)
 _scope(_L, "grouped_lora")
 
-def run(spec, seq, mb, rc, rank):
-    lora = LoRASpec(rank=rank) if rank else None
+def run(spec, seq, mb, rc, rank, targets=None):
+    lora = (LoRASpec(rank=rank, targets=targets) if targets else LoRASpec(rank=rank)) if rank else None
     orig = A.LiveBytes
     # hook module stack
     from torch import nn
@@ -112,22 +113,23 @@ def run(spec, seq, mb, rc, rank):
     snap = t.snap
     by_mod = collections.Counter(); by_op = collections.defaultdict(collections.Counter)
     for k, (n, mod, op, shape, ge) in snap.items():
-        by_mod[mod] += n; by_op[mod][(op, shape)] += n
-    print(f"  live-at-peak (excluding params/opt state) {sum(by_mod.values())/1e6:.3f} MB")
+        by_mod[mod] += n; by_op[mod][(op, shape, "fwd" if ge else "bwd")] += n
+    print(f"  live-at-peak (excluding params/opt state) {sum(by_mod.values())/1e6:.3f} MB, reached by", t.snap_op)
+    print(f"    created under grad mode (forward / recompute) {sum(v[0] for v in snap.values() if v[4])/1e6:.3f} MB,"
+          f" in backward {sum(v[0] for v in snap.values() if not v[4])/1e6:.3f} MB")
     for mod, n in sorted(by_mod.items()):
         print(f"  {mod:40s} {n/1e6:8.3f}")
         if "-v" in sys.argv:
-            for (op, shape), b in by_op[mod].most_common():
-                print(f"       {b/1e3:9.1f} kB  {op} {shape}")
+            for (op, shape, ph), b in by_op[mod].most_common():
+                print(f"       {b/1e3:9.1f} kB  {ph} {op} {shape}")
 
 if __name__ == "__main__":
     name, seq, mb, rc, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-    if name == "gqa":
-        sys.path.insert(0, "tests/plan"); from test_accuracy import SPEC
-        spec = SPEC.model_copy(update=dict(layer_types=["gqa"] * 4, gqa_n_kv_heads=1, gqa_head_dim=8, n_heads=4, latent_dim=None))
-        spec = type(SPEC)(**spec.model_dump())
+    targets = None
+    if name == "gqa":  # the test's gqa model and its LoRA targets (q/k/v/o + experts)
+        sys.path.insert(0, "tests/plan"); from test_accuracy import GQA as spec, GQA_LORA as targets
     elif name == "micro":
         sys.path.insert(0, "tests/plan"); from test_accuracy import SPEC as spec
     else:
         spec = get_preset(name)
-    run(spec, seq, mb, rc, rank)
+    run(spec, seq, mb, rc, rank, targets)

@@ -17,7 +17,8 @@ allocated), and the bytes each rank holds at the step's peak:
               input) / full (block inputs); the reported value is what is kept at the step's peak phase;
   loss_or_recompute  what is alive on top of that in the peak phase: the loss (logits, fp32 copy,
               log-softmax) at the end of forward, a layer's largest forward transient (the reference DSA's
-              KL target), or block i's recomputed activations + their gradients in its backward (blocks above
+              KL target, the reference experts' padded buffers at their last GEMM) in its forward or
+              recompute, or block i's recomputed activations + their gradients in its backward (blocks above
               i are freed by then, blocks below still kept). Phases are evaluated one by one with the parameter
               gradients alive in each (none in forward, blocks >= i in backward i) and the largest is the peak
               (`peak_phase` in the result);
@@ -161,16 +162,18 @@ class _Acc:
         self.sel = 0.0  # bytes per token that selective recompute keeps (GEMM outputs)
         self.sel_needed = 0.0  # the part of `none` that is GEMM outputs (reused, not recomputed, by selective)
         self.work = 0.0  # bytes per token of the largest forward transient (freed before the layer ends)
+        self.work_gemm = 0.0  # the part of `work` that is GEMM outputs
         self.work_at = (0.0, 0.0, 0.0)  # (none, sel, sel_needed) saved so far when it happens
         self.items: list[tuple[str, float, float]] = []
 
     def _b(self, n: float, kind: str) -> float:
         return n * {"a": self.ab, "f": 4, "b": 1}[kind]
 
-    def set_work(self, b: float) -> None:
-        """A forward transient of b bytes per token, alive on top of what the layer saved so far."""
+    def set_work(self, b: float, gemm: float = 0.0) -> None:
+        """A forward transient of b bytes per token, alive on top of what the layer saved so far; `gemm` of it
+        are GEMM outputs (already in selective recompute's cache, so not counted again there)."""
         if b > self.work:
-            self.work, self.work_at = b, (self.none, self.sel, self.sel_needed)
+            self.work, self.work_gemm, self.work_at = b, gemm, (self.none, self.sel, self.sel_needed)
 
     def keep(self, name: str, n: float, kind: str = "a", gemm_out: float = 0.0) -> None:
         """Saved for backward (recompute none); gemm_out: the fraction of it that is GEMM outputs."""
@@ -386,7 +389,9 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                 acc.keep(f"experts.{w} row/slot indices", Kt * 16, "b")
             elif name in targets:  # A saves the padded x, B the padded x A; the frozen base saves nothing
                 acc.keep(f"experts.{w} padded input (lora A)", Kt * pad * (ins[w] + rank), "f")
-                acc.keep(f"experts.{w} row/slot indices", Kt * 32, "b")
+                # each of the 3 padded GEMMs (A, B, base) saves its own int64 expert / slot row indices (the
+                # index_put into the padded buffer and the row gather back both keep them, the frozen base too)
+                acc.keep(f"experts.{w} row/slot indices", Kt * 48, "b")
             acc.gemm(f"experts.{w} padded bmm out", Kt * pad * outs[w], "f")
             if name in targets and not full:
                 acc.gemm(f"experts.{w} lora padded bmm outs", Kt * pad * (rank + outs[w]), "f")
@@ -408,6 +413,16 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             elif not fused_lora:
                 acc.gemm(f"experts.{w} base + lora grouped mm outs", Kt * (2 * o + rank))
     acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
+    if ref:
+        # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
+        # the permuted rows z_NL (a local of the dispatcher; the padded copies, not z, are saved) and the swiglu
+        # product (w2's input, saved only as its padded copy), and inside w2: the padded bmm output [E, C, L]
+        # and its row gather (N, L); a LoRA w2 also holds x A (N, r), the scaled adapter rows (N, L) and the
+        # base's own padded input [E, C, F] (not saved: the base is frozen) until base + adapter are added.
+        # With full recompute this is the peak of block i's recompute (tests/plan/test_accuracy.py, gqa full
+        # + LoRA: the backward x 1.15 allowance missed it by -13.6%)
+        w2_lora = not full and "ffn.experts.w2" in targets
+        acc.set_work(4 * Kt * (L + F + pad * L + L + ((rank + L + pad * F) if w2_lora else 0)), gemm=4 * Kt * pad * L)
     acc.keep("expert out rows (combine input) + combine", Kt * L * (1 if full else 0) + L)
     if spec.latent_dim:
         acc.gemm("fc2_latent_proj", d)
@@ -438,6 +453,9 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     'backward i' (blocks run backward from the last): blocks below i still kept, block i's activations
     (recomputed unless recompute is none) plus the gradients of its activations (x the factor), parameter
     gradients of blocks >= i and the root (see memory_breakdown). Layers above i are freed by then.
+    A layer with a forward transient (`_Acc.set_work`) adds 'forward i' (what it saved so far + the transient)
+    and, when recomputed, 'recompute i': blocks below i, what block i saved so far, the transient, the gradient
+    of block i's output and (selective) the cached GEMM outputs the recompute has not reached yet.
     weight_casts: per layer, bytes of the bf16 copies autocast makes of the layer's fp32 weights; each matmul
     saves its copy for dx, so they live as long as the layer's activations (recompute none) or only while the
     block is recomputed (selective / full: the cast is not a GEMM, so it is recomputed)."""
@@ -457,17 +475,20 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     else:  # full: block inputs only, one block recomputed at a time
         kept = [t * spec.hidden_size * (4 if f32s else act_bytes)] * spec.n_layers
     f = BACKWARD_GRAD_FACTOR
-    # selective: block i's recompute starts from its cached GEMM outputs and adds the rest of its saved set
-    extra = [kept[i] if plan.recompute == "selective" else 0.0 for i in range(spec.n_layers)]
+    dout = t * spec.hidden_size * (4 if f32s else act_bytes)  # gradient of a block's output (residual stream)
     phases = [("forward end", sum(kept), logits, None)]
     for i, a in enumerate(accs):
         if a.work:  # the layer's largest forward transient, on top of what it saved so far
             n0, s0, sn0 = (t * x for x in a.work_at)
             so_far = {"none": n0, "selective": s0, "full": 0.0}[plan.recompute]
-            phases.append((f"forward {i}", sum(kept[:i]) + so_far, t * a.work, -1))
-            if plan.recompute != "none":
-                phases.append((f"recompute {i}", sum(kept[:i]) + extra[i],
-                               n0 - (sn0 if plan.recompute == "selective" else 0.0) + t * a.work, i))
+            # selective forward: the transient's GEMM outputs are cached ones (counted in s0)
+            work = t * (a.work - (a.work_gemm if plan.recompute == "selective" else 0.0))
+            phases.append((f"forward {i}", sum(kept[:i]) + so_far, work, -1))
+            if plan.recompute != "none":  # in backward: the gradient of the block's output is alive too
+                # selective: the cache is popped as the recompute consumes it, so block i holds what it saved
+                # so far (GEMM outputs included) + the GEMM outputs not recomputed yet + the transient
+                phases.append((f"recompute {i}", sum(kept[:i]) + (t * a.sel - s0 if plan.recompute == "selective"
+                                                                 else 0.0), n0 + t * a.work + dout, i))
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
         phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
