@@ -13,7 +13,10 @@ Variants (all bf16, fwd+bwd):
   lora-<be>        frozen base + grouped LoRA r=16 on gate/up and down: lora-triton (old fused Triton
                    GEMM), lora-torch (old: three torch._grouped_mm), lora-fused (LoRA folded into the
                    base torch._grouped_mm through a persistent [W | Bᵀ] buffer, fused_lora.py, dx="cat",
-                   K-grouped torch dA/dB), lora-fused-split (dx="split"), lora-fused-twg (Triton dA/dB)
+                   K-grouped torch dA/dB), lora-fused-split (dx="split"), lora-fused-twg (Triton dA/dB),
+                   lora-fused-fold (twg + fold_io: no permuted copy z, the gate/up LoRA-in pass gathers
+                   token rows itself; no SwiGLU output, the down LoRA-in pass forms it; SwiGLU backward
+                   fused into the down dx epilogue)
   frozen           the same layer with a frozen base and no LoRA (dx only), the LoRA baseline
 Every variant permutes with num_routed = T*K (dropless routing), so none of them syncs with the host.
 Scopes: "layer" (everything above) and "experts" (permute → experts → unpermute on a fixed latent).
@@ -42,6 +45,7 @@ from moeadapt.ops.moe import (  # noqa: E402
     grouped_lora,
     grouped_mm,
     offsets_from_counts,
+    permutation,
     permute,
     swiglu,
     unpermute,
@@ -51,9 +55,10 @@ from moeadapt.ops.moe import (  # noqa: E402
 LORA_VARIANTS = {
     "lora-triton": ("triton", None),
     "lora-torch": ("torch", None),
-    "lora-fused": ("fused", dict(dx="cat", wgrad="torch")),
-    "lora-fused-split": ("fused", dict(dx="split", wgrad="torch")),
-    "lora-fused-twg": ("fused", dict(dx="cat", wgrad="triton")),
+    "lora-fused": ("fused", dict(dx="cat", wgrad="torch", fold_io=False)),
+    "lora-fused-split": ("fused", dict(dx="split", wgrad="torch", fold_io=False)),
+    "lora-fused-twg": ("fused", dict(dx="cat", wgrad="triton", fold_io=False)),
+    "lora-fused-fold": ("fused", dict(dx="cat", wgrad="triton", fold_io=True)),
 }
 
 DEV = "cuda"
@@ -104,6 +109,16 @@ def swiglu_unfused(gu_NF2):
 def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu, cats=None):
     """cats: persistent [W | Bᵀ] buffers {"gu", "d"} for lora="fused" (the base weight is their view)."""
     T = z_TL.shape[0]
+    if lora == "fused" and fused_lora.CONFIG["fold_io"]:  # folded input passes: no permuted copy, no SwiGLU pass
+        ri, counts = permutation(ids_TK, E, num_routed=ids_TK.numel())
+        offs = offsets_from_counts(counts)
+        L, Fh = z_TL.shape[1], P["w_d_EOI"].shape[2]
+        cgu, cd = cats["gu"], cats["d"]
+        gu = fused_lora.grouped_lora_fused_gather(z_TL, ri, ids_TK.shape[1], P["A_gu"], P["B_gu"], offs, scaling,
+                                                  w_EIO=cgu[:, :, :L].transpose(1, 2), w_cat=cgu)
+        o = fused_lora.grouped_lora_fused_swiglu(gu, None, P["A_d"], P["B_d"], offs, scaling,
+                                                 w_EIO=cd[:, :, :Fh].transpose(1, 2), w_cat=cd)
+        return unpermute(o, ri, w_TK, T)
     xs, ri, counts = permute(z_TL, ids_TK, E, num_routed=ids_TK.numel())
     offs = offsets_from_counts(counts)
     wgu, wd = P["w_gu_EOI"].transpose(1, 2), P["w_d_EOI"].transpose(1, 2)
@@ -224,13 +239,17 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
         pass
     except Exception as exc:
         print(f"# check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    try:  # the fused LoRA against the old torch LoRA at full shape (fwd)
+    try:  # the fused LoRA (unfolded, then folded) against the old torch LoRA at full shape (fwd)
         with torch.no_grad():
-            y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="fused", cats=cats).float()
             y_t = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="torch").float()
-        log(dict(info, check="lora-fused vs lora-torch (experts fwd)", rel_err=float((y_f - y_t).norm() / y_t.norm())))
+            for name in ("lora-fused", "lora-fused-fold"):
+                fused_lora.CONFIG.update(LORA_VARIANTS[name][1])
+                y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="fused", cats=cats).float()
+                log(dict(info, check=f"{name} vs lora-torch (experts fwd)",
+                         rel_err=float((y_f - y_t).norm() / y_t.norm())))
     except Exception as exc:
         print(f"# lora check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
 
     def train_params(frozen):
         for k, v in P.items():
@@ -278,7 +297,8 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
     if profile:  # where the time goes, per kernel, for our full-training and LoRA steps
         for name, ex, frozen in (("ours-torch", variants.get("ours-torch"), False),
                                  ("lora-triton", lora_variants["lora-triton"], True),
-                                 ("lora-fused", lora_variants["lora-fused"], True)):
+                                 ("lora-fused", lora_variants["lora-fused"], True),
+                                 ("lora-fused-fold", lora_variants["lora-fused-fold"], True)):
             if ex is None:
                 continue
             step = experts_step(ex, frozen)

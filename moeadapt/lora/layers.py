@@ -12,6 +12,9 @@ is stored once (+R'/in, 1.6% at in=1024, r=16) and base + adapter run as one gro
 `weight`, `lora_A`, `lora_B` stay separate parameters (checkpoints and PEFT export see them as before).
 The view is re-established after `.to()` / `to_empty()` (`_apply`); when something else owns the weight
 (FSDP's sharded / gathered copies, a different compute dtype), forward falls back to the unfused path.
+With `fused_lora.CONFIG["fold_io"]` on, `forward_gather` / `forward_swiglu` (called by GroupedExperts /
+LocalDispatcher when every layer involved has `fold_cat`) also fold the permute gather (w1, w3) and the
+SwiGLU product (w2) into the LoRA-in pass.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from ..models.moe import GroupedLinear
 from ..ops.moe import grouped_lora
+from ..ops.moe import fused_lora
 from ..ops.moe.fused_lora import aliases_cat, make_cat_buffer
 
 
@@ -116,6 +120,29 @@ class GroupedLoRALinear(GroupedLinear):
             self._wcat = None
             return None
         return wc if wc.dtype == dtype else None
+
+    def fold_cat(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [W | Bᵀ] buffer when this layer can take a folded input pass (fused_lora.CONFIG["fold_io"]
+        on, no dropout, frozen base that is still the buffer's view in `dtype`), else None."""
+        if not fused_lora.CONFIG["fold_io"] or not isinstance(self.dropout, nn.Identity):
+            return None
+        if self.backend not in ("auto", "fused") or self.weight.requires_grad:
+            return None
+        return self.cat_weight(dtype)
+
+    def forward_gather(self, z_TI, row_index_N, K, offsets_E):
+        """forward(z[row_index // K]) without the permuted copy (gate/up fold); dz in token order."""
+        wc = self.fold_cat(z_TI.dtype)
+        A, B = self.lora_A.to(z_TI.dtype), self.lora_B.to(z_TI.dtype)
+        return fused_lora.grouped_lora_fused_gather(z_TI, row_index_N, K, A, B, offsets_E, self.scaling,
+                                                    w_EIO=self.weight.transpose(1, 2), w_cat=wc)
+
+    def forward_swiglu(self, gate_NI, up_NI, offsets_E):
+        """forward(silu(gate)·up) with the SwiGLU product formed inside the LoRA-in pass (down fold)."""
+        wc = self.fold_cat(gate_NI.dtype)
+        A, B = self.lora_A.to(gate_NI.dtype), self.lora_B.to(gate_NI.dtype)
+        return fused_lora.grouped_lora_fused_swiglu(gate_NI, up_NI, A, B, offsets_E, self.scaling,
+                                                    w_EIO=self.weight.transpose(1, 2), w_cat=wc)
 
     def reset_lora(self) -> None:
         bound = 1.0 / math.sqrt(self.in_features)

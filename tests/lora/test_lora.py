@@ -132,3 +132,35 @@ def test_grouped_lora_layer_keeps_one_weight_and_fused_matches(seed):
     # the export contract: A and B stay separate parameters
     names = {n for n, _ in g.named_parameters()}
     assert names == {"weight", "lora_A", "lora_B"}
+
+
+@pytest.mark.parametrize("backend", ["fused", "auto"])
+def test_fold_io_model_matches(seed, monkeypatch, backend):
+    """fused_lora.CONFIG["fold_io"]: the whole model (permute gather folded into the w1/w3 LoRA-in pass,
+    SwiGLU into w2's) gives the unfolded model's logits and every adapter gradient, and the folds run."""
+    from moeadapt.ops.moe import fused_lora
+
+    m, _ = model_with_lora(seed)
+    grouped = [mod for mod in m.modules() if isinstance(mod, GroupedLoRALinear)]
+    for mod in grouped:
+        mod.backend = backend
+    x = torch.randint(0, 256, (2, 11))
+    calls = {"gather": 0, "swiglu": 0}
+    for name in ("gather", "swiglu"):
+        fn = getattr(fused_lora, f"grouped_lora_fused_{name}")
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(fused_lora, f"grouped_lora_fused_{name}", counted)
+    res = {}
+    for fold in (False, True):
+        monkeypatch.setitem(fused_lora.CONFIG, "fold_io", fold)
+        m.zero_grad(set_to_none=True)
+        logits = m(x).logits
+        (logits.float().square().mean()).backward()
+        res[fold] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+    n_moe = len(grouped) // 3  # w1, w3, w2 per MoE layer
+    assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
+    for a, b in zip(res[False], res[True]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

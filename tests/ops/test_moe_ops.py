@@ -367,3 +367,132 @@ def test_permute_with_known_num_routed(gen, backend):
     if backend == "reference":
         with pytest.raises(ValueError, match="num_routed"):
             permute(x, ids_TK, 8, backend=backend, num_routed=ids_TK.numel() - 1)
+
+
+# ------------------------------------------------------------------ folded input passes (fused_lora fold_io)
+def _fold_setup(gen, E, I, O, R):
+    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
+    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
+    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    return A_EIR, B_ERO, w_EOI
+
+
+def _fold_lora_ref(x64, A64, B64, w_EOI, offsets, scaling):
+    y = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
+    return y + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
+
+
+@pytest.mark.parametrize("dx", ["cat", "split"])
+@pytest.mark.parametrize("R", [4, 16])
+@pytest.mark.parametrize("triton_passes", [True, False])
+def test_fold_gather_lora(gen, monkeypatch, dx, R, triton_passes):
+    """Gate/up fold: the LoRA-in pass gathers z through the permutation (no permuted copy); y in sorted
+    order and dz in token order (Σ over the top-k copies) against float64 loops, empty expert, T % BM != 0."""
+    from moeadapt.ops.moe import fused_lora, permutation
+
+    if triton_passes and not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
+    monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on and INTERPRET)
+    T, K, E, I, O, scaling = 37, 3, 6, 40, 24, 2.0
+    ids_TK = _routing(gen, T, K, E, drop=0.2, empty=(1,))
+    row_index, counts = permutation(ids_TK, E, backend="triton" if triton_passes else "reference")
+    offsets = offsets_from_counts(counts)
+    N = len(row_index)
+    z_TI = torch.randn(T, I, generator=gen)
+    A_EIR, B_ERO, w_EOI = _fold_setup(gen, E, I, O, R)
+    dy_NO = torch.randn(N, O, generator=gen)
+    w_cat = fused_lora.make_cat_buffer(w_EOI, R)
+    z, A, B = _leaf(z_TI), _leaf(A_EIR), _leaf(B_ERO)
+    y = fused_lora.grouped_lora_fused_gather(z, row_index, K, A, B, offsets, scaling,
+                                             w_EIO=w_cat[:, :, :I].transpose(1, 2), w_cat=w_cat)
+    z64, A64, B64 = _leaf(z_TI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
+    x64, idx64, _ = _permute_loop(z64, ids_TK, E)
+    assert torch.equal(idx64, row_index)
+    y_ref = _fold_lora_ref(x64, A64, B64, w_EOI, offsets, scaling)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    for got, want in [(z.grad, z64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
+        _close(got, want, 1e-4)
+    assert A.grad[1].abs().max() == 0 and B.grad[1].abs().max() == 0
+    assert torch.equal(w_cat[:, :, :I], w_EOI)
+
+
+@pytest.mark.parametrize("dx", ["cat", "split"])
+@pytest.mark.parametrize("R", [4, 16])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("triton_passes", [True, False])
+def test_fold_swiglu_lora(gen, monkeypatch, dx, R, packed, triton_passes):
+    """Down fold: h = silu(gate)·up formed inside the LoRA-in pass; y and the gradients of gate/up (one
+    fused pass with the dx epilogue), A and B against float64 loops; empty expert, N % BM != 0."""
+    from moeadapt.ops.moe import fused_lora
+
+    if triton_passes and not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
+    monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on and INTERPRET)
+    E, Fh, O, scaling = 5, 40, 24, 0.5
+    counts = _counts(gen, E, 45)
+    counts[1] = 0
+    offsets = offsets_from_counts(counts)
+    N = int(counts.sum())
+    gu_NF2 = torch.randn(N, 2 * Fh, generator=gen) * 2
+    A_EIR, B_ERO, w_EOI = _fold_setup(gen, E, Fh, O, R)
+    dy_NO = torch.randn(N, O, generator=gen)
+    w_cat = fused_lora.make_cat_buffer(w_EOI, R)
+    w_EIO = w_cat[:, :, :Fh].transpose(1, 2)
+    A, B = _leaf(A_EIR), _leaf(B_ERO)
+    if packed:
+        gu = _leaf(gu_NF2)
+        y = fused_lora.grouped_lora_fused_swiglu(gu, None, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat)
+    else:
+        g, u = _leaf(gu_NF2[:, :Fh]), _leaf(gu_NF2[:, Fh:])
+        y = fused_lora.grouped_lora_fused_swiglu(g, u, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat)
+    gu64, A64, B64 = _leaf(gu_NF2, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
+    h64 = torch.nn.functional.silu(gu64[:, :Fh]) * gu64[:, Fh:]
+    y_ref = _fold_lora_ref(h64, A64, B64, w_EOI, offsets, scaling)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    dgu = gu.grad if packed else torch.cat([g.grad, u.grad], 1)
+    for got, want in [(dgu, gu64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
+        _close(got, want, 1e-4)
+    assert A.grad[1].abs().max() == 0 and B.grad[1].abs().max() == 0
+    assert torch.equal(w_cat[:, :, :Fh], w_EOI)
+
+
+def test_fold_rejects_trainable_base(gen):
+    from moeadapt.ops.moe import fused_lora
+
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    offs = offsets_from_counts(torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match="frozen"):
+        fused_lora.grouped_lora_fused_swiglu(torch.randn(5, 16), None, torch.randn(2, 8, 4), torch.randn(2, 4, 4),
+                                             offs, 1.0, w_EIO=w)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_fold_bf16_launches(gen):
+    """Runs the bf16 launches of both folds (the GPU configuration) so benchmarks/sm90_check.py compiles
+    them; shapes and dtypes only: the interpreter's bf16 tl.dot is not exact (the existing lora_in gives
+    garbage in bf16 under it too). Values in bf16 are checked by tests/gpu/test_moe_gpu.py -k fold."""
+    from moeadapt.ops.moe import fused_lora, permutation
+
+    T, K, E, I, Fh, R = 29, 2, 4, 32, 24, 16
+    ids_TK = _routing(gen, T, K, E, drop=0.0, empty=(2,))
+    row_index, counts = permutation(ids_TK, E, backend="triton")
+    offsets = offsets_from_counts(counts)
+    dt = torch.bfloat16
+    A1, B1, w1 = (t.to(dt) for t in _fold_setup(gen, E, I, 2 * Fh, R))
+    A2, B2, w2 = (t.to(dt) for t in _fold_setup(gen, E, Fh, I, R))
+    c1, c2 = fused_lora.make_cat_buffer(w1, R), fused_lora.make_cat_buffer(w2, R)
+    z = torch.randn(T, I, generator=gen).to(dt).requires_grad_(True)
+    a1, b1, a2, b2 = (t.clone().requires_grad_(True) for t in (A1, B1, A2, B2))
+    gu = fused_lora.grouped_lora_fused_gather(z, row_index, K, a1, b1, offsets, 2.0,
+                                              w_EIO=c1[:, :, :I].transpose(1, 2), w_cat=c1)
+    y = fused_lora.grouped_lora_fused_swiglu(gu, None, a2, b2, offsets, 2.0,
+                                             w_EIO=c2[:, :, :Fh].transpose(1, 2), w_cat=c2)
+    y.float().sum().backward()
+    assert y.shape == (len(row_index), I) and y.dtype == dt
+    assert z.grad.shape == z.shape and a1.grad.shape == a1.shape and b2.grad.shape == b2.shape

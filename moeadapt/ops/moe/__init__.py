@@ -21,9 +21,15 @@ import os
 
 import torch
 
-from .reference import grouped_lora_reference, grouped_mm_reference, permute_reference, unpermute_reference
+from .reference import (
+    grouped_lora_reference,
+    grouped_mm_reference,
+    permutation_reference,
+    permute_reference,
+    unpermute_reference,
+)
 
-__all__ = ["permute", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu"]
+__all__ = ["permute", "permutation", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu"]
 
 _BACKENDS = ("auto", "reference", "triton", "torch", "fused")
 FUSED_MIN_ROWS = 512  # "auto" grouped LoRA: fused base+LoRA GEMM from this many rows per expert, else Triton
@@ -94,13 +100,40 @@ def permute(
         from .triton_permute import permute_triton
 
         return permute_triton(x_TD, expert_ids_TK, num_experts, num_routed)
+    _check_ids_reference(expert_ids_TK, num_experts)
+    out = permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+    if num_routed is not None and out[0].shape[0] != num_routed:
+        raise ValueError(f"num_routed={num_routed} but the ids route {out[0].shape[0]} choices")
+    return out
+
+
+def _check_ids_reference(expert_ids_TK: torch.Tensor, num_experts: int) -> None:
     if expert_ids_TK.numel():
         lo, hi = int(expert_ids_TK.min()), int(expert_ids_TK.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(
                 f"expert_ids_TK holds ids in [{lo}, {hi}]; ids must be in [0, {num_experts}) or -1 (dropped)"
             )
-    out = permute_reference(x_TD, expert_ids_TK.long(), num_experts)
+
+
+def permutation(
+    expert_ids_TK: torch.Tensor, num_experts: int, backend: str = "auto", num_routed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`permute`'s (row_index_N, counts_E) without gathering rows: for consumers that read the
+    token-major rows through row_index themselves (fused_lora.grouped_lora_fused_gather).
+    Same order, same host-sync rule as `permute`."""
+    if expert_ids_TK.dim() != 2 or expert_ids_TK.dtype.is_floating_point or expert_ids_TK.dtype == torch.bool:
+        raise ValueError(f"expert_ids_TK must be an integer [T, K] tensor; got {expert_ids_TK.dtype} "
+                         f"{tuple(expert_ids_TK.shape)}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1; got {num_experts}")
+    be = _resolve(backend, expert_ids_TK.device, "permute")
+    if be == "triton":
+        from .triton_permute import compute_permutation
+
+        return compute_permutation(expert_ids_TK, num_experts, num_routed)
+    _check_ids_reference(expert_ids_TK, num_experts)
+    out = permutation_reference(expert_ids_TK.long(), num_experts)
     if num_routed is not None and out[0].shape[0] != num_routed:
         raise ValueError(f"num_routed={num_routed} but the ids route {out[0].shape[0]} choices")
     return out

@@ -47,7 +47,10 @@ from .triton_grouped_mm import _cached_tile_map, grouped_wgrad
 #          "split" = GEMM on the base columns + a thin Triton pass for dy·Bᵀ, then dx += in place
 #   wgrad: "torch" = torch._grouped_mm K-grouped (2d x 2d with offsets) for dA, dB
 #          "triton"= our grouped_wgrad kernel
-CONFIG = dict(dx="cat", wgrad="triton")  # H200 call 3: Triton dA/dB ("twg") fastest at every case
+#   fold_io: True = the model / bench fold the permute gather into the gate/up LoRA-in pass and SwiGLU
+#          into the down LoRA-in pass (grouped_lora_fused_gather / grouped_lora_fused_swiglu below);
+#          off by default until measured on a GPU
+CONFIG = dict(dx="cat", wgrad="triton", fold_io=False)  # H200 call 3: Triton dA/dB ("twg") fastest at every case
 
 
 def _interpreting() -> bool:
@@ -326,3 +329,317 @@ def grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_c
     A = A_EIR.to(x_sorted_NI.dtype)
     B = B_ERO.to(x_sorted_NI.dtype)
     return _FusedLoRAFn.apply(x_sorted_NI, A, B, offsets_E, float(scaling), w_EIO, w_cat)
+
+
+# ---------------------------------------------------------------- folded input passes (CONFIG["fold_io"])
+# The LoRA-in pass has to read every input row once anyway; these variants let it read the rows from
+# where they already are instead of from a materialised copy:
+#   gather  (gate/up): x[n] = z[row_index[n] // K]  (the permute gather: z_NL is never written)
+#   swiglu  (down):    x[n] = silu(gate[n])·up[n]   (the SwiGLU product: h_NF is only written inside xcat)
+# Backward: gather -> the usual dx epilogue, then the combine (Σ over the top-k copies, weights 1);
+# swiglu -> one pass reading [dy·Wᵀ | dy·Bᵀ], A, gate and up, writing d(gate) and d(up).
+@triton.jit
+def _fold_in_kernel(
+    x_ptr, u_ptr, idx_ptr, a_ptr, xc_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    I, R, RW, K, scale,
+    s_xn, s_xi, s_un, s_ui, s_ae, s_ai, s_ar, s_cn, s_ci, s_hn, s_hr,
+    SWIGLU: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+):
+    """xc[rows] = x[rows], h[rows] = scale·x[rows]·a[e] (width RW, zeros past R), x as described above."""
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e < 0:
+        return
+    row0 = tl.load(tile_row_ptr + pid)
+    row_end = tl.load(offsets_ptr + e)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    if SWIGLU:
+        src64 = rows64
+    else:
+        src64 = tl.load(idx_ptr + rows64, mask=row_ok, other=0).to(tl.int64) // K
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    e64 = e.to(tl.int64)
+    acc = tl.zeros([BM, RP], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < I
+        m = row_ok[:, None] & k_ok[None, :]
+        xt = tl.load(x_ptr + src64[:, None] * s_xn + ks[None, :] * s_xi, mask=m, other=0.0)
+        if SWIGLU:
+            g = xt.to(tl.float32)
+            u = tl.load(u_ptr + src64[:, None] * s_un + ks[None, :] * s_ui, mask=m, other=0.0).to(tl.float32)
+            xt = (g * tl.sigmoid(g) * u).to(xc_ptr.dtype.element_ty)
+        tl.store(xc_ptr + rows64[:, None] * s_cn + ks[None, :] * s_ci, xt.to(xc_ptr.dtype.element_ty), mask=m)
+        at = tl.load(a_ptr + e64 * s_ae + ks[:, None] * s_ai + rs[None, :] * s_ar,
+                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, at.to(xt.dtype), acc)
+    acc = acc * scale
+    tl.store(h_ptr + rows64[:, None] * s_hn + rs[None, :] * s_hr, acc.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rs < RW)[None, :])
+
+
+@triton.jit
+def _fold_swiglu_bwd_kernel(
+    base_ptr, g_ptr, a_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    F, R, scale,
+    s_bn, s_bf, s_gn, s_gr, s_ae, s_af, s_ar, s_xn, s_xf, s_un, s_uf, s_dn, s_df, s_en, s_ef,
+    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+):
+    """dh = base + scale·g·a[e]ᵀ, then the SwiGLU backward: d(gate) = dh·up·σ·(1 + gate·(1 − σ)),
+    d(up) = dh·silu(gate)   (σ = sigmoid(gate); all in fp32, dh never stored)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:
+        return
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    r64 = rows.to(tl.int64)[:, None]
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < F
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    g = tl.load(g_ptr + r64 * s_gn + rs[None, :] * s_gr, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    at = tl.load(a_ptr + e.to(tl.int64) * s_ae + rs[:, None] * s_ar + cols[None, :] * s_af,
+                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    if IEEE:
+        dh = tl.dot(g, at.to(g.dtype), input_precision="ieee")
+    else:
+        dh = tl.dot(g, at.to(g.dtype))
+    mask = row_ok[:, None] & col_ok[None, :]
+    c = cols[None, :]
+    dh = tl.load(base_ptr + r64 * s_bn + c * s_bf, mask=mask, other=0.0).to(tl.float32) + dh * scale
+    x = tl.load(gate_ptr + r64 * s_xn + c * s_xf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r64 * s_un + c * s_uf, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(x)
+    dg = dh * u * sig * (1.0 + x * (1.0 - sig))
+    du = dh * x * sig
+    tl.store(dgate_ptr + r64 * s_dn + c * s_df, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + r64 * s_en + c * s_ef, du.to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+def fold_in(x, a_EIR, offsets_E, scale, xcat_NJ, *, row_index_N=None, K=1, up_NI=None):
+    """xcat[:, :I] = x_n, xcat[:, I:] = [scale·x_n·a_e | 0] for the sorted rows n, where x_n is
+    x[row_index[n] // K] (gather; x = z_TI) or silu(x[n])·up[n] (swiglu; x = gate_NI)."""
+    swiglu = up_NI is not None
+    if (row_index_N is not None) == swiglu:
+        raise ValueError("fold_in: give exactly one of row_index_N (gather) and up_NI (swiglu)")
+    N, J = xcat_NJ.shape
+    I = x.shape[1]
+    E, _, R = a_EIR.shape
+    W = J - I
+    if N == 0:
+        return
+    if not _use_triton(x):
+        if swiglu:
+            rows_x = (torch.nn.functional.silu(x.float()) * up_NI.float()).to(xcat_NJ.dtype)
+        else:
+            rows_x = x[row_index_N // K].to(xcat_NJ.dtype)
+        lora_in(rows_x, a_EIR, offsets_E, scale, h_NW=xcat_NJ[:, I:], xc_NI=xcat_NJ[:, :I])
+        return
+    BM = _bm(N)
+    expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
+    RP = max(16, triton.next_power_of_2(W))
+    BK = 32 if _interpreting() else 128
+    u = up_NI if swiglu else x
+    idx = row_index_N if not swiglu else offsets_E
+    xc, h = xcat_NJ[:, :I], xcat_NJ[:, I:]
+    _fold_in_kernel[(len(expert_T),)](
+        x, u, idx, a_EIR, xc, h, expert_T, row_T, offsets_E, I, R, W, K, float(scale),
+        x.stride(0), x.stride(1), u.stride(0), u.stride(1), *a_EIR.stride(), xc.stride(0), xc.stride(1),
+        h.stride(0), h.stride(1),
+        SWIGLU=swiglu, IEEE=xcat_NJ.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
+        **({} if _interpreting() else dict(num_warps=4, num_stages=3)),
+    )
+
+
+def fold_swiglu_bwd(base_NF, g_NR, a_EFR, offsets_E, scale, gate_NF, up_NF, dgate_NF, dup_NF):
+    """dh = base + scale·g·a_eᵀ per expert group; writes the SwiGLU backward of dh into dgate / dup."""
+    N, F = gate_NF.shape
+    R = a_EFR.shape[2]
+    if N == 0 or F == 0:
+        return
+    if not _use_triton(base_NF):
+        rows = len(_rows_to_padded(offsets_E, N)[0])
+        d = grouped_mm_reference(g_NR[:rows, :R], a_EFR.transpose(1, 2).to(g_NR.dtype), offsets_E)
+        dh = base_NF[:rows].float() + d.float() * scale
+        x, u = gate_NF[:rows].float(), up_NF[:rows].float()
+        sig = torch.sigmoid(x)
+        dgate_NF[:rows] = (dh * u * sig * (1 + x * (1 - sig))).to(dgate_NF.dtype)
+        dup_NF[:rows] = (dh * x * sig).to(dup_NF.dtype)
+        return
+    BM = _bm(N)
+    expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
+    BN = 32 if _interpreting() else 128
+    RP = max(16, triton.next_power_of_2(R))
+    ts = (base_NF, g_NR, a_EFR, gate_NF, up_NF, dgate_NF, dup_NF)
+    strides = [s for t in ts for s in t.stride()]
+    _fold_swiglu_bwd_kernel[(triton.cdiv(F, BN), len(expert_T))](
+        *ts, expert_T, row_T, offsets_E, F, R, float(scale), *strides,
+        IEEE=base_NF.dtype == torch.float32, BM=BM, BN=BN, RP=RP,
+        **({} if _interpreting() else dict(num_warps=4, num_stages=2)),
+    )
+
+
+def _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_x):
+    """(dy·W_eᵀ or None, dy·B_eᵀ [N, R]) by CONFIG["dx"]: one GEMM on [W | Bᵀ], or base GEMM + thin pass."""
+    if CONFIG["dx"] == "cat":
+        dxc_NJ = gmm(dy_NO, wcat, offsets_E)
+        return dxc_NJ[:, :I], dxc_NJ[:, I:I + R]
+    g_NW = torch.empty(dy_NO.shape[0], padded_rank(R), dtype=dy_NO.dtype, device=dy_NO.device)
+    lora_in(dy_NO, B_ERO.transpose(1, 2), offsets_E, 1.0, h_NW=g_NW)
+    return (gmm(dy_NO, wcat[:, :, :I], offsets_E) if need_x else None), g_NW[:, :R]
+
+
+def _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_dtype, B_dtype):
+    I, R, s = ctx.I, ctx.R, ctx.scaling
+    counts_E = _counts(offsets_E)
+    dA = (kgmm(xcat_NJ[:, :I], g_NR, offsets_E, counts_E) * s).to(A_dtype) if need_a else None
+    dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, counts_E).to(B_dtype) if need_b else None
+    return dA, dB
+
+
+class _FoldGatherFn(torch.autograd.Function):
+    """y = [z[row_index // K] | s·z[row_index // K]·A_e] · wcat_eᵀ; dz in token order."""
+
+    @staticmethod
+    def forward(ctx, z_TI, A_EIR, B_ERO, row_index_N, offsets_E, K, scaling, wcat_EOJ):
+        T, I = z_TI.shape
+        N, R, J = row_index_N.shape[0], A_EIR.shape[2], wcat_EOJ.shape[2]
+        with torch.no_grad():
+            wcat_EOJ[:, :, I:I + R].copy_(B_ERO.transpose(1, 2))
+        xcat_NJ = torch.empty(N, J, dtype=z_TI.dtype, device=z_TI.device)
+        fold_in(z_TI, A_EIR, offsets_E, scaling, xcat_NJ, row_index_N=row_index_N, K=K)
+        y_NO = gmm(xcat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
+        ctx.scaling, ctx.I, ctx.R, ctx.K, ctx.T = scaling, I, R, K, T
+        ctx.wcat = wcat_EOJ
+        ctx.save_for_backward(xcat_NJ, A_EIR, B_ERO, row_index_N, offsets_E)
+        return y_NO
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        xcat_NJ, A_EIR, B_ERO, row_index_N, offsets_E = ctx.saved_tensors
+        need_z, need_a, need_b = ctx.needs_input_grad[:3]
+        s, I, R, wcat = ctx.scaling, ctx.I, ctx.R, ctx.wcat
+        dy_NO = dy_NO.contiguous().to(xcat_NJ.dtype)
+        N = dy_NO.shape[0]
+        with torch.no_grad():
+            wcat[:, :, I:I + R].copy_(B_ERO.transpose(1, 2))
+        dz = g_NR = None
+        if need_z or need_a:
+            base_NI, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_z)
+            if need_z:
+                dx_NI = lora_out(base_NI, g_NR, A_EIR.transpose(1, 2), offsets_E, s,
+                                 torch.empty(N, I, dtype=xcat_NJ.dtype, device=dy_NO.device))
+                dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
+        dA, dB = _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_EIR.dtype, B_ERO.dtype)
+        return dz, dA, dB, None, None, None, None, None
+
+
+def _combine_copies(dx_NI, row_index_N, K, T):
+    """dz[t] = Σ_k dx[row of (t, k)] (fp32 accumulation; dropped choices add nothing)."""
+    if _use_triton(dx_NI):
+        from .triton_permute import combine_rows, inverse_index
+
+        return combine_rows(dx_NI, inverse_index(row_index_N, T * K), K)
+    out = torch.zeros(T, dx_NI.shape[1], dtype=torch.float32, device=dx_NI.device)
+    return out.index_add_(0, row_index_N // K, dx_NI.float()).to(dx_NI.dtype)
+
+
+class _FoldSwiGLUFn(torch.autograd.Function):
+    """y = [h | s·h·A_e] · wcat_eᵀ with h = silu(gate)·up; packed: gate, up = gate_up[:, :F], [:, F:]."""
+
+    @staticmethod
+    def forward(ctx, gate, up, A_EIR, B_ERO, offsets_E, scaling, wcat_EOJ):
+        packed = up is None
+        if packed:
+            F = gate.shape[1] // 2
+            gate_NF, up_NF = gate[:, :F], gate[:, F:]
+        else:
+            gate_NF, up_NF = gate, up
+        N, F = gate_NF.shape
+        R, J = A_EIR.shape[2], wcat_EOJ.shape[2]
+        with torch.no_grad():
+            wcat_EOJ[:, :, F:F + R].copy_(B_ERO.transpose(1, 2))
+        xcat_NJ = torch.empty(N, J, dtype=gate.dtype, device=gate.device)
+        fold_in(gate_NF, A_EIR, offsets_E, scaling, xcat_NJ, up_NI=up_NF)
+        y_NO = gmm(xcat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
+        ctx.scaling, ctx.I, ctx.R, ctx.packed = scaling, F, R, packed
+        ctx.wcat = wcat_EOJ
+        ctx.save_for_backward(xcat_NJ, A_EIR, B_ERO, offsets_E, gate, up)
+        return y_NO
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        xcat_NJ, A_EIR, B_ERO, offsets_E, gate, up = ctx.saved_tensors
+        need_g, need_u, need_a, need_b = ctx.needs_input_grad[:4]
+        s, F, R, wcat = ctx.scaling, ctx.I, ctx.R, ctx.wcat
+        dy_NO = dy_NO.contiguous().to(xcat_NJ.dtype)
+        with torch.no_grad():
+            wcat[:, :, F:F + R].copy_(B_ERO.transpose(1, 2))
+        need_x = need_g or need_u
+        dg = du = g_NR = None
+        if need_x or need_a:
+            base_NF, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, F, R, need_x)
+            if need_x:
+                if ctx.packed:
+                    dg = torch.empty_like(gate)
+                    gate_NF, up_NF, dgate, dup = gate[:, :F], gate[:, F:], dg[:, :F], dg[:, F:]
+                else:
+                    dg, du = torch.empty_like(gate), torch.empty_like(up)
+                    gate_NF, up_NF, dgate, dup = gate, up, dg, du
+                fold_swiglu_bwd(base_NF, g_NR, A_EIR, offsets_E, s, gate_NF, up_NF, dgate, dup)
+        dA, dB = _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_EIR.dtype, B_ERO.dtype)
+        return dg, du, dA, dB, None, None, None
+
+
+def _fold_cat(w_EIO, w_cat, R, dtype):
+    if w_cat is not None:
+        if w_cat.shape[2] < w_EIO.shape[1] + R:
+            raise ValueError(f"grouped_lora: w_cat {tuple(w_cat.shape)} has no room for rank {R}")
+        if not aliases_cat(w_EIO, w_cat):
+            raise ValueError("grouped_lora: w_EIO must be w_cat[:, :, :I].transpose(1, 2) (same memory)")
+    else:
+        w_cat = make_cat_buffer(w_EIO.detach().transpose(1, 2).to(dtype), R)
+    if w_cat.dtype != dtype:
+        raise ValueError(f"grouped_lora: w_cat is {w_cat.dtype} but the activations are {dtype}")
+    return w_cat
+
+
+def grouped_lora_fused_gather(z_TI, row_index_N, K, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None):
+    """grouped_lora_fused(z[row_index // K], ...) without materialising the permuted rows.
+
+    z_TI: [T, I] token-major input; row_index_N, K: permute's flat choice index of each sorted row and
+    the top-k. Returns y_NO (sorted rows); the gradient of z comes back in token order (Σ over copies).
+    The base weight is frozen here (no dW)."""
+    if w_EIO.requires_grad:
+        raise ValueError("grouped_lora_fused_gather: the base weight must be frozen")
+    if z_TI.shape[1] != w_EIO.shape[1]:
+        raise ValueError(f"grouped_lora_fused_gather: z {tuple(z_TI.shape)} vs w_EIO {tuple(w_EIO.shape)}")
+    w_cat = _fold_cat(w_EIO, w_cat, A_EIR.shape[2], z_TI.dtype)
+    A, B = A_EIR.to(z_TI.dtype), B_ERO.to(z_TI.dtype)
+    return _FoldGatherFn.apply(z_TI, A, B, row_index_N, offsets_E, int(K), float(scaling), w_cat)
+
+
+def grouped_lora_fused_swiglu(gate, up, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None):
+    """grouped_lora_fused(silu(gate)·up, ...) without materialising the SwiGLU product.
+
+    gate, up: [N, F] each, or up=None and gate = gate_up [N, 2F] (gate first); its gradient then comes
+    back as one [N, 2F] tensor. The base weight is frozen here (no dW)."""
+    if w_EIO.requires_grad:
+        raise ValueError("grouped_lora_fused_swiglu: the base weight must be frozen")
+    F = gate.shape[1] // 2 if up is None else gate.shape[1]
+    if (up is not None and up.shape != gate.shape) or F != w_EIO.shape[1]:
+        raise ValueError(f"grouped_lora_fused_swiglu: gate {tuple(gate.shape)}, up "
+                         f"{None if up is None else tuple(up.shape)} vs w_EIO {tuple(w_EIO.shape)}")
+    w_cat = _fold_cat(w_EIO, w_cat, A_EIR.shape[2], gate.dtype)
+    A, B = A_EIR.to(gate.dtype), B_ERO.to(gate.dtype)
+    return _FoldSwiGLUFn.apply(gate, up, A, B, offsets_E, float(scaling), w_cat)

@@ -19,16 +19,20 @@ def permute_reference(
     x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token choices expert-major (stable in t*K+k); see `moeadapt.ops.moe.permute`."""
-    T, K = expert_ids_TK.shape
+    row_index_N, counts_E = permutation_reference(expert_ids_TK, num_experts)
+    x_sorted_ND = x_TD[row_index_N // expert_ids_TK.shape[1]]
+    return x_sorted_ND, row_index_N, counts_E
+
+
+def permutation_reference(expert_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_index_N, counts_E) of `permute_reference` without gathering any row."""
     ids_M = expert_ids_TK.reshape(-1)  # M = T*K token choices
     # dropped choices (-1) sort after every expert and are cut off below
     key_M = torch.where(ids_M < 0, torch.full_like(ids_M, num_experts), ids_M)
     order_M = torch.argsort(key_M, stable=True)
     counts_E = torch.bincount(ids_M[ids_M >= 0], minlength=num_experts)
     N = int(counts_E.sum())
-    row_index_N = order_M[:N]
-    x_sorted_ND = x_TD[row_index_N // K]
-    return x_sorted_ND, row_index_N, counts_E
+    return order_M[:N], counts_E
 
 
 def unpermute_reference(
