@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.moe import GroupedLinear
-from ..ops.moe import grouped_lora
-from ..ops.moe import fused_lora
+from ..ops.moe import fused_lora, grouped_lora
 from ..ops.moe.fused_lora import aliases_cat, make_cat_buffer
 
 
