@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (use --preset tiny)")
     ap.add_argument("--scale", type=int, default=1, help="divide sequence lengths by this (dry runs)")
     ap.add_argument("--one", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lora-only", action="store_true", help="only the LoRA settings (the rows still owed a GPU check)")
     a = ap.parse_args()
     if a.one:
         seq, mb, rc, rank = a.one
@@ -71,6 +72,8 @@ def main() -> None:
     print(f"{'seq':>6} {'mb':>3} {'recompute':>10} {'lora':>5} {'measured GiB':>13} {'predicted GiB':>14} {'error':>8}")
     rows = []
     for seq, mb, rc, rank in SETTINGS:
+        if a.lora_only and not rank:
+            continue
         seq //= a.scale
         p = subprocess.run([sys.executable, __file__, "--preset", a.preset, "--device", a.device, "--one", str(seq),
                             str(mb), rc, str(rank)], capture_output=True, text=True)

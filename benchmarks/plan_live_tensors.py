@@ -7,6 +7,7 @@ activation model (benchmarks/RESULTS.md "Planner").
 Runs the step twice: the first finds the peak, the second snapshots the live set when it is reached. -v lists
 the peak's tensors per module; -f PREFIX lists the end-of-forward tensors of modules starting with PREFIX.
 """
+
 import collections
 import sys
 import weakref
@@ -16,74 +17,117 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from moeadapt.config import LoRASpec, get_preset, ModelSpec
+from moeadapt.config import LoRASpec, get_preset
 from moeadapt.plan import accuracy as A
 from moeadapt.plan.accuracy import predict_step
 
 STACK = ["-"]
+
+
 class Tagged(A.LiveBytes):
     def __init__(self, target=None, held=None):
-        super().__init__(held); self.tags = {}; self.target = target; self.snap = None; self.fwd = None
+        super().__init__(held)
+        self.tags = {}
+        self.target = target
+        self.snap = None
+        self.fwd = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage(); key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self._seen or key in self._held: continue
-                self._seen.add(key); self.live += n; self.peak = max(self.peak, self.live)
-                self.tags[key] = (n, STACK[-1], str(func).replace("aten.", ""), tuple(t.shape), torch.is_grad_enabled())
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+                if n == 0 or key in self._seen or key in self._held:
+                    continue
+                self._seen.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                self.tags[key] = (
+                    n,
+                    STACK[-1],
+                    str(func).replace("aten.", ""),
+                    tuple(t.shape),
+                    torch.is_grad_enabled(),
+                )
                 weakref.finalize(st, self._free, key, n)
                 if self.target is not None and self.snap is None and self.live == self.target:
                     self.snap = {k: self.tags[k] for k in self._seen}
                     self.snap_op = (str(func), STACK[-1], tuple(t.shape))
         return out
 
+
 def _scope(mod, name):
     fn = getattr(mod, name)
+
     def w(*a, **k):
         STACK.append(STACK[-1] + "/" + name)
-        try: return fn(*a, **k)
-        finally: STACK.pop()
+        try:
+            return fn(*a, **k)
+        finally:
+            STACK.pop()
+
     setattr(mod, name, w)
-import moeadapt.models.kda_attn as _K, moeadapt.models.dsa_attn as _D, moeadapt.models.moe as _M, moeadapt.lora.layers as _L
-for _n in ("chunk_kda",): _scope(_K, _n)
-for _n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_rope"): _scope(_D, _n)
-for _n in ("permute", "unpermute", "grouped_mm"): _scope(_M, _n)
+
+
+import moeadapt.lora.layers as _L  # noqa: E402
+import moeadapt.models.dsa_attn as _D  # noqa: E402
+import moeadapt.models.kda_attn as _K  # noqa: E402
+import moeadapt.models.moe as _M  # noqa: E402
+
+for _n in ("chunk_kda",):
+    _scope(_K, _n)
+for _n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_rope"):
+    _scope(_D, _n)
+for _n in ("permute", "unpermute", "grouped_mm"):
+    _scope(_M, _n)
 _scope(_L, "grouped_lora")
+
 
 def run(spec, seq, mb, rc, rank, targets=None):
     lora = (LoRASpec(rank=rank, targets=targets) if targets else LoRASpec(rank=rank)) if rank else None
     orig = A.LiveBytes
     # hook module stack
-    from torch import nn
-    def pre(m, a): STACK.append(m._tag)
+
+    def pre(m, a):
+        STACK.append(m._tag)
+
     def post(m, a, o):
         STACK.pop()
         if m._tag == "root" and holder and holder[-1].fwd is None:
-            t = holder[-1]; t.fwd = {k: t.tags[k] for k in t._seen}
+            t = holder[-1]
+            t.fwd = {k: t.tags[k] for k in t._seen}
+
     import moeadapt.models.model as MM
-    real_build = MM.build_model
+
     res = {}
-    for target_pass in (0, 1):
+    for _pass in (0, 1):  # the second pass stops at the first pass's peak
+
         def mk():
             return Tagged(res.get("peak_live"))
+
         A.LiveBytes = mk
         torch.manual_seed(0)
         # patch materialize to add hooks
         real_mat = MM.materialize
+
         def mat(*a, **k):
-            m = real_mat(*a, **k)
+            m = real_mat(*a, **k)  # noqa: B023 (bound in this pass)
             for name, mod in m.named_modules():
                 parts = name.split(".")
                 mod._tag = ".".join(parts[:4]) if name else "root"
-                mod.register_forward_pre_hook(pre); mod.register_forward_hook(post)
+                mod.register_forward_pre_hook(pre)
+                mod.register_forward_hook(post)
             return m
+
         MM.materialize = mat
-        inst = {}
-        real_mode = mk
         holder = []
+
         def mk2(held=None):
-            t = Tagged(res.get("peak_live"), held); holder.append(t); return t
+            t = Tagged(res.get("peak_live"), held)
+            holder.append(t)  # noqa: B023 (bound in this pass)
+            return t
+
         A.LiveBytes = mk2
         r = A.measure_step(spec, seq, mb, rc, lora)
         MM.materialize = real_mat
@@ -92,44 +136,82 @@ def run(spec, seq, mb, rc, rank, targets=None):
         res["meas"] = r["peak"]
     A.LiveBytes = orig
     pred = predict_step(spec, seq, mb, rc, lora)
-    print(f"== {spec.name} seq={seq} mb={mb} {rc} lora={rank}: measured {res['meas']/1e6:.3f} MB predicted {pred['total']/1e6:.3f} MB err {100*(pred['total']/res['meas']-1):+.1f}%")
-    print("  phase", pred["peak_phase"], " pred terms:", {k: round(v/1e6, 3) for k, v in pred.items() if k not in ('params_total','params_trainable','tokens_per_gpu','peak_phase')})
+    print(
+        f"== {spec.name} seq={seq} mb={mb} {rc} lora={rank}: measured {res['meas'] / 1e6:.3f} MB predicted {pred['total'] / 1e6:.3f} MB err {100 * (pred['total'] / res['meas'] - 1):+.1f}%"
+    )
+    print(
+        "  phase",
+        pred["peak_phase"],
+        " pred terms:",
+        {
+            k: round(v / 1e6, 3)
+            for k, v in pred.items()
+            if k not in ("params_total", "params_trainable", "tokens_per_gpu", "peak_phase")
+        },
+    )
     from moeadapt.plan.memory import layer_activation_bytes, param_counts
+
     pc = param_counts(spec, lora)
-    la = pc.lora_targets if lora else (frozenset(),)*spec.n_layers
+    la = pc.lora_targets if lora else (frozenset(),) * spec.n_layers
     fl = collections.Counter()
-    for k, (n, mod, op, shape, ge) in t.fwd.items():
+    for n, mod, _op, _shape, _ge in t.fwd.values():
         fl[".".join(mod.split(".")[:2]) if mod.startswith("layers") else mod] += n
     print("  end-of-forward kept by layer (measured / predicted MB):")
     for i in range(spec.n_layers):
-        p = layer_activation_bytes(spec, i, seq*mb, seq, rc if rc != "full" else "none", 4, "reference", lora is None, la[i], pc.lora_rank)
-        print(f"    layers.{i} {spec.resolved_layer_types()[i]} {fl[f'layers.{i}']/1e6:.3f} / {p/1e6:.3f}")
-    print("    others", {k: round(v/1e6, 3) for k, v in fl.items() if not k.startswith("layers")})
+        p = layer_activation_bytes(
+            spec,
+            i,
+            seq * mb,
+            seq,
+            rc if rc != "full" else "none",
+            4,
+            "reference",
+            lora is None,
+            la[i],
+            pc.lora_rank,
+        )
+        print(
+            f"    layers.{i} {spec.resolved_layer_types()[i]} {fl[f'layers.{i}'] / 1e6:.3f} / {p / 1e6:.3f}"
+        )
+    print("    others", {k: round(v / 1e6, 3) for k, v in fl.items() if not k.startswith("layers")})
     if "-f" in sys.argv:
         by = collections.Counter()
-        for k, (n, mod, op, shape, ge) in t.fwd.items():
-            if mod.startswith(sys.argv[-1]): by[(mod, op, shape)] += n
-        for k, v in by.most_common(): print("      ", round(v/1e3, 1), "kB", *k)
+        for n, mod, op, shape, _ge in t.fwd.values():
+            if mod.startswith(sys.argv[-1]):
+                by[(mod, op, shape)] += n
+        for k, v in by.most_common():
+            print("      ", round(v / 1e3, 1), "kB", *k)
     snap = t.snap
-    by_mod = collections.Counter(); by_op = collections.defaultdict(collections.Counter)
-    for k, (n, mod, op, shape, ge) in snap.items():
-        by_mod[mod] += n; by_op[mod][(op, shape, "fwd" if ge else "bwd")] += n
-    print(f"  live-at-peak (excluding params/opt state) {sum(by_mod.values())/1e6:.3f} MB, reached by", t.snap_op)
-    print(f"    created under grad mode (forward / recompute) {sum(v[0] for v in snap.values() if v[4])/1e6:.3f} MB,"
-          f" in backward {sum(v[0] for v in snap.values() if not v[4])/1e6:.3f} MB")
+    by_mod = collections.Counter()
+    by_op = collections.defaultdict(collections.Counter)
+    for n, mod, op, shape, ge in snap.values():
+        by_mod[mod] += n
+        by_op[mod][(op, shape, "fwd" if ge else "bwd")] += n
+    print(
+        f"  live-at-peak (excluding params/opt state) {sum(by_mod.values()) / 1e6:.3f} MB, reached by",
+        t.snap_op,
+    )
+    print(
+        f"    created under grad mode (forward / recompute) {sum(v[0] for v in snap.values() if v[4]) / 1e6:.3f} MB,"
+        f" in backward {sum(v[0] for v in snap.values() if not v[4]) / 1e6:.3f} MB"
+    )
     for mod, n in sorted(by_mod.items()):
-        print(f"  {mod:40s} {n/1e6:8.3f}")
+        print(f"  {mod:40s} {n / 1e6:8.3f}")
         if "-v" in sys.argv:
             for (op, shape, ph), b in by_op[mod].most_common():
-                print(f"       {b/1e3:9.1f} kB  {ph} {op} {shape}")
+                print(f"       {b / 1e3:9.1f} kB  {ph} {op} {shape}")
+
 
 if __name__ == "__main__":
     name, seq, mb, rc, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     targets = None
     if name == "gqa":  # the test's gqa model and its LoRA targets (q/k/v/o + experts)
-        sys.path.insert(0, "tests/plan"); from test_accuracy import GQA as spec, GQA_LORA as targets
+        sys.path.insert(0, "tests/plan")
+        from test_accuracy import GQA as spec
+        from test_accuracy import GQA_LORA as targets
     elif name == "micro":
-        sys.path.insert(0, "tests/plan"); from test_accuracy import SPEC as spec
+        sys.path.insert(0, "tests/plan")
+        from test_accuracy import SPEC as spec
     else:
         spec = get_preset(name)
     run(spec, seq, mb, rc, rank, targets)

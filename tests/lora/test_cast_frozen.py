@@ -5,7 +5,6 @@ import torch
 from moeadapt.config import LoRASpec
 from moeadapt.lora import GroupedLoRALinear, cast_frozen_, inject_lora
 from moeadapt.models.model import build_model, materialize
-
 from tests.conftest import micro_spec
 
 

@@ -8,14 +8,13 @@ import shutil
 import pytest
 import torch
 import transformers
+from onboard_helpers import save_tiny
 
 from moeadapt.config import LoRASpec
 from moeadapt.io import load_tensors, save_tensors
 from moeadapt.lora import export_peft, inject_lora, load_peft, lora_modules
 from moeadapt.lora.peft import PREFIX
 from moeadapt.onboard import onboard_model, peft_maps
-
-from onboard_helpers import save_tiny
 
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
 TARGETS = ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3",
