@@ -10,12 +10,10 @@ the peak's tensors per module; -f PREFIX lists the end-of-forward tensors of mod
 
 import collections
 import sys
-import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from moeadapt.config import LoRASpec, get_preset
 from moeadapt.plan import accuracy as A
@@ -32,29 +30,11 @@ class Tagged(A.LiveBytes):
         self.snap = None
         self.fwd = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key, n = st.data_ptr(), st.nbytes()
-                if n == 0 or key in self._seen or key in self._held:
-                    continue
-                self._seen.add(key)
-                self.live += n
-                self.peak = max(self.peak, self.live)
-                self.tags[key] = (
-                    n,
-                    STACK[-1],
-                    str(func).replace("aten.", ""),
-                    tuple(t.shape),
-                    torch.is_grad_enabled(),
-                )
-                weakref.finalize(st, self._free, key, n)
-                if self.target is not None and self.snap is None and self.live == self.target:
-                    self.snap = {k: self.tags[k] for k in self._seen}
-                    self.snap_op = (str(func), STACK[-1], tuple(t.shape))
-        return out
+    def _on_new(self, func, t, key, n):
+        self.tags[key] = (n, STACK[-1], str(func).replace("aten.", ""), tuple(t.shape), torch.is_grad_enabled())
+        if self.target is not None and self.snap is None and self.live == self.target:
+            self.snap = {k: self.tags[k] for k in self._seen}
+            self.snap_op = (str(func), STACK[-1], tuple(t.shape))
 
 
 def _scope(mod, name):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sm90_check  # noqa: E402
 
 GPU = {  # kernel -> (constexprs, launch options) as fused_lora / triton_permute choose them off the interpreter
-    "_fold_in_kernel": (dict(BM=64, BK=128), dict(num_warps=4, num_stages=3)),
+    "_lora_in_kernel": (dict(BM=64, BK=128), dict(num_warps=4, num_stages=3)),
     "_fold_swiglu_bwd_kernel": (dict(BM=64, BN=128), dict(num_warps=4, num_stages=2)),
     "_lora_out_kernel": (dict(BM=64, BN=128), dict(num_warps=4, num_stages=2)),
     "_combine_rows_kernel": (dict(BLOCK_T=8, BLOCK_D=256), {}),

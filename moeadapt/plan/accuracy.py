@@ -48,7 +48,11 @@ class LiveBytes(TorchDispatchMode):
                 self.live += n
                 self.peak = max(self.peak, self.live)
                 weakref.finalize(st, self._free, key, n)
+                self._on_new(func, t, key, n)
         return out
+
+    def _on_new(self, func, t: torch.Tensor, key: int, n: int) -> None:
+        """Called for each newly counted storage (a hook for tools that tag what is live)."""
 
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,

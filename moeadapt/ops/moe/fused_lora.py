@@ -74,12 +74,14 @@ def padded_rank(R: int) -> int:
 # ---------------------------------------------------------------- Triton passes
 @triton.jit
 def _lora_in_kernel(
-    x_ptr, a_ptr, xc_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-    I, R, RW, scale,
-    s_xn, s_xi, s_ae, s_ai, s_ar, s_cn, s_ci, s_hn, s_hr,
-    COPY: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+    x_ptr, u_ptr, idx_ptr, a_ptr, xc_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    I, R, RW, K, scale,
+    s_xn, s_xi, s_un, s_ui, s_ae, s_ai, s_ar, s_cn, s_ci, s_hn, s_hr,
+    COPY: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
+    IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
 ):
-    """h[rows] = scale·x[rows]·a[e] (width RW, zeros past R); with COPY also xc[rows] = x[rows]."""
+    """h[rows] = scale·x_n·a[e] (width RW, zeros past R); with COPY also xc[rows] = x_n, where x_n is
+    x[n], or x[idx[n] // K] (GATHER: the permute gather), or silu(x[n])·u[n] (SWIGLU)."""
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
     if e < 0:
@@ -89,6 +91,10 @@ def _lora_in_kernel(
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
     rows64 = rows.to(tl.int64)
+    if GATHER:
+        src64 = tl.load(idx_ptr + rows64, mask=row_ok, other=0).to(tl.int64) // K
+    else:
+        src64 = rows64
     rs = tl.arange(0, RP)
     r_ok = rs < R
     e64 = e.to(tl.int64)
@@ -97,7 +103,11 @@ def _lora_in_kernel(
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < I
         m = row_ok[:, None] & k_ok[None, :]
-        xt = tl.load(x_ptr + rows64[:, None] * s_xn + ks[None, :] * s_xi, mask=m, other=0.0)
+        xt = tl.load(x_ptr + src64[:, None] * s_xn + ks[None, :] * s_xi, mask=m, other=0.0)
+        if SWIGLU:
+            g = xt.to(tl.float32)
+            u = tl.load(u_ptr + src64[:, None] * s_un + ks[None, :] * s_ui, mask=m, other=0.0).to(tl.float32)
+            xt = (g * tl.sigmoid(g) * u).to(xc_ptr.dtype.element_ty)
         if COPY:
             tl.store(xc_ptr + rows64[:, None] * s_cn + ks[None, :] * s_ci, xt.to(xc_ptr.dtype.element_ty), mask=m)
         at = tl.load(a_ptr + e64 * s_ae + ks[:, None] * s_ai + rs[None, :] * s_ar,
@@ -171,9 +181,10 @@ def lora_in(x_NI, a_EIR, offsets_E, scale, h_NW, xc_NI=None):
     BK = 32 if _interpreting() else 128
     xc = xc_NI if xc_NI is not None else h_NW
     _lora_in_kernel[(len(expert_T),)](
-        x_NI, a_EIR, xc, h_NW, expert_T, row_T, offsets_E, I, R, W, float(scale),
-        x_NI.stride(0), x_NI.stride(1), *a_EIR.stride(), xc.stride(0), xc.stride(1), h_NW.stride(0), h_NW.stride(1),
-        COPY=xc_NI is not None, IEEE=x_NI.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
+        x_NI, x_NI, offsets_E, a_EIR, xc, h_NW, expert_T, row_T, offsets_E, I, R, W, 1, float(scale),
+        x_NI.stride(0), x_NI.stride(1), 0, 0, *a_EIR.stride(), xc.stride(0), xc.stride(1),
+        h_NW.stride(0), h_NW.stride(1),
+        COPY=xc_NI is not None, GATHER=False, SWIGLU=False, IEEE=x_NI.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
         **({} if _interpreting() else dict(num_warps=4, num_stages=3)),
     )
 
@@ -338,57 +349,11 @@ def grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_c
 
 # ---------------------------------------------------------------- folded input passes (CONFIG["fold_io"])
 # The LoRA-in pass has to read every input row once anyway; these variants let it read the rows from
-# where they already are instead of from a materialised copy:
+# where they already are instead of from a materialised copy (`_lora_in_kernel` with GATHER or SWIGLU):
 #   gather  (gate/up): x[n] = z[row_index[n] // K]  (the permute gather: z_NL is never written)
 #   swiglu  (down):    x[n] = silu(gate[n])·up[n]   (the SwiGLU product: h_NF is only written inside xcat)
 # Backward: gather -> the usual dx epilogue, then the combine (Σ over the top-k copies, weights 1);
 # swiglu -> one pass reading [dy·Wᵀ | dy·Bᵀ], A, gate and up, writing d(gate) and d(up).
-@triton.jit
-def _fold_in_kernel(
-    x_ptr, u_ptr, idx_ptr, a_ptr, xc_ptr, h_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
-    I, R, RW, K, scale,
-    s_xn, s_xi, s_un, s_ui, s_ae, s_ai, s_ar, s_cn, s_ci, s_hn, s_hr,
-    SWIGLU: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
-):
-    """xc[rows] = x[rows], h[rows] = scale·x[rows]·a[e] (width RW, zeros past R), x as described above."""
-    pid = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + pid)
-    if e < 0:
-        return
-    row0 = tl.load(tile_row_ptr + pid)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
-    rows64 = rows.to(tl.int64)
-    if SWIGLU:
-        src64 = rows64
-    else:
-        src64 = tl.load(idx_ptr + rows64, mask=row_ok, other=0).to(tl.int64) // K
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    e64 = e.to(tl.int64)
-    acc = tl.zeros([BM, RP], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < I
-        m = row_ok[:, None] & k_ok[None, :]
-        xt = tl.load(x_ptr + src64[:, None] * s_xn + ks[None, :] * s_xi, mask=m, other=0.0)
-        if SWIGLU:
-            g = xt.to(tl.float32)
-            u = tl.load(u_ptr + src64[:, None] * s_un + ks[None, :] * s_ui, mask=m, other=0.0).to(tl.float32)
-            xt = (g * tl.sigmoid(g) * u).to(xc_ptr.dtype.element_ty)
-        tl.store(xc_ptr + rows64[:, None] * s_cn + ks[None, :] * s_ci, xt.to(xc_ptr.dtype.element_ty), mask=m)
-        at = tl.load(a_ptr + e64 * s_ae + ks[:, None] * s_ai + rs[None, :] * s_ar,
-                     mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(xt, at.to(xt.dtype), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, at.to(xt.dtype), acc)
-    acc = acc * scale
-    tl.store(h_ptr + rows64[:, None] * s_hn + rs[None, :] * s_hr, acc.to(h_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (rs < RW)[None, :])
-
-
 @triton.jit
 def _fold_swiglu_bwd_kernel(
     base_ptr, g_ptr, a_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
@@ -457,11 +422,11 @@ def fold_in(x, a_EIR, offsets_E, scale, xcat_NJ, *, row_index_N=None, K=1, up_NI
     u = up_NI if swiglu else x
     idx = row_index_N if not swiglu else offsets_E
     xc, h = xcat_NJ[:, :I], xcat_NJ[:, I:]
-    _fold_in_kernel[(len(expert_T),)](
+    _lora_in_kernel[(len(expert_T),)](
         x, u, idx, a_EIR, xc, h, expert_T, row_T, offsets_E, I, R, W, K, float(scale),
         x.stride(0), x.stride(1), u.stride(0), u.stride(1), *a_EIR.stride(), xc.stride(0), xc.stride(1),
         h.stride(0), h.stride(1),
-        SWIGLU=swiglu, IEEE=xcat_NJ.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
+        COPY=True, GATHER=not swiglu, SWIGLU=swiglu, IEEE=xcat_NJ.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
         **({} if _interpreting() else dict(num_warps=4, num_stages=3)),
     )
 
