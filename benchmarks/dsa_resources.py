@@ -13,9 +13,7 @@ Triton installed here, not necessarily of the GPU machine's. Shared memory above
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -24,6 +22,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moeadapt.ops.dsa import triton_sparse_attn as tsa  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_check import res_usage  # noqa: E402
 
 BF = "*bf16"
 MLA = dict(D1=512, D2=64, BLOCK_DV=512, V_FROM_K=True, IEEE=False, I64=False)
@@ -71,15 +72,7 @@ def resources(kernel: str, opts: dict) -> str:
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                     attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": nw, "num_stages": ns})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()
-                     if w.startswith(("REG:", "STACK:")))
-    return f"{usage} shared {k.metadata.shared} B"
+    return res_usage(k)
 
 
 def main():

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -22,24 +19,18 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moeadapt.ops.kda import triton_bwd, triton_fwd, triton_kda  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_check import res_usage  # noqa: E402
+
 GATE = [False]  # --gate: kernels with the fused gate (A_log, dt_bias)
 STAGES = [3]  # set from triton_kda's launch config in main(); KDA_STAGES overrides
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_one(fn, types, consts, num_warps):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": int(os.environ.get("KDA_STAGES", STAGES[0]))})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    regs = re.search(r"REG:(\d+)", out)
-    stack = re.search(r"STACK:(\d+)", out)
-    local = re.search(r"LOCAL:(\d+)", out)
-    return (f"REG {regs and regs.group(1)} STACK {stack and stack.group(1)} LOCAL {local and local.group(1)} "
-            f"SMEM {k.metadata.shared}{' (over the 232448 B of sm_90)' if k.metadata.shared > 232448 else ''}")
+    return res_usage(k)
 
 
 def main():

@@ -105,6 +105,25 @@ def record(module_names=None):
                 setattr(mod, attr, _Recorder(mname, attr, obj))
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
+def res_usage(compiled) -> str:
+    """Registers and spill stack per thread of a compiled kernel (cuobjdump, shipped with Triton), and its
+    shared memory: 'REG:n STACK:n shared n B'. STACK > 0 means register spills to local memory."""
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()
+                     if w.startswith(("REG:", "STACK:")))
+    smem = compiled.metadata.shared
+    return f"{usage} shared {smem} B{'  OVER 227 KB' if smem > SMEM_LIMIT else ''}"
+
+
 def compile_all(recs, cap=90):
     import importlib
 
@@ -118,12 +137,8 @@ def compile_all(recs, cap=90):
         src = ASTSource(fn=jit, signature=r["sig"], constexprs=const)
         try:
             k = triton.compile(src, target=target, options=dict(o))
-            md = k.metadata
-            smem = md.shared
-            print(
-                f"{name:24s} {str(o):40s} shared {smem / 1024:7.1f} KB{'  OVER 227 KB' if smem > 232448 else ''}"
-            )
-            bad += smem > 232448
+            print(f"{name:24s} {str(o):40s} {res_usage(k)}")
+            bad += k.metadata.shared > SMEM_LIMIT
         except Exception as e:  # noqa: BLE001
             bad += 1
             print(f"{name:24s} {str(o):40s} FAILED {type(e).__name__}: {str(e)[:300]}")

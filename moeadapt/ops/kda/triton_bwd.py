@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _load_g, _row, _tok_setup
+from .triton_fwd import _load_g, _row, _state_setup, _tok_setup
 
 
 @triton.jit
@@ -19,26 +19,11 @@ def _bwd_dh(
     """Per (V-block, sequence and head): the reverse recurrence, storing dS entering each chunk (dh, from
     its end) and dd = (Aqk^T scale dO) + kd dS; dS kept as K/KH (1 or 2) row blocks of KH rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT)
+    i_n, i_hv, bos, eos, c0, NT, c1, c2, cv, o_s1, o_s2, b_dS1, b_dS2 = _state_setup(
+        i_v, i_nh, cu, coff, dht, HV, K, V, KH, BT, BV, HAS_DHT)
     TWO: tl.constexpr = K // KH == 2
-    c1 = tl.arange(0, KH)
-    c2 = KH + tl.arange(0, KH)
-    cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    o_s1 = c1[:, None] * V + cv[None, :]
-    o_s2 = c2[:, None] * V + cv[None, :]
     DT = w.dtype.element_ty
-    b_dS1 = tl.zeros([KH, BV], dtype=tl.float32)
-    b_dS2 = tl.zeros([KH, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dS1 = tl.load(dht + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
-        if TWO:
-            b_dS2 = tl.load(dht + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
     for j in range(0, NT):
         it = NT - 1 - j
         t0 = bos + it * BT

@@ -140,30 +140,42 @@ def _fwd_intra(
 
 
 @triton.jit
+def _wu_k(b_Ti, g, q, k, b_beta, w, kd, qg, gl, tok, rows, rmask, ck, i_c, i_h, i_hv, A_log, dt_bias,
+          H, HV, K: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr):
+    """On the channels ck: w = Ti (beta k e^G), k e^(gam-G), q e^G and gam for one (chunk, head)."""
+    o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
+    b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
+    b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
+    eG = tl.exp(b_G)
+    b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
+    tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
+    gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
+    tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
+    tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
+    tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+
+
+@triton.jit
+def _wu_v(b_Ti, v, b_beta, u, tok, rmask, cv, i_hv, HV, V: tl.constexpr, PREC: tl.constexpr):
+    """On the value channels cv: u = Ti (beta v) for one (chunk, head)."""
+    o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+    b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
+    b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
+    tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
 def _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
         H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         PREC: tl.constexpr, USE_GATE: tl.constexpr):
     """w = Ti (beta k e^G), u = Ti (beta v), k e^(gam-G), q e^G and gam for one (chunk, head)."""
     for kb in range(0, K, BK):
-        ck = kb + tl.arange(0, BK)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        eG = tl.exp(b_G)
-        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
-        tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
-        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
-        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
-        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
-        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+        _wu_k(b_Ti, g, q, k, b_beta, w, kd, qg, gl, tok, rows, rmask, kb + tl.arange(0, BK), i_c, i_h, i_hv,
+              A_log, dt_bias, H, HV, K, BT, PREC, USE_GATE)
     for vb in range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
-        tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+        _wu_v(b_Ti, v, b_beta, u, tok, rmask, vb + tl.arange(0, BV), i_hv, HV, V, PREC)
 
 
 @triton.jit
@@ -187,25 +199,10 @@ def _fwd_wu(
     b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
     b_Ti = tl.load(Ti + tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :], mask=rmask[:, None], other=0.0)
     if i_b < K // BK:
-        ck = i_b * BK + tl.arange(0, BK)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        eG = tl.exp(b_G)
-        b_w = tl.dot(b_Ti, b_k * eG * b_beta[:, None], input_precision=PREC)
-        tl.store(w + o_g, b_w.to(w.dtype.element_ty), mask=rmask[:, None])
-        gam = tl.sum(tl.where((rows == BT - 1)[:, None], b_G, 0.0), axis=0)  # padded rows repeat G_last
-        tl.store(kd + o_g, (b_k * tl.exp(gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=rmask[:, None])
-        tl.store(qg + o_g, (b_q * eG).to(qg.dtype.element_ty), mask=rmask[:, None])
-        tl.store(gl + (i_c.to(tl.int64) * HV + i_hv) * K + ck, gam)
+        _wu_k(b_Ti, g, q, k, b_beta, w, kd, qg, gl, tok, rows, rmask, i_b * BK + tl.arange(0, BK), i_c, i_h, i_hv,
+              A_log, dt_bias, H, HV, K, BT, PREC, USE_GATE)
     else:
-        cv = (i_b - K // BK) * BV + tl.arange(0, BV)
-        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_Ti, b_v * b_beta[:, None], input_precision=PREC)
-        tl.store(u + o_v, b_u.to(u.dtype.element_ty), mask=rmask[:, None])
+        _wu_v(b_Ti, v, b_beta, u, tok, rmask, (i_b - K // BK) * BV + tl.arange(0, BV), i_hv, HV, V, PREC)
 
 
 @triton.jit
@@ -257,6 +254,31 @@ def _fwd_diag_chunk(
 
 
 @triton.jit
+def _state_setup(i_v, i_nh, cu, coff, s0, HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
+                 BT: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+    """Common start of the state recurrences (`_fwd_h` forward, `_bwd_dh` in reverse): the program's
+    sequence, head and V-block, its chunk span, and the state's K/KH row blocks loaded from s0 (or zeros)."""
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    c1 = tl.arange(0, KH)
+    c2 = KH + tl.arange(0, KH)
+    cv = i_v * BV + tl.arange(0, BV)
+    o_s1 = c1[:, None] * V + cv[None, :]
+    o_s2 = c2[:, None] * V + cv[None, :]
+    b_S1 = tl.zeros([KH, BV], dtype=tl.float32)
+    b_S2 = tl.zeros([KH, BV], dtype=tl.float32)
+    if HAS_S0:
+        b_S1 = tl.load(s0 + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
+        if K // KH == 2:
+            b_S2 = tl.load(s0 + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
+    return i_n, i_hv, bos, eos, c0, NT, c1, c2, cv, o_s1, o_s2, b_S1, b_S2
+
+
+@triton.jit
 def _fwd_h(
     kd, w, u, gl, h, vn, h0, ht, cu, coff,
     HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
@@ -266,26 +288,11 @@ def _fwd_h(
     """Per (V-block, sequence and head): the state recurrence over chunks, storing the state entering each
     chunk (h) and d = u - w S (vn). The state is kept as K/KH (1 or 2) row blocks of KH rows."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n = i_nh // HV
-    i_hv = i_nh % HV
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT)
+    i_n, i_hv, bos, eos, c0, NT, c1, c2, cv, o_s1, o_s2, b_S1, b_S2 = _state_setup(
+        i_v, i_nh, cu, coff, h0, HV, K, V, KH, BT, BV, HAS_H0)
     TWO: tl.constexpr = K // KH == 2
-    c1 = tl.arange(0, KH)
-    c2 = KH + tl.arange(0, KH)
-    cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    o_s1 = c1[:, None] * V + cv[None, :]
-    o_s2 = c2[:, None] * V + cv[None, :]
     DT = w.dtype.element_ty
-    b_S1 = tl.zeros([KH, BV], dtype=tl.float32)
-    b_S2 = tl.zeros([KH, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_S1 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s1).to(tl.float32)
-        if TWO:
-            b_S2 = tl.load(h0 + (i_n * HV + i_hv) * K * V + o_s2).to(tl.float32)
     for it in range(0, NT):
         t0 = bos + it * BT
         L = tl.minimum(eos - t0, BT)
