@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _load_g, _row, _state_setup, _tok_setup
+from .triton_fwd import _chunk_span, _load_g, _row, _state_setup, _tok_setup
 
 
 @triton.jit
@@ -72,11 +72,7 @@ def _bwd_dv(
     """Per (chunk, head): dRu = Ti^T dd, dv = beta dRu, dbeta(v) = sum dRu v,
     dAkk = -dRu d^T (strictly lower), dAqk = scale dO d^T (lower)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     rows = tl.arange(0, BT)
     rmask = rows < eos - t0
     tok = t0 + rows
@@ -116,11 +112,7 @@ def _bwd_wy(
     """Per (chunk, head, K-block): state and WY terms of dq, dk, dg (partial), dbeta (partial)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
     rows = tl.arange(0, BT)
     rmask = rows < L
@@ -185,11 +177,7 @@ def _bwd_intra(
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
     rows = tl.arange(0, BT)
     rmask = rows < L
@@ -267,11 +255,7 @@ def _bwd_diag_chunk(
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
     rows = tl.arange(0, BT)
     rmask = rows < L

@@ -58,11 +58,7 @@ def _fwd_intra(
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
     rows = tl.arange(0, BT)
     rmask = rows < L
@@ -188,11 +184,7 @@ def _fwd_wu(
     give w = Ti (beta k e^G), k e^(gam-G), q e^G and gam on BK channels; the next V/BV give u = Ti (beta v)."""
     i_c, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     rows = tl.arange(0, BT)
     rmask = rows < eos - t0
     tok = t0 + rows
@@ -217,11 +209,7 @@ def _fwd_diag_chunk(
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     rows = tl.arange(0, BT)
     rmask = rows < eos - t0
     blk = rows // BC
@@ -332,11 +320,7 @@ def _fwd_o(
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     rows = tl.arange(0, BT)
     rmask = rows < eos - t0
     tok = t0 + rows
@@ -358,11 +342,7 @@ def _fwd_gcum(
 ):
     """G = in-chunk cumulative sum of g (float32), per (chunk, head)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     rows = tl.arange(0, BT)
     rmask = rows < eos - t0
     ck = tl.arange(0, K)
@@ -372,16 +352,22 @@ def _fwd_gcum(
 
 
 @triton.jit
+def _chunk_span(cu, cidx, i_c, BT: tl.constexpr):
+    """Chunk i_c -> (its sequence i_n, the sequence's [bos, eos) in tokens, the chunk's first token t0)."""
+    i_n = tl.load(cidx + 2 * i_c)
+    i_t = tl.load(cidx + 2 * i_c + 1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    return i_n, bos, eos, bos + i_t * BT
+
+
+@triton.jit
 def _tok_setup(cu, cidx, BT: tl.constexpr, BC: tl.constexpr):
     """Program (chunk*BT + row) -> (token t, chunk start t0, sub-chunk start s0, sub-chunk end s1, valid)."""
     p = tl.program_id(0)
     i_c = p // BT
     r = p % BT
-    i_n = tl.load(cidx + 2 * i_c)
-    i_t = tl.load(cidx + 2 * i_c + 1)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
+    _, _, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     t = t0 + r
     s0 = t0 + (r // BC) * BC
     s1 = tl.minimum(s0 + BC, eos)
