@@ -4,12 +4,7 @@
 # back as fla_autotune.tgz for a later call), our reference for the >=5x ratio, and the GPU tests that
 # call 1 did not reach. Run from the repo root on an H200 with carry [".whl"].
 set -u
-out=${OUT:-gpu_logs}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/pydantic-*.whl \
-  .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
-if [ -f .fla_cache/fla_autotune.tgz ]; then mkdir -p /tmp/tc && tar -xzf .fla_cache/fla_autotune.tgz -C /tmp/tc; fi
-step() { local cap=$1 name=$2; shift 2; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" 2>&1 | tee "$out/$name.log" | tail -30; }
+. benchmarks/gpu_env.sh
 step 320 bench_kda python3 -u benchmarks/bench_kda.py --diag token --fla-first --no-ref
 (cd /tmp/tc && find . -name '*.autotune.json' | tar -czf "$out/fla_autotune.tgz" -T -) ; ls -la "$out"/fla_autotune.tgz
 step 90 kda_ref python3 -u benchmarks/bench_kda.py --diag token --no-fla --shapes 1,16384,16,128 8,4096,32,128

@@ -2,9 +2,7 @@
 # GPU call 3 of 2026-11-29 (session 2): the new DSA backward / forward options and the fused grouped LoRA,
 # each checked against the old kernels on the GPU and timed in the same run. Repo root, H200.
 set -u
-out=${OUT:-gpu_logs}; mkdir -p "$out"
-export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-step() { local cap=$1 name=$2; shift 2; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" 2>&1 | tee "$out/$name.log" | tail -40; }
+. benchmarks/gpu_env.sh
 step 125 dsa_check python3 benchmarks/bench_dsa.py --check --T 32768 --H 64 128 --out "$out/dsa_check.json"
 step 60 dsa_tests python3 -m pytest -q -x -p no:cacheprovider -rf tests/gpu/test_dsa_gpu.py
 step 40 moe_tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_moe_gpu.py -k fused

@@ -4,12 +4,7 @@
 # call 2 via .fla_cache/, so only its best configs compile), the GPU correctness tests for KDA, DSA (P/dS fix)
 # and the small-preset training step, and the planner's GPU accuracy. Repo root, H200, carry .whl and .fla_cache.
 set -u
-out=${OUT:-gpu_logs}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/pydantic-*.whl \
-  .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
-mkdir -p /tmp/tc && [ -f .fla_cache/fla_autotune.tgz ] && tar -xzf .fla_cache/fla_autotune.tgz -C /tmp/tc
-step() { local cap=$1 name=$2; shift 2; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" 2>&1 | tee "$out/$name.log" | tail -45; }
+. benchmarks/gpu_env.sh
 step 150 bench_kda python3 -u benchmarks/bench_kda.py --ours dot,token --fla-shapes 2 --time-limit 95 --profile
 step 80 kda_tests python3 -m pytest -q -s -p no:cacheprovider -rf tests/gpu/test_kda_gpu.py
 step 80 model_dsa_tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_model_gpu.py tests/gpu/test_dsa_gpu.py

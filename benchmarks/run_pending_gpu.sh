@@ -9,12 +9,7 @@
 # .fla_cache/fla_autotune.tgz holds fla's own autotune choices (H = 16) from session 2's call 2; this script
 # ships back an extended one: copy $OUT/fla_autotune.tgz to .fla_cache/ for the next call.
 set -u
-out=${OUT:-gpu_logs}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl .whl/pydantic-*.whl \
-  .whl/pydantic_core-*.whl .whl/annotated_types-*.whl .whl/typing_inspection-*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
-mkdir -p /tmp/tc && [ -f .fla_cache/fla_autotune.tgz ] && tar -xzf .fla_cache/fla_autotune.tgz -C /tmp/tc
-step() { local cap=$1 name=$2; shift 2; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" 2>&1 | tee "$out/$name.log" | tail -30; }
+. benchmarks/gpu_env.sh
 # 1. issue 5: fused grouped LoRA with the gather / SwiGLU folds (fused_lora.CONFIG["fold_io"]) vs frozen
 step 60 moe_tests python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_moe_gpu.py -k "fold or fused"
 step 120 moe_lora python3 benchmarks/bench_moe.py --lora-only --out "$out/lora.jsonl"

@@ -1,0 +1,13 @@
+# Sourced by the GPU call scripts (benchmarks/gpu_call*.sh, run_pending_gpu.sh), run from the repo root on the
+# device machine: installs the carried wheels (.whl/: fla-core and pydantic, which the GPU image lacks) into
+# /tmp/site, sets the environment (compiled Triton, not the interpreter tests/conftest.py defaults to; fla's
+# autotune cache from .fla_cache/ when carried) and defines `step CAP NAME CMD...`: run CMD under a time cap,
+# logging to $OUT/NAME.log and printing its tail.
+out=${OUT:-gpu_logs}; mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
+fi
+export PYTHONPATH=/tmp/site:$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+mkdir -p /tmp/tc
+if [ -f .fla_cache/fla_autotune.tgz ]; then tar -xzf .fla_cache/fla_autotune.tgz -C /tmp/tc; fi
+step() { local cap=$1 name=$2; shift 2; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" 2>&1 | tee "$out/$name.log" | tail -40; }
