@@ -203,6 +203,16 @@ CHECK_FWD = {  # name -> SFA config
     "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
     "skip_rev_lazy": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "LAZY": True},
 }
+# session 3 forward variants (sm_90 compile under Triton 3.6, spill stack per thread: skip_rev 32 B, flat 56,
+# defer 88, fma 32, dense 272, flat_fma 56, k32s3 0 B with 148 KB of shared memory instead of 221 KB)
+_SR = {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True}
+CHECK_FWD_S3 = {
+    "flat": {**_SR, "FLAT": True}, "fma": {**_SR, "FMA": True}, "defer": {**_SR, "DEFER_L": True},
+    "dense": {**_SR, "DENSE": True}, "flat_fma": {**_SR, "FLAT": True, "FMA": True},
+    "flat_fma_defer": {**_SR, "FLAT": True, "FMA": True, "DEFER_L": True},
+    "k32s3": {**_SR, "BLOCK_K": 32, "num_stages": 3}, "k32s3_fma": {**_SR, "BLOCK_K": 32, "num_stages": 3, "FMA": True},
+    "k32s3_flat_fma": {**_SR, "BLOCK_K": 32, "num_stages": 3, "FMA": True, "FLAT": True},
+}
 _PDS1 = dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
 _APPLY = dict(BLOCK_H=128, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)
 CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
@@ -218,10 +228,12 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
 # "split": tsa.BWD_CONFIG_SPLIT
 
 
-def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
+def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
     """One GPU call: old vs new SFA and SFAG at T (LI indices), each variant checked
     against the old kernel's output; prints a table and the fastest configs."""
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_S3 if fwd_only else {})}
+    bwd_cfgs = {} if fwd_only else CHECK_BWD
     torch.manual_seed(0)
     q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
     k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
@@ -248,7 +260,7 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
         fl_f, fl_b = 2 * np_ * H * (D + DV), 2 * np_ * H * (3 * D + 2 * DV)
         row = {"H": H}
         o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["old"])
-        for name, cfg in CHECK_FWD.items():
+        for name, cfg in fwd_cfgs.items():
             def f(cfg=cfg):
                 return tsa.sfa_forward(q, kv, v, idx, scale, cfg)
             ms = try_run(f"fwd {name}", lambda f=f: timeit(f, reps=reps), log)
@@ -264,7 +276,7 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
         def b(cfg):
             return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cfg)
         dq_ref = dk_ref = None
-        for name, cfg in CHECK_BWD.items():
+        for name, cfg in bwd_cfgs.items():
             ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
             if ms is None:
                 continue
@@ -285,15 +297,15 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda"):
         out["rows"].append(one(H))
         torch.cuda.empty_cache()
 
-    fw, bw = list(CHECK_FWD), list(CHECK_BWD)
-    log("| T | HQ | " + " | ".join(f"SFA {n} ms (TF/s)" for n in fw) + " | "
-        + " | ".join(f"SFAG {n} ms (TF/s)" for n in bw) + " |")
-    log("|" + "---|" * (2 + len(fw) + len(bw)))
+    fw, bw = list(fwd_cfgs), list(bwd_cfgs)
+    cols = [f"SFA {n} ms (TF/s)" for n in fw] + [f"SFAG {n} ms (TF/s)" for n in bw]
+    log("| T | HQ | " + " | ".join(cols) + " |")
+    log("|" + "---|" * (2 + len(cols)))
     for r in out["rows"]:
-        log(f"| {T} | {r['H']} | " + " | ".join(cell(r.get(f"fwd_{n}")) for n in fw + []) + " | "
-            + " | ".join(cell(r.get(f"bwd_{n}")) for n in bw) + " |")
+        log(f"| {T} | {r['H']} | " + " | ".join([cell(r.get(f"fwd_{n}")) for n in fw]
+                                               + [cell(r.get(f"bwd_{n}")) for n in bw]) + " |")
     for r in out["rows"]:
-        for kind, names, cfgs in (("fwd", fw, CHECK_FWD), ("bwd", bw, CHECK_BWD)):
+        for kind, names, cfgs in (("fwd", fw, fwd_cfgs), ("bwd", bw, bwd_cfgs)):
             ok = [(r[f"{kind}_{n}"][0], n) for n in names if f"{kind}_{n}" in r and r[f"{kind}_{n}"][2] < 2e-2]
             if ok:
                 ms, n = min(ok)
@@ -399,6 +411,8 @@ def main():
     ap.add_argument("--probe", action="store_true", help="split SFAG time into its parts and exit")
     ap.add_argument("--check", action="store_true",
                     help="old vs new SFA/SFAG kernel variants at the first --T (default 32768), each --H; then exit")
+    ap.add_argument("--fwd-only", action="store_true",
+                    help="with --check: only SFA, with the session-3 forward variants (CHECK_FWD_S3)")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
     a = ap.parse_args()
@@ -413,7 +427,8 @@ def main():
     res["triton"] = triton.__version__
     if a.check:
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
-        res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]))
+        res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
+                             fwd_only=a.fwd_only)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")

@@ -296,8 +296,8 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
     lora_variants.update({name: lora_fn(name) for name in LORA_VARIANTS})
     if profile:  # where the time goes, per kernel, for our full-training and LoRA steps
         for name, ex, frozen in (("ours-torch", variants.get("ours-torch"), False),
-                                 ("lora-triton", lora_variants["lora-triton"], True),
-                                 ("lora-fused", lora_variants["lora-fused"], True),
+                                 ("frozen", lora_variants["frozen"], True),
+                                 ("lora-fused-twg", lora_variants["lora-fused-twg"], True),
                                  ("lora-fused-fold", lora_variants["lora-fused-fold"], True)):
             if ex is None:
                 continue
@@ -308,7 +308,7 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
                 step()
                 torch.cuda.synchronize()
             print(f"# profile {name} E={E} K={K}\n" + prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+                sort_by="cuda_time_total", row_limit=24, max_name_column_width=60), flush=True)
     rows = []
     for scope, maker in (("experts", experts_step), ("layer", layer_step)):
         for name, ex in variants.items():

@@ -96,19 +96,115 @@ def _slot_span(idx_row_ptr, TOPK, SKIP: tl.constexpr, TOPK_P2: tl.constexpr):
 
 
 @triton.jit
+def _slot_count(idx_row_ptr, TOPK, TOPK_P2: tl.constexpr):
+    """(span, number of valid slots) of an index row; span as in _slot_span(SKIP=True)."""
+    offs = tl.arange(0, TOPK_P2)
+    ix = tl.load(idx_row_ptr + offs, mask=offs < TOPK, other=-1)
+    return tl.max(tl.where(ix >= 0, offs + 1, 0), 0), tl.sum((ix >= 0).to(tl.int32), 0)
+
+
+@triton.jit
+def _sfa_fwd_block(
+    q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
+    MASKED: tl.constexpr, LAZY: tl.constexpr, DEFER_L: tl.constexpr, FMA: tl.constexpr,
+):
+    """One key block of the online softmax: gather BLOCK_K selected rows, S = q k^T, update
+    (m_i, l_i, acc). MASKED=False: every slot of the block is known valid (no -1 handling).
+    DEFER_L: l_i is a [BLOCK_H, BLOCK_K] partial sum (reduced once by the caller).
+    FMA: the running max is taken on raw scores and the scale folded into exp2's argument."""
+    offs_d1 = tl.arange(0, D1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if MASKED:
+        idx = tl.load(idx_ptr + offs_k, mask=offs_k < TOPK, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0)
+    else:
+        rows = tl.load(idx_ptr + offs_k)
+    if I64:
+        rows = rows.to(tl.int64)
+    if MASKED:
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :])
+    s = _mm(q1, tl.trans(k1), IEEE)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        if MASKED:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
+                         mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
+        else:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :], mask=offs_d2[None, :] < D, other=0.0)
+        s += _mm(q2, tl.trans(k2), IEEE)
+    if FMA:
+        if MASKED:
+            s = tl.where(valid[None, :], s, float("-inf"))
+    elif MASKED:
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
+    if V_FROM_K:
+        v = k1
+    elif MASKED:
+        v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
+                    mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    else:
+        v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+    if LAZY:
+        # FA4-style lazy rescale: keep the stale running max (p <= 2^8) unless some
+        # head's max grew by more than 8 (log2 units); one uniform branch per block
+        m_blk = tl.max(s, 1)
+        if tl.max(m_blk - m_i, 0) > 8.0:
+            m_new = tl.maximum(m_i, m_blk)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i += tl.sum(p, 1)
+        acc = _mm(p.to(v.dtype), v, IEEE, acc)
+    else:
+        if FMA:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if DEFER_L:
+            l_i = l_i * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sfa_fwd_kernel(
     Q, K, V, IDX, O, LSE,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
-    T, G, TOPK, D, DV, NHB, qk_scale,
+    T, G, TOPK, D, DV, NHB, NPR, qk_scale,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, LAZY: tl.constexpr = False,
-    TOPK_P2: tl.constexpr = 16,
+    TOPK_P2: tl.constexpr = 16, FLAT: tl.constexpr = False, DEFER_L: tl.constexpr = False,
+    FMA: tl.constexpr = False, DENSE: tl.constexpr = False, WS: tl.constexpr = False,
 ):
-    row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
-    g = tl.program_id(1) // NHB
-    h0 = (tl.program_id(1) % NHB) * BLOCK_H
+    if FLAT:  # 1-D grid, the NPR head-block programs of one row adjacent (they gather the same key rows)
+        pid = tl.program_id(0).to(tl.int64)
+        hb = pid % NPR
+        row = pid // NPR
+        if REVERSE:
+            row = tl.num_programs(0).to(tl.int64) // NPR - 1 - row
+    else:
+        row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
+        hb = tl.program_id(1)
+    g = hb // NHB
+    h0 = (hb % NHB) * BLOCK_H
     b = row // T
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_h = offs_h < G
@@ -119,52 +215,37 @@ def _sfa_fwd_kernel(
     if D2 > 0:
         offs_d2 = D1 + tl.arange(0, D2)
         q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & (offs_d2[None, :] < D), other=0.0)
+    else:
+        q2 = q1
     offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if DEFER_L:
+        l_i = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     kb_base = K + b * sk_b + g * sk_h
     vb_base = V + b * sv_b + g * sv_h
-    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
-    for k0 in range(0, span, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(IDX + row * si_t + g * si_h + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-        if I64:
-            rows = rows.to(tl.int64)
-        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
-        s = _mm(q1, tl.trans(k1), IEEE)
-        if D2 > 0:
-            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
-                         mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
-            s += _mm(q2, tl.trans(k2), IEEE)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        if V_FROM_K:
-            v = k1
-        else:
-            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
-                        mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        if LAZY:
-            # FA4-style lazy rescale: keep the stale running max (p <= 2^8) unless some
-            # head's max grew by more than 8 (log2 units); one uniform branch per block
-            m_blk = tl.max(s, 1)
-            if tl.max(m_blk - m_i, 0) > 8.0:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            l_i += tl.sum(p, 1)
-            acc = _mm(p.to(v.dtype), v, IEEE, acc)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
-            m_i = m_new
+    idx_ptr = IDX + row * si_t + g * si_h
+    if DENSE:  # rows whose valid slots are exactly [0, span): unmasked full blocks, then the masked tail
+        span, n_valid = _slot_count(idx_ptr, TOPK, TOPK_P2)
+        full_end = tl.where(n_valid == span, (span // BLOCK_K) * BLOCK_K, 0)
+        for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
+            m_i, l_i, acc = _sfa_fwd_block(
+                q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA)
+        for k0 in range(full_end, span, BLOCK_K):
+            m_i, l_i, acc = _sfa_fwd_block(
+                q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True, LAZY, DEFER_L, FMA)
+    else:
+        span = _slot_span(idx_ptr, TOPK, SKIP, TOPK_P2)
+        for k0 in tl.range(0, span, BLOCK_K, warp_specialize=WS):
+            m_i, l_i, acc = _sfa_fwd_block(
+                q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True, LAZY, DEFER_L, FMA)
+    if DEFER_L:
+        l_i = tl.sum(l_i, 1)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptr = O + row * so_t + heads[:, None] * so_h + offs_dv[None, :]
@@ -537,14 +618,20 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
+    flat = bool(cfg.get("FLAT", False))
+    if flat:
+        grid = (grid[0] * grid[1],)
+    walk = _walk_args(cfg, idx.shape[-1])
+    dense = bool(cfg.get("DENSE", False)) and walk["SKIP"]  # DENSE counts the valid slots of the read row
     _sfa_fwd_kernel[grid](
         q, k, v, idx, o, lse,
         q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
-        T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
+        T, G, idx.shape[-1], D, DV, nhb, HK * nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
-        LAZY=cfg.get("LAZY", False), **_walk_args(cfg, idx.shape[-1]),
+        LAZY=cfg.get("LAZY", False), FLAT=flat, DEFER_L=bool(cfg.get("DEFER_L", False)) and not cfg.get("LAZY"),
+        FMA=bool(cfg.get("FMA", False)) and scale > 0 and not cfg.get("LAZY"), DENSE=dense, WS=bool(cfg.get("WS", False)), **walk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
