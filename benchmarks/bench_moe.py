@@ -412,8 +412,15 @@ def main():
     ap.add_argument("--lora-only", action="store_true",
                     help="frozen vs each LoRA variant only (uniform routing unless --routings says otherwise)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fold-tiles", default=None, help="JSON from tune_fold.py: tiles of the fold_io passes")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     args = ap.parse_args()
+    if args.fold_tiles:
+        from moeadapt.ops.moe import fused_lora
+
+        with open(args.fold_tiles) as f:
+            fused_lora.FOLD_TILES.update(json.load(f))
+        print(f"# fold tiles {fused_lora.FOLD_TILES}", flush=True)
     if args.lora_only and args.routings == ap.get_default("routings"):
         args.routings = "0"
     T, D, L, Fh, R = (2048, 1024, 256, 256, 16) if args.quick else (16384, 4096, 1024, 1024, 16)

@@ -328,6 +328,11 @@ _FWD_VARIANTS = {
     # 1-D grid, deferred row sums, scale folded into exp2, unmasked full blocks on dense rows
     "lean": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
              "FLAT": True, "DEFER_L": True, "FMA": True, "DENSE": True},
+    # dense rows' index loads one / two blocks ahead of their gather; EXACT drops the channel masks (mla: 48 = 32 + 16)
+    "ahead1": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
+               "DENSE": True, "AHEAD": 1},
+    "ahead2_exact": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
+                     "DENSE": True, "AHEAD": 2, "EXACT": True, "FMA": True},
 }
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
@@ -350,7 +355,7 @@ _BWD_VARIANTS = {
 
 
 @triton_only
-@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"), ("lean", "pds"),
+@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"), ("lean", "pds"), ("ahead1", "pds"), ("ahead2_exact", "pds"),
                                      ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
                                      ("skip_rev_lazy", "pds_hmix"), ("old", "pds_kmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
@@ -367,7 +372,7 @@ def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
     q = q * 3.0  # sharper softmax: the lazy rescale's branch is taken mid-row
     idx[0, 7] = -1  # a query with no key
-    if fwd == "lean":  # every other row dense (valid slots first): DENSE's unmasked full blocks, then the tail
+    if fwd in ("lean", "ahead1", "ahead2_exact"):  # every other row dense (valid slots first): DENSE's unmasked full blocks, then the tail
         key = torch.where(idx < 0, T, idx).sort(-1).values
         idx[:, ::2] = torch.where(key == T, -1, key)[:, ::2]
     do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)

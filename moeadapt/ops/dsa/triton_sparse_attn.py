@@ -109,11 +109,14 @@ def _sfa_fwd_block(
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     MASKED: tl.constexpr, LAZY: tl.constexpr, DEFER_L: tl.constexpr, FMA: tl.constexpr,
+    rows_pre=None, EXACT: tl.constexpr = False,
 ):
     """One key block of the online softmax: gather BLOCK_K selected rows, S = q k^T, update
     (m_i, l_i, acc). MASKED=False: every slot of the block is known valid (no -1 handling).
     DEFER_L: l_i is a [BLOCK_H, BLOCK_K] partial sum (reduced once by the caller).
-    FMA: the running max is taken on raw scores and the scale folded into exp2's argument."""
+    FMA: the running max is taken on raw scores and the scale folded into exp2's argument.
+    rows_pre: this block's key rows, already loaded (unmasked blocks only). EXACT: D = D1 + D2 and
+    DV = BLOCK_DV, so the channel masks go."""
     offs_d1 = tl.arange(0, D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -121,6 +124,8 @@ def _sfa_fwd_block(
         idx = tl.load(idx_ptr + offs_k, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0)
+    elif rows_pre is not None:
+        rows = rows_pre
     else:
         rows = tl.load(idx_ptr + offs_k)
     if I64:
@@ -135,6 +140,8 @@ def _sfa_fwd_block(
         if MASKED:
             k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
                          mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
+        elif EXACT:
+            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :])
         else:
             k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :], mask=offs_d2[None, :] < D, other=0.0)
         s += _mm(q2, tl.trans(k2), IEEE)
@@ -150,6 +157,8 @@ def _sfa_fwd_block(
     elif MASKED:
         v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
                     mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    elif EXACT:
+        v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :])
     else:
         v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     if LAZY:
@@ -193,6 +202,7 @@ def _sfa_fwd_kernel(
     SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, LAZY: tl.constexpr = False,
     TOPK_P2: tl.constexpr = 16, FLAT: tl.constexpr = False, DEFER_L: tl.constexpr = False,
     FMA: tl.constexpr = False, DENSE: tl.constexpr = False, WS: tl.constexpr = False,
+    AHEAD: tl.constexpr = 0, EXACT: tl.constexpr = False,
 ):
     if FLAT:  # 1-D grid, the NPR head-block programs of one row adjacent (they gather the same key rows)
         pid = tl.program_id(0).to(tl.int64)
@@ -230,10 +240,29 @@ def _sfa_fwd_kernel(
     if DENSE:  # rows whose valid slots are exactly [0, span): unmasked full blocks, then the masked tail
         span, n_valid = _slot_count(idx_ptr, TOPK, TOPK_P2)
         full_end = tl.where(n_valid == span, (span // BLOCK_K) * BLOCK_K, 0)
-        for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
-            m_i, l_i, acc = _sfa_fwd_block(
-                q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
-                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA)
+        if AHEAD > 0:  # the index loads run AHEAD blocks before their gather (loop-carried registers)
+            offs_b = tl.arange(0, BLOCK_K)
+            nxt1 = tl.load(idx_ptr + offs_b, mask=offs_b < full_end, other=0)
+            if AHEAD > 1:
+                nxt2 = tl.load(idx_ptr + BLOCK_K + offs_b, mask=BLOCK_K + offs_b < full_end, other=0)
+            else:
+                nxt2 = nxt1
+            for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
+                cur = nxt1
+                if AHEAD > 1:
+                    nxt1 = nxt2
+                    nxt2 = tl.load(idx_ptr + k0 + 2 * BLOCK_K + offs_b,
+                                   mask=k0 + 2 * BLOCK_K + offs_b < full_end, other=0)
+                else:
+                    nxt1 = tl.load(idx_ptr + k0 + BLOCK_K + offs_b, mask=k0 + BLOCK_K + offs_b < full_end, other=0)
+                m_i, l_i, acc = _sfa_fwd_block(
+                    q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                    D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA, cur, EXACT)
+        else:
+            for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
+                m_i, l_i, acc = _sfa_fwd_block(
+                    q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                    D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA, None, EXACT)
         for k0 in range(full_end, span, BLOCK_K):
             m_i, l_i, acc = _sfa_fwd_block(
                 q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
@@ -631,7 +660,10 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
         LAZY=cfg.get("LAZY", False), FLAT=flat, DEFER_L=bool(cfg.get("DEFER_L", False)) and not cfg.get("LAZY"),
-        FMA=bool(cfg.get("FMA", False)) and scale > 0 and not cfg.get("LAZY"), DENSE=dense, WS=bool(cfg.get("WS", False)), **walk,
+        FMA=bool(cfg.get("FMA", False)) and scale > 0 and not cfg.get("LAZY"), DENSE=dense, WS=bool(cfg.get("WS", False)),
+        AHEAD=int(cfg.get("AHEAD", 0)) if dense else 0,
+        EXACT=bool(cfg.get("EXACT", False)) and D == d1 + d2 and DV == triton.next_power_of_2(DV) and DV >= 16,
+        **walk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse

@@ -156,6 +156,16 @@ def _lora_out_kernel(
     tl.store(out_ptr + rows64[:, None] * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 2 call 1 of
+# session 3: at these first tiles the fold passes ran 2-3x slower than their bytes allow (profile in RESULTS.md);
+# benchmarks/tune_fold.py times alternatives.
+FOLD_TILES = {
+    "in_gather": dict(BM=64, BK=128, num_warps=4, num_stages=3),
+    "in_swiglu": dict(BM=64, BK=128, num_warps=4, num_stages=3),
+    "swiglu_bwd": dict(BM=64, BN=128, num_warps=4, num_stages=2),
+}
+
+
 def _bm(N: int) -> int:
     return 16 if _interpreting() else 64
 
@@ -415,10 +425,11 @@ def fold_in(x, a_EIR, offsets_E, scale, xcat_NJ, *, row_index_N=None, K=1, up_NI
             rows_x = x[row_index_N // K].to(xcat_NJ.dtype)
         lora_in(rows_x, a_EIR, offsets_E, scale, h_NW=xcat_NJ[:, I:], xc_NI=xcat_NJ[:, :I])
         return
-    BM = _bm(N)
+    tile = FOLD_TILES["in_swiglu" if swiglu else "in_gather"]
+    BM = _bm(N) if _interpreting() else tile["BM"]
     expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
     RP = max(16, triton.next_power_of_2(W))
-    BK = 32 if _interpreting() else 128
+    BK = 32 if _interpreting() else tile["BK"]
     u = up_NI if swiglu else x
     idx = row_index_N if not swiglu else offsets_E
     xc, h = xcat_NJ[:, :I], xcat_NJ[:, I:]
@@ -427,7 +438,7 @@ def fold_in(x, a_EIR, offsets_E, scale, xcat_NJ, *, row_index_N=None, K=1, up_NI
         x.stride(0), x.stride(1), u.stride(0), u.stride(1), *a_EIR.stride(), xc.stride(0), xc.stride(1),
         h.stride(0), h.stride(1),
         COPY=True, GATHER=not swiglu, SWIGLU=swiglu, IEEE=xcat_NJ.dtype == torch.float32, BM=BM, BK=BK, RP=RP,
-        **({} if _interpreting() else dict(num_warps=4, num_stages=3)),
+        **({} if _interpreting() else dict(num_warps=tile["num_warps"], num_stages=tile["num_stages"])),
     )
 
 
@@ -446,16 +457,17 @@ def fold_swiglu_bwd(base_NF, g_NR, a_EFR, offsets_E, scale, gate_NF, up_NF, dgat
         dgate_NF[:rows] = (dh * u * sig * (1 + x * (1 - sig))).to(dgate_NF.dtype)
         dup_NF[:rows] = (dh * x * sig).to(dup_NF.dtype)
         return
-    BM = _bm(N)
+    tile = FOLD_TILES["swiglu_bwd"]
+    BM = _bm(N) if _interpreting() else tile["BM"]
     expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
-    BN = 32 if _interpreting() else 128
+    BN = 32 if _interpreting() else tile["BN"]
     RP = max(16, triton.next_power_of_2(R))
     ts = (base_NF, g_NR, a_EFR, gate_NF, up_NF, dgate_NF, dup_NF)
     strides = [s for t in ts for s in t.stride()]
     _fold_swiglu_bwd_kernel[(triton.cdiv(F, BN), len(expert_T))](
         *ts, expert_T, row_T, offsets_E, F, R, float(scale), *strides,
         IEEE=base_NF.dtype == torch.float32, BM=BM, BN=BN, RP=RP,
-        **({} if _interpreting() else dict(num_warps=4, num_stages=2)),
+        **({} if _interpreting() else dict(num_warps=tile["num_warps"], num_stages=tile["num_stages"])),
     )
 
 

@@ -1,0 +1,119 @@
+"""Tile sweep for the fold_io passes of the fused grouped LoRA (issue 5), on one GPU:
+
+    python benchmarks/tune_fold.py [--E 64 --K 8] [--out best.json]
+
+Times, at the bench_moe shapes (T = 16384 tokens, latent L = 1024, expert ffn F = 1024, r = 16, bf16, uniform
+routing), each candidate tile of the three fold passes (`fused_lora.fold_in` in gather and SwiGLU modes,
+`fused_lora.fold_swiglu_bwd`), checks each candidate's output against the first tile's, and prints the bytes
+each pass must move with the effective bandwidth. Writes the fastest tiles as JSON (`bench_moe.py --fold-tiles`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+from moeadapt.ops.moe import fused_lora, offsets_from_counts  # noqa: E402
+
+IN_TILES = [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+            (32, 256, 4, 2), (64, 256, 8, 2), (16, 256, 4, 3), (128, 128, 8, 2)]
+BWD_TILES = [(64, 128, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2),
+             (128, 64, 8, 2), (16, 256, 4, 2), (32, 256, 8, 2), (128, 128, 8, 2)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--E", type=int, default=64)
+    ap.add_argument("--K", type=int, default=8)
+    ap.add_argument("--T", type=int, default=16384)
+    ap.add_argument("--L", type=int, default=1024)
+    ap.add_argument("--F", type=int, default=1024)
+    ap.add_argument("--R", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
+    a = ap.parse_args()
+    dev, dt = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    N = a.T * a.K
+    counts = torch.full((a.E,), N // a.E, dtype=torch.int64)
+    counts[: N - int(counts.sum())] += 1
+    offsets = offsets_from_counts(counts).to(dev)
+    row_index = torch.randperm(N, device=dev).to(torch.int32)
+    z = torch.randn(a.T, a.L, device=dev, dtype=dt)
+    A_in = torch.randn(a.E, a.L, a.R, device=dev, dtype=dt) * 0.03
+    A_dn = torch.randn(a.E, a.F, a.R, device=dev, dtype=dt) * 0.03
+    gu = torch.randn(N, 2 * a.F, device=dev, dtype=dt)
+    gate, up = gu[:, : a.F], gu[:, a.F:]
+    RP = fused_lora.padded_rank(a.R)
+    xcat = torch.empty(N, a.L + RP, device=dev, dtype=dt)
+    hcat = torch.empty(N, a.F + RP, device=dev, dtype=dt)
+    base = torch.randn(N, a.F + RP, device=dev, dtype=dt)
+    g = base[:, a.F:a.F + a.R]
+    dgu = torch.empty_like(gu)
+    if dev == "cpu":  # dry run: no Triton driver for do_bench
+        import time
+
+        def bench(fn, warmup=0, rep=0):
+            t = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t)
+    else:
+        bench = triton.testing.do_bench
+    B = 2  # bytes per element
+    passes = {
+        "in_gather": (lambda: fused_lora.fold_in(z, A_in, offsets, 2.0, xcat, row_index_N=row_index, K=a.K),
+                      xcat, B * N * (a.L + a.L + RP)),
+        "in_swiglu": (lambda: fused_lora.fold_in(gate, A_dn, offsets, 2.0, hcat, up_NI=up),
+                      hcat, B * N * (2 * a.F + a.F + RP)),
+        "swiglu_bwd": (lambda: fused_lora.fold_swiglu_bwd(base[:, : a.F], g, A_dn, offsets, 2.0, gate, up,
+                                                          dgu[:, : a.F], dgu[:, a.F:]),
+                       dgu, B * N * ((a.F + a.R) + 2 * a.F + 2 * a.F)),
+    }
+    ref_copy = bench(lambda: xcat.copy_(torch.empty_like(xcat)), warmup=5, rep=50)
+    print(f"# E={a.E} K={a.K} N={N}: torch copy of xcat ({2 * xcat.numel() * B / 1e9:.2f} GB moved) "
+          f"{ref_copy:.3f} ms = {2 * xcat.numel() * B / ref_copy / 1e6:.0f} GB/s", flush=True)
+    best = {}
+    for name, (fn, out, nbytes) in passes.items():
+        tiles = BWD_TILES if name == "swiglu_bwd" else IN_TILES
+        ref = None
+        res = []
+        for t in tiles:
+            cfg = (dict(BM=t[0], BN=t[1]) if name == "swiglu_bwd" else dict(BM=t[0], BK=t[1]))
+            cfg.update(num_warps=t[2], num_stages=t[3])
+            fused_lora.FOLD_TILES[name] = cfg
+            try:
+                fn()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                got = out.float().clone()
+                if ref is None:
+                    ref = got
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = bench(fn, warmup=5, rep=50)
+            except Exception as e:  # noqa: BLE001  (a tile that does not compile or launch: report, go on)
+                print(f"{name} {cfg}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            res.append((ms, cfg))
+            print(f"{name} {cfg}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s, rel err vs first {err:.1e}", flush=True)
+        ms, cfg = min(res, key=lambda r: r[0])
+        best[name] = cfg
+        fused_lora.FOLD_TILES[name] = cfg
+        print(f"best {name}: {ms:.3f} ms {cfg} (first tile {res[0][0]:.3f} ms)", flush=True)
+    print(json.dumps(best))
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(best, f)
+        os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":
+    main()
