@@ -23,10 +23,36 @@ import triton.testing  # noqa: E402
 
 from moeadapt.ops.moe import fused_lora, offsets_from_counts  # noqa: E402
 
+def gemm_widths(a, bench, dev, dt):
+    """torch._grouped_mm at the fused path's layouts with the K (forward, [x | s·x·A]·[W | Bᵀ]ᵀ) or N
+    (backward dx, dy·[W | Bᵀ]) dimension widened from 1024 by the rank columns: which padding costs least."""
+    N = a.T * a.K
+    counts = torch.full((a.E,), N // a.E, dtype=torch.int64)
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
+    for O, name in ((2 * a.F, "gate/up"), (a.L, "down")):
+        I = a.L if O == 2 * a.F else a.F
+        for J in (I, I + 16, I + 32, I + 64, I + 128):
+            x = torch.randn(N, J, device=dev, dtype=dt)
+            w = torch.randn(a.E, O, J, device=dev, dtype=dt) * 0.02
+            dy = torch.randn(N, O, device=dev, dtype=dt)
+            f = bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), warmup=5, rep=50)
+            b = bench(lambda: torch._grouped_mm(dy, w, offs=offs), warmup=5, rep=50)
+            fl = 2 * N * J * O
+            print(f"gemm {name} width {J}: fwd {f:.3f} ms ({fl / f / 1e9:.0f} TF/s), bwd dx {b:.3f} ms "
+                  f"({fl / b / 1e9:.0f} TF/s)", flush=True)
+            del x, w, dy
+
+
 IN_TILES = [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3),
             (32, 256, 4, 2), (64, 256, 8, 2), (16, 256, 4, 3), (128, 128, 8, 2)]
 BWD_TILES = [(64, 128, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2),
              (128, 64, 8, 2), (16, 256, 4, 2), (32, 256, 8, 2), (128, 128, 8, 2)]
+
+# round 2 (after session 3's call 3: best in_swiglu (64, 64, 4, 3) 0.333 ms, swiglu_bwd (16, 256, 4, 2) 0.456 ms)
+IN_TILES2 = [(64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3), (64, 64, 4, 2),
+             (32, 32, 4, 3), (128, 64, 4, 3)]
+BWD_TILES2 = [(16, 256, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (16, 512, 8, 2), (16, 64, 2, 2), (32, 64, 2, 2),
+              (16, 128, 2, 2), (16, 512, 4, 2), (32, 32, 4, 2)]
 
 
 def main():
@@ -38,10 +64,24 @@ def main():
     ap.add_argument("--F", type=int, default=1024)
     ap.add_argument("--R", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gemm", action="store_true", help="only time grouped GEMMs at widths 1024 + {0,16,32,64,128}")
+    ap.add_argument("--round2", action="store_true", help="the second tile list (around call 3's best)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
     a = ap.parse_args()
     dev, dt = a.device, torch.bfloat16 if a.device == "cuda" else torch.float32
     torch.manual_seed(0)
+    if a.device == "cpu":  # dry run: no Triton driver for do_bench
+        import time
+
+        def bench(fn, warmup=0, rep=0):
+            t = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t)
+    else:
+        bench = triton.testing.do_bench
+    if a.gemm:
+        gemm_widths(a, bench, dev, dt)
+        return
     N = a.T * a.K
     counts = torch.full((a.E,), N // a.E, dtype=torch.int64)
     counts[: N - int(counts.sum())] += 1
@@ -58,15 +98,6 @@ def main():
     base = torch.randn(N, a.F + RP, device=dev, dtype=dt)
     g = base[:, a.F:a.F + a.R]
     dgu = torch.empty_like(gu)
-    if dev == "cpu":  # dry run: no Triton driver for do_bench
-        import time
-
-        def bench(fn, warmup=0, rep=0):
-            t = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t)
-    else:
-        bench = triton.testing.do_bench
     B = 2  # bytes per element
     passes = {
         "in_gather": (lambda: fused_lora.fold_in(z, A_in, offsets, 2.0, xcat, row_index_N=row_index, K=a.K),
@@ -82,7 +113,10 @@ def main():
           f"{ref_copy:.3f} ms = {2 * xcat.numel() * B / ref_copy / 1e6:.0f} GB/s", flush=True)
     best = {}
     for name, (fn, out, nbytes) in passes.items():
-        tiles = BWD_TILES if name == "swiglu_bwd" else IN_TILES
+        if a.round2:
+            tiles = BWD_TILES2 if name == "swiglu_bwd" else (IN_TILES if name == "in_gather" else IN_TILES2)
+        else:
+            tiles = BWD_TILES if name == "swiglu_bwd" else IN_TILES
         ref = None
         res = []
         for t in tiles:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.moe import grouped_mm, offsets_from_counts, permutation, permute, unpermute
+from ..ops.moe import FUSED_MIN_ROWS, grouped_mm, offsets_from_counts, permutation, permute, unpermute
 from .common import RMSNorm, SwiGLU
 from .router import Router
 
@@ -45,13 +45,14 @@ class GroupedExperts(nn.Module):
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
 
     def _down(self, g_NF, u_NF, offsets_E):
-        if _folds(self.w2, g_NF.dtype):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
+        if _folds(self.w2, g_NF):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
         return self.w2(F.silu(g_NF) * u_NF, offsets_E)
 
-    def can_gather(self, dtype: torch.dtype) -> bool:
-        """True when w1 and w3 both read token-major rows through the permutation themselves."""
-        return _folds(self.w1, dtype) and _folds(self.w3, dtype)
+    def can_gather(self, z_TL: torch.Tensor, n_rows: int) -> bool:
+        """True when w1 and w3 both read token-major rows (n_rows routed copies of z) through the
+        permutation themselves."""
+        return _folds(self.w1, z_TL, n_rows) and _folds(self.w3, z_TL, n_rows)
 
     def forward_gather(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
         """forward(z[row_index // K]) without materialising the permuted rows (needs can_gather)."""
@@ -60,10 +61,17 @@ class GroupedExperts(nn.Module):
         return self._down(g_NF, u_NF, offsets_E)
 
 
-def _folds(layer, dtype) -> bool:
-    """A grouped LoRA layer (lora/layers.py) whose folded input passes apply (fused_lora.CONFIG["fold_io"])."""
+def _folds(layer, x: torch.Tensor, n_rows: int | None = None) -> bool:
+    """A grouped LoRA layer (lora/layers.py) whose folded input passes apply (fused_lora.CONFIG["fold_io"]):
+    with backend "fused" always; with "auto" where grouped_lora's auto would pick the fused GEMM (CUDA, at
+    least FUSED_MIN_ROWS rows per expert; fewer rows run the Triton LoRA kernel, faster there)."""
     fold_cat = getattr(layer, "fold_cat", None)
-    return fold_cat is not None and fold_cat(dtype) is not None
+    if fold_cat is None or fold_cat(x.dtype) is None:
+        return False
+    if layer.backend == "fused":
+        return True
+    n_rows = x.shape[0] if n_rows is None else n_rows
+    return x.is_cuda and n_rows >= FUSED_MIN_ROWS * layer.n_experts
 
 
 class LocalDispatcher:
@@ -77,7 +85,7 @@ class LocalDispatcher:
     def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
         num_routed = ids_TK.numel() if self.dropless else None
         can_gather = getattr(experts, "can_gather", None)
-        if can_gather is not None and can_gather(z_TL.dtype):  # LoRA'd w1/w3 with fold_io: no permuted copy
+        if can_gather is not None and can_gather(z_TL, ids_TK.numel()):  # LoRA'd w1/w3 with fold_io: no permuted copy
             row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)
             y_NL = experts.forward_gather(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))
             return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)

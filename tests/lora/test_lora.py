@@ -137,7 +137,9 @@ def test_grouped_lora_layer_keeps_one_weight_and_fused_matches(seed):
 @pytest.mark.parametrize("backend", ["fused", "auto"])
 def test_fold_io_model_matches(seed, monkeypatch, backend):
     """fused_lora.CONFIG["fold_io"]: the whole model (permute gather folded into the w1/w3 LoRA-in pass,
-    SwiGLU into w2's) gives the unfolded model's logits and every adapter gradient, and the folds run."""
+    SwiGLU into w2's) gives the unfolded model's logits and every adapter gradient, and the folds run with
+    backend "fused"; "auto" folds only where it would pick the fused GEMM (CUDA, >= FUSED_MIN_ROWS rows per
+    expert), so not here."""
     from moeadapt.ops.moe import fused_lora
 
     m, _ = model_with_lora(seed)
@@ -161,6 +163,9 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
         (logits.float().square().mean()).backward()
         res[fold] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
     n_moe = len(grouped) // 3  # w1, w3, w2 per MoE layer
-    assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
+    if backend == "fused":
+        assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
+    else:
+        assert calls == {"gather": 0, "swiglu": 0}, calls
     for a, b in zip(res[False], res[True]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

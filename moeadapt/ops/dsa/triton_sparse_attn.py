@@ -576,7 +576,9 @@ BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2,
 # below use no local memory (144-248 registers); the old fused backward spills 1176 B per
 # thread and the split dq / dk-dv passes 1000-1700 B (a dk/dv pass with keys as the MMA's M
 # dimension, tried too, needs 270 KB of shared memory: removed).
-FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True}  # LAZY: see bench --check (skip_rev_lazy)
+# H200, session 3 calls 2-3 (RESULTS.md): DENSE (unmasked full key blocks on rows whose valid slots come
+# first, as LI writes them) 294-297 TFLOP/s at T = 32768 vs 291-295 for SKIP + REVERSE alone; LAZY lost 20%.
+FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "DENSE": True}
 BWD_CONFIG = {
     # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
     # reads them back per 128-channel chunk: dq = dS K, dk/dv += dS^T q + P^T dO

@@ -53,9 +53,11 @@ from .triton_grouped_mm import _cached_tile_map, grouped_wgrad
 #   wgrad: "torch" = torch._grouped_mm K-grouped (2d x 2d with offsets) for dA, dB
 #          "triton"= our grouped_wgrad kernel
 #   fold_io: True = the model / bench fold the permute gather into the gate/up LoRA-in pass and SwiGLU
-#          into the down LoRA-in pass (grouped_lora_fused_gather / grouped_lora_fused_swiglu below);
-#          off by default until measured on a GPU
-CONFIG = dict(dx="cat", wgrad="triton", fold_io=False)  # H200 call 3: Triton dA/dB ("twg") fastest at every case
+#          into the down LoRA-in pass (grouped_lora_fused_gather / grouped_lora_fused_swiglu below)
+#          where the fused GEMM runs (models/moe.py `_folds`). H200, session 3 call 3, with FOLD_TILES:
+#          layer overhead over frozen 25.9% (E=64) / 23.7% (E=256) vs 30.9% / 26.9% without
+# Session 2 call 3: Triton dA/dB ("twg") fastest at every case.
+CONFIG = dict(dx="cat", wgrad="triton", fold_io=True)
 
 
 def _interpreting() -> bool:
@@ -156,13 +158,13 @@ def _lora_out_kernel(
     tl.store(out_ptr + rows64[:, None] * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 2 call 1 of
-# session 3: at these first tiles the fold passes ran 2-3x slower than their bytes allow (profile in RESULTS.md);
-# benchmarks/tune_fold.py times alternatives.
+# GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 3 call 3
+# (benchmarks/tune_fold.py, E=64, N=131072 rows): the first tiles (64 x 128, 4 warps) ran the SwiGLU-backward
+# pass at 0.93 ms and the SwiGLU LoRA-in at 0.45 ms; these take 0.46 / 0.33 ms (gather LoRA-in 0.13 ms either way).
 FOLD_TILES = {
     "in_gather": dict(BM=64, BK=128, num_warps=4, num_stages=3),
-    "in_swiglu": dict(BM=64, BK=128, num_warps=4, num_stages=3),
-    "swiglu_bwd": dict(BM=64, BN=128, num_warps=4, num_stages=2),
+    "in_swiglu": dict(BM=64, BK=64, num_warps=4, num_stages=3),
+    "swiglu_bwd": dict(BM=16, BN=256, num_warps=4, num_stages=2),
 }
 
 
