@@ -59,6 +59,9 @@ LORA_VARIANTS = {
     "lora-fused-split": ("fused", dict(dx="split", wgrad="torch", fold_io=False)),
     "lora-fused-twg": ("fused", dict(dx="cat", wgrad="triton", fold_io=False)),
     "lora-fused-fold": ("fused", dict(dx="cat", wgrad="triton", fold_io=True)),
+    # session 3: dx="split" (base dx GEMM at the native width + a thin dy·Bᵀ pass) with Triton dA/dB
+    "lora-fused-twg-split": ("fused", dict(dx="split", wgrad="triton", fold_io=False)),
+    "lora-fused-fold-split": ("fused", dict(dx="split", wgrad="triton", fold_io=True)),
 }
 
 DEV = "cuda"

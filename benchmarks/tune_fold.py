@@ -40,6 +40,14 @@ def gemm_widths(a, bench, dev, dt):
             fl = 2 * N * J * O
             print(f"gemm {name} width {J}: fwd {f:.3f} ms ({fl / f / 1e9:.0f} TF/s), bwd dx {b:.3f} ms "
                   f"({fl / b / 1e9:.0f} TF/s)", flush=True)
+            if J > I:  # the base GEMM on the [W | Bᵀ] buffer's view (row stride J), as fused_lora's split dx runs it
+                wv, xv = w[:, :, :I], x[:, :I].contiguous()
+                f = bench(lambda: torch._grouped_mm(xv, wv.transpose(1, 2), offs=offs), warmup=5, rep=50)
+                b = bench(lambda: torch._grouped_mm(dy, wv, offs=offs), warmup=5, rep=50)
+                fl = 2 * N * I * O
+                print(f"gemm {name} width {I} as a view of width {J}: fwd {f:.3f} ms ({fl / f / 1e9:.0f} TF/s), "
+                      f"bwd dx {b:.3f} ms ({fl / b / 1e9:.0f} TF/s)", flush=True)
+                del wv, xv
             del x, w, dy
 
 
