@@ -159,12 +159,12 @@ def _lora_out_kernel(
 
 
 # GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 3 call 3
-# (benchmarks/tune_fold.py, E=64, N=131072 rows): the first tiles (64 x 128, 4 warps) ran the SwiGLU-backward
-# pass at 0.93 ms and the SwiGLU LoRA-in at 0.45 ms; these take 0.46 / 0.33 ms (gather LoRA-in 0.13 ms either way).
+# and 4 (benchmarks/tune_fold.py, E=64, N=131072 rows): the first tiles (64 x 128, 4 warps) ran the SwiGLU-
+# backward pass at 0.93 ms and the SwiGLU LoRA-in at 0.45 ms; these take 0.44 / 0.33 ms (gather LoRA-in 0.13 ms).
 FOLD_TILES = {
     "in_gather": dict(BM=64, BK=128, num_warps=4, num_stages=3),
-    "in_swiglu": dict(BM=64, BK=64, num_warps=4, num_stages=3),
-    "swiglu_bwd": dict(BM=16, BN=256, num_warps=4, num_stages=2),
+    "in_swiglu": dict(BM=128, BK=32, num_warps=8, num_stages=3),
+    "swiglu_bwd": dict(BM=16, BN=128, num_warps=2, num_stages=2),
 }
 
 
