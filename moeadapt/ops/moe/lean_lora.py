@@ -1,0 +1,393 @@
+"""Grouped LoRA of the SwiGLU experts with the base GEMMs at their native width ("lean" fold).
+
+Why: `fused_lora` folds the rank-R term into the base GEMM by widening it ([x | s·x·A] · [W | Bᵀ]ᵀ).
+On the H200 that widening costs far more than its FLOPs: a 1024-wide grouped GEMM made 1040 wide runs
+21-33% slower (RESULTS.md, MoE, session 3). Here the base GEMMs of the gate/up projection run unwidened
+and the rank-R terms go into the memory-bound passes that touch those rows anyway:
+
+  forward   gather pass:  x = z[row_index // K] (permuted rows), h = s·x·A_e          (one read of z)
+            gmm:          gu = x·W_guᵀ                                                (native width)
+            SwiGLU pass:  gate = gu_g + h_g·B_g,  up = gu_u + h_u·B_u,  a = silu(gate)·up,
+                          acat = [a | s_d·a·A_d]                                       (one read of gu)
+            gmm:          y = acat·[W_d | B_dᵀ]ᵀ      (the down projection keeps fused_lora's widened GEMM:
+                                                         +3% there, cheaper than another pass over y)
+  backward  (da, g_d) = dy·[W_d | B_dᵀ]  (fused_lora._dx_parts: widened GEMM or base GEMM + thin pass)
+            SwiGLU bwd:   da += s_d·g_d·A_dᵀ; gate, up recomputed with their LoRA terms; d(gate), d(up);
+                          dh_g = d(gate)·B_gᵀ, dh_u = d(up)·B_uᵀ accumulated over the row   (one pass)
+            gmm:          dx = d(gu)·W_gu (native width);  dx += s·dh·Aᵀ (epilogue);  dz = Σ over copies
+            K-grouped:    dA = s·xᵀ·dh, dB_g = hᵀ·d(gate), dB_u = hᵀ·d(up), dA_d, dB_d as in fused_lora.
+
+The gate/up projection is one packed weight [E, 2F, I] (W_gu; gate = the first F outputs) with either one
+LoRA (A [E, I, R], B [E, R, 2F]: h_g = h_u = h) or two (gate's and up's: A [E, I, 2R] = [A_g | A_u] and
+B_g, B_u [E, R, F]); h holds [h_g | h_u] then. The base weights are frozen (no dW).
+
+The math is `reference`-checked in tests/ops/test_moe_ops.py (-k lean) against float64 loops; on CPU the
+passes run under TRITON_INTERPRET=1 or as their torch twins below.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_lora import (
+    FOLD_TILES,
+    _combine_copies,
+    _dx_parts,
+    _fold_cat,
+    _interpreting,
+    _lora_in_kernel,
+    _use_triton,
+    gmm,
+    kgmm,
+    lora_out,
+    padded_rank,
+)
+from .reference import _rows_to_padded, grouped_mm_reference
+from .triton_grouped_mm import _cached_tile_map
+
+LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks)
+    "swiglu_in": dict(BM=64, BK=64, num_warps=4, num_stages=3),
+    "swiglu_bwd": dict(BM=16, BN=128, num_warps=2, num_stages=2),
+}
+
+
+# ---------------------------------------------------------------- Triton passes
+@triton.jit
+def _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br, s_bf, IEEE: tl.constexpr):
+    """[BM, BN] fp32 rank-R terms hg·B_g[e][:, cols] and hu·B_u[e][:, cols]."""
+    m = r_ok[:, None] & col_ok[None, :]
+    bg = tl.load(bg_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=m, other=0.0)
+    bu = tl.load(bu_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=m, other=0.0)
+    if IEEE:
+        return (tl.dot(hg, bg.to(hg.dtype), input_precision="ieee"),
+                tl.dot(hu, bu.to(hu.dtype), input_precision="ieee"))
+    return tl.dot(hg, bg.to(hg.dtype)), tl.dot(hu, bu.to(hu.dtype))
+
+
+@triton.jit
+def _swiglu_lora_in_kernel(
+    g_ptr, u_ptr, hg_ptr, hu_ptr, bg_ptr, bu_ptr, ad_ptr, a_out_ptr, hd_ptr,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RW, RD, scale_d,
+    s_gn, s_gf, s_hn, s_hr, s_be, s_br, s_bf, s_ae, s_af, s_ar, s_on, s_of, s_dn, s_dr,
+    IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, RPD: tl.constexpr,
+):
+    """a = silu(g + hg·B_g)·(u + hu·B_u) -> a_out; hd = scale_d·a·A_d (width RW, zeros past RD)."""
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e < 0:
+        return
+    row0 = tl.load(tile_row_ptr + pid)
+    row_end = tl.load(offsets_ptr + e)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    r64 = rows.to(tl.int64)[:, None]
+    e64 = e.to(tl.int64)
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    hm = row_ok[:, None] & r_ok[None, :]
+    hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    rd = tl.arange(0, RPD)
+    acc = tl.zeros([BM, RPD], dtype=tl.float32)
+    for k0 in range(0, F, BK):
+        cols = k0 + tl.arange(0, BK)
+        col_ok = cols < F
+        m = row_ok[:, None] & col_ok[None, :]
+        lg, lu = _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br, s_bf, IEEE)
+        g = tl.load(g_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lg
+        u = tl.load(u_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lu
+        a = (g * tl.sigmoid(g) * u).to(a_out_ptr.dtype.element_ty)
+        tl.store(a_out_ptr + r64 * s_on + cols[None, :] * s_of, a, mask=m)
+        ad = tl.load(ad_ptr + e64 * s_ae + cols[:, None] * s_af + rd[None, :] * s_ar,
+                     mask=col_ok[:, None] & (rd < RD)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, ad.to(a.dtype), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, ad.to(a.dtype), acc)
+    tl.store(hd_ptr + r64 * s_dn + rd[None, :] * s_dr, (acc * scale_d).to(hd_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rd < RW)[None, :])
+
+
+@triton.jit
+def _swiglu_lora_bwd_kernel(
+    da_ptr, gd_ptr, ad_ptr, g_ptr, u_ptr, hg_ptr, hu_ptr, bg_ptr, bu_ptr, dg_ptr, du_ptr, dhg_ptr, dhu_ptr,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RD, scale_d,
+    s_an, s_af, s_qn, s_qr, s_ae, s_af2, s_ar, s_gn, s_gf, s_hn, s_hr, s_be, s_br, s_bf, s_dn, s_df, s_xn, s_xr,
+    SHARED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+    RPD: tl.constexpr,
+):
+    """da = da_base + scale_d·gd·A_dᵀ; gate/up recomputed with their LoRA terms; d(gate), d(up) -> dg, du;
+    dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over all F columns."""
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e < 0:
+        return
+    row0 = tl.load(tile_row_ptr + pid)
+    row_end = tl.load(offsets_ptr + e)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    r64 = rows.to(tl.int64)[:, None]
+    e64 = e.to(tl.int64)
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    hm = row_ok[:, None] & r_ok[None, :]
+    hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    rd = tl.arange(0, RPD)
+    gd = tl.load(gd_ptr + r64 * s_qn + rd[None, :] * s_qr, mask=row_ok[:, None] & (rd < RD)[None, :], other=0.0)
+    dhg = tl.zeros([BM, RP], dtype=tl.float32)
+    dhu = tl.zeros([BM, RP], dtype=tl.float32)
+    for c0 in range(0, F, BN):
+        cols = c0 + tl.arange(0, BN)
+        col_ok = cols < F
+        m = row_ok[:, None] & col_ok[None, :]
+        adt = tl.load(ad_ptr + e64 * s_ae + rd[:, None] * s_ar + cols[None, :] * s_af2,
+                      mask=(rd < RD)[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            da = tl.dot(gd, adt.to(gd.dtype), input_precision="ieee")
+        else:
+            da = tl.dot(gd, adt.to(gd.dtype))
+        da = tl.load(da_ptr + r64 * s_an + cols[None, :] * s_af, mask=m, other=0.0).to(tl.float32) + da * scale_d
+        lg, lu = _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br, s_bf, IEEE)
+        x = tl.load(g_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lg
+        u = tl.load(u_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lu
+        sig = tl.sigmoid(x)
+        dgv = (da * u * sig * (1.0 + x * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
+        duv = (da * x * sig).to(du_ptr.dtype.element_ty)
+        tl.store(dg_ptr + r64 * s_dn + cols[None, :] * s_df, dgv, mask=m)
+        tl.store(du_ptr + r64 * s_dn + cols[None, :] * s_df, duv, mask=m)
+        bm = r_ok[None, :] & col_ok[:, None]
+        bgt = tl.load(bg_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=bm, other=0.0)
+        but = tl.load(bu_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=bm, other=0.0)
+        if IEEE:
+            dhg = tl.dot(dgv, bgt.to(dgv.dtype), dhg, input_precision="ieee")
+            if SHARED:
+                dhg = tl.dot(duv, but.to(duv.dtype), dhg, input_precision="ieee")
+            else:
+                dhu = tl.dot(duv, but.to(duv.dtype), dhu, input_precision="ieee")
+        else:
+            dhg = tl.dot(dgv, bgt.to(dgv.dtype), dhg)
+            if SHARED:
+                dhg = tl.dot(duv, but.to(duv.dtype), dhg)
+            else:
+                dhu = tl.dot(duv, but.to(duv.dtype), dhu)
+    tl.store(dhg_ptr + r64 * s_xn + rs[None, :] * s_xr, dhg.to(dhg_ptr.dtype.element_ty), mask=hm)
+    if not SHARED:
+        tl.store(dhu_ptr + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
+
+
+# ---------------------------------------------------------------- pass wrappers (torch twins off the GPU)
+def _tiles(offsets_E, N, name, wide):
+    t = LEAN_TILES[name]
+    if _interpreting():
+        BM, BW, launch = 16, 32, {}
+    else:
+        BM, BW, launch = t["BM"], t[wide], dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+    expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
+    return expert_T, row_T, BM, BW, launch
+
+
+def _lora_term_ref(h_NR, B_ERF, offsets_E, rows):
+    return grouped_mm_reference(h_NR[:rows], B_ERF.to(h_NR.dtype), offsets_E)[:rows].float()
+
+
+def swiglu_lora_in(g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scale_d, a_NF, hd_NW):
+    """a = silu(g + hg·B_g)·(u + hu·B_u) into a_NF; hd_NW[:, :R_d] = scale_d·a·A_d, zeros after."""
+    N, F = g_NF.shape
+    R, RD, RW = hg_NR.shape[1], Ad_EFR.shape[2], hd_NW.shape[1]
+    if N == 0:
+        return
+    if not _use_triton(g_NF):
+        rows = len(_rows_to_padded(offsets_E, N)[0])
+        gate = g_NF[:rows].float() + _lora_term_ref(hg_NR, Bg_ERF, offsets_E, rows)
+        up = u_NF[:rows].float() + _lora_term_ref(hu_NR, Bu_ERF, offsets_E, rows)
+        a = (torch.nn.functional.silu(gate) * up).to(a_NF.dtype)
+        a_NF[:rows] = a
+        hd = grouped_mm_reference(a, Ad_EFR.to(a.dtype), offsets_E)[:rows].float() * scale_d
+        hd_NW[:rows, :RD] = hd.to(hd_NW.dtype)
+        hd_NW[:rows, RD:] = 0
+        return
+    expert_T, row_T, BM, BK, launch = _tiles(offsets_E, N, "swiglu_in", "BK")
+    assert g_NF.stride() == u_NF.stride() and hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
+    _swiglu_lora_in_kernel[(len(expert_T),)](
+        g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, a_NF, hd_NW, expert_T, row_T, offsets_E,
+        F, R, RW, RD, float(scale_d), *g_NF.stride(), *hg_NR.stride(), *Bg_ERF.stride(), *Ad_EFR.stride(),
+        *a_NF.stride(), *hd_NW.stride(),
+        IEEE=g_NF.dtype == torch.float32, BM=BM, BK=BK, RP=max(16, triton.next_power_of_2(R)),
+        RPD=max(16, triton.next_power_of_2(max(RW, RD))), **launch,
+    )
+
+
+def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, offsets_E,
+                    dg_NF, du_NF, dhg_NR, dhu_NR=None):
+    """The SwiGLU backward with both LoRA terms (see the module docstring); dhu_NR=None: shared h, one sum."""
+    N, F = g_NF.shape
+    R, RD = hg_NR.shape[1], Ad_EFR.shape[2]
+    shared = dhu_NR is None
+    if N == 0:
+        return
+    if not _use_triton(g_NF):
+        rows = len(_rows_to_padded(offsets_E, N)[0])
+        d = grouped_mm_reference(gd_NR[:rows, :RD], Ad_EFR.transpose(1, 2).to(gd_NR.dtype), offsets_E)[:rows]
+        da = da_NF[:rows].float() + d.float() * scale_d
+        x = g_NF[:rows].float() + _lora_term_ref(hg_NR, Bg_ERF, offsets_E, rows)
+        u = u_NF[:rows].float() + _lora_term_ref(hu_NR, Bu_ERF, offsets_E, rows)
+        sig = torch.sigmoid(x)
+        dg = (da * u * sig * (1 + x * (1 - sig))).to(dg_NF.dtype)
+        du = (da * x * sig).to(du_NF.dtype)
+        dg_NF[:rows], du_NF[:rows] = dg, du
+        dhg = grouped_mm_reference(dg, Bg_ERF.transpose(1, 2).to(dg.dtype), offsets_E)[:rows].float()
+        dhu = grouped_mm_reference(du, Bu_ERF.transpose(1, 2).to(du.dtype), offsets_E)[:rows].float()
+        if shared:
+            dhg_NR[:rows] = (dhg + dhu).to(dhg_NR.dtype)
+        else:
+            dhg_NR[:rows], dhu_NR[:rows] = dhg.to(dhg_NR.dtype), dhu.to(dhu_NR.dtype)
+        return
+    expert_T, row_T, BM, BN, launch = _tiles(offsets_E, N, "swiglu_bwd", "BN")
+    assert g_NF.stride() == u_NF.stride() and dg_NF.stride() == du_NF.stride()
+    assert hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
+    dhu = dhg_NR if shared else dhu_NR
+    assert dhu.stride() == dhg_NR.stride()
+    _swiglu_lora_bwd_kernel[(len(expert_T),)](
+        da_NF, gd_NR, Ad_EFR, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, dg_NF, du_NF, dhg_NR, dhu,
+        expert_T, row_T, offsets_E, F, R, RD, float(scale_d),
+        *da_NF.stride(), *gd_NR.stride(), *Ad_EFR.stride(), *g_NF.stride(), *hg_NR.stride(), *Bg_ERF.stride(),
+        *dg_NF.stride(), *dhg_NR.stride(),
+        SHARED=shared, IEEE=g_NF.dtype == torch.float32, BM=BM, BN=BN, RP=max(16, triton.next_power_of_2(R)),
+        RPD=max(16, triton.next_power_of_2(RD)), **launch,
+    )
+
+
+def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
+    """x = z[row_index // K] (the permuted rows) and h_NW[:, :R] = scale·x·A_e, zeros after."""
+    N, I = x_NI.shape
+    R, W = A_EIR.shape[2], h_NW.shape[1]
+    if N == 0:
+        return
+    if not _use_triton(z_TI):
+        rows = len(_rows_to_padded(offsets_E, N)[0])
+        x = z_TI[row_index_N[:rows].long() // K]
+        x_NI[:rows] = x
+        h_NW[:rows, :R] = (grouped_mm_reference(x, A_EIR.to(x.dtype), offsets_E)[:rows] * scale).to(h_NW.dtype)
+        h_NW[:rows, R:] = 0
+        return
+    t = FOLD_TILES["in_gather"]
+    BM = 16 if _interpreting() else t["BM"]
+    BK = 32 if _interpreting() else t["BK"]
+    expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
+    _lora_in_kernel[(len(expert_T),)](
+        z_TI, z_TI, row_index_N, A_EIR, x_NI, h_NW, expert_T, row_T, offsets_E, I, R, W, K, float(scale),
+        z_TI.stride(0), z_TI.stride(1), 0, 0, *A_EIR.stride(), x_NI.stride(0), x_NI.stride(1),
+        h_NW.stride(0), h_NW.stride(1),
+        COPY=True, GATHER=True, SWIGLU=False, IEEE=z_TI.dtype == torch.float32, BM=BM, BK=BK,
+        RP=max(16, triton.next_power_of_2(W)),
+        **({} if _interpreting() else dict(num_warps=t["num_warps"], num_stages=t["num_stages"])),
+    )
+
+
+# ---------------------------------------------------------------- autograd
+class _GatherBaseFn(torch.autograd.Function):
+    """(gu, h) = (x·W_guᵀ, s·x·A) with x = z[row_index // K]; dz in token order. h is [N, RW]."""
+
+    @staticmethod
+    def forward(ctx, z_TI, A_EIR, row_index_N, offsets_E, K, scaling, w_EOI):
+        T, I = z_TI.shape
+        N, R = row_index_N.shape[0], A_EIR.shape[2]
+        x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
+        h_NW = torch.empty(N, padded_rank(R), dtype=z_TI.dtype, device=z_TI.device)
+        gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
+        gu_NO = gmm(x_NI, w_EOI.transpose(1, 2), offsets_E)
+        ctx.scaling, ctx.K, ctx.T, ctx.R = scaling, K, T, R
+        ctx.w = w_EOI
+        ctx.save_for_backward(x_NI, A_EIR, row_index_N, offsets_E)
+        ctx.mark_non_differentiable(h_NW) if False else None
+        return gu_NO, h_NW
+
+    @staticmethod
+    def backward(ctx, dgu_NO, dh_NW):
+        x_NI, A_EIR, row_index_N, offsets_E = ctx.saved_tensors
+        need_z, need_a = ctx.needs_input_grad[:2]
+        s, R = ctx.scaling, ctx.R
+        dh_NR = dh_NW[:, :R].contiguous().to(x_NI.dtype) if dh_NW is not None else None
+        dz = dA = None
+        if need_z:
+            dx_NI = gmm(dgu_NO.contiguous().to(x_NI.dtype), ctx.w, offsets_E)
+            if dh_NR is not None:
+                lora_out(dx_NI, dh_NR, A_EIR.transpose(1, 2), offsets_E, s, dx_NI)
+            dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
+        if need_a and dh_NR is not None:
+            dA = (kgmm(x_NI, dh_NR, offsets_E) * s).to(A_EIR.dtype)
+        return dz, dA, None, None, None, None, None
+
+
+class _SwiGLUDownFn(torch.autograd.Function):
+    """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(gu_g + h_g·B_g)·(gu_u + h_u·B_u)."""
+
+    @staticmethod
+    def forward(ctx, gu_N2F, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
+        N, F = gu_N2F.shape[0], gu_N2F.shape[1] // 2
+        RD, J = Ad_EFR.shape[2], wcat_EOJ.shape[2]
+        hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
+        with torch.no_grad():
+            wcat_EOJ[:, :, F:F + RD].copy_(Bd_ERO.transpose(1, 2))
+        acat_NJ = torch.empty(N, J, dtype=gu_N2F.dtype, device=gu_N2F.device)
+        swiglu_lora_in(gu_N2F[:, :F], gu_N2F[:, F:], hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d,
+                       acat_NJ[:, :F], acat_NJ[:, F:])
+        y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
+        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared = scaling_d, F, RD, R, shared
+        ctx.wcat = wcat_EOJ
+        ctx.save_for_backward(acat_NJ, gu_N2F, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
+        return y_NO
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        acat_NJ, gu, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
+        s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
+        dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
+        N = dy_NO.shape[0]
+        with torch.no_grad():
+            wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
+        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
+        dgu = torch.empty_like(gu)
+        dh_NW = torch.zeros_like(h_NW)
+        hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
+        swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, gu[:, :F], gu[:, F:], hg, hu, Bg, Bu, offsets_E,
+                        dgu[:, :F], dgu[:, F:], dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
+        counts_E = None
+        dBg = kgmm(hg.contiguous(), dgu[:, :F], offsets_E, counts_E).to(Bg.dtype)
+        dBu = kgmm(hu.contiguous(), dgu[:, F:], offsets_E, counts_E).to(Bu.dtype)
+        dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
+        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
+        del N
+        return dgu, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
+
+
+def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
+                      scaling_d, wcat_d=None):
+    """The LoRA'd SwiGLU experts over permute's rows, base GEMMs of gate/up at native width.
+
+    z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI [E, 2F, I] the frozen
+    packed gate/up weight (gate first); A_EIR [E, I, R] with B_gu [E, R, 2F] (one LoRA on the packed
+    projection), or A_EIR [E, I, 2R] = [A_gate | A_up] with B_gu = (B_gate, B_up) each [E, R, F] (two LoRAs with
+    the same scaling); w_d_EIO [E, F, L] frozen down weight (a view of wcat_d [E, L, F + RW] when given) with
+    A_d [E, F, R_d], B_d [E, R_d, L]. Returns y_NL (sorted rows, unweighted)."""
+    if w_gu_EOI.requires_grad or w_d_EIO.requires_grad:
+        raise ValueError("lean_lora_experts: the base weights must be frozen")
+    dt = z_TI.dtype
+    F = w_gu_EOI.shape[1] // 2
+    if isinstance(B_gu, (tuple, list)):
+        Bg, Bu = (b.to(dt) for b in B_gu)
+        R, shared = Bg.shape[1], False
+        if A_EIR.shape[2] != 2 * R:
+            raise ValueError(f"lean_lora_experts: two LoRAs need A [E, I, 2R]; got {tuple(A_EIR.shape)}, R = {R}")
+    else:
+        B = B_gu.to(dt)
+        Bg, Bu = B[:, :, :F], B[:, :, F:]
+        R, shared = B.shape[1], True
+    wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
+    gu, h = _GatherBaseFn.apply(z_TI, A_EIR.to(dt), row_index_N, offsets_E, int(K), float(scaling),
+                                w_gu_EOI.to(dt))
+    return _SwiGLUDownFn.apply(gu, h, Bg, Bu, A_d.to(dt), B_d.to(dt), offsets_E, float(scaling_d), wcat_d,
+                               shared, R)
