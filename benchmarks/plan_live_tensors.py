@@ -2,22 +2,31 @@
 shape and module / op scope, next to the planner's per-layer prediction. The tool behind the planner's
 activation model (benchmarks/RESULTS.md "Planner").
 
-    python benchmarks/plan_live_tensors.py tiny|micro|gqa SEQ MB none|selective|full LORA_RANK [-v] [-f PREFIX]
+    python benchmarks/plan_live_tensors.py tiny|micro|gqa SEQ MB none|selective|full LORA_RANK [-v]
+        [--kernel[=fused|triton|torch]] [-f PREFIX]
 
 Runs the step twice: the first finds the peak, the second snapshots the live set when it is reached. -v lists
 the peak's tensors per module; -f PREFIX lists the end-of-forward tensors of modules starting with PREFIX.
+--kernel: the GPU op path on CPU (TRITON_INTERPRET=1 is set; measure_step backend="kernel"), optionally forcing
+the grouped LoRA backend; the prediction then uses the planner's kernel path in fp32.
 """
 
 import collections
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+KERNEL = next((a for a in sys.argv if a.startswith("--kernel")), None)
+if KERNEL:  # before any Triton kernel is defined (triton.jit reads TRITON_INTERPRET then)
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.argv.remove(KERNEL)
+KW = dict(backend="kernel", expert_lora=KERNEL.partition("=")[2] or None) if KERNEL else {}
 import torch  # noqa: E402
 
-from moeadapt.config import LoRASpec, get_preset
-from moeadapt.plan import accuracy as A
-from moeadapt.plan.accuracy import predict_step
+from moeadapt.config import LoRASpec, get_preset  # noqa: E402
+from moeadapt.plan import accuracy as A  # noqa: E402
+from moeadapt.plan.accuracy import predict_step  # noqa: E402
 
 STACK = ["-"]
 
@@ -109,13 +118,13 @@ def run(spec, seq, mb, rc, rank, targets=None):
             return t
 
         A.LiveBytes = mk2
-        r = A.measure_step(spec, seq, mb, rc, lora)
+        r = A.measure_step(spec, seq, mb, rc, lora, **KW)
         MM.materialize = real_mat
         t = holder[-1]
         res["peak_live"] = t.peak
         res["meas"] = r["peak"]
     A.LiveBytes = orig
-    pred = predict_step(spec, seq, mb, rc, lora)
+    pred = predict_step(spec, seq, mb, rc, lora, **KW)
     print(
         f"== {spec.name} seq={seq} mb={mb} {rc} lora={rank}: measured {res['meas'] / 1e6:.3f} MB predicted {pred['total'] / 1e6:.3f} MB err {100 * (pred['total'] / res['meas'] - 1):+.1f}%"
     )
@@ -145,10 +154,11 @@ def run(spec, seq, mb, rc, rank, targets=None):
             seq,
             rc if rc != "full" else "none",
             4,
-            "reference",
+            "kernel" if KERNEL else "reference",
             lora is None,
             la[i],
             pc.lora_rank,
+            KW.get("expert_lora"),
         )
         print(
             f"    layers.{i} {spec.resolved_layer_types()[i]} {fl[f'layers.{i}'] / 1e6:.3f} / {p / 1e6:.3f}"

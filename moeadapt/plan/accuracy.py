@@ -56,8 +56,13 @@ class LiveBytes(TorchDispatchMode):
 
 
 def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,
-                 device: str = "cpu", seed: int = 0) -> dict:
-    """One forward + backward + AdamW step of a fresh model; returns measured peak bytes and the split."""
+                 device: str = "cpu", seed: int = 0, backend: str | None = None, expert_lora: str | None = None) -> dict:
+    """One forward + backward + AdamW step of a fresh model; returns measured peak bytes and the split.
+
+    backend: None = "reference" on CPU, "auto" on CUDA; "kernel" on CPU runs the GPU's op choice in fp32 under
+    TRITON_INTERPRET=1 (`set_kernel_backends`: Triton KDA / DSA / permute, torch._grouped_mm experts, the
+    grouped LoRA backend CUDA's "auto" would take, or `expert_lora`) so the planner's kernel path can be
+    checked on CPU."""
     from ..lora import cast_frozen_, inject_lora
     from ..models.model import build_model, materialize
     from ..parallel.activation import apply_activation_checkpointing
@@ -70,6 +75,8 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str
         inject_lora(model, lora)
         if device == "cuda":
             cast_frozen_(model, torch.bfloat16)
+    if backend == "kernel" and device == "cpu":
+        set_kernel_backends(model, micro_batch * seq_len, expert_lora)
     if recompute != "none":
         apply_activation_checkpointing(model, recompute)
     model.train()
@@ -97,6 +104,24 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str
     return {"peak": mode.peak + held, "params": base}
 
 
+def set_kernel_backends(model, tokens: int, expert_lora: str | None = None) -> None:
+    """The op choice CUDA's "auto" makes, forced on a CPU model (Triton ops need TRITON_INTERPRET=1): Triton
+    attention kernels and MoE permute / combine, torch._grouped_mm for plain expert GEMMs, and for grouped LoRA
+    layers `expert_lora` or what `auto_lora_backend` picks for tokens x top-k / E rows per expert."""
+    from ..lora.layers import GroupedLoRALinear
+    from ..models.moe import GroupedLinear
+    from ..ops.moe import auto_lora_backend
+
+    model.set_backend("triton")
+    spec = model.spec
+    rows = tokens * spec.n_experts_per_tok / max(spec.n_routed_experts, 1)
+    for m in model.modules():
+        if isinstance(m, GroupedLoRALinear):
+            m.backend = expert_lora or auto_lora_backend(rows, fused_buffer=m.cat_weight(m.weight.dtype) is not None)
+        elif isinstance(m, GroupedLinear):
+            m.backend = "torch"
+
+
 def _step(model, opt, ids, labels, autocast: bool = False) -> None:
     import contextlib
 
@@ -108,9 +133,12 @@ def _step(model, opt, ids, labels, autocast: bool = False) -> None:
 
 
 def predict_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str, lora: LoRASpec | None,
-                 device: str = "cpu") -> dict:
-    """The planner's prediction for the same single-device step (no FSDP, no EP, no reserve)."""
+                 device: str = "cpu", backend: str | None = None, expert_lora: str | None = None) -> dict:
+    """The planner's prediction for the same single-device step (no FSDP, no EP, no reserve). device="cuda"
+    needs no GPU (bf16 autocast, kernel path); device="cpu" with backend="kernel" predicts measure_step's CPU
+    emulation of the kernel path (fp32)."""
     cpu = device == "cpu"
     plan = Plan(1, 1, 1, 1, 1, recompute, micro_batch, seq_len)
-    return memory_breakdown(spec, plan, lora, act_bytes=4 if cpu else 2, backend="reference" if cpu else "kernel",
-                            reserve_frac=0.0, context_bytes=0.0, base_bytes=4 if cpu else 2)
+    backend = backend or ("reference" if cpu else "kernel")
+    return memory_breakdown(spec, plan, lora, act_bytes=4 if cpu else 2, backend=backend,
+                            reserve_frac=0.0, context_bytes=0.0, base_bytes=4 if cpu else 2, expert_lora=expert_lora)

@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
+from ..ops.moe import auto_lora_backend
 
 GiB = 1024**3
 # Backward of one block: its saved activations plus the gradients of those activations that are alive together
@@ -209,9 +210,12 @@ def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -
 
 
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
-               targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None) -> _Acc:
+               targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None,
+               expert_lora: str | None = None, fused_buffer: bool = True) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
-    block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`."""
+    block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`. Kernel path: `expert_lora` forces the
+    grouped LoRA backend ("fused" | "triton" | "torch"); None = what ops/moe "auto" picks on CUDA for these rows
+    per expert (`fused_buffer`: the layer owns its [W | Bᵀ] buffer, i.e. no FSDP)."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
     # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
@@ -396,22 +400,36 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             if name in targets and not full:
                 acc.gemm(f"experts.{w} lora padded bmm outs", Kt * pad * (rank + outs[w]), "f")
     else:
+        # ops/moe "auto" on CUDA (auto_lora_backend): the frozen / trained base is torch._grouped_mm (an aten
+        # GEMM: selective keeps its output; it saves its input only when the weight trains). A LoRA target runs
+        #   fused  (one device, >= FUSED_MIN_ROWS rows per expert): [x | s x A] is written into a new buffer
+        #          xcat (J = in + rank rounded up to 8) and base + adapter are one torch._grouped_mm; xcat is what
+        #          it saves, one per layer (w1 and w3 each keep their own copy of x), and SAC sees the aten GEMM
+        #          inside the autograd Function, so selective keeps its output;
+        #   triton (the Triton LoRA kernel): saves x (w1 / w3 share it) and h = x A (rank wide); nothing
+        #          selective recognises as a GEMM;
+        #   torch: three torch._grouped_mm (x A, (x A) B, base): x shared, x A kept; selective keeps all 3 outs
         ins = {"w1": L, "w3": L, "w2": F}
+        outs = {"w1": F, "w3": F, "w2": L}
+        be = expert_lora or auto_lora_backend((tokens or seq) * Kt / E, fused_buffer)
+        x_shared = False  # w1 and w3 read the same permuted rows: saved once by whichever non-fused layer keeps it
         for w in ("w1", "w3", "w2"):
             name = "ffn.experts." + w
-            if full or name in targets:
-                acc.keep(f"experts.{w} input", Kt * ins[w] * (1 if w == "w2" else 0.5))  # w1, w3 share x
             if name in targets and not full:
+                if be == "fused":
+                    acc.keep(f"experts.{w} xcat [x | s x A] (fused)", Kt * (ins[w] + (rank + 7) // 8 * 8))
+                    acc.gemm(f"experts.{w} fused grouped mm out", Kt * outs[w])
+                    continue
                 acc.keep(f"experts.{w} x A", Kt * rank)
-        # ops/moe "auto" on CUDA: torch._grouped_mm (an aten GEMM: selective keeps its output); LoRA targets use
-        # the fused Triton grouped_lora below 1536 rows per expert (a custom kernel: selective does not see a
-        # GEMM there and recomputes it) and torch._grouped_mm above
-        fused_lora = (tokens or seq) * Kt / E < 1536
-        for w, o in (("w1", F), ("w3", F), ("w2", L)):
-            if full or "ffn.experts." + w not in targets:
-                acc.gemm(f"experts.{w} grouped mm out", Kt * o)
-            elif not fused_lora:
-                acc.gemm(f"experts.{w} base + lora grouped mm outs", Kt * (2 * o + rank))
+                if be == "torch":
+                    acc.gemm(f"experts.{w} base + lora grouped mm outs", Kt * (2 * outs[w] + rank))
+            else:
+                acc.gemm(f"experts.{w} grouped mm out", Kt * outs[w])
+                if not full:  # frozen base: torch._grouped_mm saves only the weight
+                    continue
+            if w == "w2" or not x_shared:
+                acc.keep(f"experts.{w} input", Kt * ins[w])
+                x_shared = x_shared or w != "w2"
     acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
     if ref:
         # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
@@ -423,7 +441,9 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         # + LoRA: the backward x 1.15 allowance missed it by -13.6%)
         w2_lora = not full and "ffn.experts.w2" in targets
         acc.set_work(4 * Kt * (L + F + pad * L + L + ((rank + L + pad * F) if w2_lora else 0)), gemm=4 * Kt * pad * L)
-    acc.keep("expert out rows (combine input) + combine", Kt * L * (1 if full else 0) + L)
+    # the combine saves the expert output rows for the routing weights' gradient: the reference one only when
+    # those train (full training), the Triton unpermute (kernel path) always (it checks at backward)
+    acc.keep("expert out rows (combine input) + combine", Kt * L * (1 if full or not ref else 0) + L)
     if spec.latent_dim:
         acc.gemm("fc2_latent_proj", d)
         lora("ffn.fc2_latent_proj", d)
@@ -438,16 +458,16 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
 
 def layer_activation_bytes(spec: ModelSpec, i: int, tokens: int, seq: int, recompute: str, act_bytes: int,
                            backend: str = "kernel", full: bool = True, targets: frozenset = frozenset(),
-                           rank: int = 0) -> float:
+                           rank: int = 0, expert_lora: str | None = None) -> float:
     """Bytes layer i keeps from forward to backward for `tokens` local tokens: recompute 'none' (everything
     backward needs) or 'selective' (the block input and every GEMM output of the block)."""
-    acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank)
+    acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank, tokens, expert_lora=expert_lora)
     return tokens * (acc.sel if recompute == "selective" else acc.none)
 
 
 def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: str = "kernel",
                      lora_targets: tuple = (), rank: int = 0, weight_casts: tuple = (),
-                     fp32_stream: bool | None = None) -> dict:
+                     fp32_stream: bool | None = None, expert_lora: str | None = None) -> dict:
     """The step's activation phases. 'forward end': every layer's kept set + the loss phase (logits, their
     fp32 copy and log-softmax); no parameter gradient exists yet (zero_grad(set_to_none=True)).
     'backward i' (blocks run backward from the last): blocks below i still kept, block i's activations
@@ -458,13 +478,15 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     of block i's output and (selective) the cached GEMM outputs the recompute has not reached yet.
     weight_casts: per layer, bytes of the bf16 copies autocast makes of the layer's fp32 weights; each matmul
     saves its copy for dx, so they live as long as the layer's activations (recompute none) or only while the
-    block is recomputed (selective / full: the cast is not a GEMM, so it is recomputed)."""
+    block is recomputed (selective / full: the cast is not a GEMM, so it is recomputed).
+    expert_lora: the grouped LoRA backend (kernel path); None = ops/moe's "auto" choice on CUDA, where the
+    fused [W | Bᵀ] buffer exists only without FSDP (plan.shard == 1)."""
     t = plan.micro_batch * plan.seq_len // plan.cp
     full = not lora_targets
     tg = lora_targets or (frozenset(),) * spec.n_layers
     f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
-    accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s)
-            for i in range(spec.n_layers)]
+    accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s, expert_lora,
+                       fused_buffer=plan.shard == 1) for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     logits = t * spec.vocab_size * (act_bytes + 4 + 4)
@@ -497,9 +519,10 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
 
 def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_bytes: int = 2,
                      straggler: float = 1.3, backend: str = "kernel", reserve_frac: float = 0.06,
-                     context_bytes: float = 1.0 * GiB, base_bytes: int = 2) -> dict:
+                     context_bytes: float = 1.0 * GiB, base_bytes: int = 2, expert_lora: str | None = None) -> dict:
     """Per-GPU bytes at the peak of a step, by term (see the module docstring). base_bytes: frozen-base
-    parameter bytes (2 = bf16 on GPU, 4 = fp32 on CPU)."""
+    parameter bytes (2 = bf16 on GPU, 4 = fp32 on CPU). expert_lora: force the grouped LoRA backend of the
+    kernel path (None: ops/moe's "auto" choice on CUDA)."""
     pc = param_counts(spec, lora)
     n = plan.shard
     total = pc.total
@@ -527,7 +550,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         casts = tuple(2.0 * (pc.lora_dense[i] + pc.lora_experts[i] if lora is not None else
                              pc.block_dense[i] + pc.block_experts[i]) for i in range(spec.n_layers))
     act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_targets if lora is not None else (), pc.lora_rank,
-                           casts, fp32_stream=act_bytes == 2 and n == 1)
+                           casts, fp32_stream=act_bytes == 2 and n == 1, expert_lora=expert_lora)
     t = act["tokens_per_gpu"]
     a2a = 0.0
     if spec.n_routed_experts and plan.ep > 1:

@@ -33,6 +33,17 @@ __all__ = ["permute", "permutation", "unpermute", "grouped_mm", "grouped_lora", 
 
 _BACKENDS = ("auto", "reference", "triton", "torch", "fused")
 FUSED_MIN_ROWS = 512  # "auto" grouped LoRA: fused base+LoRA GEMM from this many rows per expert, else Triton
+TRITON_LORA_MAX_ROWS = 1536  # "auto" grouped LoRA without the fused buffer: Triton below this many rows, else torch
+
+
+def auto_lora_backend(rows_per_expert: float, fused_buffer: bool) -> str:
+    """The backend "auto" gives grouped_lora on CUDA: "fused" when the layer owns its [W | Bᵀ] buffer
+    (GroupedLoRALinear on one device; not under FSDP, whose sharded / gathered weight is no view of it)
+    and has at least FUSED_MIN_ROWS rows per expert, else "triton" below TRITON_LORA_MAX_ROWS, else "torch".
+    The planner (plan/memory.py) models the saved set of the backend this returns."""
+    if fused_buffer and rows_per_expert >= FUSED_MIN_ROWS:
+        return "fused"
+    return "triton" if rows_per_expert < TRITON_LORA_MAX_ROWS else "torch"
 
 
 def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float = 0.0) -> str:
@@ -48,7 +59,7 @@ def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float
         if op == "grouped_mm":
             return "torch"
         if op == "grouped_lora":
-            return "triton" if rows_per_expert < 1536 else "torch"
+            return auto_lora_backend(rows_per_expert, fused_buffer=False)
         return "triton"
     if backend == "fused" and op != "grouped_lora":
         raise ValueError("backend='fused' exists for grouped_lora only")
@@ -243,7 +254,7 @@ def grouped_lora(
     # (K-concat, Triton dA/dB) vs the Triton LoRA kernel: 2048 rows/expert 39% vs 67%, 1024: 38% vs 63%,
     # 292: 34% vs 15%. Fused from FUSED_MIN_ROWS rows per expert (512: between measured points).
     if (backend == "auto" and w_cat is not None and w_EIO is not None and x_sorted_NI.is_cuda
-            and rows_per_expert >= FUSED_MIN_ROWS):
+            and auto_lora_backend(rows_per_expert, fused_buffer=True) == "fused"):
         backend = "fused"
     be = _resolve(backend, x_sorted_NI.device, "grouped_lora", x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1))
     if be == "fused":
