@@ -44,6 +44,7 @@ from moeadapt.ops.moe import (  # noqa: E402
     fused_lora,
     grouped_lora,
     grouped_mm,
+    lean_lora,
     offsets_from_counts,
     permutation,
     permute,
@@ -62,6 +63,9 @@ LORA_VARIANTS = {
     # session 3: dx="split" (base dx GEMM at the native width + a thin dy·Bᵀ pass) with Triton dA/dB
     "lora-fused-twg-split": ("fused", dict(dx="split", wgrad="triton", fold_io=False)),
     "lora-fused-fold-split": ("fused", dict(dx="split", wgrad="triton", fold_io=True)),
+    # session 3: lean_lora.py (gate/up base GEMM at native width, LoRA terms in the gather / SwiGLU passes)
+    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False)),
+    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False)),
 }
 
 DEV = "cuda"
@@ -112,6 +116,14 @@ def swiglu_unfused(gu_NF2):
 def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu, cats=None):
     """cats: persistent [W | Bᵀ] buffers {"gu", "d"} for lora="fused" (the base weight is their view)."""
     T = z_TL.shape[0]
+    if lora == "lean":
+        ri, counts = permutation(ids_TK, E, num_routed=ids_TK.numel())
+        offs = offsets_from_counts(counts)
+        Fh, cd = P["w_d_EOI"].shape[2], cats["d"]
+        o = lean_lora.lean_lora_experts(z_TL, ri, ids_TK.shape[1], offs, P["w_gu_EOI"], P["A_gu"], P["B_gu"],
+                                        scaling, cd[:, :, :Fh].transpose(1, 2), P["A_d"], P["B_d"], scaling,
+                                        wcat_d=cd)
+        return unpermute(o, ri, w_TK, T)
     if lora == "fused" and fused_lora.CONFIG["fold_io"]:  # folded input passes: no permuted copy, no SwiGLU pass
         ri, counts = permutation(ids_TK, E, num_routed=ids_TK.numel())
         offs = offsets_from_counts(counts)
@@ -250,6 +262,9 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
                 y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="fused", cats=cats).float()
                 log(dict(info, check=f"{name} vs lora-torch (experts fwd)",
                          rel_err=float((y_f - y_t).norm() / y_t.norm())))
+            y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="lean", cats=cats).float()
+            log(dict(info, check="lora-lean vs lora-torch (experts fwd)",
+                     rel_err=float((y_f - y_t).norm() / y_t.norm())))
     except Exception as exc:
         print(f"# lora check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
@@ -301,7 +316,8 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
         for name, ex, frozen in (("ours-torch", variants.get("ours-torch"), False),
                                  ("frozen", lora_variants["frozen"], True),
                                  ("lora-fused-twg", lora_variants["lora-fused-twg"], True),
-                                 ("lora-fused-fold", lora_variants["lora-fused-fold"], True)):
+                                 ("lora-fused-fold", lora_variants["lora-fused-fold"], True),
+                                 ("lora-lean", lora_variants["lora-lean"], True)):
             if ex is None:
                 continue
             step = experts_step(ex, frozen)
@@ -415,15 +431,18 @@ def main():
     ap.add_argument("--lora-only", action="store_true",
                     help="frozen vs each LoRA variant only (uniform routing unless --routings says otherwise)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--fold-tiles", default=None, help="JSON from tune_fold.py: tiles of the fold_io passes")
+    ap.add_argument("--fold-tiles", default=None,
+                    help="JSON from tune_fold.py: tiles of the fold_io passes (lean_* keys: lean_lora's)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     args = ap.parse_args()
     if args.fold_tiles:
         from moeadapt.ops.moe import fused_lora
 
         with open(args.fold_tiles) as f:
-            fused_lora.FOLD_TILES.update(json.load(f))
-        print(f"# fold tiles {fused_lora.FOLD_TILES}", flush=True)
+            tiles = json.load(f)
+        fused_lora.FOLD_TILES.update({k: v for k, v in tiles.items() if not k.startswith("lean_")})
+        lean_lora.LEAN_TILES.update({k[5:]: v for k, v in tiles.items() if k.startswith("lean_")})
+        print(f"# fold tiles {fused_lora.FOLD_TILES}, lean tiles {lean_lora.LEAN_TILES}", flush=True)
     if args.lora_only and args.routings == ap.get_default("routings"):
         args.routings = "0"
     T, D, L, Fh, R = (2048, 1024, 256, 256, 16) if args.quick else (16384, 4096, 1024, 1024, 16)

@@ -23,6 +23,7 @@ import triton.testing  # noqa: E402
 
 from moeadapt.ops.moe import fused_lora, offsets_from_counts  # noqa: E402
 
+
 def gemm_widths(a, bench, dev, dt):
     """torch._grouped_mm at the fused path's layouts with the K (forward, [x | s·x·A]·[W | Bᵀ]ᵀ) or N
     (backward dx, dy·[W | Bᵀ]) dimension widened from 1024 by the rank columns: which padding costs least."""
@@ -35,15 +36,15 @@ def gemm_widths(a, bench, dev, dt):
             x = torch.randn(N, J, device=dev, dtype=dt)
             w = torch.randn(a.E, O, J, device=dev, dtype=dt) * 0.02
             dy = torch.randn(N, O, device=dev, dtype=dt)
-            f = bench(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), warmup=5, rep=50)
-            b = bench(lambda: torch._grouped_mm(dy, w, offs=offs), warmup=5, rep=50)
+            f = bench(lambda x=x, w=w: torch._grouped_mm(x, w.transpose(1, 2), offs=offs), warmup=5, rep=50)
+            b = bench(lambda dy=dy, w=w: torch._grouped_mm(dy, w, offs=offs), warmup=5, rep=50)
             fl = 2 * N * J * O
             print(f"gemm {name} width {J}: fwd {f:.3f} ms ({fl / f / 1e9:.0f} TF/s), bwd dx {b:.3f} ms "
                   f"({fl / b / 1e9:.0f} TF/s)", flush=True)
             if J > I:  # the base GEMM on the [W | Bᵀ] buffer's view (row stride J), as fused_lora's split dx runs it
                 wv, xv = w[:, :, :I], x[:, :I].contiguous()
-                f = bench(lambda: torch._grouped_mm(xv, wv.transpose(1, 2), offs=offs), warmup=5, rep=50)
-                b = bench(lambda: torch._grouped_mm(dy, wv, offs=offs), warmup=5, rep=50)
+                f = bench(lambda xv=xv, wv=wv: torch._grouped_mm(xv, wv.transpose(1, 2), offs=offs), warmup=5, rep=50)
+                b = bench(lambda dy=dy, wv=wv: torch._grouped_mm(dy, wv, offs=offs), warmup=5, rep=50)
                 fl = 2 * N * I * O
                 print(f"gemm {name} width {I} as a view of width {J}: fwd {f:.3f} ms ({fl / f / 1e9:.0f} TF/s), "
                       f"bwd dx {b:.3f} ms ({fl / b / 1e9:.0f} TF/s)", flush=True)
@@ -62,6 +63,53 @@ IN_TILES2 = [(64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 4, 4), (12
 BWD_TILES2 = [(16, 256, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (16, 512, 8, 2), (16, 64, 2, 2), (32, 64, 2, 2),
               (16, 128, 2, 2), (16, 512, 4, 2), (32, 32, 4, 2)]
 
+LEAN_IN = [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 32, 4, 3)]
+LEAN_BWD = [(16, 128, 2, 2), (16, 128, 4, 2), (16, 64, 2, 2), (16, 256, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2)]
+
+
+def lean(a, bench, dev, dt, N, offsets, gu, A_d):
+    """Tile sweep of lean_lora's SwiGLU passes (one LoRA on the packed gate/up: shared h)."""
+    from moeadapt.ops.moe import lean_lora
+
+    F, R, B = a.F, a.R, 2
+    h = torch.randn(N, R, device=dev, dtype=dt) * 0.1
+    B_gu = torch.randn(a.E, R, 2 * F, device=dev, dtype=dt) * 0.03
+    acat = torch.empty(N, F + R, device=dev, dtype=dt)
+    da = torch.randn(N, F, device=dev, dtype=dt)
+    gd = torch.randn(N, R, device=dev, dtype=dt)
+    dgu = torch.empty_like(gu)
+    dh = torch.empty(N, R, device=dev, dtype=dt)
+    runs = {
+        "swiglu_in": (lambda: lean_lora.swiglu_lora_in(gu[:, :F], gu[:, F:], h, h, B_gu[:, :, :F], B_gu[:, :, F:],
+                                                       A_d, offsets, 2.0, acat[:, :F], acat[:, F:]),
+                      acat, B * N * (2 * F + F + R), "BK", LEAN_IN),
+        "swiglu_bwd": (lambda: lean_lora.swiglu_lora_bwd(da, gd, A_d, 2.0, gu[:, :F], gu[:, F:], h, h,
+                                                         B_gu[:, :, :F], B_gu[:, :, F:], offsets, dgu[:, :F],
+                                                         dgu[:, F:], dh),
+                       dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD),
+    }
+    best = {}
+    for name, (fn, out, nbytes, wide, tiles) in runs.items():
+        res, ref = [], None
+        for t in tiles:
+            lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
+            try:
+                fn()
+                got = out.float().clone()
+                ref = got if ref is None else ref
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = bench(fn, warmup=5, rep=50)
+            except Exception as e:  # noqa: BLE001  (report the tile that fails, go on)
+                print(f"lean {name} {t}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            res.append((ms, dict(lean_lora.LEAN_TILES[name])))
+            print(f"lean {name} {t}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s, rel err vs first {err:.1e}", flush=True)
+        ms, cfg = min(res, key=lambda r: r[0])
+        lean_lora.LEAN_TILES[name] = best[name] = cfg
+        print(f"best lean {name}: {ms:.3f} ms {cfg}", flush=True)
+    print(json.dumps(best))
+    return best
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -73,6 +121,7 @@ def main():
     ap.add_argument("--R", type=int, default=16)
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemm", action="store_true", help="only time grouped GEMMs at widths 1024 + {0,16,32,64,128}")
+    ap.add_argument("--lean", action="store_true", help="the lean_lora SwiGLU passes instead of the fold passes")
     ap.add_argument("--round2", action="store_true", help="the second tile list (around call 3's best)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
     a = ap.parse_args()
@@ -107,6 +156,13 @@ def main():
     g = base[:, a.F:a.F + a.R]
     dgu = torch.empty_like(gu)
     B = 2  # bytes per element
+    if a.lean:
+        best = lean(a, bench, dev, dt, N, offsets, gu, A_dn)
+        if a.out:
+            with open(a.out + ".tmp", "w") as f:
+                json.dump({f"lean_{k}": v for k, v in best.items()}, f)
+            os.replace(a.out + ".tmp", a.out)
+        return
     passes = {
         "in_gather": (lambda: fused_lora.fold_in(z, A_in, offsets, 2.0, xcat, row_index_N=row_index, K=a.K),
                       xcat, B * N * (a.L + a.L + RP)),

@@ -496,3 +496,76 @@ def test_fold_bf16_launches(gen):
     y.float().sum().backward()
     assert y.shape == (len(row_index), I) and y.dtype == dt
     assert z.grad.shape == z.shape and a1.grad.shape == a1.shape and b2.grad.shape == b2.shape
+
+
+# ------------------------------------------------------------------ lean LoRA experts (lean_lora.py)
+def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
+    """float64 loops: permuted rows, gate/up with their LoRA terms, SwiGLU, down with its LoRA term."""
+    x64, idx64, counts = _permute_loop(z64, ids_TK, E)
+    offs = offsets_from_counts(counts)
+    F = w_gu.shape[1] // 2
+    base = _grouped_loop(x64, w_gu.double().transpose(1, 2), offs)
+    h = _grouped_loop(x64, A, offs) * s
+    R = B_g.shape[1]
+    hg, hu = (h, h) if shared else (h[:, :R], h[:, R:])
+    gate = base[:, :F] + _grouped_loop(hg, B_g, offs)
+    up = base[:, F:] + _grouped_loop(hu, B_u, offs)
+    a = torch.nn.functional.silu(gate) * up
+    y = _grouped_loop(a, w_d.double().transpose(1, 2), offs)
+    return y + _grouped_loop(_grouped_loop(a, A_d, offs), B_d, offs) * s_d, idx64
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("dx", ["cat", "split"])
+@pytest.mark.parametrize("triton_passes", [True, False])
+def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes):
+    """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
+    against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
+    up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile."""
+    from moeadapt.ops.moe import fused_lora, lean_lora, permutation
+
+    if triton_passes and not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
+    on = triton_passes and INTERPRET
+    monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=on: on)
+    monkeypatch.setattr(lean_lora, "_use_triton", lambda t, on=on: on)
+    T, K, E, I, Fh, R, Rd, s, s_d = 29, 3, 6, 40, 24, 4, 8, 2.0, 0.5
+    ids_TK = _routing(gen, T, K, E, drop=0.2, empty=(1,))
+    row_index, counts = permutation(ids_TK, E, backend="triton" if triton_passes else "reference")
+    offsets = offsets_from_counts(counts)
+    z_TI = torch.randn(T, I, generator=gen)
+    w_gu = torch.randn(E, 2 * Fh, I, generator=gen) / I**0.5
+    A = torch.randn(E, I, R if shared else 2 * R, generator=gen) / I**0.5
+    B_g = torch.randn(E, R, Fh, generator=gen) / R**0.5
+    B_u = torch.randn(E, R, Fh, generator=gen) / R**0.5
+    w_d = torch.randn(E, I, Fh, generator=gen) / Fh**0.5
+    A_d = torch.randn(E, Fh, Rd, generator=gen) / Fh**0.5
+    B_d = torch.randn(E, Rd, I, generator=gen) / Rd**0.5
+    wcat_d = fused_lora.make_cat_buffer(w_d, Rd)
+    z, a, bg, bu, ad, bd = (_leaf(t) for t in (z_TI, A, B_g, B_u, A_d, B_d))
+    if shared:
+        b_gu = _leaf(torch.cat([B_g, B_u], 2))
+        B_arg = b_gu
+    else:
+        B_arg = (bg, bu)
+    y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_gu, a, B_arg, s,
+                                    wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d)
+    z64, a64, bg64, bu64, ad64, bd64 = (_leaf(t, torch.float64) for t in (z_TI, A, B_g, B_u, A_d, B_d))
+    y_ref, idx64 = _lean_ref(z64, ids_TK, E, w_gu, a64, bg64, bu64, s, w_d, ad64, bd64, s_d, shared)
+    assert torch.equal(idx64, row_index)
+    _close(y, y_ref, 1e-4)
+    dy = torch.randn(y.shape, generator=gen)
+    (y * dy).sum().backward()
+    (y_ref * dy.double()).sum().backward()
+    got = [z.grad, a.grad, ad.grad, bd.grad]
+    want = [z64.grad, a64.grad, ad64.grad, bd64.grad]
+    if shared:
+        got += [b_gu.grad[:, :, :Fh], b_gu.grad[:, :, Fh:]]
+    else:
+        got += [bg.grad, bu.grad]
+    want += [bg64.grad, bu64.grad]
+    for g, w in zip(got, want):
+        _close(g, w, 1e-4)
+    assert a.grad[1].abs().max() == 0 and bd.grad[1].abs().max() == 0  # the empty expert
+    assert torch.equal(wcat_d[:, :, :Fh], w_d)

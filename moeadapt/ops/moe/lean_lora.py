@@ -34,6 +34,7 @@ import triton.language as tl
 from .fused_lora import (
     FOLD_TILES,
     _combine_copies,
+    _counts,
     _dx_parts,
     _fold_cat,
     _interpreting,
@@ -302,7 +303,6 @@ class _GatherBaseFn(torch.autograd.Function):
         ctx.scaling, ctx.K, ctx.T, ctx.R = scaling, K, T, R
         ctx.w = w_EOI
         ctx.save_for_backward(x_NI, A_EIR, row_index_N, offsets_E)
-        ctx.mark_non_differentiable(h_NW) if False else None
         return gu_NO, h_NW
 
     @staticmethod
@@ -318,7 +318,7 @@ class _GatherBaseFn(torch.autograd.Function):
                 lora_out(dx_NI, dh_NR, A_EIR.transpose(1, 2), offsets_E, s, dx_NI)
             dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
         if need_a and dh_NR is not None:
-            dA = (kgmm(x_NI, dh_NR, offsets_E) * s).to(A_EIR.dtype)
+            dA = (kgmm(x_NI, dh_NR, offsets_E, _counts(offsets_E)) * s).to(A_EIR.dtype)
         return dz, dA, None, None, None, None, None
 
 
@@ -346,7 +346,6 @@ class _SwiGLUDownFn(torch.autograd.Function):
         acat_NJ, gu, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
         s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
-        N = dy_NO.shape[0]
         with torch.no_grad():
             wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
         da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
@@ -355,12 +354,11 @@ class _SwiGLUDownFn(torch.autograd.Function):
         hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
         swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, gu[:, :F], gu[:, F:], hg, hu, Bg, Bu, offsets_E,
                         dgu[:, :F], dgu[:, F:], dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
-        counts_E = None
+        counts_E = _counts(offsets_E)
         dBg = kgmm(hg.contiguous(), dgu[:, :F], offsets_E, counts_E).to(Bg.dtype)
         dBu = kgmm(hu.contiguous(), dgu[:, F:], offsets_E, counts_E).to(Bu.dtype)
         dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
         dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
-        del N
         return dgu, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
 
 
