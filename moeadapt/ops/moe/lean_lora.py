@@ -48,8 +48,8 @@ from .fused_lora import (
 from .reference import _rows_to_padded, grouped_mm_reference
 from .triton_grouped_mm import _cached_tile_map
 
-LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks)
-    "swiglu_in": dict(BM=64, BK=64, num_warps=4, num_stages=3),
+LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
+    "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
     "swiglu_bwd": dict(BM=16, BN=128, num_warps=2, num_stages=2),
 }
 
@@ -151,29 +151,37 @@ def _swiglu_lora_bwd_kernel(
         else:
             da = tl.dot(gd, adt.to(gd.dtype))
         da = tl.load(da_ptr + r64 * s_an + cols[None, :] * s_af, mask=m, other=0.0).to(tl.float32) + da * scale_d
-        lg, lu = _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br, s_bf, IEEE)
-        x = tl.load(g_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lg
-        u = tl.load(u_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32) + lu
+        bmask = r_ok[:, None] & col_ok[None, :]
+        bg = tl.load(bg_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=bmask, other=0.0)
+        bu = tl.load(bu_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=bmask, other=0.0)
+        bg = bg.to(hg.dtype)
+        bu = bu.to(hu.dtype)
+        x = tl.load(g_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32)
+        if IEEE:
+            x += tl.dot(hg, bg, input_precision="ieee")
+            u += tl.dot(hu, bu, input_precision="ieee")
+        else:
+            x += tl.dot(hg, bg)
+            u += tl.dot(hu, bu)
         sig = tl.sigmoid(x)
         dgv = (da * u * sig * (1.0 + x * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
         duv = (da * x * sig).to(du_ptr.dtype.element_ty)
         tl.store(dg_ptr + r64 * s_dn + cols[None, :] * s_df, dgv, mask=m)
         tl.store(du_ptr + r64 * s_dn + cols[None, :] * s_df, duv, mask=m)
-        bm = r_ok[None, :] & col_ok[:, None]
-        bgt = tl.load(bg_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=bm, other=0.0)
-        but = tl.load(bu_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=bm, other=0.0)
+        # dh += d(gate)·B_gᵀ: the B tiles loaded above, transposed in registers (no second, strided load)
         if IEEE:
-            dhg = tl.dot(dgv, bgt.to(dgv.dtype), dhg, input_precision="ieee")
+            dhg = tl.dot(dgv, tl.trans(bg).to(dgv.dtype), dhg, input_precision="ieee")
             if SHARED:
-                dhg = tl.dot(duv, but.to(duv.dtype), dhg, input_precision="ieee")
+                dhg = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhg, input_precision="ieee")
             else:
-                dhu = tl.dot(duv, but.to(duv.dtype), dhu, input_precision="ieee")
+                dhu = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhu, input_precision="ieee")
         else:
-            dhg = tl.dot(dgv, bgt.to(dgv.dtype), dhg)
+            dhg = tl.dot(dgv, tl.trans(bg).to(dgv.dtype), dhg)
             if SHARED:
-                dhg = tl.dot(duv, but.to(duv.dtype), dhg)
+                dhg = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhg)
             else:
-                dhu = tl.dot(duv, but.to(duv.dtype), dhu)
+                dhu = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhu)
     tl.store(dhg_ptr + r64 * s_xn + rs[None, :] * s_xr, dhg.to(dhg_ptr.dtype.element_ty), mask=hm)
     if not SHARED:
         tl.store(dhu_ptr + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
