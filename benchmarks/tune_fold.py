@@ -66,7 +66,10 @@ BWD_TILES2 = [(16, 256, 4, 2), (16, 128, 4, 2), (16, 256, 8, 2), (16, 512, 8, 2)
 # session 3 call 6 (H200, E = 64): swiglu_in best (64, 32, 4, 3) 0.394 ms; swiglu_bwd best (16, 128, 2, 2) 0.876 ms
 # (with B loaded twice; now once and transposed in registers), (16, 256, 4, 2) 20.9 ms (pathological)
 LEAN_IN = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)]
-LEAN_BWD = [(16, 128, 2, 2), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (32, 64, 2, 2), (64, 128, 8, 2)]
+# call 7 (B loaded once): swiglu_bwd best (32, 64, 2, 2) 0.602 ms, (64, 64/128, 4, 2) 0.630, (16, 128, 2, 2) 0.968.
+# 5th entry: SPLIT, the column slices run as separate programs (dh as partial sums)
+LEAN_BWD = [(32, 64, 2, 2, 1), (32, 64, 2, 2, 4), (32, 128, 4, 2, 8), (64, 128, 4, 2, 8), (16, 128, 2, 2, 8),
+            (64, 64, 4, 2, 16), (32, 64, 2, 2, 16), (128, 128, 8, 2, 8)]
 
 
 def lean(a, bench, dev, dt, N, offsets, gu, A_d):
@@ -95,6 +98,8 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
         res, ref = [], None
         for t in tiles:
             lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
+            if len(t) > 4:
+                lean_lora.LEAN_TILES[name]["SPLIT"] = t[4]
             try:
                 fn()
                 got = out.float().clone()

@@ -517,8 +517,8 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
 
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("dx", ["cat", "split"])
-@pytest.mark.parametrize("triton_passes", [True, False])
-def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes):
+@pytest.mark.parametrize("triton_passes,col_split", [(True, 1), (True, 3), (False, 1)])
+def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes, col_split):
     """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
     against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
     up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile."""
@@ -530,7 +530,9 @@ def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes):
     on = triton_passes and INTERPRET
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=on: on)
     monkeypatch.setattr(lean_lora, "_use_triton", lambda t, on=on: on)
-    T, K, E, I, Fh, R, Rd, s, s_d = 29, 3, 6, 40, 24, 4, 8, 2.0, 0.5
+    # col_split 3: the SwiGLU backward's columns in 3 slices (3 x 32 under the interpreter), dh as partial sums
+    monkeypatch.setitem(lean_lora.LEAN_TILES, "swiglu_bwd", {**lean_lora.LEAN_TILES["swiglu_bwd"], "SPLIT": col_split})
+    T, K, E, I, Fh, R, Rd, s, s_d = 29, 3, 6, 40, 24 if col_split == 1 else 72, 4, 8, 2.0, 0.5
     ids_TK = _routing(gen, T, K, E, drop=0.2, empty=(1,))
     row_index, counts = permutation(ids_TK, E, backend="triton" if triton_passes else "reference")
     offsets = offsets_from_counts(counts)

@@ -50,7 +50,7 @@ from .triton_grouped_mm import _cached_tile_map
 
 LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
     "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
-    "swiglu_bwd": dict(BM=16, BN=128, num_warps=2, num_stages=2),
+    "swiglu_bwd": dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1),  # H200 call 7: 0.60 ms at E = 64
 }
 
 
@@ -114,14 +114,16 @@ def _swiglu_lora_in_kernel(
 @triton.jit
 def _swiglu_lora_bwd_kernel(
     da_ptr, gd_ptr, ad_ptr, g_ptr, u_ptr, hg_ptr, hu_ptr, bg_ptr, bu_ptr, dg_ptr, du_ptr, dhg_ptr, dhu_ptr,
-    tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RD, scale_d,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RD, scale_d, CSPAN,
     s_an, s_af, s_qn, s_qr, s_ae, s_af2, s_ar, s_gn, s_gf, s_hn, s_hr, s_be, s_br, s_bf, s_dn, s_df, s_xn, s_xr,
-    SHARED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+    s_xp, SHARED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
     RPD: tl.constexpr,
 ):
     """da = da_base + scale_d·gd·A_dᵀ; gate/up recomputed with their LoRA terms; d(gate), d(up) -> dg, du;
-    dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over all F columns."""
+    dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over this program's CSPAN
+    columns (program_id(1)) and stored at dhg + program_id(1)·s_xp (partial sums when the columns are split)."""
     pid = tl.program_id(0)
+    pid_c = tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid)
     if e < 0:
         return
@@ -140,9 +142,10 @@ def _swiglu_lora_bwd_kernel(
     gd = tl.load(gd_ptr + r64 * s_qn + rd[None, :] * s_qr, mask=row_ok[:, None] & (rd < RD)[None, :], other=0.0)
     dhg = tl.zeros([BM, RP], dtype=tl.float32)
     dhu = tl.zeros([BM, RP], dtype=tl.float32)
-    for c0 in range(0, F, BN):
+    c_end = tl.minimum(F, (pid_c + 1) * CSPAN)
+    for c0 in range(pid_c * CSPAN, c_end, BN):
         cols = c0 + tl.arange(0, BN)
-        col_ok = cols < F
+        col_ok = cols < c_end
         m = row_ok[:, None] & col_ok[None, :]
         adt = tl.load(ad_ptr + e64 * s_ae + rd[:, None] * s_ar + cols[None, :] * s_af2,
                       mask=(rd < RD)[:, None] & col_ok[None, :], other=0.0)
@@ -182,9 +185,10 @@ def _swiglu_lora_bwd_kernel(
                 dhg = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhg)
             else:
                 dhu = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhu)
-    tl.store(dhg_ptr + r64 * s_xn + rs[None, :] * s_xr, dhg.to(dhg_ptr.dtype.element_ty), mask=hm)
+    part = pid_c.to(tl.int64) * s_xp
+    tl.store(dhg_ptr + part + r64 * s_xn + rs[None, :] * s_xr, dhg.to(dhg_ptr.dtype.element_ty), mask=hm)
     if not SHARED:
-        tl.store(dhu_ptr + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
+        tl.store(dhu_ptr + part + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
 
 
 # ---------------------------------------------------------------- pass wrappers (torch twins off the GPU)
@@ -257,16 +261,29 @@ def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_
     expert_T, row_T, BM, BN, launch = _tiles(offsets_E, N, "swiglu_bwd", "BN")
     assert g_NF.stride() == u_NF.stride() and dg_NF.stride() == du_NF.stride()
     assert hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
-    dhu = dhg_NR if shared else dhu_NR
-    assert dhu.stride() == dhg_NR.stride()
-    _swiglu_lora_bwd_kernel[(len(expert_T),)](
-        da_NF, gd_NR, Ad_EFR, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, dg_NF, du_NF, dhg_NR, dhu,
-        expert_T, row_T, offsets_E, F, R, RD, float(scale_d),
+    # SPLIT > 1: the columns in SPLIT slices, one program each (more parallel), dh as fp32 partial sums
+    split = LEAN_TILES["swiglu_bwd"].get("SPLIT", 1)
+    split = max(1, min(split, triton.cdiv(F, BN)))
+    cspan = triton.cdiv(triton.cdiv(F, split), BN) * BN
+    split = triton.cdiv(F, cspan)
+    if split == 1:
+        dhg, dhu = dhg_NR, (dhg_NR if shared else dhu_NR)
+    else:
+        dhg = torch.empty(split, N, R, device=g_NF.device, dtype=torch.float32)
+        dhu = dhg if shared else torch.empty_like(dhg)
+    assert dhu.stride() == dhg.stride()
+    _swiglu_lora_bwd_kernel[(len(expert_T), split)](
+        da_NF, gd_NR, Ad_EFR, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, dg_NF, du_NF, dhg, dhu,
+        expert_T, row_T, offsets_E, F, R, RD, float(scale_d), cspan,
         *da_NF.stride(), *gd_NR.stride(), *Ad_EFR.stride(), *g_NF.stride(), *hg_NR.stride(), *Bg_ERF.stride(),
-        *dg_NF.stride(), *dhg_NR.stride(),
+        *dg_NF.stride(), *dhg.stride()[-2:], dhg.stride(0) if split > 1 else 0,
         SHARED=shared, IEEE=g_NF.dtype == torch.float32, BM=BM, BN=BN, RP=max(16, triton.next_power_of_2(R)),
         RPD=max(16, triton.next_power_of_2(RD)), **launch,
     )
+    if split > 1:
+        dhg_NR.copy_(dhg.sum(0))
+        if not shared:
+            dhu_NR.copy_(dhu.sum(0))
 
 
 def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
