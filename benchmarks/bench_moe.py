@@ -222,7 +222,7 @@ def _bench(fn, rep_ms):
     return ms, peak
 
 
-def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=False):
+def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=False, rounds=1, lora_select=None):
     P = make_params(E, D, L, Fh, R)
     # persistent [W | Bᵀ] buffers for the fused LoRA (a model keeps only these; the bench also keeps
     # the contiguous P["w_*"] so the other variants run on exactly the weights they always had)
@@ -338,11 +338,18 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
             rows.append(dict(info, scope=scope, variant=name, ms=round(ms, 3),
                              tflops=round(fl / ms / 1e9, 1), peak_gib=round(mem, 2)))
             log(rows[-1])
-        for name, ex in lora_variants.items():
-            ms, mem = bench(maker(ex, frozen=True))
+        names = [n for n in lora_variants if lora_select is None or n in lora_select or n == "frozen"]
+        samples = {n: [] for n in names}
+        for _ in range(rounds):  # rounds interleave the variants; the median of each is reported
+            for name in names:
+                samples[name].append(bench(maker(lora_variants[name], frozen=True)))
+        for name in names:
+            ms_all = sorted(m for m, _ in samples[name])
+            ms, mem = ms_all[len(ms_all) // 2], max(g for _, g in samples[name])
             fl = 2 * fl_fwd + (2 * fl_dense if scope == "layer" else 0)  # dx only for a frozen base
             rows.append(dict(info, scope=scope, variant=name, ms=round(ms, 3),
-                             tflops=round(fl / ms / 1e9, 1), peak_gib=round(mem, 2)))
+                             tflops=round(fl / ms / 1e9, 1), peak_gib=round(mem, 2),
+                             **({"ms_rounds": [round(m, 3) for m in ms_all]} if rounds > 1 else {})))
             log(rows[-1])
     fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
     for scope in ("experts", "layer"):  # the target: LoRA adds at most 25% over the frozen layer
@@ -431,6 +438,9 @@ def main():
     ap.add_argument("--lora-only", action="store_true",
                     help="frozen vs each LoRA variant only (uniform routing unless --routings says otherwise)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="time the LoRA variants this many times, interleaved; "
+                    "report each one's median (the H200 here showed ±2-point and occasional 2x outliers)")
+    ap.add_argument("--lora-variants", default=None, help="comma list of LoRA variants to time (frozen always)")
     ap.add_argument("--fold-tiles", default=None,
                     help="JSON from tune_fold.py: tiles of the fold_io passes (lean_* keys: lean_lora's)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
@@ -468,7 +478,8 @@ def main():
                 continue
             t0 = time.time()
             run_case(E, K, zipf_s, T, D, L, Fh, R, not (args.quick or args.no_loop or args.lora_only), log,
-                     profile=args.profile and first, lora_only=args.lora_only)
+                     profile=args.profile and first, lora_only=args.lora_only, rounds=args.rounds,
+                     lora_select=args.lora_variants.split(",") if args.lora_variants else None)
             first = False
             print(f"# case E={E} K={K} zipf={zipf_s} took {time.time() - t0:.1f}s", flush=True)
 
