@@ -14,7 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.moe import FUSED_MIN_ROWS, grouped_mm, offsets_from_counts, permutation, permute, unpermute
+from ..ops.moe import (
+    FUSED_MIN_ROWS,
+    fused_lora,
+    grouped_mm,
+    lean_lora,
+    offsets_from_counts,
+    permutation,
+    permute,
+    unpermute,
+)
 from .common import RMSNorm, SwiGLU
 from .router import Router
 
@@ -54,6 +63,36 @@ class GroupedExperts(nn.Module):
         permutation themselves."""
         return _folds(self.w1, z_TL, n_rows) and _folds(self.w3, z_TL, n_rows)
 
+    def lean_ok(self, z_TL: torch.Tensor, n_rows: int) -> bool:
+        """True when the LoRA'd experts can run through ops/moe/lean_lora.py (fused_lora.CONFIG["lean"]): w1, w3
+        and w2 all grouped LoRA layers with a frozen base in z's dtype, no dropout, w1 / w3 with one rank and
+        scaling, w2 owning its [W | Bᵀ] buffer, and where "auto" would run the fused GEMM (CUDA, at least
+        FUSED_MIN_ROWS rows per expert) or the layers ask for backend "fused"."""
+        if not fused_lora.CONFIG.get("lean", False):
+            return False
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if not all(hasattr(w, "lora_A") and isinstance(w.dropout, nn.Identity) for w in (w1, w3, w2)):
+            return False
+        if any(w.weight.requires_grad or w.weight.dtype != z_TL.dtype or w.backend not in ("auto", "fused")
+               for w in (w1, w3, w2)):
+            return False
+        if w1.rank != w3.rank or w1.scaling != w3.scaling or w2.cat_weight(z_TL.dtype) is None:
+            return False
+        if all(w.backend == "fused" for w in (w1, w3, w2)):
+            return True
+        return z_TL.is_cuda and n_rows >= FUSED_MIN_ROWS * w1.n_experts
+
+    def forward_lean(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
+        """The experts over z[row_index // K] via lean_lora (needs lean_ok): no permuted copy, gate/up GEMMs
+        at native width, the rank terms in the gather / SwiGLU passes."""
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        dt = z_TL.dtype
+        A = torch.cat([w1.lora_A, w3.lora_A], 2).to(dt)
+        return lean_lora.lean_lora_experts(
+            z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B.to(dt), w3.lora_B.to(dt)),
+            w1.scaling, w2.weight.transpose(1, 2), w2.lora_A.to(dt), w2.lora_B.to(dt), w2.scaling,
+            wcat_d=w2.cat_weight(dt))
+
     def forward_gather(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
         """forward(z[row_index // K]) without materialising the permuted rows (needs can_gather)."""
         g_NF = self.w1.forward_gather(z_TL, row_index_N, K, offsets_E)
@@ -84,6 +123,11 @@ class LocalDispatcher:
 
     def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
         num_routed = ids_TK.numel() if self.dropless else None
+        lean_ok = getattr(experts, "lean_ok", None)
+        if lean_ok is not None and lean_ok(z_TL, ids_TK.numel()):  # LoRA'd experts, lean_lora.py
+            row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)
+            y_NL = experts.forward_lean(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))
+            return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
         can_gather = getattr(experts, "can_gather", None)
         if can_gather is not None and can_gather(z_TL, ids_TK.numel()):  # LoRA'd w1/w3 with fold_io: no permuted copy
             row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
-from ..ops.moe import auto_lora_backend
+from ..ops.moe import auto_lora_backend, fused_lora
 
 GiB = 1024**3
 # Backward of one block: its saved activations plus the gradients of those activations that are alive together
@@ -379,6 +379,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("fc1 out (latent_norm input)", L, gemm_out=1)
             _norm(acc, "latent_norm", L, full, act_bytes != 2)
     acc.keep("permute indices", Kt * 8, "b")
+    lean = False  # the kernel path's lean_lora experts (set below)
     if ref:
         # grouped_mm_reference: one padded [E, C, in] bmm per GroupedLinear; C = the largest expert's rows.
         # Expected largest of E multinomial loads of mean m = T K / E: m + sqrt(2 m ln E) (Gaussian tail)
@@ -413,7 +414,17 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         outs = {"w1": F, "w3": F, "w2": L}
         be = expert_lora or auto_lora_backend((tokens or seq) * Kt / E, fused_buffer)
         x_shared = False  # w1 and w3 read the same permuted rows: saved once by whichever non-fused layer keeps it
-        for w in ("w1", "w3", "w2"):
+        lean = (not full and all("ffn.experts." + w in targets for w in ("w1", "w3", "w2"))
+                and (be == "lean" or (be == "fused" and fused_lora.CONFIG.get("lean", False))))
+        #   lean   (ops/moe/lean_lora.py, where fused would run and w1, w3, w2 all carry LoRA): the permuted rows x
+        #          once, h = s x [A1 | A3] (2 rank wide, padded to 8), w1 / w3 outputs (the SwiGLU inputs, below),
+        #          acat = [a | s a A2] (w2's input), and w2's GEMM output under selective
+        if lean:
+            acc.keep("experts x (permuted rows, lean)", Kt * L)
+            acc.keep("experts h = s x [A1 | A3] (lean)", Kt * ((2 * rank + 7) // 8 * 8))
+            acc.keep("experts.w2 acat [a | s a A] (lean)", Kt * (F + (rank + 7) // 8 * 8))
+            acc.gemm("experts.w2 grouped mm out (lean)", Kt * L)
+        for w in (() if lean else ("w1", "w3", "w2")):
             name = "ffn.experts." + w
             if name in targets and not full:
                 if be == "fused":
@@ -430,7 +441,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             if w == "w2" or not x_shared:
                 acc.keep(f"experts.{w} input", Kt * ins[w])
                 x_shared = x_shared or w != "w2"
-    acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
+    if lean:  # lean: the SwiGLU product is acat's first F columns (kept above)
+        acc.keep("w1 out, w3 out (swiglu inputs, lean)", Kt * 2 * F, gemm_out=1.0)
+    else:
+        acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
     if ref:
         # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
         # the permuted rows z_NL (a local of the dispatcher; the padded copies, not z, are saved) and the swiglu

@@ -156,6 +156,7 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
             return _fn(*a, **k)
         monkeypatch.setattr(fused_lora, f"grouped_lora_fused_{name}", counted)
     res = {}
+    monkeypatch.setitem(fused_lora.CONFIG, "lean", False)  # lean (default) takes precedence over the folds
     for fold in (False, True):
         monkeypatch.setitem(fused_lora.CONFIG, "fold_io", fold)
         m.zero_grad(set_to_none=True)
@@ -167,5 +168,39 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
         assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
     else:
         assert calls == {"gather": 0, "swiglu": 0}, calls
+    for a, b in zip(res[False], res[True]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["fused", "auto"])
+def test_lean_model_matches(seed, monkeypatch, backend):
+    """fused_lora.CONFIG["lean"]: the whole model with its LoRA'd experts through lean_lora.py (w1 / w3 GEMMs at
+    native width, their rank terms in the gather / SwiGLU passes) gives the plain model's logits and every adapter
+    gradient; it runs with backend "fused" and, with "auto", only where the fused GEMM would (CUDA), so not here."""
+    from moeadapt.ops.moe import fused_lora, lean_lora
+
+    m, _ = model_with_lora(seed)
+    grouped = [mod for mod in m.modules() if isinstance(mod, GroupedLoRALinear)]
+    for mod in grouped:
+        mod.backend = backend
+        torch.nn.init.normal_(mod.lora_B, std=0.1)  # nonzero B: the rank terms matter
+    x = torch.randint(0, 256, (2, 11))
+    calls = {"lean": 0}
+    fn = lean_lora.lean_lora_experts
+
+    def counted(*a, **k):
+        calls["lean"] += 1
+        return fn(*a, **k)
+    monkeypatch.setattr(lean_lora, "lean_lora_experts", counted)
+    monkeypatch.setitem(fused_lora.CONFIG, "fold_io", False)
+    res = {}
+    for lean in (False, True):
+        monkeypatch.setitem(fused_lora.CONFIG, "lean", lean)
+        m.zero_grad(set_to_none=True)
+        logits = m(x).logits
+        (logits.float().square().mean()).backward()
+        res[lean] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+    n_moe = len(grouped) // 3
+    assert calls["lean"] == (n_moe if backend == "fused" else 0), calls
     for a, b in zip(res[False], res[True]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -515,10 +515,10 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
     return y + _grouped_loop(_grouped_loop(a, A_d, offs), B_d, offs) * s_d, idx64
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared,pair", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("dx", ["cat", "split"])
 @pytest.mark.parametrize("triton_passes,col_split", [(True, 1), (True, 3), (False, 1)])
-def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes, col_split):
+def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split):
     """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
     against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
     up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile."""
@@ -551,7 +551,8 @@ def test_lean_lora_experts(gen, monkeypatch, shared, dx, triton_passes, col_spli
         B_arg = b_gu
     else:
         B_arg = (bg, bu)
-    y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_gu, a, B_arg, s,
+    w_arg = (w_gu[:, :Fh].contiguous(), w_gu[:, Fh:].contiguous()) if pair else w_gu  # pair: the model's w1, w3
+    y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
                                     wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d)
     z64, a64, bg64, bu64, ad64, bd64 = (_leaf(t, torch.float64) for t in (z_TI, A, B_g, B_u, A_d, B_d))
     y_ref, idx64 = _lean_ref(z64, ids_TK, E, w_gu, a64, bg64, bu64, s, w_d, ad64, bd64, s_d, shared)

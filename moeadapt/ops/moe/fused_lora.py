@@ -57,7 +57,10 @@ from .triton_grouped_mm import _cached_tile_map, grouped_wgrad
 #          where the fused GEMM runs (models/moe.py `_folds`). H200, session 3 call 3, with FOLD_TILES:
 #          layer overhead over frozen 25.9% (E=64) / 23.7% (E=256) vs 30.9% / 26.9% without
 # Session 2 call 3: Triton dA/dB ("twg") fastest at every case.
-CONFIG = dict(dx="cat", wgrad="triton", fold_io=True)
+#   lean:  True = the model runs LoRA'd SwiGLU experts through lean_lora.py (base gate/up GEMMs at native width;
+#          H200 session 3 call 9, layer overhead over frozen, medians of 5: 26.5% (E=64) / 23.8% (E=256) vs fold
+#          27.9% / 25.5%) wherever the fused GEMM would run; fold_io then applies only where lean cannot
+CONFIG = dict(dx="cat", wgrad="triton", fold_io=True, lean=True)
 
 
 def _interpreting() -> bool:

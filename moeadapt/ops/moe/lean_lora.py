@@ -315,91 +315,110 @@ def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
 
 # ---------------------------------------------------------------- autograd
 class _GatherBaseFn(torch.autograd.Function):
-    """(gu, h) = (x·W_guᵀ, s·x·A) with x = z[row_index // K]; dz in token order. h is [N, RW]."""
+    """(y_a, y_b, h) = (x·W_aᵀ, x·W_bᵀ, s·x·A) with x = z[row_index // K]; dz in token order. h is [N, RW].
+    w_b None (packed gate/up in w_a): y_b is an empty placeholder."""
 
     @staticmethod
-    def forward(ctx, z_TI, A_EIR, row_index_N, offsets_E, K, scaling, w_EOI):
+    def forward(ctx, z_TI, A_EIR, row_index_N, offsets_E, K, scaling, w_a, w_b):
         T, I = z_TI.shape
         N, R = row_index_N.shape[0], A_EIR.shape[2]
         x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
         h_NW = torch.empty(N, padded_rank(R), dtype=z_TI.dtype, device=z_TI.device)
         gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
-        gu_NO = gmm(x_NI, w_EOI.transpose(1, 2), offsets_E)
+        y_a = gmm(x_NI, w_a.transpose(1, 2), offsets_E)
+        if w_b is None:
+            y_b = y_a.new_empty(0)
+            ctx.mark_non_differentiable(y_b)
+        else:
+            y_b = gmm(x_NI, w_b.transpose(1, 2), offsets_E)
         ctx.scaling, ctx.K, ctx.T, ctx.R = scaling, K, T, R
-        ctx.w = w_EOI
+        ctx.w_a, ctx.w_b = w_a, w_b
         ctx.save_for_backward(x_NI, A_EIR, row_index_N, offsets_E)
-        return gu_NO, h_NW
+        return y_a, y_b, h_NW
 
     @staticmethod
-    def backward(ctx, dgu_NO, dh_NW):
+    def backward(ctx, dy_a, dy_b, dh_NW):
         x_NI, A_EIR, row_index_N, offsets_E = ctx.saved_tensors
         need_z, need_a = ctx.needs_input_grad[:2]
         s, R = ctx.scaling, ctx.R
         dh_NR = dh_NW[:, :R].contiguous().to(x_NI.dtype) if dh_NW is not None else None
         dz = dA = None
         if need_z:
-            dx_NI = gmm(dgu_NO.contiguous().to(x_NI.dtype), ctx.w, offsets_E)
+            dx_NI = gmm(dy_a.contiguous().to(x_NI.dtype), ctx.w_a, offsets_E)
+            if ctx.w_b is not None and dy_b is not None:
+                dx_NI += gmm(dy_b.contiguous().to(x_NI.dtype), ctx.w_b, offsets_E)
             if dh_NR is not None:
                 lora_out(dx_NI, dh_NR, A_EIR.transpose(1, 2), offsets_E, s, dx_NI)
             dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
         if need_a and dh_NR is not None:
             dA = (kgmm(x_NI, dh_NR, offsets_E, _counts(offsets_E)) * s).to(A_EIR.dtype)
-        return dz, dA, None, None, None, None, None
+        return dz, dA, None, None, None, None, None, None
 
 
 class _SwiGLUDownFn(torch.autograd.Function):
-    """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(gu_g + h_g·B_g)·(gu_u + h_u·B_u)."""
+    """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(g + h_g·B_g)·(u + h_u·B_u); u None: g is gate/up packed."""
 
     @staticmethod
-    def forward(ctx, gu_N2F, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
-        N, F = gu_N2F.shape[0], gu_N2F.shape[1] // 2
+    def forward(ctx, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
+        packed = u is None
+        F = g.shape[1] // 2 if packed else g.shape[1]
+        g_NF, u_NF = (g[:, :F], g[:, F:]) if packed else (g, u)
+        N = g.shape[0]
         RD, J = Ad_EFR.shape[2], wcat_EOJ.shape[2]
         hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
         with torch.no_grad():
             wcat_EOJ[:, :, F:F + RD].copy_(Bd_ERO.transpose(1, 2))
-        acat_NJ = torch.empty(N, J, dtype=gu_N2F.dtype, device=gu_N2F.device)
-        swiglu_lora_in(gu_N2F[:, :F], gu_N2F[:, F:], hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d,
-                       acat_NJ[:, :F], acat_NJ[:, F:])
+        acat_NJ = torch.empty(N, J, dtype=g.dtype, device=g.device)
+        swiglu_lora_in(g_NF, u_NF, hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d, acat_NJ[:, :F], acat_NJ[:, F:])
         y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared = scaling_d, F, RD, R, shared
+        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed = scaling_d, F, RD, R, shared, packed
         ctx.wcat = wcat_EOJ
-        ctx.save_for_backward(acat_NJ, gu_N2F, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
+        ctx.save_for_backward(acat_NJ, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
         return y_NO
 
     @staticmethod
     def backward(ctx, dy_NO):
-        acat_NJ, gu, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
+        acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
         s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
         with torch.no_grad():
             wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
         da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
-        dgu = torch.empty_like(gu)
+        if ctx.packed:
+            dg = torch.empty_like(g)
+            du = None
+            g_NF, u_NF, dg_NF, du_NF = g[:, :F], g[:, F:], dg[:, :F], dg[:, F:]
+        else:
+            dg, du = torch.empty_like(g), torch.empty_like(u)
+            g_NF, u_NF, dg_NF, du_NF = g, u, dg, du
         dh_NW = torch.zeros_like(h_NW)
         hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
-        swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, gu[:, :F], gu[:, F:], hg, hu, Bg, Bu, offsets_E,
-                        dgu[:, :F], dgu[:, F:], dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
+        swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
+                        dg_NF, du_NF, dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
         counts_E = _counts(offsets_E)
-        dBg = kgmm(hg.contiguous(), dgu[:, :F], offsets_E, counts_E).to(Bg.dtype)
-        dBu = kgmm(hu.contiguous(), dgu[:, F:], offsets_E, counts_E).to(Bu.dtype)
+        dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, counts_E).to(Bg.dtype)
+        dBu = kgmm(hu.contiguous(), du_NF, offsets_E, counts_E).to(Bu.dtype)
         dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
         dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
-        return dgu, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
+        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
 
 
 def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
                       scaling_d, wcat_d=None):
     """The LoRA'd SwiGLU experts over permute's rows, base GEMMs of gate/up at native width.
 
-    z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI [E, 2F, I] the frozen
-    packed gate/up weight (gate first); A_EIR [E, I, R] with B_gu [E, R, 2F] (one LoRA on the packed
-    projection), or A_EIR [E, I, 2R] = [A_gate | A_up] with B_gu = (B_gate, B_up) each [E, R, F] (two LoRAs with
-    the same scaling); w_d_EIO [E, F, L] frozen down weight (a view of wcat_d [E, L, F + RW] when given) with
-    A_d [E, F, R_d], B_d [E, R_d, L]. Returns y_NL (sorted rows, unweighted)."""
-    if w_gu_EOI.requires_grad or w_d_EIO.requires_grad:
+    z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI the frozen gate/up
+    weight: packed [E, 2F, I] (gate first) or a pair (W_gate, W_up) of [E, F, I]; A_EIR [E, I, R] with
+    B_gu [E, R, 2F] (one LoRA on the packed projection), or A_EIR [E, I, 2R] = [A_gate | A_up] with
+    B_gu = (B_gate, B_up) each [E, R, F] (two LoRAs with the same scaling); w_d_EIO [E, F, L] frozen down weight
+    (a view of wcat_d [E, L, F + RW] when given) with A_d [E, F, R_d], B_d [E, R_d, L].
+    Returns y_NL (sorted rows, unweighted)."""
+    pair = isinstance(w_gu_EOI, (tuple, list))
+    w_a, w_b = (w_gu_EOI[0], w_gu_EOI[1]) if pair else (w_gu_EOI, None)
+    if w_a.requires_grad or (w_b is not None and w_b.requires_grad) or w_d_EIO.requires_grad:
         raise ValueError("lean_lora_experts: the base weights must be frozen")
     dt = z_TI.dtype
-    F = w_gu_EOI.shape[1] // 2
+    F = w_a.shape[1] if pair else w_a.shape[1] // 2
     if isinstance(B_gu, (tuple, list)):
         Bg, Bu = (b.to(dt) for b in B_gu)
         R, shared = Bg.shape[1], False
@@ -410,7 +429,7 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
         Bg, Bu = B[:, :, :F], B[:, :, F:]
         R, shared = B.shape[1], True
     wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
-    gu, h = _GatherBaseFn.apply(z_TI, A_EIR.to(dt), row_index_N, offsets_E, int(K), float(scaling),
-                                w_gu_EOI.to(dt))
-    return _SwiGLUDownFn.apply(gu, h, Bg, Bu, A_d.to(dt), B_d.to(dt), offsets_E, float(scaling_d), wcat_d,
-                               shared, R)
+    y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR.to(dt), row_index_N, offsets_E, int(K), float(scaling),
+                                      w_a.to(dt), None if w_b is None else w_b.to(dt))
+    return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d.to(dt), B_d.to(dt), offsets_E,
+                               float(scaling_d), wcat_d, shared, R)
