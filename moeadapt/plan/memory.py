@@ -423,6 +423,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("experts x (permuted rows, lean)", Kt * L)
             acc.keep("experts h = s x [A1 | A3] (lean)", Kt * ((2 * rank + 7) // 8 * 8))
             acc.keep("experts.w2 acat [a | s a A] (lean)", Kt * (F + (rank + 7) // 8 * 8))
+            # selective keeps the three torch._grouped_mm outputs inside lean's autograd Functions (w1 / w3 in
+            # the gather Function, w2 in the SwiGLU one); H200 2026-11-29 call 10: without the w1 / w3 ones the
+            # selective + LoRA row missed by -13.6% (3.0 GiB = 8192 tokens x 15 layers x 8 x 2 x 768 x 2 B)
+            acc.gemm("experts.w1, w3 grouped mm outs (lean)", Kt * 2 * F)
             acc.gemm("experts.w2 grouped mm out (lean)", Kt * L)
         for w in (() if lean else ("w1", "w3", "w2")):
             name = "ffn.experts." + w
