@@ -24,10 +24,12 @@ columns are rewritten from B (E·O·R elements) at every forward and again befor
 so interleaved forwards cannot leave a stale B. When `w_EIO` is not such a view, a temporary wcat is
 built per call (a weight-sized copy held until backward): correct, but slower and heavier.
 
-Folded input passes (CONFIG["fold_io"], off by default, unmeasured): `grouped_lora_fused_gather` reads the
-token-major rows through permute's row index inside the LoRA-in pass (no permuted copy; dz comes back in token
-order through the combine kernel), `grouped_lora_fused_swiglu` forms silu(gate)·up inside it (no SwiGLU output)
-and fuses the SwiGLU backward into the dx epilogue. Both need a frozen base.
+Folded input passes (CONFIG["fold_io"], on): `grouped_lora_fused_gather` reads the token-major rows through
+permute's row index inside the LoRA-in pass (no permuted copy; dz comes back in token order through the combine
+kernel), `grouped_lora_fused_swiglu` forms silu(gate)·up inside it (no SwiGLU output) and fuses the SwiGLU
+backward into the dx epilogue. Both need a frozen base. Where all three expert projections carry LoRA the model
+prefers lean_lora.py (CONFIG["lean"]): the widened GEMM costs far more than its FLOPs on the H200 (a 1024-wide
+grouped GEMM made 1040 wide runs 21-33% slower), so lean keeps gate/up's GEMM at native width.
 
 Off CUDA the same structure runs with torch._grouped_mm on CPU (or the padded reference where it is
 missing) and the two Triton passes under TRITON_INTERPRET=1 (or their torch twins).
