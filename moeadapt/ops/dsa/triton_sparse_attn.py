@@ -8,7 +8,11 @@ walks the query's selected keys BLOCK_K at a time, gathers those K/V rows once
 for all heads of the group (the query heads are the M dimension of the MMA), runs
 an online softmax in base 2 and saves lse (natural log) for the backward.
 The qk dimension is split into a power-of-two main part D1 and a tail D2
-(576 = 512 + 64), so nothing is padded to 1024.
+(576 = 512 + 64), so nothing is padded to 1024. Default walk (FWD_CONFIG): SKIP the
+all-(-1) key blocks of the causal ramp, REVERSE (full rows first), DENSE (a row whose
+valid slots come first, as the indexer writes them, runs its full key blocks without
+masks, then the masked tail). Other flags of `_sfa_fwd_kernel` (FLAT, DEFER_L, FMA,
+AHEAD, EXACT, LAZY) were measured slower or equal on the H200 (RESULTS.md, DSA).
 
 Backward (default, PDS=True): two passes per chunk of rows. Pass 1
 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
