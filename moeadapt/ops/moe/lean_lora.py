@@ -68,6 +68,25 @@ def _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br,
 
 
 @triton.jit
+def _row_tile_h(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr,
+                BM: tl.constexpr, RP: tl.constexpr):
+    """This program's tile of expert-sorted rows (tile map: expert e, first row; e < 0: no tile) and its
+    h_g, h_u rows [BM, RP]. Returns (e, rows, row_ok, rows as int64 [BM, 1], rs, r_ok, hg, hu)."""
+    e = tl.load(tile_expert_ptr + pid)
+    row0 = tl.load(tile_row_ptr + pid)
+    row_end = tl.load(offsets_ptr + tl.maximum(e, 0))
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    r64 = rows.to(tl.int64)[:, None]
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    hm = row_ok[:, None] & r_ok[None, :]
+    hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
+    return e, rows, row_ok, r64, rs, r_ok, hg, hu
+
+
+@triton.jit
 def _swiglu_lora_in_kernel(
     g_ptr, u_ptr, hg_ptr, hu_ptr, bg_ptr, bu_ptr, ad_ptr, a_out_ptr, hd_ptr,
     tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RW, RD, scale_d,
@@ -75,21 +94,11 @@ def _swiglu_lora_in_kernel(
     IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, RPD: tl.constexpr,
 ):
     """a = silu(g + hg·B_g)·(u + hu·B_u) -> a_out; hd = scale_d·a·A_d (width RW, zeros past RD)."""
-    pid = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + pid)
+    e, rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), tile_expert_ptr, tile_row_ptr,
+                                                         offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr, BM, RP)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
-    r64 = rows.to(tl.int64)[:, None]
     e64 = e.to(tl.int64)
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    hm = row_ok[:, None] & r_ok[None, :]
-    hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
-    hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
     rd = tl.arange(0, RPD)
     acc = tl.zeros([BM, RPD], dtype=tl.float32)
     for k0 in range(0, F, BK):
@@ -122,22 +131,13 @@ def _swiglu_lora_bwd_kernel(
     """da = da_base + scale_d·gd·A_dᵀ; gate/up recomputed with their LoRA terms; d(gate), d(up) -> dg, du;
     dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over this program's CSPAN
     columns (program_id(1)) and stored at dhg + program_id(1)·s_xp (partial sums when the columns are split)."""
-    pid = tl.program_id(0)
     pid_c = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid)
+    e, rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), tile_expert_ptr, tile_row_ptr,
+                                                         offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr, BM, RP)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
-    r64 = rows.to(tl.int64)[:, None]
     e64 = e.to(tl.int64)
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
     hm = row_ok[:, None] & r_ok[None, :]
-    hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
-    hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
     rd = tl.arange(0, RPD)
     gd = tl.load(gd_ptr + r64 * s_qn + rd[None, :] * s_qr, mask=row_ok[:, None] & (rd < RD)[None, :], other=0.0)
     dhg = tl.zeros([BM, RP], dtype=tl.float32)
