@@ -100,6 +100,23 @@ def _slot_span(idx_row_ptr, TOPK, SKIP: tl.constexpr, TOPK_P2: tl.constexpr):
 
 
 @triton.jit
+def _idx_block(idx_row_ptr, k0, TOPK, BLOCK_K: tl.constexpr):
+    """Index slots [k0, k0 + BLOCK_K) of a row; -1 past TOPK."""
+    offs = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(idx_row_ptr + offs, mask=offs < TOPK, other=-1)
+
+
+@triton.jit
+def _key_rows(idx, I64: tl.constexpr):
+    """(valid, key rows) of a block of indices: -1 slots point at row 0, for the caller to mask."""
+    valid = idx >= 0
+    rows = tl.where(valid, idx, 0)
+    if I64:
+        rows = rows.to(tl.int64)
+    return valid, rows
+
+
+@triton.jit
 def _slot_count(idx_row_ptr, TOPK, TOPK_P2: tl.constexpr):
     """(span, number of valid slots) of an index row; span as in _slot_span(SKIP=True)."""
     offs = tl.arange(0, TOPK_P2)
@@ -125,15 +142,14 @@ def _sfa_fwd_block(
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     if MASKED:
-        idx = tl.load(idx_ptr + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-    elif rows_pre is not None:
-        rows = rows_pre
+        valid, rows = _key_rows(_idx_block(idx_ptr, k0, TOPK, BLOCK_K), I64)
     else:
-        rows = tl.load(idx_ptr + offs_k)
-    if I64:
-        rows = rows.to(tl.int64)
+        if rows_pre is not None:
+            rows = rows_pre
+        else:
+            rows = tl.load(idx_ptr + offs_k)
+        if I64:
+            rows = rows.to(tl.int64)
     if MASKED:
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
     else:
@@ -328,22 +344,17 @@ def _sfa_bwd_kernel(
     vb_base = V + b * sv_b + g * sv_h
     dkb_base = DK + b * sdk_b + g * sdk_h
     dvb_base = DV_ + b * sdv_b + g * sdv_h
-    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
     idx_row = IDX + row * si_t + g * si_h
+    span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
     if IDX_AHEAD:  # single-stage loops: the next block's indices load during this block
-        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
     for k0 in range(0, span, BLOCK_K):
         if IDX_AHEAD:
             idx = idx_next
-            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-        if I64:
-            rows = rows.to(tl.int64)
+            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        valid, rows = _key_rows(idx, I64)
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
         s = _mm(q1, tl.trans(k1), IEEE)
         if D2 > 0:
@@ -446,22 +457,18 @@ def _sfa_bwd_pds_kernel(
     vb_base = V + b * sv_b + g * sv_h
     p_base = P_ + local * sp_t + heads[:, None] * sp_h
     ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
-    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
     idx_row = IDX + row * si_t + g * si_h
+    span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
     if IDX_AHEAD:
-        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
     for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if IDX_AHEAD:
             idx = idx_next
-            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
         else:
-            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-        if I64:
-            rows = rows.to(tl.int64)
+            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        valid, rows = _key_rows(idx, I64)
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
         s = _mm(q1, tl.trans(k1), IEEE)
         if D2 > 0:
@@ -523,22 +530,18 @@ def _sfa_bwd_from_pds_kernel(
     dvb_base = DV_ + b * sdv_b + g * sdv_h
     p_base = P_ + local * sp_t + heads[:, None] * sp_h
     ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
-    span = _slot_span(IDX + row * si_t + g * si_h, TOPK, SKIP, TOPK_P2)
     idx_row = IDX + row * si_t + g * si_h
+    span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
     if IDX_AHEAD:
-        idx_next = tl.load(idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < TOPK, other=-1)
+        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
     for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if IDX_AHEAD:
             idx = idx_next
-            offs_n = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_next = tl.load(idx_row + offs_n, mask=offs_n < TOPK, other=-1)
+            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
         else:
-            idx = tl.load(idx_row + offs_k, mask=offs_k < TOPK, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0)
-        if I64:
-            rows = rows.to(tl.int64)
+            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        valid, rows = _key_rows(idx, I64)
         # only slots pass 1 wrote: with SKIP it stops at its own BLOCK_K multiple past the row's last
         # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries
         ld_mask = mask_h[:, None] & valid[None, :]
