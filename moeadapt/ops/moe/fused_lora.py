@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .reference import _rows_to_padded, grouped_mm_reference
-from .triton_grouped_mm import _cached_tile_map, grouped_wgrad
+from .triton_grouped_mm import _cached_tile_map, _tile_rows, grouped_wgrad
 
 # Variants measured by benchmarks/bench_moe.py; module-level so the bench can switch them.
 #   dx:    "cat"   = one GEMM against the whole wcat gives dy·Wᵀ and dy·Bᵀ together
@@ -93,10 +93,7 @@ def _lora_in_kernel(
     e = tl.load(tile_expert_ptr + pid)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    rows, row_ok = _tile_rows(pid, e, tile_row_ptr, offsets_ptr, BM)
     rows64 = rows.to(tl.int64)
     if GATHER:
         src64 = tl.load(idx_ptr + rows64, mask=row_ok, other=0).to(tl.int64) // K
@@ -141,10 +138,7 @@ def _lora_out_kernel(
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    rows, row_ok = _tile_rows(pid_m, e, tile_row_ptr, offsets_ptr, BM)
     rows64 = rows.to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < O
@@ -385,10 +379,7 @@ def _fold_swiglu_bwd_kernel(
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    rows, row_ok = _tile_rows(pid_m, e, tile_row_ptr, offsets_ptr, BM)
     r64 = rows.to(tl.int64)[:, None]
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < F

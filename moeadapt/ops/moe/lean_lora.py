@@ -46,7 +46,7 @@ from .fused_lora import (
     padded_rank,
 )
 from .reference import _rows_to_padded, grouped_mm_reference
-from .triton_grouped_mm import _cached_tile_map
+from .triton_grouped_mm import _cached_tile_map, _tile_rows
 
 LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
     "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
@@ -68,22 +68,18 @@ def _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br,
 
 
 @triton.jit
-def _row_tile_h(pid, tile_expert_ptr, tile_row_ptr, offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr,
+def _row_tile_h(pid, e, tile_row_ptr, offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr,
                 BM: tl.constexpr, RP: tl.constexpr):
-    """This program's tile of expert-sorted rows (tile map: expert e, first row; e < 0: no tile) and its
-    h_g, h_u rows [BM, RP]. Returns (e, rows, row_ok, rows as int64 [BM, 1], rs, r_ok, hg, hu)."""
-    e = tl.load(tile_expert_ptr + pid)
-    row0 = tl.load(tile_row_ptr + pid)
-    row_end = tl.load(offsets_ptr + tl.maximum(e, 0))
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    """This program's tile of expert-sorted rows (expert e >= 0, checked by the caller) and its h_g, h_u
+    rows [BM, RP]. Returns (rows, row_ok, rows as int64 [BM, 1], rs, r_ok, hg, hu)."""
+    rows, row_ok = _tile_rows(pid, e, tile_row_ptr, offsets_ptr, BM)
     r64 = rows.to(tl.int64)[:, None]
     rs = tl.arange(0, RP)
     r_ok = rs < R
     hm = row_ok[:, None] & r_ok[None, :]
     hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
     hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
-    return e, rows, row_ok, r64, rs, r_ok, hg, hu
+    return rows, row_ok, r64, rs, r_ok, hg, hu
 
 
 @triton.jit
@@ -94,10 +90,11 @@ def _swiglu_lora_in_kernel(
     IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, RPD: tl.constexpr,
 ):
     """a = silu(g + hg·B_g)·(u + hu·B_u) -> a_out; hd = scale_d·a·A_d (width RW, zeros past RD)."""
-    e, rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), tile_expert_ptr, tile_row_ptr,
-                                                         offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr, BM, RP)
+    e = tl.load(tile_expert_ptr + tl.program_id(0))
     if e < 0:
         return
+    rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), e, tile_row_ptr, offsets_ptr, hg_ptr,
+                                                      hu_ptr, R, s_hn, s_hr, BM, RP)
     e64 = e.to(tl.int64)
     rd = tl.arange(0, RPD)
     acc = tl.zeros([BM, RPD], dtype=tl.float32)
@@ -132,10 +129,11 @@ def _swiglu_lora_bwd_kernel(
     dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over this program's CSPAN
     columns (program_id(1)) and stored at dhg + program_id(1)·s_xp (partial sums when the columns are split)."""
     pid_c = tl.program_id(1)
-    e, rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), tile_expert_ptr, tile_row_ptr,
-                                                         offsets_ptr, hg_ptr, hu_ptr, R, s_hn, s_hr, BM, RP)
+    e = tl.load(tile_expert_ptr + tl.program_id(0))
     if e < 0:
         return
+    rows, row_ok, r64, rs, r_ok, hg, hu = _row_tile_h(tl.program_id(0), e, tile_row_ptr, offsets_ptr, hg_ptr,
+                                                      hu_ptr, R, s_hn, s_hr, BM, RP)
     e64 = e.to(tl.int64)
     hm = row_ok[:, None] & r_ok[None, :]
     rd = tl.arange(0, RPD)

@@ -34,6 +34,14 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _tile_rows(tile, e, tile_row_ptr, offsets_ptr, BM: tl.constexpr):
+    """(rows, rows < the expert's end) of one tile of the tile map, whose expert e >= 0 the caller
+    has loaded (tile_expert[tile]) and checked."""
+    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BM)
+    return rows, rows < tl.load(offsets_ptr + e)
+
+
+@triton.jit
 def _grouped_mm_kernel(
     x_ptr, w_ptr, y_ptr, x2_ptr, w2_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
     I, O, R, alpha, beta,
@@ -46,10 +54,7 @@ def _grouped_mm_kernel(
     e = tl.load(tile_expert_ptr + pid_m)
     if e < 0:
         return
-    row0 = tl.load(tile_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
+    rows, row_ok = _tile_rows(pid_m, e, tile_row_ptr, offsets_ptr, BM)
     rows64 = rows.to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < O
