@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _chunk_span, _load_g, _row, _state_setup, _tok_setup
+from .triton_fwd import _chunk_span, _load_g, _row, _state_setup, _store_state, _tok_setup
 
 
 @triton.jit
@@ -26,14 +26,11 @@ def _bwd_dh(
     DT = w.dtype.element_ty
     for j in range(0, NT):
         it = NT - 1 - j
+        # (the offsets inline, not _chunk_rows as in _fwd_h: that order spills 8-16 B/thread more here, sm_90)
         t0 = bos + it * BT
-        L = tl.minimum(eos - t0, BT)
-        rmask = rows < L
+        rmask = rows < tl.minimum(eos - t0, BT)
         tok = t0 + rows
-        o_hc = ((c0 + it) * HV + i_hv) * K * V
-        tl.store(dh + o_hc + o_s1, b_dS1.to(dh.dtype.element_ty))
-        if TWO:
-            tl.store(dh + o_hc + o_s2, b_dS2.to(dh.dtype.element_ty))
+        _store_state(dh + ((c0 + it) * HV + i_hv) * K * V, o_s1, o_s2, b_dS1, b_dS2, TWO)
         o_k = tok[:, None] * (HV * K) + i_hv * K
         o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
         o_gl = ((c0 + it) * HV + i_hv) * K
@@ -59,9 +56,7 @@ def _bwd_dh(
                 tl.trans(b_qg), b_do, input_precision=PREC)
             b_dS2 = tl.dot(tl.trans(b_w), b_ddn, b_dS2, input_precision=PREC)
     if STORE_DH0:
-        tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s1, b_dS1)
-        if TWO:
-            tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s2, b_dS2)
+        _store_state(dh0 + (i_n * HV + i_hv) * K * V, o_s1, o_s2, b_dS1, b_dS2, TWO)
 
 
 @triton.jit

@@ -267,6 +267,26 @@ def _state_setup(i_v, i_nh, cu, coff, s0, HV, K: tl.constexpr, V: tl.constexpr, 
 
 
 @triton.jit
+def _store_state(base, o_s1, o_s2, b_S1, b_S2, TWO: tl.constexpr):
+    """One (sequence, head) state [K, BV] kept as one or two (TWO) row blocks, stored at base."""
+    tl.store(base + o_s1, b_S1.to(base.dtype.element_ty))
+    if TWO:
+        tl.store(base + o_s2, b_S2.to(base.dtype.element_ty))
+
+
+@triton.jit
+def _chunk_rows(it, bos, eos, c0, i_hv, HV, rows, cv, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Chunk `it` of a sequence in the state recurrences: (row mask, tokens, k / v / per-chunk-gate offsets)."""
+    t0 = bos + it * BT
+    rmask = rows < tl.minimum(eos - t0, BT)
+    tok = t0 + rows
+    o_k = tok[:, None] * (HV * K) + i_hv * K
+    o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
+    o_gl = ((c0 + it) * HV + i_hv) * K
+    return rmask, tok, o_k, o_v, o_gl
+
+
+@triton.jit
 def _fwd_h(
     kd, w, u, gl, h, vn, h0, ht, cu, coff,
     HV, K: tl.constexpr, V: tl.constexpr, KH: tl.constexpr,
@@ -282,17 +302,8 @@ def _fwd_h(
     rows = tl.arange(0, BT)
     DT = w.dtype.element_ty
     for it in range(0, NT):
-        t0 = bos + it * BT
-        L = tl.minimum(eos - t0, BT)
-        rmask = rows < L
-        tok = t0 + rows
-        o_hc = ((c0 + it) * HV + i_hv) * K * V
-        tl.store(h + o_hc + o_s1, b_S1.to(h.dtype.element_ty))
-        if TWO:
-            tl.store(h + o_hc + o_s2, b_S2.to(h.dtype.element_ty))
-        o_k = tok[:, None] * (HV * K) + i_hv * K
-        o_v = tok[:, None] * (HV * V) + i_hv * V + cv[None, :]
-        o_gl = ((c0 + it) * HV + i_hv) * K
+        rmask, tok, o_k, o_v, o_gl = _chunk_rows(it, bos, eos, c0, i_hv, HV, rows, cv, K, V, BT)
+        _store_state(h + ((c0 + it) * HV + i_hv) * K * V, o_s1, o_s2, b_S1, b_S2, TWO)
         b_d = tl.load(u + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_d = tl.dot(tl.load(w + o_k + c1[None, :], mask=rmask[:, None], other=0.0), (-b_S1).to(DT), b_d,
                      input_precision=PREC)
@@ -308,9 +319,7 @@ def _fwd_h(
             b_S2 = tl.dot(tl.trans(b_kd), b_dc, b_S2 * tl.exp(tl.load(gl + o_gl + c2))[:, None],
                           input_precision=PREC)
     if STORE_HT:
-        tl.store(ht + (i_n * HV + i_hv) * K * V + o_s1, b_S1)
-        if TWO:
-            tl.store(ht + (i_n * HV + i_hv) * K * V + o_s2, b_S2)
+        _store_state(ht + (i_n * HV + i_hv) * K * V, o_s1, o_s2, b_S1, b_S2, TWO)
 
 
 @triton.jit
