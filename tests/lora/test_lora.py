@@ -134,6 +134,32 @@ def test_grouped_lora_layer_keeps_one_weight_and_fused_matches(seed):
     assert names == {"weight", "lora_A", "lora_B"}
 
 
+def _count_calls(monkeypatch, module, **names):
+    """Wrap module.<fn> for each key=fn so that calls[key] counts its calls."""
+    calls = dict.fromkeys(names, 0)
+    for key, attr in names.items():
+        fn = getattr(module, attr)
+
+        def counted(*a, _fn=fn, _key=key, **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(module, attr, counted)
+    return calls
+
+
+def _logits_and_grads_per_setting(m, x, monkeypatch, config, key):
+    """{False: [...], True: [...]}: logits and every trainable gradient of one backward of mean(logits²), with
+    config[key] set to each value in turn."""
+    res = {}
+    for on in (False, True):
+        monkeypatch.setitem(config, key, on)
+        m.zero_grad(set_to_none=True)
+        logits = m(x).logits
+        (logits.float().square().mean()).backward()
+        res[on] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+    return res
+
+
 @pytest.mark.parametrize("backend", ["fused", "auto"])
 def test_fold_io_model_matches(seed, monkeypatch, backend):
     """fused_lora.CONFIG["fold_io"]: the whole model (permute gather folded into the w1/w3 LoRA-in pass,
@@ -147,22 +173,10 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
     for mod in grouped:
         mod.backend = backend
     x = torch.randint(0, 256, (2, 11))
-    calls = {"gather": 0, "swiglu": 0}
-    for name in ("gather", "swiglu"):
-        fn = getattr(fused_lora, f"grouped_lora_fused_{name}")
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(fused_lora, f"grouped_lora_fused_{name}", counted)
-    res = {}
+    calls = _count_calls(monkeypatch, fused_lora, gather="grouped_lora_fused_gather",
+                         swiglu="grouped_lora_fused_swiglu")
     monkeypatch.setitem(fused_lora.CONFIG, "lean", False)  # lean (default) takes precedence over the folds
-    for fold in (False, True):
-        monkeypatch.setitem(fused_lora.CONFIG, "fold_io", fold)
-        m.zero_grad(set_to_none=True)
-        logits = m(x).logits
-        (logits.float().square().mean()).backward()
-        res[fold] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+    res = _logits_and_grads_per_setting(m, x, monkeypatch, fused_lora.CONFIG, "fold_io")
     n_moe = len(grouped) // 3  # w1, w3, w2 per MoE layer
     if backend == "fused":
         assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
@@ -185,21 +199,9 @@ def test_lean_model_matches(seed, monkeypatch, backend):
         mod.backend = backend
         torch.nn.init.normal_(mod.lora_B, std=0.1)  # nonzero B: the rank terms matter
     x = torch.randint(0, 256, (2, 11))
-    calls = {"lean": 0}
-    fn = lean_lora.lean_lora_experts
-
-    def counted(*a, **k):
-        calls["lean"] += 1
-        return fn(*a, **k)
-    monkeypatch.setattr(lean_lora, "lean_lora_experts", counted)
+    calls = _count_calls(monkeypatch, lean_lora, lean="lean_lora_experts")
     monkeypatch.setitem(fused_lora.CONFIG, "fold_io", False)
-    res = {}
-    for lean in (False, True):
-        monkeypatch.setitem(fused_lora.CONFIG, "lean", lean)
-        m.zero_grad(set_to_none=True)
-        logits = m(x).logits
-        (logits.float().square().mean()).backward()
-        res[lean] = [logits.detach()] + [p.grad.clone() for n, p in m.named_parameters() if p.requires_grad]
+    res = _logits_and_grads_per_setting(m, x, monkeypatch, fused_lora.CONFIG, "lean")
     n_moe = len(grouped) // 3
     assert calls["lean"] == (n_moe if backend == "fused" else 0), calls
     for a, b in zip(res[False], res[True]):

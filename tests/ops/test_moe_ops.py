@@ -142,6 +142,13 @@ def test_permute_rejects_bad_input(backend):
 
 
 # ------------------------------------------------------------------ grouped matmul / LoRA
+def _lora_weights(gen, E, I, O, R):
+    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
+    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
+    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    return A_EIR, B_ERO, w_EOI
+
+
 def _counts(gen, E, N_max):
     counts = torch.randint(0, N_max // E * 2 + 1, (E,), generator=gen)
     counts[0] = 0  # an empty expert first, and one in the middle
@@ -187,9 +194,7 @@ def test_grouped_lora(gen, backend, with_base, R):
     offsets = offsets_from_counts(counts)
     N = int(counts.sum())
     x_NI = torch.randn(N, I, generator=gen)
-    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
-    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
-    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    A_EIR, B_ERO, w_EOI = _lora_weights(gen, E, I, O, R)
     dy_NO = torch.randn(N, O, generator=gen)
 
     x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
@@ -290,9 +295,7 @@ def test_grouped_lora_fused(gen, monkeypatch, dx, wgrad, R, persistent):
     offsets = offsets_from_counts(counts)
     N = int(counts.sum())
     x_NI = torch.randn(N, I, generator=gen)
-    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
-    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
-    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
+    A_EIR, B_ERO, w_EOI = _lora_weights(gen, E, I, O, R)
     dy_NO = torch.randn(N, O, generator=gen)
 
     w_cat = fused_lora.make_cat_buffer(w_EOI, R) if persistent else None
@@ -370,13 +373,6 @@ def test_permute_with_known_num_routed(gen, backend):
 
 
 # ------------------------------------------------------------------ folded input passes (fused_lora fold_io)
-def _fold_setup(gen, E, I, O, R):
-    A_EIR = torch.randn(E, I, R, generator=gen) / I**0.5
-    B_ERO = torch.randn(E, R, O, generator=gen) / R**0.5
-    w_EOI = torch.randn(E, O, I, generator=gen) / I**0.5
-    return A_EIR, B_ERO, w_EOI
-
-
 def _fold_lora_ref(x64, A64, B64, w_EOI, offsets, scaling):
     y = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
     return y + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
@@ -400,7 +396,7 @@ def test_fold_gather_lora(gen, monkeypatch, dx, R, triton_passes):
     offsets = offsets_from_counts(counts)
     N = len(row_index)
     z_TI = torch.randn(T, I, generator=gen)
-    A_EIR, B_ERO, w_EOI = _fold_setup(gen, E, I, O, R)
+    A_EIR, B_ERO, w_EOI = _lora_weights(gen, E, I, O, R)
     dy_NO = torch.randn(N, O, generator=gen)
     w_cat = fused_lora.make_cat_buffer(w_EOI, R)
     z, A, B = _leaf(z_TI), _leaf(A_EIR), _leaf(B_ERO)
@@ -438,7 +434,7 @@ def test_fold_swiglu_lora(gen, monkeypatch, dx, R, packed, triton_passes):
     offsets = offsets_from_counts(counts)
     N = int(counts.sum())
     gu_NF2 = torch.randn(N, 2 * Fh, generator=gen) * 2
-    A_EIR, B_ERO, w_EOI = _fold_setup(gen, E, Fh, O, R)
+    A_EIR, B_ERO, w_EOI = _lora_weights(gen, E, Fh, O, R)
     dy_NO = torch.randn(N, O, generator=gen)
     w_cat = fused_lora.make_cat_buffer(w_EOI, R)
     w_EIO = w_cat[:, :, :Fh].transpose(1, 2)
@@ -484,8 +480,8 @@ def test_fold_bf16_launches(gen):
     row_index, counts = permutation(ids_TK, E, backend="triton")
     offsets = offsets_from_counts(counts)
     dt = torch.bfloat16
-    A1, B1, w1 = (t.to(dt) for t in _fold_setup(gen, E, I, 2 * Fh, R))
-    A2, B2, w2 = (t.to(dt) for t in _fold_setup(gen, E, Fh, I, R))
+    A1, B1, w1 = (t.to(dt) for t in _lora_weights(gen, E, I, 2 * Fh, R))
+    A2, B2, w2 = (t.to(dt) for t in _lora_weights(gen, E, Fh, I, R))
     c1, c2 = fused_lora.make_cat_buffer(w1, R), fused_lora.make_cat_buffer(w2, R)
     z = torch.randn(T, I, generator=gen).to(dt).requires_grad_(True)
     a1, b1, a2, b2 = (t.clone().requires_grad_(True) for t in (A1, B1, A2, B2))
