@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.moe import (
-    FUSED_MIN_ROWS,
+    auto_lora_backend,
     fused_lora,
     grouped_mm,
     lean_lora,
@@ -78,9 +78,7 @@ class GroupedExperts(nn.Module):
             return False
         if w1.rank != w3.rank or w1.scaling != w3.scaling or w2.cat_weight(z_TL.dtype) is None:
             return False
-        if all(w.backend == "fused" for w in (w1, w3, w2)):
-            return True
-        return z_TL.is_cuda and n_rows >= FUSED_MIN_ROWS * w1.n_experts
+        return all(_runs_fused(w, z_TL, n_rows) for w in (w1, w3, w2))
 
     def forward_lean(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
         """The experts over z[row_index // K] via lean_lora (needs lean_ok): no permuted copy, gate/up GEMMs
@@ -107,10 +105,15 @@ def _folds(layer, x: torch.Tensor, n_rows: int | None = None) -> bool:
     fold_cat = getattr(layer, "fold_cat", None)
     if fold_cat is None or fold_cat(x.dtype) is None:
         return False
+    return _runs_fused(layer, x, x.shape[0] if n_rows is None else n_rows)
+
+
+def _runs_fused(layer, x: torch.Tensor, n_rows: int) -> bool:
+    """The grouped LoRA layer's backend asks for the fused GEMM, or is "auto" where grouped_lora's auto picks
+    it (ops/moe auto_lora_backend: CUDA, the layer's own [W | Bᵀ] buffer, >= FUSED_MIN_ROWS rows per expert)."""
     if layer.backend == "fused":
         return True
-    n_rows = x.shape[0] if n_rows is None else n_rows
-    return x.is_cuda and n_rows >= FUSED_MIN_ROWS * layer.n_experts
+    return x.is_cuda and auto_lora_backend(n_rows / layer.n_experts, fused_buffer=True) == "fused"
 
 
 class LocalDispatcher:
