@@ -70,6 +70,12 @@ LEAN_IN = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)]
 # 5th entry: SPLIT, the column slices run as separate programs (dh as partial sums)
 LEAN_BWD = [(32, 64, 2, 2, 1), (32, 64, 2, 2, 4), (32, 128, 4, 2, 8), (64, 128, 4, 2, 8), (16, 128, 2, 2, 8),
             (64, 64, 4, 2, 16), (32, 64, 2, 2, 16), (128, 128, 8, 2, 8)]
+# session 4: the sm_90 compile (Triton 3.6, bf16, shared h) gives 255 registers at call 8's best (32, 64, 2 warps)
+# and 100-138 at the tiles below; 6th entry BT (B_gᵀ / B_uᵀ reloaded from L2 for the dh products)
+LEAN_BWD2 = [(32, 64, 2, 2, 1, False), (32, 64, 4, 2, 1, True), (32, 32, 4, 2, 1, False), (32, 32, 4, 2, 1, True),
+             (64, 32, 8, 2, 1, False), (64, 32, 8, 2, 1, True), (64, 32, 4, 2, 1, True), (16, 32, 4, 2, 1, False),
+             (32, 32, 8, 2, 1, True), (64, 32, 8, 3, 1, True), (32, 32, 4, 3, 1, True), (64, 64, 8, 2, 1, True),
+             (16, 64, 4, 2, 1, True), (128, 32, 8, 2, 1, True)]
 
 
 def lean(a, bench, dev, dt, N, offsets, gu, A_d):
@@ -91,7 +97,7 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
         "swiglu_bwd": (lambda: lean_lora.swiglu_lora_bwd(da, gd, A_d, 2.0, gu[:, :F], gu[:, F:], h, h,
                                                          B_gu[:, :, :F], B_gu[:, :, F:], offsets, dgu[:, :F],
                                                          dgu[:, F:], dh),
-                       dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD),
+                       dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD2 if a.lean2 else LEAN_BWD),
     }
     best = {}
     for name, (fn, out, nbytes, wide, tiles) in runs.items():
@@ -100,6 +106,8 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
             lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
             if len(t) > 4:
                 lean_lora.LEAN_TILES[name]["SPLIT"] = t[4]
+            if len(t) > 5:
+                lean_lora.LEAN_TILES[name]["BT"] = t[5]
             try:
                 fn()
                 got = out.float().clone()
@@ -129,6 +137,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemm", action="store_true", help="only time grouped GEMMs at widths 1024 + {0,16,32,64,128}")
     ap.add_argument("--lean", action="store_true", help="the lean_lora SwiGLU passes instead of the fold passes")
+    ap.add_argument("--lean2", action="store_true", help="with --lean: session 4's backward tiles (LEAN_BWD2)")
     ap.add_argument("--round2", action="store_true", help="the second tile list (around call 3's best)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
     a = ap.parse_args()
