@@ -64,8 +64,10 @@ LORA_VARIANTS = {
     "lora-fused-twg-split": ("fused", dict(dx="split", wgrad="triton", fold_io=False)),
     "lora-fused-fold-split": ("fused", dict(dx="split", wgrad="triton", fold_io=True)),
     # session 3: lean_lora.py (gate/up base GEMM at native width, LoRA terms in the gather / SwiGLU passes)
-    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False)),
-    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False)),
+    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="dx")),
+    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False, lean_down="dx")),
+    # session 4: the down projection's base dx GEMM unwidened, g_d and dB_d from one pass over dy
+    "lora-lean-fd": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="fused")),
 }
 
 DEV = "cuda"
@@ -313,11 +315,10 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
     lora_variants = {"frozen": lambda z, i, w: experts_ours(z, i, w, P, E, "auto")}
     lora_variants.update({name: lora_fn(name) for name in LORA_VARIANTS})
     if profile:  # where the time goes, per kernel, for our full-training and LoRA steps
-        for name, ex, frozen in (("ours-torch", variants.get("ours-torch"), False),
-                                 ("frozen", lora_variants["frozen"], True),
-                                 ("lora-fused-twg", lora_variants["lora-fused-twg"], True),
-                                 ("lora-fused-fold", lora_variants["lora-fused-fold"], True),
-                                 ("lora-lean", lora_variants["lora-lean"], True)):
+        picks = lora_select or ["lora-fused-twg", "lora-fused-fold", "lora-lean"]  # --lora-variants when given
+        for name, ex, frozen in ([("ours-torch", variants.get("ours-torch"), False),
+                                  ("frozen", lora_variants["frozen"], True)]
+                                 + [(n, lora_variants[n], True) for n in picks]):
             if ex is None:
                 continue
             step = experts_step(ex, frozen)

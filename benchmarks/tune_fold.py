@@ -78,6 +78,11 @@ LEAN_BWD2 = [(32, 64, 2, 2, 1, False), (32, 64, 4, 2, 1, True), (32, 32, 4, 2, 1
              (16, 64, 4, 2, 1, True), (128, 32, 8, 2, 1, True)]
 
 
+# session 4: lean_lora.down_lora_bwd (g_d = dy·B_dᵀ and dB_d = hdᵀ·dy in one pass over dy): (BK, BO, warps, stages)
+DOWN_BWD = [(64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 256, 8, 2), (64, 128, 8, 3),
+            (32, 128, 4, 4), (128, 64, 4, 3)]
+
+
 def lean(a, bench, dev, dt, N, offsets, gu, A_d):
     """Tile sweep of lean_lora's SwiGLU passes (one LoRA on the packed gate/up: shared h)."""
     from moeadapt.ops.moe import lean_lora
@@ -99,18 +104,40 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
                                                          dgu[:, F:], dh),
                        dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD2 if a.lean2 else LEAN_BWD),
     }
+    dy = torch.randn(N, a.L, device=dev, dtype=dt)
+    B_d = torch.randn(a.E, R, a.L, device=dev, dtype=dt) * 0.03
+    dbd = {}
+
+    def down():
+        gd_, dbd["w"] = lean_lora.down_lora_bwd(dy, h, B_d, offsets)
+        return gd_
+
+    runs["down_bwd"] = (down, dbd, B * N * (a.L + 2 * R), ("BK", "BO"), DOWN_BWD)
+    if a.only:
+        runs = {k: v for k, v in runs.items() if k in a.only.split(",")}
+    if "down_bwd" in runs and dev == "cuda":  # what down_bwd replaces: the widened dx GEMM and the dB_d pass
+        wcat = torch.randn(a.E, a.L, a.F + R, device=dev, dtype=dt) * 0.02
+        cnt = fused_lora._counts(offsets)
+        for label, fn in (("dx GEMM widened (N = F + R)", lambda: fused_lora.gmm(dy, wcat, offsets)),
+                          ("dx GEMM on the view (N = F)", lambda: fused_lora.gmm(dy, wcat[:, :, :a.F], offsets)),
+                          ("dB_d = kgmm(hd, dy)", lambda: fused_lora.kgmm(h, dy, offsets, cnt))):
+            print(f"lean down_bwd context: {label}: {bench(fn, warmup=5, rep=50):.3f} ms", flush=True)
     best = {}
     for name, (fn, out, nbytes, wide, tiles) in runs.items():
         res, ref = [], None
         for t in tiles:
-            lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
+            if isinstance(wide, tuple):  # down_bwd: (BK, BO, warps, stages)
+                lean_lora.LEAN_TILES[name] = {wide[0]: t[0], wide[1]: t[1], "num_warps": t[2], "num_stages": t[3]}
+            else:
+                lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
             if len(t) > 4:
                 lean_lora.LEAN_TILES[name]["SPLIT"] = t[4]
             if len(t) > 5:
                 lean_lora.LEAN_TILES[name]["BT"] = t[5]
             try:
-                fn()
-                got = out.float().clone()
+                r = fn()
+                got = (torch.cat([r.float().flatten(), out["w"].float().flatten()]) if isinstance(out, dict)
+                       else out.float().clone())
                 ref = got if ref is None else ref
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 ms = bench(fn, warmup=5, rep=50)
@@ -138,6 +165,7 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="only time grouped GEMMs at widths 1024 + {0,16,32,64,128}")
     ap.add_argument("--lean", action="store_true", help="the lean_lora SwiGLU passes instead of the fold passes")
     ap.add_argument("--lean2", action="store_true", help="with --lean: session 4's backward tiles (LEAN_BWD2)")
+    ap.add_argument("--only", default="", help="with --lean: comma-separated passes (swiglu_in,swiglu_bwd,down_bwd)")
     ap.add_argument("--round2", action="store_true", help="the second tile list (around call 3's best)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
     a = ap.parse_args()

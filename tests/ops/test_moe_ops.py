@@ -512,7 +512,7 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
 
 
 @pytest.mark.parametrize("shared,pair", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("dx", ["cat", "split"])
+@pytest.mark.parametrize("dx", ["cat", "split", "fused"])
 @pytest.mark.parametrize("triton_passes,col_split,bt", [(True, 1, False), (True, 3, False), (True, 1, True),
                                                          (False, 1, False)])
 def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split, bt):
@@ -523,7 +523,9 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
 
     if triton_passes and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
+    # dx "fused": the down projection's base GEMM unwidened, g_d and dB_d from one pass (lean_lora.down_lora_bwd)
+    monkeypatch.setitem(fused_lora.CONFIG, "dx", "cat" if dx == "fused" else dx)
+    monkeypatch.setitem(fused_lora.CONFIG, "lean_down", "fused" if dx == "fused" else "dx")
     on = triton_passes and INTERPRET
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=on: on)
     monkeypatch.setattr(lean_lora, "_use_triton", lambda t, on=on: on)

@@ -11,7 +11,9 @@ and the rank-R terms go into the memory-bound passes that touch those rows anywa
                           acat = [a | s_d·a·A_d]                                       (one read of gu)
             gmm:          y = acat·[W_d | B_dᵀ]ᵀ      (the down projection keeps fused_lora's widened GEMM:
                                                          +3% there, cheaper than another pass over y)
-  backward  (da, g_d) = dy·[W_d | B_dᵀ]  (fused_lora._dx_parts: widened GEMM or base GEMM + thin pass)
+  backward  (da, g_d) = dy·[W_d | B_dᵀ]  (fused_lora._dx_parts: widened GEMM or base GEMM + thin pass), or with
+                          CONFIG["lean_down"] = "fused": da = dy·W_d (unwidened) and one pass over dy giving
+                          g_d = dy·B_dᵀ and dB_d = hdᵀ·dy together (`down_lora_bwd`)
             SwiGLU bwd:   da += s_d·g_d·A_dᵀ; gate, up recomputed with their LoRA terms; d(gate), d(up);
                           dh_g = d(gate)·B_gᵀ, dh_u = d(up)·B_uᵀ accumulated over the row   (one pass)
             gmm:          dx = d(gu)·W_gu (native width);  dx += s·dh·Aᵀ (epilogue);  dz = Σ over copies
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .fused_lora import (
+    CONFIG,
     FOLD_TILES,
     _combine_copies,
     _counts,
@@ -51,6 +54,7 @@ from .triton_grouped_mm import _cached_tile_map, _tile_rows
 LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
     "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
     "swiglu_bwd": dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1),  # H200 call 7: 0.60 ms at E = 64
+    "down_bwd": dict(BK=64, BO=128, num_warps=4, num_stages=3),  # untimed
 }
 
 
@@ -207,6 +211,43 @@ def _swiglu_lora_bwd_kernel(
         tl.store(dhu_ptr + part + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
 
 
+@triton.jit
+def _down_lora_bwd_kernel(
+    dy_ptr, hd_ptr, bd_ptr, dbd_ptr, gdp_ptr, offsets_ptr, L, R,
+    s_yn, s_yl, s_hn, s_hr, s_be, s_br, s_bl, s_de, s_dr, s_dl, s_pp, s_pn, s_pr,
+    IEEE: tl.constexpr, BK: tl.constexpr, BO: tl.constexpr, RP: tl.constexpr,
+):
+    """One read of dy for the down projection's LoRA backward, per (column block, expert) over the expert's rows:
+    dB_d[e][:, cols] = hdᵀ·dy[:, cols] (K-grouped, in registers) and the partial row products
+    gdp[pid, rows] = dy[rows, cols]·B_d[e][:, cols]ᵀ (fp32; gd = Σ over the column blocks)."""
+    pid_o = tl.program_id(0)
+    e = tl.program_id(1)
+    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets_ptr + e)
+    e64 = e.to(tl.int64)
+    cols = pid_o * BO + tl.arange(0, BO)
+    col_ok = cols < L
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    bdt = tl.load(bd_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bl,
+                  mask=col_ok[:, None] & r_ok[None, :], other=0.0)  # B_d[e][:, cols]ᵀ, [BO, RP]
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([RP, BO], dtype=tl.float32)
+    for r0 in range(start, end, BK):
+        rows = (r0 + ks).to(tl.int64)
+        row_ok = (r0 + ks) < end
+        dy = tl.load(dy_ptr + rows[:, None] * s_yn + cols[None, :] * s_yl,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        hd = tl.load(hd_ptr + rows[:, None] * s_hn + rs[None, :] * s_hr,
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = _mm_acc(tl.trans(hd), dy.to(hd.dtype), acc, IEEE)
+        gdp = _mm_acc(dy, bdt.to(dy.dtype), tl.zeros([BK, RP], dtype=tl.float32), IEEE)
+        tl.store(gdp_ptr + pid_o.to(tl.int64) * s_pp + rows[:, None] * s_pn + rs[None, :] * s_pr, gdp,
+                 mask=row_ok[:, None] & r_ok[None, :])
+    tl.store(dbd_ptr + e64 * s_de + rs[:, None] * s_dr + cols[None, :] * s_dl, acc.to(dbd_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & col_ok[None, :])
+
+
 # ---------------------------------------------------------------- pass wrappers (torch twins off the GPU)
 def _tiles(offsets_E, N, name, wide):
     t = LEAN_TILES[name]
@@ -300,6 +341,31 @@ def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_
         dhg_NR.copy_(dhg.sum(0))
         if not shared:
             dhu_NR.copy_(dhu.sum(0))
+
+
+def down_lora_bwd(dy_NL, hd_NR, Bd_ERL, offsets_E):
+    """(gd = dy·B_dᵀ [N, R] in dy's dtype, dB_d = hdᵀ·dy [E, R, L] in B_d's dtype) over one read of dy:
+    the down projection's LoRA backward next to its unwidened base GEMM (LEAN_TILES["down_bwd"])."""
+    N, L = dy_NL.shape
+    E, R = Bd_ERL.shape[0], Bd_ERL.shape[1]
+    if not _use_triton(dy_NL):
+        rows = len(_rows_to_padded(offsets_E, N)[0])
+        gd = torch.zeros(N, R, dtype=dy_NL.dtype, device=dy_NL.device)
+        gd[:rows] = grouped_mm_reference(dy_NL[:rows], Bd_ERL.transpose(1, 2).to(dy_NL.dtype), offsets_E)[:rows]
+        return gd, kgmm(hd_NR, dy_NL, offsets_E, _counts(offsets_E)).to(Bd_ERL.dtype)
+    t = LEAN_TILES["down_bwd"]
+    BK, BO = (16, 32) if _interpreting() else (t["BK"], t["BO"])
+    launch = {} if _interpreting() else dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+    n_o = triton.cdiv(L, BO)
+    gdp = torch.zeros(n_o, N, R, dtype=torch.float32, device=dy_NL.device)  # rows past the last expert stay 0
+    dbd = torch.empty(E, R, L, dtype=Bd_ERL.dtype, device=dy_NL.device)
+    if E > 0 and N > 0:
+        _down_lora_bwd_kernel[(n_o, E)](
+            dy_NL, hd_NR, Bd_ERL, dbd, gdp, offsets_E, L, R, *dy_NL.stride(), *hd_NR.stride(), *Bd_ERL.stride(),
+            *dbd.stride(), *gdp.stride(), IEEE=dy_NL.dtype == torch.float32, BK=BK, BO=BO,
+            RP=max(16, triton.next_power_of_2(R)), **launch,
+        )
+    return gdp.sum(0).to(dy_NL.dtype), dbd
 
 
 def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
@@ -399,7 +465,12 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
         with torch.no_grad():
             wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
-        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
+        if CONFIG.get("lean_down") == "fused":  # base GEMM unwidened; gd and dB_d in one pass over dy
+            da_NF = gmm(dy_NO, wcat[:, :, :F], offsets_E)
+            gd_NR, dBd = down_lora_bwd(dy_NO, acat_NJ[:, F:F + RD], Bd, offsets_E)
+        else:
+            da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
+            dBd = None
         if ctx.packed:
             dg = torch.empty_like(g)
             du = None
@@ -415,7 +486,8 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, counts_E).to(Bg.dtype)
         dBu = kgmm(hu.contiguous(), du_NF, offsets_E, counts_E).to(Bu.dtype)
         dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
-        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
+        if dBd is None:
+            dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
         return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
 
 
