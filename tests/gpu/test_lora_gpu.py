@@ -15,6 +15,11 @@ def _rel(a, b):
 
 
 def test_lean_experts_match_fold_in_the_model(monkeypatch):
+    """lean (bf16) is as close to an fp32 run of the same weights as the fold path (bf16) is: both bf16 paths are
+    measured against the fp32 truth, not against each other (their mutual difference on the expert gradients, whose
+    entries are ~1e-8 here, moved between 3.9% and 7.3% across H200 runs)."""
+    import copy
+
     from moeadapt.config import LoRASpec, get_preset
     from moeadapt.lora import cast_frozen_, inject_lora
     from moeadapt.models.model import build_model, materialize
@@ -29,6 +34,8 @@ def test_lean_experts_match_fold_in_the_model(monkeypatch):
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)  # nonzero B: the rank terms matter
+    ref = copy.deepcopy(model).float()  # the same (bf16-rounded) weights, computed in fp32 by the reference ops
+    ref.set_backend("reference")
     T = max(2048, 512 * spec.n_routed_experts // spec.n_experts_per_tok)
     ids = torch.randint(0, spec.vocab_size, (1, T), device="cuda")
     calls = {"lean": 0}
@@ -38,20 +45,21 @@ def test_lean_experts_match_fold_in_the_model(monkeypatch):
         calls["lean"] += 1
         return fn(*a, **k)
     monkeypatch.setattr(lean_lora, "lean_lora_experts", counted)
+
+    def run(m, autocast):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = m(ids).logits
+        logits.float().square().mean().backward()
+        return [logits.detach().float()] + [p.grad.float().clone() for n, p in m.named_parameters()
+                                            if p.requires_grad and "experts" in n]
+
     res = {}
     for lean in (True, False):
         monkeypatch.setitem(fused_lora.CONFIG, "lean", lean)
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids).logits
-        logits.float().square().mean().backward()
-        res[lean] = [logits.detach().float()] + [p.grad.float().clone() for n, p in model.named_parameters()
-                                                  if p.requires_grad and "experts" in n]
-    assert calls["lean"] > 0
-    # logits: as run; the experts' gradients are two bf16 paths compared with each other (lean rounds gate/up's base
-    # to bf16 before adding the rank term, fold adds it inside the GEMM's fp32 accumulator): the H200 run of
-    # 2026-11-29 (session 3, call 10) saw 3.9% on one of them at a 3% threshold; each path is checked against fp32
-    # in tests/gpu/test_moe_gpu.py (2%)
-    assert _rel(res[True][0], res[False][0]) < 3e-2  # passed at 3e-2 in that run (checked first)
-    for a, b in zip(res[True][1:], res[False][1:]):
-        assert _rel(a, b) < 6e-2
+        res[lean] = run(model, True)
+    truth = run(ref, False)
+    assert calls["lean"] > 0 and len(truth) == len(res[True]) > 1
+    for i, (a, b, t) in enumerate(zip(res[True], res[False], truth)):
+        e_lean, e_fold = _rel(a, t), _rel(b, t)
+        assert e_lean <= max(1.5 * e_fold, 2e-2), (i, e_lean, e_fold)
