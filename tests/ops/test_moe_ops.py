@@ -513,9 +513,10 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
 
 @pytest.mark.parametrize("shared,pair", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("dx", ["cat", "split", "fused"])
-@pytest.mark.parametrize("triton_passes,col_split,bt", [(True, 1, False), (True, 3, False), (True, 1, True),
-                                                         (False, 1, False)])
-def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split, bt):
+@pytest.mark.parametrize("triton_passes,col_split,bt,cp", [(True, 1, False, False), (True, 3, False, False),
+                                                            (True, 1, True, False), (True, 1, False, True),
+                                                            (False, 1, False, False)])
+def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split, bt, cp):
     """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
     against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
     up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile."""
@@ -530,10 +531,12 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=on: on)
     monkeypatch.setattr(lean_lora, "_use_triton", lambda t, on=on: on)
     # col_split 3: the SwiGLU backward's columns in 3 slices (3 x 32 under the interpreter), dh as partial sums;
-    # bt: its dh products take B_gᵀ / B_uᵀ reloaded instead of transposed in registers
+    # bt: its dh products take B_gᵀ / B_uᵀ reloaded instead of transposed in registers; cp: the column-parallel
+    # pass that also gives dB_g, dB_u, dA_d (32-row tiles, 32-column blocks under the interpreter)
     monkeypatch.setitem(lean_lora.LEAN_TILES, "swiglu_bwd",
                         {**lean_lora.LEAN_TILES["swiglu_bwd"], "SPLIT": col_split, "BT": bt})
-    T, K, E, I, Fh, R, Rd, s, s_d = 29, 3, 6, 40, 24 if col_split == 1 else 72, 4, 8, 2.0, 0.5
+    monkeypatch.setitem(fused_lora.CONFIG, "lean_bwd", "cp" if cp else "row")
+    T, K, E, I, Fh, R, Rd, s, s_d = 29 if not cp else 61, 3, 6, 40, 24 if col_split == 1 and not cp else 72, 4, 8, 2.0, 0.5
     ids_TK = _routing(gen, T, K, E, drop=0.2, empty=(1,))
     row_index, counts = permutation(ids_TK, E, backend="triton" if triton_passes else "reference")
     offsets = offsets_from_counts(counts)
