@@ -64,13 +64,10 @@ LORA_VARIANTS = {
     "lora-fused-twg-split": ("fused", dict(dx="split", wgrad="triton", fold_io=False)),
     "lora-fused-fold-split": ("fused", dict(dx="split", wgrad="triton", fold_io=True)),
     # session 3: lean_lora.py (gate/up base GEMM at native width, LoRA terms in the gather / SwiGLU passes)
-    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="dx", lean_bwd="row")),
-    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False, lean_down="dx", lean_bwd="row")),
-    # session 4: the down projection's base dx GEMM unwidened, g_d and dB_d from one pass over dy
-    "lora-lean-fd": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="fused", lean_bwd="row")),
-    # session 4: the column-parallel SwiGLU backward with dB_g, dB_u, dA_d inside (lean_lora.swiglu_lora_bwd_cp)
-    "lora-lean-cp": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="dx", lean_bwd="cp")),
-    "lora-lean-cp-fd": ("lean", dict(dx="cat", wgrad="triton", fold_io=False, lean_down="fused", lean_bwd="cp")),
+    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False)),
+    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False)),
+    # session 4 also timed lora-lean-fd (down_lora_bwd) and lora-lean-cp (swiglu_lora_bwd_cp), removed after
+    # measurement (RESULTS.md, MoE, session 4; the code is in commit f665fda)
 }
 
 DEV = "cuda"

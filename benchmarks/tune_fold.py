@@ -70,25 +70,6 @@ LEAN_IN = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2)]
 # 5th entry: SPLIT, the column slices run as separate programs (dh as partial sums)
 LEAN_BWD = [(32, 64, 2, 2, 1), (32, 64, 2, 2, 4), (32, 128, 4, 2, 8), (64, 128, 4, 2, 8), (16, 128, 2, 2, 8),
             (64, 64, 4, 2, 16), (32, 64, 2, 2, 16), (128, 128, 8, 2, 8)]
-# session 4: the sm_90 compile (Triton 3.6, bf16, shared h) gives 255 registers at call 8's best (32, 64, 2 warps)
-# and 100-138 at the tiles below; 6th entry BT (B_gᵀ / B_uᵀ reloaded from L2 for the dh products)
-LEAN_BWD2 = [(32, 64, 2, 2, 1, False), (32, 64, 4, 2, 1, True), (32, 32, 4, 2, 1, False), (32, 32, 4, 2, 1, True),
-             (64, 32, 8, 2, 1, False), (64, 32, 8, 2, 1, True), (64, 32, 4, 2, 1, True), (16, 32, 4, 2, 1, False),
-             (32, 32, 8, 2, 1, True), (64, 32, 8, 3, 1, True), (32, 32, 4, 3, 1, True), (64, 64, 8, 2, 1, True),
-             (16, 64, 4, 2, 1, True), (128, 32, 8, 2, 1, True)]
-
-
-# session 4: lean_lora.down_lora_bwd (g_d = dy·B_dᵀ and dB_d = hdᵀ·dy in one pass over dy): (BK, BO, warps, stages)
-DOWN_BWD = [(64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 256, 8, 2), (64, 128, 8, 3),
-            (32, 128, 4, 4), (128, 64, 4, 3)]
-
-
-# session 4: the SwiGLU backward with its weight gradients: row-parallel + 3 K-grouped GEMMs (first entry, the
-# current default) vs the column-parallel pass (CP) that accumulates dB_g, dB_u, dA_d itself (RC-row tiles)
-_W0 = dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1)
-LEAN_BWD_W = [_W0] + [dict(BM=bm, BN=bn, num_warps=w, num_stages=2, CP=True, RC=rc)
-                      for bm, bn, w in ((32, 64, 4), (32, 128, 8), (16, 128, 4), (64, 64, 8), (32, 64, 2))
-                      for rc in (512, 1024)] + [dict(BM=32, BN=128, num_warps=8, num_stages=3, CP=True, RC=256)]
 
 
 def lean(a, bench, dev, dt, N, offsets, gu, A_d):
@@ -110,65 +91,18 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
         "swiglu_bwd": (lambda: lean_lora.swiglu_lora_bwd(da, gd, A_d, 2.0, gu[:, :F], gu[:, F:], h, h,
                                                          B_gu[:, :, :F], B_gu[:, :, F:], offsets, dgu[:, :F],
                                                          dgu[:, F:], dh),
-                       dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD2 if a.lean2 else LEAN_BWD),
+                       dgu, B * N * (F + 2 * F + 2 * F), "BN", LEAN_BWD),
     }
-    dy = torch.randn(N, a.L, device=dev, dtype=dt)
-    B_d = torch.randn(a.E, R, a.L, device=dev, dtype=dt) * 0.03
-    dbd = {}
-
-    def down():
-        gd_, dbd["w"] = lean_lora.down_lora_bwd(dy, h, B_d, offsets)
-        return gd_
-
-    runs["down_bwd"] = (down, dbd, B * N * (a.L + 2 * R), ("BK", "BO"), DOWN_BWD)
-    wout = {}
-    acat_a = torch.randn(N, F, device=dev, dtype=dt)
-
-    def bwd_w():  # the SwiGLU backward with the weight gradients it feeds: dB_g, dB_u, dA_d
-        t = lean_lora.LEAN_TILES["swiglu_bwd_w"]
-        lean_lora.LEAN_TILES["swiglu_bwd_cp" if t.get("CP") else "swiglu_bwd"] = {k: v for k, v in t.items()
-                                                                                  if k != "CP"}
-        dh_w = torch.zeros(N, R, device=dev, dtype=dt)
-        if t.get("CP"):
-            w = lean_lora.swiglu_lora_bwd_cp(da, gd, A_d, 2.0, gu[:, :F], gu[:, F:], h, h, B_gu[:, :, :F],
-                                             B_gu[:, :, F:], offsets, dgu[:, :F], dgu[:, F:], dh_w, True)
-        else:
-            lean_lora.swiglu_lora_bwd(da, gd, A_d, 2.0, gu[:, :F], gu[:, F:], h, h, B_gu[:, :, :F], B_gu[:, :, F:],
-                                      offsets, dgu[:, :F], dgu[:, F:], dh_w)
-            cnt = fused_lora._counts(offsets)
-            w = (fused_lora.kgmm(h, dgu[:, :F], offsets, cnt), fused_lora.kgmm(h, dgu[:, F:], offsets, cnt),
-                 fused_lora.kgmm(acat_a, gd, offsets, cnt) * 2.0)
-        wout["w"] = torch.cat([x.float().flatten() for x in w[:2]])  # dA_d: a differs (recomputed vs random)
-        return dh_w
-
-    runs["swiglu_bwd_w"] = (bwd_w, wout, B * N * (F + 2 * F + 2 * F), None, LEAN_BWD_W)
-    if a.only:
-        runs = {k: v for k, v in runs.items() if k in a.only.split(",")}
-    if "down_bwd" in runs and dev == "cuda":  # what down_bwd replaces: the widened dx GEMM and the dB_d pass
-        wcat = torch.randn(a.E, a.L, a.F + R, device=dev, dtype=dt) * 0.02
-        cnt = fused_lora._counts(offsets)
-        for label, fn in (("dx GEMM widened (N = F + R)", lambda: fused_lora.gmm(dy, wcat, offsets)),
-                          ("dx GEMM on the view (N = F)", lambda: fused_lora.gmm(dy, wcat[:, :, :a.F], offsets)),
-                          ("dB_d = kgmm(hd, dy)", lambda: fused_lora.kgmm(h, dy, offsets, cnt))):
-            print(f"lean down_bwd context: {label}: {bench(fn, warmup=5, rep=50):.3f} ms", flush=True)
     best = {}
     for name, (fn, out, nbytes, wide, tiles) in runs.items():
         res, ref = [], None
         for t in tiles:
-            if isinstance(t, dict):  # swiglu_bwd_w: full tile dicts
-                lean_lora.LEAN_TILES[name] = dict(t)
-            elif isinstance(wide, tuple):  # down_bwd: (BK, BO, warps, stages)
-                lean_lora.LEAN_TILES[name] = {wide[0]: t[0], wide[1]: t[1], "num_warps": t[2], "num_stages": t[3]}
-            else:
-                lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
-            if not isinstance(t, dict) and len(t) > 4:
+            lean_lora.LEAN_TILES[name] = {"BM": t[0], wide: t[1], "num_warps": t[2], "num_stages": t[3]}
+            if len(t) > 4:
                 lean_lora.LEAN_TILES[name]["SPLIT"] = t[4]
-            if not isinstance(t, dict) and len(t) > 5:
-                lean_lora.LEAN_TILES[name]["BT"] = t[5]
             try:
-                r = fn()
-                got = (torch.cat([r.float().flatten(), out["w"].float().flatten()]) if isinstance(out, dict)
-                       else out.float().clone())
+                fn()
+                got = out.float().clone()
                 ref = got if ref is None else ref
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 ms = bench(fn, warmup=5, rep=50)
@@ -177,10 +111,6 @@ def lean(a, bench, dev, dt, N, offsets, gu, A_d):
                 continue
             res.append((ms, dict(lean_lora.LEAN_TILES[name])))
             print(f"lean {name} {t}: {ms:.3f} ms, {nbytes / ms / 1e6:.0f} GB/s, rel err vs first {err:.1e}", flush=True)
-        if name == "swiglu_bwd_w":  # the best column-parallel tiles go out as swiglu_bwd_cp
-            print(f"lean swiglu_bwd_w row-parallel + 3 K-grouped GEMMs: {res[0][0]:.3f} ms", flush=True)
-            res = [(ms, {k: v for k, v in c.items() if k != "CP"}) for ms, c in res if c.get("CP")]
-            name = "swiglu_bwd_cp"
         ms, cfg = min(res, key=lambda r: r[0])
         lean_lora.LEAN_TILES[name] = best[name] = cfg
         print(f"best lean {name}: {ms:.3f} ms {cfg}", flush=True)
@@ -199,9 +129,6 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--gemm", action="store_true", help="only time grouped GEMMs at widths 1024 + {0,16,32,64,128}")
     ap.add_argument("--lean", action="store_true", help="the lean_lora SwiGLU passes instead of the fold passes")
-    ap.add_argument("--lean2", action="store_true", help="with --lean: session 4's backward tiles (LEAN_BWD2)")
-    ap.add_argument("--only", default="",
-                    help="with --lean: comma-separated passes (swiglu_in,swiglu_bwd,down_bwd,swiglu_bwd_w)")
     ap.add_argument("--round2", action="store_true", help="the second tile list (around call 3's best)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (use small --T/--L/--F)")
     a = ap.parse_args()

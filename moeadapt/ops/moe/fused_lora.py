@@ -62,11 +62,7 @@ from .triton_grouped_mm import _cached_tile_map, _tile_rows, grouped_wgrad
 #   lean:  True = the model runs LoRA'd SwiGLU experts through lean_lora.py (base gate/up GEMMs at native width;
 #          H200 session 3 call 9, layer overhead over frozen, medians of 5: 26.5% (E=64) / 23.8% (E=256) vs fold
 #          27.9% / 25.5%) wherever the fused GEMM would run; fold_io then applies only where lean cannot
-#   lean_down: "dx" = lean's down-projection backward by `dx` above; "fused" = its base GEMM unwidened and
-#          g_d = dy·B_dᵀ with dB_d in one pass over dy (lean_lora.down_lora_bwd)
-#   lean_bwd: "row" = lean's SwiGLU backward row-parallel, dB_g / dB_u / dA_d by K-grouped GEMMs after it;
-#          "cp" = column-parallel, those three accumulated inside the pass (lean_lora.swiglu_lora_bwd_cp)
-CONFIG = dict(dx="cat", wgrad="triton", fold_io=True, lean=True, lean_down="dx", lean_bwd="row")
+CONFIG = dict(dx="cat", wgrad="triton", fold_io=True, lean=True)
 
 
 def _interpreting() -> bool:

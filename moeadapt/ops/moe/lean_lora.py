@@ -11,9 +11,7 @@ and the rank-R terms go into the memory-bound passes that touch those rows anywa
                           acat = [a | s_d·a·A_d]                                       (one read of gu)
             gmm:          y = acat·[W_d | B_dᵀ]ᵀ      (the down projection keeps fused_lora's widened GEMM:
                                                          +3% there, cheaper than another pass over y)
-  backward  (da, g_d) = dy·[W_d | B_dᵀ]  (fused_lora._dx_parts: widened GEMM or base GEMM + thin pass), or with
-                          CONFIG["lean_down"] = "fused": da = dy·W_d (unwidened) and one pass over dy giving
-                          g_d = dy·B_dᵀ and dB_d = hdᵀ·dy together (`down_lora_bwd`)
+  backward  (da, g_d) = dy·[W_d | B_dᵀ]  (fused_lora._dx_parts: widened GEMM or base GEMM + thin pass)
             SwiGLU bwd:   da += s_d·g_d·A_dᵀ; gate, up recomputed with their LoRA terms; d(gate), d(up);
                           dh_g = d(gate)·B_gᵀ, dh_u = d(up)·B_uᵀ accumulated over the row   (one pass)
             gmm:          dx = d(gu)·W_gu (native width);  dx += s·dh·Aᵀ (epilogue);  dz = Σ over copies
@@ -34,7 +32,6 @@ import triton
 import triton.language as tl
 
 from .fused_lora import (
-    CONFIG,
     FOLD_TILES,
     _combine_copies,
     _counts,
@@ -54,19 +51,10 @@ from .triton_grouped_mm import _cached_tile_map, _tile_rows
 LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
     "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
     "swiglu_bwd": dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1),  # H200 call 7: 0.60 ms at E = 64
-    "down_bwd": dict(BK=128, BO=256, num_warps=8, num_stages=2),  # H200 session 4 call 2: 0.118 ms at E = 64
-    "swiglu_bwd_cp": dict(BM=32, BN=64, RC=512, num_warps=4, num_stages=2),  # CONFIG["lean_bwd"] = "cp"
 }
 
 
 # ---------------------------------------------------------------- Triton passes
-@triton.jit
-def _mm_acc(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
 @triton.jit
 def _lora_terms(hg, hu, bg_ptr, bu_ptr, e64, cols, col_ok, rs, r_ok, s_be, s_br, s_bf, IEEE: tl.constexpr):
     """[BM, BN] fp32 rank-R terms hg·B_g[e][:, cols] and hu·B_u[e][:, cols]."""
@@ -135,13 +123,11 @@ def _swiglu_lora_bwd_kernel(
     tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RD, scale_d, CSPAN,
     s_an, s_af, s_qn, s_qr, s_ae, s_af2, s_ar, s_gn, s_gf, s_hn, s_hr, s_be, s_br, s_bf, s_dn, s_df, s_xn, s_xr,
     s_xp, SHARED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-    RPD: tl.constexpr, BT: tl.constexpr = False,
+    RPD: tl.constexpr,
 ):
     """da = da_base + scale_d·gd·A_dᵀ; gate/up recomputed with their LoRA terms; d(gate), d(up) -> dg, du;
     dhg = d(gate)·B_gᵀ, dhu = d(up)·B_uᵀ (SHARED: one sum into dhg), accumulated over this program's CSPAN
-    columns (program_id(1)) and stored at dhg + program_id(1)·s_xp (partial sums when the columns are split).
-    BT: the dh products take B_gᵀ, B_uᵀ tiles loaded a second time ([BN, RP], from L2) instead of transposing
-    the loaded B tiles in registers (sm_90: 168 instead of 255 registers at BM 32, BN 64, 4 warps)."""
+    columns (program_id(1)) and stored at dhg + program_id(1)·s_xp (partial sums when the columns are split)."""
     pid_c = tl.program_id(1)
     e = tl.load(tile_expert_ptr + tl.program_id(0))
     if e < 0:
@@ -185,16 +171,7 @@ def _swiglu_lora_bwd_kernel(
         tl.store(dg_ptr + r64 * s_dn + cols[None, :] * s_df, dgv, mask=m)
         tl.store(du_ptr + r64 * s_dn + cols[None, :] * s_df, duv, mask=m)
         # dh += d(gate)·B_gᵀ: the B tiles loaded above, transposed in registers (no second, strided load)
-        if BT:
-            tm = col_ok[:, None] & r_ok[None, :]
-            bgt = tl.load(bg_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=tm, other=0.0)
-            but = tl.load(bu_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bf, mask=tm, other=0.0)
-            dhg = _mm_acc(dgv, bgt.to(dgv.dtype), dhg, IEEE)
-            if SHARED:
-                dhg = _mm_acc(duv, but.to(duv.dtype), dhg, IEEE)
-            else:
-                dhu = _mm_acc(duv, but.to(duv.dtype), dhu, IEEE)
-        elif IEEE:
+        if IEEE:
             dhg = tl.dot(dgv, tl.trans(bg).to(dgv.dtype), dhg, input_precision="ieee")
             if SHARED:
                 dhg = tl.dot(duv, tl.trans(bu).to(duv.dtype), dhg, input_precision="ieee")
@@ -210,119 +187,6 @@ def _swiglu_lora_bwd_kernel(
     tl.store(dhg_ptr + part + r64 * s_xn + rs[None, :] * s_xr, dhg.to(dhg_ptr.dtype.element_ty), mask=hm)
     if not SHARED:
         tl.store(dhu_ptr + part + r64 * s_xn + rs[None, :] * s_xr, dhu.to(dhu_ptr.dtype.element_ty), mask=hm)
-
-
-@triton.jit
-def _swiglu_lora_bwd_cp_kernel(
-    da_ptr, gd_ptr, ad_ptr, g_ptr, u_ptr, hg_ptr, hu_ptr, bg_ptr, bu_ptr, dg_ptr, du_ptr, dhp_ptr, wp_ptr,
-    tile_expert_ptr, tile_row_ptr, offsets_ptr, F, R, RD, scale_d,
-    s_an, s_af, s_qn, s_qr, s_ae, s_af2, s_ar, s_gn, s_gf, s_hn, s_hr, s_be, s_br, s_bf, s_dn, s_df,
-    s_pc, s_pn, s_pr, s_wt, s_wk, s_wr, s_wf,
-    SHARED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr,
-    RP: tl.constexpr, RPD: tl.constexpr,
-):
-    """The SwiGLU backward of `_swiglu_lora_bwd_kernel`, column-parallel: one program per (BN columns, RC-row tile
-    of one expert) walks its rows BM at a time with the B_g, B_u, A_d column tiles held in registers, and also
-    accumulates the rank-R weight gradients of those columns, so nothing re-reads d(gate), d(up) or a for them:
-      wp[tile, 0] = h_gᵀ·d(gate), wp[tile, 1] = h_uᵀ·d(up), wp[tile, 2] = g_dᵀ·a   ([RP|RPD, BN] fp32 partials)
-    dh (a sum over all columns) is left as per-column-block partials dhp[pid_c] ([N, R] or [N, 2R] fp32)."""
-    pid_c = tl.program_id(0)
-    tile = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + tile)
-    if e < 0:
-        return
-    row0 = tl.load(tile_row_ptr + tile)
-    end = tl.minimum(tl.load(offsets_ptr + e), row0 + RC)
-    e64 = e.to(tl.int64)
-    cols = pid_c * BN + tl.arange(0, BN)
-    col_ok = cols < F
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    rd = tl.arange(0, RPD)
-    rd_ok = rd < RD
-    bm = r_ok[:, None] & col_ok[None, :]
-    bg = tl.load(bg_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=bm, other=0.0)
-    bu = tl.load(bu_ptr + e64 * s_be + rs[:, None] * s_br + cols[None, :] * s_bf, mask=bm, other=0.0)
-    adt = tl.load(ad_ptr + e64 * s_ae + rd[:, None] * s_ar + cols[None, :] * s_af2,
-                  mask=rd_ok[:, None] & col_ok[None, :], other=0.0)
-    bgt = tl.trans(bg)
-    but = tl.trans(bu)
-    wg = tl.zeros([RP, BN], dtype=tl.float32)
-    wu = tl.zeros([RP, BN], dtype=tl.float32)
-    wa = tl.zeros([RPD, BN], dtype=tl.float32)
-    for r0 in range(row0, end, BM):
-        rows = r0 + tl.arange(0, BM)
-        row_ok = rows < end
-        r64 = rows.to(tl.int64)[:, None]
-        hm = row_ok[:, None] & r_ok[None, :]
-        hg = tl.load(hg_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
-        hu = tl.load(hu_ptr + r64 * s_hn + rs[None, :] * s_hr, mask=hm, other=0.0)
-        gd = tl.load(gd_ptr + r64 * s_qn + rd[None, :] * s_qr, mask=row_ok[:, None] & rd_ok[None, :], other=0.0)
-        m = row_ok[:, None] & col_ok[None, :]
-        da = _mm_acc(gd, adt.to(gd.dtype), tl.zeros([BM, BN], dtype=tl.float32), IEEE)
-        da = tl.load(da_ptr + r64 * s_an + cols[None, :] * s_af, mask=m, other=0.0).to(tl.float32) + da * scale_d
-        x = tl.load(g_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + r64 * s_gn + cols[None, :] * s_gf, mask=m, other=0.0).to(tl.float32)
-        x = _mm_acc(hg, bg.to(hg.dtype), x, IEEE)
-        u = _mm_acc(hu, bu.to(hu.dtype), u, IEEE)
-        sig = tl.sigmoid(x)
-        dgv = (da * u * sig * (1.0 + x * (1.0 - sig))).to(dg_ptr.dtype.element_ty)
-        duv = (da * x * sig).to(du_ptr.dtype.element_ty)
-        a = (x * sig * u).to(dg_ptr.dtype.element_ty)
-        tl.store(dg_ptr + r64 * s_dn + cols[None, :] * s_df, dgv, mask=m)
-        tl.store(du_ptr + r64 * s_dn + cols[None, :] * s_df, duv, mask=m)
-        dhg = _mm_acc(dgv, bgt.to(dgv.dtype), tl.zeros([BM, RP], dtype=tl.float32), IEEE)
-        dhu = _mm_acc(duv, but.to(duv.dtype), tl.zeros([BM, RP], dtype=tl.float32), IEEE)
-        dh_ptrs = dhp_ptr + pid_c.to(tl.int64) * s_pc + r64 * s_pn + rs[None, :] * s_pr
-        if SHARED:
-            tl.store(dh_ptrs, dhg + dhu, mask=hm)
-        else:
-            tl.store(dh_ptrs, dhg, mask=hm)
-            tl.store(dh_ptrs + R * s_pr, dhu, mask=hm)
-        wg = _mm_acc(tl.trans(hg), dgv.to(hg.dtype), wg, IEEE)
-        wu = _mm_acc(tl.trans(hu), duv.to(hu.dtype), wu, IEEE)
-        wa = _mm_acc(tl.trans(gd), a.to(gd.dtype), wa, IEEE)
-    w_ptrs = wp_ptr + tile.to(tl.int64) * s_wt + cols[None, :] * s_wf
-    tl.store(w_ptrs + rs[:, None] * s_wr, wg, mask=bm)
-    tl.store(w_ptrs + s_wk + rs[:, None] * s_wr, wu, mask=bm)
-    tl.store(w_ptrs + 2 * s_wk + rd[:, None] * s_wr, wa, mask=rd_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _down_lora_bwd_kernel(
-    dy_ptr, hd_ptr, bd_ptr, dbd_ptr, gdp_ptr, offsets_ptr, L, R,
-    s_yn, s_yl, s_hn, s_hr, s_be, s_br, s_bl, s_de, s_dr, s_dl, s_pp, s_pn, s_pr,
-    IEEE: tl.constexpr, BK: tl.constexpr, BO: tl.constexpr, RP: tl.constexpr,
-):
-    """One read of dy for the down projection's LoRA backward, per (column block, expert) over the expert's rows:
-    dB_d[e][:, cols] = hdᵀ·dy[:, cols] (K-grouped, in registers) and the partial row products
-    gdp[pid, rows] = dy[rows, cols]·B_d[e][:, cols]ᵀ (fp32; gd = Σ over the column blocks)."""
-    pid_o = tl.program_id(0)
-    e = tl.program_id(1)
-    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
-    end = tl.load(offsets_ptr + e)
-    e64 = e.to(tl.int64)
-    cols = pid_o * BO + tl.arange(0, BO)
-    col_ok = cols < L
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    bdt = tl.load(bd_ptr + e64 * s_be + rs[None, :] * s_br + cols[:, None] * s_bl,
-                  mask=col_ok[:, None] & r_ok[None, :], other=0.0)  # B_d[e][:, cols]ᵀ, [BO, RP]
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([RP, BO], dtype=tl.float32)
-    for r0 in range(start, end, BK):
-        rows = (r0 + ks).to(tl.int64)
-        row_ok = (r0 + ks) < end
-        dy = tl.load(dy_ptr + rows[:, None] * s_yn + cols[None, :] * s_yl,
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        hd = tl.load(hd_ptr + rows[:, None] * s_hn + rs[None, :] * s_hr,
-                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        acc = _mm_acc(tl.trans(hd), dy.to(hd.dtype), acc, IEEE)
-        gdp = _mm_acc(dy, bdt.to(dy.dtype), tl.zeros([BK, RP], dtype=tl.float32), IEEE)
-        tl.store(gdp_ptr + pid_o.to(tl.int64) * s_pp + rows[:, None] * s_pn + rs[None, :] * s_pr, gdp,
-                 mask=row_ok[:, None] & r_ok[None, :])
-    tl.store(dbd_ptr + e64 * s_de + rs[:, None] * s_dr + cols[None, :] * s_dl, acc.to(dbd_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & col_ok[None, :])
 
 
 # ---------------------------------------------------------------- pass wrappers (torch twins off the GPU)
@@ -412,73 +276,12 @@ def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_
         *da_NF.stride(), *gd_NR.stride(), *Ad_EFR.stride(), *g_NF.stride(), *hg_NR.stride(), *Bg_ERF.stride(),
         *dg_NF.stride(), *dhg.stride()[-2:], dhg.stride(0) if split > 1 else 0,
         SHARED=shared, IEEE=g_NF.dtype == torch.float32, BM=BM, BN=BN, RP=max(16, triton.next_power_of_2(R)),
-        RPD=max(16, triton.next_power_of_2(RD)), BT=LEAN_TILES["swiglu_bwd"].get("BT", False), **launch,
+        RPD=max(16, triton.next_power_of_2(RD)), **launch,
     )
     if split > 1:
         dhg_NR.copy_(dhg.sum(0))
         if not shared:
             dhu_NR.copy_(dhu.sum(0))
-
-
-def swiglu_lora_bwd_cp(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, offsets_E,
-                       dg_NF, du_NF, dh_NW, shared):
-    """`swiglu_lora_bwd` plus the rank-R weight gradients from the same pass (CONFIG["lean_bwd"] = "cp"):
-    writes d(gate), d(up) and dh_NW[:, :R] (shared) or [:, :2R] ([dh_g | dh_u]); returns (dB_g, dB_u, dA_d)
-    fp32, with dA_d = scale_d·aᵀ·g_d, a = silu(gate)·up recomputed. Triton only (GPU or the interpreter)."""
-    N, F = g_NF.shape
-    R, RD, E = hg_NR.shape[1], Ad_EFR.shape[2], Ad_EFR.shape[0]
-    RW = R if shared else 2 * R
-    t = LEAN_TILES["swiglu_bwd_cp"]
-    if _interpreting():
-        BM, BN, RC, launch = 16, 32, 32, {}
-    else:
-        BM, BN, RC = t["BM"], t["BN"], t["RC"]
-        launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-    RP, RPD = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(RD))
-    RPM = max(RP, RPD)
-    expert_T, row_T = _cached_tile_map(offsets_E, N, RC)
-    n_c = triton.cdiv(F, BN)
-    dhp = torch.zeros(n_c, N, RW, device=g_NF.device, dtype=torch.float32)
-    wp = torch.zeros(len(expert_T), 3, RPM, F, device=g_NF.device, dtype=torch.float32)
-    assert g_NF.stride() == u_NF.stride() and dg_NF.stride() == du_NF.stride()
-    assert hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
-    if N > 0 and len(expert_T) > 0:
-        _swiglu_lora_bwd_cp_kernel[(n_c, len(expert_T))](
-            da_NF, gd_NR, Ad_EFR, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, dg_NF, du_NF, dhp, wp,
-            expert_T, row_T, offsets_E, F, R, RD, float(scale_d),
-            *da_NF.stride(), *gd_NR.stride(), *Ad_EFR.stride(), *g_NF.stride(), *hg_NR.stride(), *Bg_ERF.stride(),
-            *dg_NF.stride(), *dhp.stride(), *wp.stride(),
-            SHARED=shared, IEEE=g_NF.dtype == torch.float32, BM=BM, BN=BN, RC=RC, RP=RP, RPD=RPD, **launch,
-        )
-    dh_NW[:, :RW] = dhp.sum(0).to(dh_NW.dtype)
-    w = torch.zeros(E, 3, RPM, F, device=g_NF.device, dtype=torch.float32)
-    w.index_add_(0, expert_T.clamp_min(0).long(), wp)  # the tiles of one expert (tiles with expert -1 are zero)
-    return w[:, 0, :R], w[:, 1, :R], w[:, 2, :RD].transpose(1, 2) * scale_d
-
-
-def down_lora_bwd(dy_NL, hd_NR, Bd_ERL, offsets_E):
-    """(gd = dy·B_dᵀ [N, R] in dy's dtype, dB_d = hdᵀ·dy [E, R, L] in B_d's dtype) over one read of dy:
-    the down projection's LoRA backward next to its unwidened base GEMM (LEAN_TILES["down_bwd"])."""
-    N, L = dy_NL.shape
-    E, R = Bd_ERL.shape[0], Bd_ERL.shape[1]
-    if not _use_triton(dy_NL):
-        rows = len(_rows_to_padded(offsets_E, N)[0])
-        gd = torch.zeros(N, R, dtype=dy_NL.dtype, device=dy_NL.device)
-        gd[:rows] = grouped_mm_reference(dy_NL[:rows], Bd_ERL.transpose(1, 2).to(dy_NL.dtype), offsets_E)[:rows]
-        return gd, kgmm(hd_NR, dy_NL, offsets_E, _counts(offsets_E)).to(Bd_ERL.dtype)
-    t = LEAN_TILES["down_bwd"]
-    BK, BO = (16, 32) if _interpreting() else (t["BK"], t["BO"])
-    launch = {} if _interpreting() else dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
-    n_o = triton.cdiv(L, BO)
-    gdp = torch.zeros(n_o, N, R, dtype=torch.float32, device=dy_NL.device)  # rows past the last expert stay 0
-    dbd = torch.empty(E, R, L, dtype=Bd_ERL.dtype, device=dy_NL.device)
-    if E > 0 and N > 0:
-        _down_lora_bwd_kernel[(n_o, E)](
-            dy_NL, hd_NR, Bd_ERL, dbd, gdp, offsets_E, L, R, *dy_NL.stride(), *hd_NR.stride(), *Bd_ERL.stride(),
-            *dbd.stride(), *gdp.stride(), IEEE=dy_NL.dtype == torch.float32, BK=BK, BO=BO,
-            RP=max(16, triton.next_power_of_2(R)), **launch,
-        )
-    return gdp.sum(0).to(dy_NL.dtype), dbd
 
 
 def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
@@ -578,12 +381,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
         with torch.no_grad():
             wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
-        if CONFIG.get("lean_down") == "fused":  # base GEMM unwidened; gd and dB_d in one pass over dy
-            da_NF = gmm(dy_NO, wcat[:, :, :F], offsets_E)
-            gd_NR, dBd = down_lora_bwd(dy_NO, acat_NJ[:, F:F + RD], Bd, offsets_E)
-        else:
-            da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
-            dBd = None
+        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
         if ctx.packed:
             dg = torch.empty_like(g)
             du = None
@@ -593,19 +391,13 @@ class _SwiGLUDownFn(torch.autograd.Function):
             g_NF, u_NF, dg_NF, du_NF = g, u, dg, du
         dh_NW = torch.zeros_like(h_NW)
         hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
+        swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
+                        dg_NF, du_NF, dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
         counts_E = _counts(offsets_E)
-        if CONFIG.get("lean_bwd") == "cp" and _use_triton(g_NF):  # weight gradients inside the pass
-            dBg, dBu, dAd = swiglu_lora_bwd_cp(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
-                                               dg_NF, du_NF, dh_NW, shared)
-            dBg, dBu, dAd = dBg.to(Bg.dtype), dBu.to(Bu.dtype), dAd.to(Ad.dtype)
-        else:
-            swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
-                            dg_NF, du_NF, dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
-            dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, counts_E).to(Bg.dtype)
-            dBu = kgmm(hu.contiguous(), du_NF, offsets_E, counts_E).to(Bu.dtype)
-            dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
-        if dBd is None:
-            dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
+        dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, counts_E).to(Bg.dtype)
+        dBu = kgmm(hu.contiguous(), du_NF, offsets_E, counts_E).to(Bu.dtype)
+        dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
+        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
         return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
 
 
