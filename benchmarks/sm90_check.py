@@ -193,6 +193,8 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "launches.json"
         env = dict(os.environ, TRITON_INTERPRET="1", _SM90_RECORD=str(out))
+        if "SM90_CHILD_PYTHONPATH" in os.environ:  # e.g. record under the venv's Triton, compile under the GPU's
+            env["PYTHONPATH"] = os.environ["SM90_CHILD_PYTHONPATH"]
         subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env, check=True)
         recs = json.loads(out.read_text())
     bad = compile_all(recs)

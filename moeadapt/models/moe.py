@@ -10,7 +10,6 @@ Expert parallelism is applied to this module from outside (parallel/) by swappin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
@@ -22,6 +21,7 @@ from ..ops.moe import (
     offsets_from_counts,
     permutation,
     permute,
+    swiglu_pair,
     unpermute,
 )
 from .common import RMSNorm, SwiGLU
@@ -56,7 +56,8 @@ class GroupedExperts(nn.Module):
     def _down(self, g_NF, u_NF, offsets_E):
         if _folds(self.w2, g_NF):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
-        return self.w2(F.silu(g_NF) * u_NF, offsets_E)
+        backend = "auto" if self.w2.backend == "fused" else self.w2.backend  # "fused" names a LoRA kernel
+        return self.w2(swiglu_pair(g_NF, u_NF, backend=backend), offsets_E)
 
     def can_gather(self, z_TL: torch.Tensor, n_rows: int) -> bool:
         """True when w1 and w3 both read token-major rows (n_rows routed copies of z) through the

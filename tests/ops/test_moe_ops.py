@@ -12,7 +12,15 @@ import random
 import pytest
 import torch
 
-from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, unpermute
+from moeadapt.ops.moe import (
+    grouped_lora,
+    grouped_mm,
+    offsets_from_counts,
+    permute,
+    swiglu,
+    swiglu_pair,
+    unpermute,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
@@ -261,6 +269,26 @@ def test_swiglu(gen, backend, N, F):
     _close(gu.grad, gu64.grad, 1e-5)
     with pytest.raises(ValueError, match="2F"):
         swiglu(torch.randn(3, 5), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("N,F", [(37, 24), (5, 300)])
+def test_swiglu_pair(gen, backend, N, F):
+    """silu(gate)·up from separate gate / up tensors (the model's w1 / w3 outputs; gate a strided view here)."""
+    g_NF = (torch.randn(N, F + 3, generator=gen) * 3)[:, 1:F + 1]
+    u_NF = torch.randn(N, F, generator=gen) * 3
+    da_NF = torch.randn(N, F, generator=gen)
+    g, u = _leaf(g_NF), _leaf(u_NF)
+    a = swiglu_pair(g, u, backend=backend)
+    g64, u64 = _leaf(g_NF, torch.float64), _leaf(u_NF, torch.float64)
+    a_ref = g64 / (1 + torch.exp(-g64)) * u64
+    _close(a, a_ref, 1e-5)
+    (a * da_NF).sum().backward()
+    (a_ref * da_NF.double()).sum().backward()
+    _close(g.grad, g64.grad, 1e-5)
+    _close(u.grad, u64.grad, 1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        swiglu_pair(torch.randn(3, 5), torch.randn(3, 4), backend=backend)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")

@@ -29,7 +29,8 @@ from .reference import (
     unpermute_reference,
 )
 
-__all__ = ["permute", "permutation", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu"]
+__all__ = ["permute", "permutation", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu",
+           "swiglu_pair"]
 
 _BACKENDS = ("auto", "reference", "triton", "torch", "fused")
 FUSED_MIN_ROWS = 512  # "auto" grouped LoRA: fused base+LoRA GEMM from this many rows per expert, else Triton
@@ -288,3 +289,16 @@ def swiglu(gate_up_NF2: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         return swiglu_triton(gate_up_NF2)
     g_NF, u_NF = gate_up_NF2.chunk(2, dim=-1)
     return torch.nn.functional.silu(g_NF) * u_NF
+
+
+def swiglu_pair(gate_NF: torch.Tensor, up_NF: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """a_NF = silu(gate) · up for separate gate and up tensors [N, F] (the model's w1 and w3 outputs); the Triton
+    path as `swiglu`'s (one pass each way, silu recomputed in the backward)."""
+    if gate_NF.dim() != 2 or gate_NF.shape != up_NF.shape:
+        raise ValueError(f"swiglu_pair needs gate and up of one shape [N, F]; got {tuple(gate_NF.shape)} and "
+                         f"{tuple(up_NF.shape)}")
+    if _resolve(backend, gate_NF.device, "swiglu") == "triton":
+        from .triton_swiglu import swiglu_pair_triton
+
+        return swiglu_pair_triton(gate_NF, up_NF)
+    return torch.nn.functional.silu(gate_NF) * up_NF

@@ -131,8 +131,10 @@ def _lora_out_kernel(
     O, R, scale,
     s_bn, s_bo, s_gn, s_gr, s_me, s_mr, s_mo, s_on, s_oo,
     IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+    base2_ptr=None, s_b2n=0, s_b2o=0, TWO: tl.constexpr = False,
 ):
-    """out[rows] = base[rows] + scale·g[rows]·m[e]   (m: [R, O] per expert; out may alias base)."""
+    """out[rows] = base[rows] (+ base2[rows] when TWO) + scale·g[rows]·m[e]   (m: [R, O] per expert; out may
+    alias base)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m)
@@ -154,6 +156,8 @@ def _lora_out_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     b = tl.load(base_ptr + rows64[:, None] * s_bn + cols[None, :] * s_bo, mask=mask, other=0.0)
     acc = b.to(tl.float32) + acc * scale
+    if TWO:
+        acc += tl.load(base2_ptr + rows64[:, None] * s_b2n + cols[None, :] * s_b2o, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows64[:, None] * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -200,16 +204,18 @@ def lora_in(x_NI, a_EIR, offsets_E, scale, h_NW, xc_NI=None):
     )
 
 
-def lora_out(base_NO, g_NR, m_ERO, offsets_E, scale, out_NO):
-    """out = base + scale·g·m_e per expert group (out may be base itself)."""
+def lora_out(base_NO, g_NR, m_ERO, offsets_E, scale, out_NO, base2_NO=None):
+    """out = base (+ base2) + scale·g·m_e per expert group (out may be base itself)."""
     N, O = base_NO.shape
     E, R, _ = m_ERO.shape
     if N == 0 or O == 0:
         return out_NO
     if not _use_triton(base_NO):
         rows = len(_rows_to_padded(offsets_E, N)[0])
-        d = grouped_mm_reference(g_NR[:, :R], m_ERO.to(g_NR.dtype), offsets_E)[:rows]
-        out_NO[:rows] = (base_NO[:rows].float() + d.float() * scale).to(out_NO.dtype)
+        d = grouped_mm_reference(g_NR[:, :R], m_ERO.to(g_NR.dtype), offsets_E)[:rows].float() * scale
+        if base2_NO is not None:
+            d = d + base2_NO[:rows].float()
+        out_NO[:rows] = (base_NO[:rows].float() + d).to(out_NO.dtype)
         return out_NO
     BM = _bm(N)
     expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
@@ -220,6 +226,8 @@ def lora_out(base_NO, g_NR, m_ERO, offsets_E, scale, out_NO):
         base_NO.stride(0), base_NO.stride(1), g_NR.stride(0), g_NR.stride(1), *m_ERO.stride(),
         out_NO.stride(0), out_NO.stride(1),
         IEEE=base_NO.dtype == torch.float32, BM=BM, BN=BN, RP=RP,
+        **({} if base2_NO is None else dict(base2_ptr=base2_NO, s_b2n=base2_NO.stride(0), s_b2o=base2_NO.stride(1),
+                                            TWO=True)),
         **({} if _interpreting() else dict(num_warps=4, num_stages=2)),
     )
     return out_NO

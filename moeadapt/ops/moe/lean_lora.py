@@ -343,10 +343,13 @@ class _GatherBaseFn(torch.autograd.Function):
         dz = dA = None
         if need_z:
             dx_NI = gmm(dy_a.contiguous().to(x_NI.dtype), ctx.w_a, offsets_E)
-            if ctx.w_b is not None and dy_b is not None:
-                dx_NI += gmm(dy_b.contiguous().to(x_NI.dtype), ctx.w_b, offsets_E)
-            if dh_NR is not None:
-                lora_out(dx_NI, dh_NR, A_EIR.transpose(1, 2), offsets_E, s, dx_NI)
+            dx_b = None
+            if ctx.w_b is not None and dy_b is not None:  # the pair (w1, w3): two GEMMs, summed below
+                dx_b = gmm(dy_b.contiguous().to(x_NI.dtype), ctx.w_b, offsets_E)
+            if dh_NR is not None:  # dx = dx_a (+ dx_b) + s·dh·Aᵀ in one pass
+                lora_out(dx_NI, dh_NR, A_EIR.transpose(1, 2), offsets_E, s, dx_NI, base2_NO=dx_b)
+            elif dx_b is not None:
+                dx_NI += dx_b
             dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
         if need_a and dh_NR is not None:
             dA = (kgmm(x_NI, dh_NR, offsets_E, _counts(offsets_E)) * s).to(A_EIR.dtype)
