@@ -9,6 +9,8 @@ Expert parallelism is applied to this module from outside (parallel/) by swappin
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -56,7 +58,9 @@ class GroupedExperts(nn.Module):
     def _down(self, g_NF, u_NF, offsets_E):
         if _folds(self.w2, g_NF):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
-        backend = "auto" if self.w2.backend == "fused" else self.w2.backend  # "fused" names a LoRA kernel
+        backend = self.w2.backend
+        if backend == "fused":  # a grouped-LoRA kernel choice; the SwiGLU next to it is the Triton one
+            backend = "triton" if g_NF.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
         return self.w2(swiglu_pair(g_NF, u_NF, backend=backend), offsets_E)
 
     def can_gather(self, z_TL: torch.Tensor, n_rows: int) -> bool:

@@ -447,8 +447,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                 x_shared = x_shared or w != "w2"
     if lean:  # lean: the SwiGLU product is acat's first F columns (kept above)
         acc.keep("w1 out, w3 out (swiglu inputs, lean)", Kt * 2 * F, gemm_out=1.0)
-    else:
+    elif ref:  # torch's silu then mul: silu keeps its input, mul both of its
         acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
+    else:  # ops/moe swiglu_pair (Triton): gate and up only, silu recomputed in the backward
+        acc.keep("w1 out, w3 out (fused swiglu inputs)", Kt * 2 * F, gemm_out=1.0)
     if ref:
         # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
         # the permuted rows z_NL (a local of the dispatcher; the padded copies, not z, are saved) and the swiglu

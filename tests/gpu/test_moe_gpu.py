@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, unpermute
+from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, swiglu_pair, unpermute
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -115,6 +115,21 @@ def test_swiglu_gpu(gen):
         res[be] = (a, x.grad)
     for a, b in zip(res["triton"], res["reference"]):
         assert _rel(a, b) < 1e-2
+
+
+def test_swiglu_pair_gpu(gen):
+    """The model's SwiGLU (separate w1 / w3 outputs, gate a strided view) against fp32 torch."""
+    g = torch.randn(5000, 1040, device=DEV, dtype=torch.bfloat16)[:, :1024]
+    u = torch.randn(5000, 1024, device=DEV, dtype=torch.bfloat16)
+    da = torch.randn(5000, 1024, device=DEV, dtype=torch.bfloat16)
+    gg, uu = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
+    a = swiglu_pair(gg, uu, backend="triton")
+    a.backward(da)
+    g32, u32 = g.float().requires_grad_(True), u.float().requires_grad_(True)
+    a32 = torch.nn.functional.silu(g32) * u32
+    a32.backward(da.float())
+    for x, y in ((a, a32), (gg.grad, g32.grad), (uu.grad, u32.grad)):
+        assert _rel(x, y) < 1e-2
 
 
 def test_auto_backends_gpu(gen):

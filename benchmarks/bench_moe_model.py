@@ -1,0 +1,148 @@
+"""The model's own LatentMoE layer (moeadapt.models.moe, as `train` builds it), frozen bf16 base with and without
+grouped LoRA r = 16 on the experts' w1 / w3 / w2, forward + backward, at bench_moe.py's shapes (T = 16384,
+hidden 4096, latent 1024, expert ffn 1024, no shared expert, dropless, the router's own routing of random input).
+
+bench_moe.py times a packed re-implementation of the layer ([E, 2F, L] gate/up); this times the module users
+train, whose w1 and w3 are separate (two gate/up GEMMs, their SwiGLU through ops/moe swiglu_pair). Overhead =
+median LoRA ms / median frozen ms - 1 over interleaved rounds (do_bench means, L2 flushed).
+
+    python benchmarks/bench_moe_model.py [--cases 64x8,256x16,896x16] [--rounds 5] [--out model.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+
+from moeadapt.config import LoRASpec, get_preset  # noqa: E402
+from moeadapt.lora import cast_frozen_, inject_lora  # noqa: E402
+from moeadapt.models.moe import LatentMoE  # noqa: E402
+
+EXPERT_TARGETS = ["experts.w1", "experts.w3", "experts.w2"]
+DEV = "cuda"
+
+
+def _wall(fn, warmup=0, rep=0):
+    import time
+
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
+def build(E, K, D, L, F, lora, seed=0):
+    spec = get_preset("small").model_copy(update=dict(
+        hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
+        n_shared_experts=0, capacity_factor=None))
+    torch.manual_seed(seed)
+    m = LatentMoE(spec).to(DEV, torch.float32)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.0)
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in n else 0.0)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    if lora:
+        inject_lora(m, LoRASpec(rank=16, targets=EXPERT_TARGETS))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.01)
+    cast_frozen_(m, torch.bfloat16)
+    return m
+
+
+def _lora_path(step) -> str:
+    """Which expert path one LoRA step takes: lean_lora.py or grouped_lora's auto choice."""
+    from moeadapt.ops.moe import lean_lora
+
+    fn, calls = lean_lora.lean_lora_experts, []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return fn(*args, **kw)
+    lean_lora.lean_lora_experts = counted
+    try:
+        step()
+    finally:
+        lean_lora.lean_lora_experts = fn
+    return "lean" if calls else "grouped_lora auto"
+
+
+def step_fn(m, h):
+    def step():
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            out, _ = m(h)
+        out.float().square().mean().backward()
+        h.grad = None
+        for p in m.parameters():
+            p.grad = None
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="64x8,256x16,896x16")
+    ap.add_argument("--T", type=int, default=16384)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dims", default="4096,1024,1024", help="hidden, latent, expert ffn")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
+    a = ap.parse_args()
+    D, L, F = (int(v) for v in a.dims.split(","))
+    global DEV
+    DEV = a.device
+    bench = triton.testing.do_bench if DEV == "cuda" else _wall
+    rows = []
+    head = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
+                triton=triton.__version__)
+    print(json.dumps(head), flush=True)
+    for case in a.cases.split(","):
+        E, K = (int(v) for v in case.split("x"))
+        h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        models = {"frozen": build(E, K, D, L, F, False), "lora": build(E, K, D, L, F, True)}
+        steps = {k: step_fn(m, h) for k, m in models.items()}
+        for s in steps.values():  # compile, warm up
+            s()
+        path = {"lora": _lora_path(steps["lora"])}
+        ms = {k: [] for k in steps}
+        peak = {}
+        for k, s in steps.items():
+            if DEV == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            s()
+            peak[k] = (torch.cuda.max_memory_allocated() - base) / 2**30 if DEV == "cuda" else 0.0
+        for _ in range(a.rounds):
+            for k, s in steps.items():
+                ms[k].append(bench(s, warmup=5, rep=50))
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        row = dict(E=E, K=K, T=a.T, D=D, L=L, F=F, rows_per_expert=a.T * K / E, lora_path=path["lora"],
+                   frozen_ms=round(med["frozen"], 3), lora_ms=round(med["lora"], 3),
+                   overhead_pct=round(100 * (med["lora"] / med["frozen"] - 1), 1),
+                   frozen_rounds=[round(v, 3) for v in ms["frozen"]], lora_rounds=[round(v, 3) for v in ms["lora"]],
+                   peak_gib={k: round(v, 2) for k, v in peak.items()})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del models, steps, h
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out + ".tmp", "w") as f:
+            for r in [head] + rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(a.out + ".tmp", a.out)
+
+
+if __name__ == "__main__":
+    main()
