@@ -13,7 +13,15 @@ import random
 import pytest
 import torch
 
-from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, swiglu, swiglu_pair, unpermute
+from moeadapt.ops.moe import (
+    grouped_lora,
+    grouped_mm,
+    offsets_from_counts,
+    permute,
+    swiglu,
+    swiglu_pair,
+    unpermute,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
