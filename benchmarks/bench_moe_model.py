@@ -79,11 +79,12 @@ def _lora_path(step) -> str:
     return "lean" if calls else "grouped_lora auto"
 
 
-def step_fn(m, h):
+def step_fn(m, h, g_out):
+    """One forward + backward of the layer with a fixed output gradient (no loss computation in the timing)."""
     def step():
         with torch.autocast(DEV, dtype=torch.bfloat16):
             out, _ = m(h)
-        out.float().square().mean().backward()
+        out.backward(g_out)
         h.grad = None
         for p in m.parameters():
             p.grad = None
@@ -97,6 +98,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="4096,1024,1024", help="hidden, latent, expert ffn")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
     D, L, F = (int(v) for v in a.dims.split(","))
@@ -111,10 +113,21 @@ def main():
         E, K = (int(v) for v in case.split("x"))
         h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         models = {"frozen": build(E, K, D, L, F, False), "lora": build(E, K, D, L, F, True)}
-        steps = {k: step_fn(m, h) for k, m in models.items()}
+        g_out = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16) / (a.T * D) ** 0.5
+        steps = {k: step_fn(m, h, g_out) for k, m in models.items()}
         for s in steps.values():  # compile, warm up
             s()
         path = {"lora": _lora_path(steps["lora"])}
+        if a.profile:  # where the model layer's time goes (GPU kernels and host-side syncs), one step each
+            for k, s in steps.items():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    s()
+                    torch.cuda.synchronize()
+                print(f"# profile {k} E={E} K={K} (by GPU time)\n" + prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), flush=True)
+                print(f"# profile {k} E={E} K={K} (by host time)\n" + prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), flush=True)
         ms = {k: [] for k in steps}
         peak = {}
         for k, s in steps.items():
