@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RECORD of what ran: the session-4 options it uses (tune_fold --lean2 / --only, BT, down_lora_bwd, lean_bwd "cp",
+# bench variants lora-lean-fd / -cp) were removed after measurement; they are in commit f665fda.
 # Session 4 (2026-11-29), GPU call 1 (issue 5): the lean SwiGLU backward at low-register tiles (sm_90 compile:
 # 255 registers at the old best tile, 100-138 at these), then E = 64 in 5 interleaved rounds with the best tiles,
 # then session 3's owed checks (the model-level lean test, the planner's LoRA rows with lean).

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RECORD of what ran: the session-4 options it uses (tune_fold --lean2 / --only, BT, down_lora_bwd, lean_bwd "cp",
+# bench variants lora-lean-fd / -cp) were removed after measurement; they are in commit f665fda.
 # Session 4 (2026-11-29), GPU call 2 (issue 5): lean_lora.down_lora_bwd (the down projection's dx GEMM unwidened,
 # g_d and dB_d from one pass over dy): GPU tests, tile sweep with the GEMMs it replaces, E = 64 in 5 interleaved
 # rounds (lean vs lean-fd), then a per-kernel profile of lean-fd at E = 64.

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RECORD of what ran: the session-4 options it uses (tune_fold --lean2 / --only, BT, down_lora_bwd, lean_bwd "cp",
+# bench variants lora-lean-fd / -cp) were removed after measurement; they are in commit f665fda.
 # Session 4 (2026-11-29), GPU call 3 (issue 5): the column-parallel lean SwiGLU backward that accumulates dB_g,
 # dB_u, dA_d itself (lean_lora.swiglu_lora_bwd_cp): GPU tests, tile sweep against row-parallel + 3 K-grouped GEMMs,
 # E = 64 in 5 interleaved rounds, three processes (run-to-run spread), then the model-level lean test.
