@@ -39,7 +39,7 @@ def _wall(fn, warmup=0, rep=0):
     return 1e3 * (time.perf_counter() - t)
 
 
-def build(E, K, D, L, F, lora, seed=0):
+def build(E, K, D, L, F, lora, seed=0, lora_backend="auto"):
     spec = get_preset("small").model_copy(update=dict(
         hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
         n_shared_experts=0, capacity_factor=None))
@@ -58,6 +58,8 @@ def build(E, K, D, L, F, lora, seed=0):
             for n, p in m.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0.0, 0.01)
+        for w in (m.experts.w1, m.experts.w3, m.experts.w2):
+            w.backend = lora_backend  # "fused": lean_lora.py at any rows per expert (where "auto" picks Triton)
     cast_frozen_(m, torch.bfloat16)
     return m
 
@@ -99,6 +101,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="4096,1024,1024", help="hidden, latent, expert ffn")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
+    ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
     D, L, F = (int(v) for v in a.dims.split(","))
@@ -112,7 +115,8 @@ def main():
     for case in a.cases.split(","):
         E, K = (int(v) for v in case.split("x"))
         h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        models = {"frozen": build(E, K, D, L, F, False), "lora": build(E, K, D, L, F, True)}
+        models = {"frozen": build(E, K, D, L, F, False),
+                  "lora": build(E, K, D, L, F, True, lora_backend=a.lora_backend)}
         g_out = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16) / (a.T * D) ** 0.5
         steps = {k: step_fn(m, h, g_out) for k, m in models.items()}
         for s in steps.values():  # compile, warm up
