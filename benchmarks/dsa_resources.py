@@ -37,15 +37,11 @@ KERNELS = {
     "apply": (tsa._sfa_bwd_from_pds_kernel, dict(Q=BF, K=BF, IDX="*i32", DO=BF, P_=BF, DS_=BF, DQ=BF,
                                                  DK="*fp32", DV_="*fp32")),
 }
-NO_DIV = ("NHB", "NPR", "NC", "ROW0", "NROWS")  # runtime ints that are not multiples of 16 (or not specialised)
+NO_DIV = ("NHB", "NC", "ROW0", "NROWS")  # runtime ints that are not multiples of 16 (or not specialised)
 CONFIGS = {  # name -> (kernel, constexprs + num_warps / num_stages)
     "fwd_old": ("fwd", dict(MLA, BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),
     "fwd_skip_rev": ("fwd", dict(MLA, **WALK, BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),
-    "fwd_lean": ("fwd", dict(MLA, **WALK, FLAT=True, DEFER_L=True, FMA=True, DENSE=True,
-                             BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),
-    "fwd_lean_ws": ("fwd", dict(MLA, **WALK, FLAT=True, DEFER_L=True, FMA=True, DENSE=True, WS=True,
-                                BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),
-    "fwd_skip_rev_lazy": ("fwd", dict(MLA, **WALK, LAZY=True, BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),
+    "fwd_dense": ("fwd", dict(MLA, **WALK, DENSE=True, BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)),  # default
     "bwd_old_fused": ("bwd", dict(MLA, BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, DKV_T=True,
                                   DO_DQ=True, DO_DKV=True, STORE_ONLY=False)),
     "bwd_split_dq": ("bwd", dict(MLA, **WALK, BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2, DKV_T=True,

@@ -323,16 +323,10 @@ def test_triton_tiny_head_dims(gen, D, DV, DI):
 # blocks of -1 and the last block is partial.
 _FWD_VARIANTS = {
     "old": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
-    "skip_rev_lazy": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
-                      "SKIP": True, "REVERSE": True, "LAZY": True},
-    # 1-D grid, deferred row sums, scale folded into exp2, unmasked full blocks on dense rows
-    "lean": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
-             "FLAT": True, "DEFER_L": True, "FMA": True, "DENSE": True},
-    # dense rows' index loads one / two blocks ahead of their gather; EXACT drops the channel masks (mla: 48 = 32 + 16)
-    "ahead1": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
-               "DENSE": True, "AHEAD": 1},
-    "ahead2_exact": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
-                     "DENSE": True, "AHEAD": 2, "EXACT": True, "FMA": True},
+    "skip_rev": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True},
+    # unmasked full blocks on dense rows (the default walk)
+    "dense": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
+              "DENSE": True},
 }
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
@@ -355,9 +349,9 @@ _BWD_VARIANTS = {
 
 
 @triton_only
-@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev_lazy", "split_ahead"), ("lean", "pds"), ("ahead1", "pds"), ("ahead2_exact", "pds"),
-                                     ("skip_rev_lazy", "split_dkvt"), ("skip_rev_lazy", "pds"), ("old", "pds_c32"),
-                                     ("skip_rev_lazy", "pds_hmix"), ("old", "pds_kmix")])
+@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev", "split_ahead"), ("dense", "pds"),
+                                     ("skip_rev", "split_dkvt"), ("skip_rev", "pds"), ("old", "pds_c32"),
+                                     ("dense", "pds_hmix"), ("old", "pds_kmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa

@@ -11,8 +11,9 @@ The qk dimension is split into a power-of-two main part D1 and a tail D2
 (576 = 512 + 64), so nothing is padded to 1024. Default walk (FWD_CONFIG): SKIP the
 all-(-1) key blocks of the causal ramp, REVERSE (full rows first), DENSE (a row whose
 valid slots come first, as the indexer writes them, runs its full key blocks without
-masks, then the masked tail). Other flags of `_sfa_fwd_kernel` (FLAT, DEFER_L, FMA,
-AHEAD, EXACT, LAZY) were measured slower or equal on the H200 (RESULTS.md, DSA).
+masks, then the masked tail). Other forward variants (a 1-D grid, deferred row sums, the scale
+folded into exp2, index loads ahead, unmasked channels, a lazy rescale, warp specialisation) were
+measured slower or equal on the H200 and removed (RESULTS.md, DSA; code in commit 54a2241).
 
 Backward (default, PDS=True): two passes per chunk of rows. Pass 1
 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
@@ -128,31 +129,19 @@ def _slot_count(idx_row_ptr, TOPK, TOPK_P2: tl.constexpr):
 def _sfa_fwd_block(
     q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
-    MASKED: tl.constexpr, LAZY: tl.constexpr, DEFER_L: tl.constexpr, FMA: tl.constexpr,
-    rows_pre=None, EXACT: tl.constexpr = False,
+    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One key block of the online softmax: gather BLOCK_K selected rows, S = q k^T, update
-    (m_i, l_i, acc). MASKED=False: every slot of the block is known valid (no -1 handling).
-    DEFER_L: l_i is a [BLOCK_H, BLOCK_K] partial sum (reduced once by the caller).
-    FMA: the running max is taken on raw scores and the scale folded into exp2's argument.
-    rows_pre: this block's key rows, already loaded (unmasked blocks only). EXACT: D = D1 + D2 and
-    DV = BLOCK_DV, so the channel masks go."""
+    (m_i, l_i, acc). MASKED=False: every slot of the block is known valid (no -1 handling)."""
     offs_d1 = tl.arange(0, D1)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_k = k0 + tl.arange(0, BLOCK_K)
     if MASKED:
         valid, rows = _key_rows(_idx_block(idx_ptr, k0, TOPK, BLOCK_K), I64)
-    else:
-        if rows_pre is not None:
-            rows = rows_pre
-        else:
-            rows = tl.load(idx_ptr + offs_k)
-        if I64:
-            rows = rows.to(tl.int64)
-    if MASKED:
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
     else:
+        rows = tl.load(idx_ptr + k0 + tl.arange(0, BLOCK_K))
+        if I64:
+            rows = rows.to(tl.int64)
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :])
     s = _mm(q1, tl.trans(k1), IEEE)
     if D2 > 0:
@@ -160,15 +149,10 @@ def _sfa_fwd_block(
         if MASKED:
             k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
                          mask=valid[:, None] & (offs_d2[None, :] < D), other=0.0)
-        elif EXACT:
-            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :])
         else:
             k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :], mask=offs_d2[None, :] < D, other=0.0)
         s += _mm(q2, tl.trans(k2), IEEE)
-    if FMA:
-        if MASKED:
-            s = tl.where(valid[None, :], s, float("-inf"))
-    elif MASKED:
+    if MASKED:
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     else:
         s = s * qk_scale
@@ -177,62 +161,29 @@ def _sfa_fwd_block(
     elif MASKED:
         v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
                     mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    elif EXACT:
-        v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :])
     else:
         v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-    if LAZY:
-        # FA4-style lazy rescale: keep the stale running max (p <= 2^8) unless some
-        # head's max grew by more than 8 (log2 units); one uniform branch per block
-        m_blk = tl.max(s, 1)
-        if tl.max(m_blk - m_i, 0) > 8.0:
-            m_new = tl.maximum(m_i, m_blk)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i += tl.sum(p, 1)
-        acc = _mm(p.to(v.dtype), v, IEEE, acc)
-    else:
-        if FMA:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        if DEFER_L:
-            l_i = l_i * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
-        m_i = m_new
-    return m_i, l_i, acc
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _sfa_fwd_kernel(
     Q, K, V, IDX, O, LSE,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
-    T, G, TOPK, D, DV, NHB, NPR, qk_scale,
+    T, G, TOPK, D, DV, NHB, qk_scale,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
-    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, LAZY: tl.constexpr = False,
-    TOPK_P2: tl.constexpr = 16, FLAT: tl.constexpr = False, DEFER_L: tl.constexpr = False,
-    FMA: tl.constexpr = False, DENSE: tl.constexpr = False, WS: tl.constexpr = False,
-    AHEAD: tl.constexpr = 0, EXACT: tl.constexpr = False,
+    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, TOPK_P2: tl.constexpr = 16,
+    DENSE: tl.constexpr = False,
 ):
-    if FLAT:  # 1-D grid, the NPR head-block programs of one row adjacent (they gather the same key rows)
-        pid = tl.program_id(0).to(tl.int64)
-        hb = pid % NPR
-        row = pid // NPR
-        if REVERSE:
-            row = tl.num_programs(0).to(tl.int64) // NPR - 1 - row
-    else:
-        row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
-        hb = tl.program_id(1)
+    row = _row_of_program(tl.num_programs(0), REVERSE)  # b * T + t
+    hb = tl.program_id(1)
     g = hb // NHB
     h0 = (hb % NHB) * BLOCK_H
     b = row // T
@@ -249,10 +200,7 @@ def _sfa_fwd_kernel(
         q2 = q1
     offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    if DEFER_L:
-        l_i = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_H], tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     kb_base = K + b * sk_b + g * sk_h
     vb_base = V + b * sv_b + g * sv_h
@@ -260,41 +208,20 @@ def _sfa_fwd_kernel(
     if DENSE:  # rows whose valid slots are exactly [0, span): unmasked full blocks, then the masked tail
         span, n_valid = _slot_count(idx_ptr, TOPK, TOPK_P2)
         full_end = tl.where(n_valid == span, (span // BLOCK_K) * BLOCK_K, 0)
-        if AHEAD > 0:  # the index loads run AHEAD blocks before their gather (loop-carried registers)
-            offs_b = tl.arange(0, BLOCK_K)
-            nxt1 = tl.load(idx_ptr + offs_b, mask=offs_b < full_end, other=0)
-            if AHEAD > 1:
-                nxt2 = tl.load(idx_ptr + BLOCK_K + offs_b, mask=BLOCK_K + offs_b < full_end, other=0)
-            else:
-                nxt2 = nxt1
-            for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
-                cur = nxt1
-                if AHEAD > 1:
-                    nxt1 = nxt2
-                    nxt2 = tl.load(idx_ptr + k0 + 2 * BLOCK_K + offs_b,
-                                   mask=k0 + 2 * BLOCK_K + offs_b < full_end, other=0)
-                else:
-                    nxt1 = tl.load(idx_ptr + k0 + BLOCK_K + offs_b, mask=k0 + BLOCK_K + offs_b < full_end, other=0)
-                m_i, l_i, acc = _sfa_fwd_block(
-                    q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
-                    D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA, cur, EXACT)
-        else:
-            for k0 in tl.range(0, full_end, BLOCK_K, warp_specialize=WS):
-                m_i, l_i, acc = _sfa_fwd_block(
-                    q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
-                    D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False, LAZY, DEFER_L, FMA, None, EXACT)
+        for k0 in tl.range(0, full_end, BLOCK_K):
+            m_i, l_i, acc = _sfa_fwd_block(
+                q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, False)
         for k0 in range(full_end, span, BLOCK_K):
             m_i, l_i, acc = _sfa_fwd_block(
                 q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
-                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True, LAZY, DEFER_L, FMA)
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True)
     else:
         span = _slot_span(idx_ptr, TOPK, SKIP, TOPK_P2)
-        for k0 in tl.range(0, span, BLOCK_K, warp_specialize=WS):
+        for k0 in tl.range(0, span, BLOCK_K):
             m_i, l_i, acc = _sfa_fwd_block(
                 q1, q2, kb_base, vb_base, idx_ptr, k0, m_i, l_i, acc, sk_t, sv_t, TOPK, D, DV, qk_scale,
-                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True, LAZY, DEFER_L, FMA)
-    if DEFER_L:
-        l_i = tl.sum(l_i, 1)
+                D1, D2, BLOCK_DV, BLOCK_K, V_FROM_K, IEEE, I64, True)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     o_ptr = O + row * so_t + heads[:, None] * so_h + offs_dv[None, :]
@@ -572,7 +499,6 @@ def _sfa_bwd_from_pds_kernel(
 # Pass options (all default off = the kernels as first measured):
 #   SKIP: walk only up to the row's last valid slot (the causal ramp t < topk has fewer keys);
 #   REVERSE: launch the last (full) rows first so the short ones fill the tail;
-#   LAZY (forward): rescale the accumulator only when a running max grows by > 8 (log2);
 #   IDX_AHEAD (backward): load the next block's indices one iteration early (for
 #   num_stages=1, where Triton does not pipeline the index -> row gather chain);
 _POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
@@ -584,7 +510,7 @@ BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2,
 # thread and the split dq / dk-dv passes 1000-1700 B (a dk/dv pass with keys as the MMA's M
 # dimension, tried too, needs 270 KB of shared memory: removed).
 # H200, session 3 calls 2-3 (RESULTS.md): DENSE (unmasked full key blocks on rows whose valid slots come
-# first, as LI writes them) 294-297 TFLOP/s at T = 32768 vs 291-295 for SKIP + REVERSE alone; LAZY lost 20%.
+# first, as LI writes them) 294-297 TFLOP/s at T = 32768 vs 291-295 for SKIP + REVERSE alone.
 FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "DENSE": True}
 BWD_CONFIG = {
     # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
@@ -656,22 +582,15 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
-    flat = bool(cfg.get("FLAT", False))
-    if flat:
-        grid = (grid[0] * grid[1],)
     walk = _walk_args(cfg, idx.shape[-1])
-    dense = bool(cfg.get("DENSE", False)) and walk["SKIP"]  # DENSE counts the valid slots of the read row
     _sfa_fwd_kernel[grid](
         q, k, v, idx, o, lse,
         q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
-        T, G, idx.shape[-1], D, DV, nhb, HK * nhb, scale * LOG2E,
+        T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
         V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
-        LAZY=cfg.get("LAZY", False), FLAT=flat, DEFER_L=bool(cfg.get("DEFER_L", False)) and not cfg.get("LAZY"),
-        FMA=bool(cfg.get("FMA", False)) and scale > 0 and not cfg.get("LAZY"), DENSE=dense, WS=bool(cfg.get("WS", False)),
-        AHEAD=int(cfg.get("AHEAD", 0)) if dense else 0,
-        EXACT=bool(cfg.get("EXACT", False)) and D == d1 + d2 and DV == triton.next_power_of_2(DV) and DV >= 16,
+        DENSE=bool(cfg.get("DENSE", False)) and walk["SKIP"],  # DENSE counts the valid slots of the read row
         **walk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
