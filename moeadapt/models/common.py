@@ -93,16 +93,22 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
 
 
 class SwiGLU(nn.Module):
-    """Dense FFN (also the shared expert): w2(silu(w1 x) * w3 x)."""
+    """Dense FFN (also the shared expert): w2(silu(w1 x) * w3 x); silu·mul through ops/moe swiglu_pair (one Triton
+    pass each way on CUDA, keeping w1 x and w3 x for the backward; torch's ops on CPU)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        from ..ops.moe import swiglu_pair
+
+        g, u = self.w1(x), self.w3(x)
+        a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend)
+        return self.w2(a.view(g.shape))
 
 
 class CausalConv1d(nn.Module):

@@ -361,7 +361,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.gemm("w2", d)
         for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
             lora(m, w)
-        acc.keep("w1 out, w3 out, silu out", 3 * S, gemm_out=2 / 3)
+        if ref:  # torch's silu then mul
+            acc.keep("w1 out, w3 out, silu out", 3 * S, gemm_out=2 / 3)
+        else:  # ops/moe swiglu_pair (Triton): w1 out and w3 out only
+            acc.keep("w1 out, w3 out (fused swiglu inputs)", 2 * S, gemm_out=1.0)
         _lin_in(acc, "w2 input", S, int(tr("ffn.w2")), False)
         return acc
     E, Kt, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
@@ -471,7 +474,11 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.gemm("shared w1,w3,w2", 2 * S + d)
         for m, w in (("ffn.shared.w1", S), ("ffn.shared.w3", S), ("ffn.shared.w2", d)):
             lora(m, w)
-        acc.keep("shared w1 out, w3 out, silu out", 3 * S if full or any(m in targets for m in sh) else 2 * S, gemm_out=2 / 3)
+        if ref:
+            acc.keep("shared w1 out, w3 out, silu out", 3 * S if full or any(m in targets for m in sh) else 2 * S,
+                     gemm_out=2 / 3)
+        else:  # swiglu_pair keeps w1 out and w3 out whatever trains
+            acc.keep("shared w1 out, w3 out (fused swiglu inputs)", 2 * S, gemm_out=1.0)
         _lin_in(acc, "shared w2 input", S, int(tr("ffn.shared.w2")), False)
     return acc
 
