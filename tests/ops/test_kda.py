@@ -224,7 +224,10 @@ def test_triton_matches_reference(seed, case, diag="dot", decay=1.0, g_scale=Non
     assert_close("o", o1, o2, 5e-5)
     assert_close("final_state", h1, h2, 5e-5)
     for name in g1:
-        assert_close(f"d{name}", g1[name], g2[name], 1e-4)
+        # the fused gate's per-head parameters sum their gradient over every token and channel, with cancelling
+        # signs, so their error relative to max |ref| has a long tail: K = 128, decay 8: 6.5e-7..4e-5 over 12 seeds,
+        # 1.01e-4 once in CI (KDA_SEED=1266604984, 2026-11-29); 5e-4 for those (a wrong term gives > 1e-2)
+        assert_close(f"d{name}", g1[name], g2[name], 5e-4 if name in ("A_log", "dt_bias") else 1e-4)
 
 
 @needs_triton
