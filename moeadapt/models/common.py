@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.moe import swiglu_pair
+
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """At least fp32 for norms and rotations (bf16 inputs), and no downcast of float64 (tests)."""
@@ -104,8 +106,6 @@ class SwiGLU(nn.Module):
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..ops.moe import swiglu_pair
-
         g, u = self.w1(x), self.w3(x)
         a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend)
         return self.w2(a.view(g.shape))

@@ -9,8 +9,6 @@ Expert parallelism is applied to this module from outside (parallel/) by swappin
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -51,6 +49,7 @@ class GroupedExperts(nn.Module):
         self.w1 = GroupedLinear(n_experts, dim, hidden)
         self.w3 = GroupedLinear(n_experts, dim, hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
+        self.backend = "auto"  # the SwiGLU between them (the linears keep their own, e.g. a grouped-LoRA kernel)
 
     def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
@@ -58,10 +57,7 @@ class GroupedExperts(nn.Module):
     def _down(self, g_NF, u_NF, offsets_E):
         if _folds(self.w2, g_NF):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
-        backend = self.w2.backend
-        if backend == "fused":  # a grouped-LoRA kernel choice; the SwiGLU next to it is the Triton one
-            backend = "triton" if g_NF.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
-        return self.w2(swiglu_pair(g_NF, u_NF, backend=backend), offsets_E)
+        return self.w2(swiglu_pair(g_NF, u_NF, backend=self.backend), offsets_E)
 
     def can_gather(self, z_TL: torch.Tensor, n_rows: int) -> bool:
         """True when w1 and w3 both read token-major rows (n_rows routed copies of z) through the

@@ -209,6 +209,16 @@ def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -
         acc.keep(name + ".fp32_in", width, "f")
 
 
+def _keep_swiglu(acc, who: str, S: float, ref: bool, ref_widths: int = 3) -> None:
+    """The SwiGLU's saved inputs, S wide per row: torch's silu then mul (reference path) keeps w1 out, silu out and
+    w3 out (ref_widths of them: the frozen shared expert without adapters measured 2), ops/moe swiglu_pair (kernel
+    path) w1 out and w3 out, silu recomputed in the backward."""
+    if ref:
+        acc.keep(f"{who}w1 out, w3 out, silu out", ref_widths * S, gemm_out=2 / 3)
+    else:
+        acc.keep(f"{who}w1 out, w3 out (fused swiglu)", 2 * S, gemm_out=1.0)
+
+
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
                targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None,
                expert_lora: str | None = None, fused_buffer: bool = True) -> _Acc:
@@ -361,10 +371,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.gemm("w2", d)
         for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
             lora(m, w)
-        if ref:  # torch's silu then mul
-            acc.keep("w1 out, w3 out, silu out", 3 * S, gemm_out=2 / 3)
-        else:  # ops/moe swiglu_pair (Triton): w1 out and w3 out only
-            acc.keep("w1 out, w3 out (fused swiglu inputs)", 2 * S, gemm_out=1.0)
+        _keep_swiglu(acc, "", S, ref)
         _lin_in(acc, "w2 input", S, int(tr("ffn.w2")), False)
         return acc
     E, Kt, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
@@ -450,10 +457,8 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                 x_shared = x_shared or w != "w2"
     if lean:  # lean: the SwiGLU product is acat's first F columns (kept above)
         acc.keep("w1 out, w3 out (swiglu inputs, lean)", Kt * 2 * F, gemm_out=1.0)
-    elif ref:  # torch's silu then mul: silu keeps its input, mul both of its
-        acc.keep("w1 out, w3 out, silu out (swiglu inputs)", Kt * 3 * F, gemm_out=2 / 3)
-    else:  # ops/moe swiglu_pair (Triton): gate and up only, silu recomputed in the backward
-        acc.keep("w1 out, w3 out (fused swiglu inputs)", Kt * 2 * F, gemm_out=1.0)
+    else:
+        _keep_swiglu(acc, "experts ", Kt * F, ref)
     if ref:
         # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
         # the permuted rows z_NL (a local of the dispatcher; the padded copies, not z, are saved) and the swiglu
@@ -474,11 +479,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.gemm("shared w1,w3,w2", 2 * S + d)
         for m, w in (("ffn.shared.w1", S), ("ffn.shared.w3", S), ("ffn.shared.w2", d)):
             lora(m, w)
-        if ref:
-            acc.keep("shared w1 out, w3 out, silu out", 3 * S if full or any(m in targets for m in sh) else 2 * S,
-                     gemm_out=2 / 3)
-        else:  # swiglu_pair keeps w1 out and w3 out whatever trains
-            acc.keep("shared w1 out, w3 out (fused swiglu inputs)", 2 * S, gemm_out=1.0)
+        _keep_swiglu(acc, "shared ", S, ref, ref_widths=3 if full or any(m in targets for m in sh) else 2)
         _lin_in(acc, "shared w2 input", S, int(tr("ffn.shared.w2")), False)
     return acc
 
