@@ -107,6 +107,13 @@ class GroupedLoRALinear(GroupedLinear):
         w.data = data
         self._attach_cat()
 
+    @torch.no_grad()
+    def release_cat(self) -> None:
+        """Give the base weight its own contiguous storage and drop the [W | Bᵀ] buffer (FSDP2 shards only
+        contiguous parameters; the fused path then does not run for this layer)."""
+        self._wcat = None
+        self.weight.data = self.weight.data.contiguous()
+
     def cat_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The concatenated buffer when `weight` is still its view in `dtype`, else None.
 

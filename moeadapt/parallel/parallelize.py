@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..lora.layers import GroupedLoRALinear
 from ..models.moe import LatentMoE
 from ..models.router import Router
 from .activation import apply_activation_checkpointing
@@ -41,6 +42,9 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
             if isinstance(m, LatentMoE):
                 m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
+        if isinstance(m, GroupedLoRALinear):
+            m.release_cat()
     if dims.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
