@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,91 +193,82 @@ def test_grouped_lora_fused_gpu(gen, monkeypatch, dx, wgrad, persistent):
         assert torch.equal(w_cat[:, :, :I], w_EOI)
 
 
+def _experts_case(zipf):
+    """Inputs of the LoRA'd SwiGLU experts checks: bf16, T = 2000 tokens, top-4 of 32 experts, L = 512, F = 384,
+    r = 16 on packed gate/up ([E, 2F, L]) and down ([E, L, F]), the routing's permutation and an output grad."""
+    from moeadapt.ops.moe import permutation
+
+    T, K, E, L, Fh, R = 2000, 4, 32, 512, 384, 16
+    ids = _routing(T, K, E, zipf=zipf)
+    ri, counts = permutation(ids, E)
+    bf = torch.bfloat16
+    return SimpleNamespace(
+        K=K, E=E, L=L, Fh=Fh, R=R, ids=ids, ri=ri, counts=counts, offs=offsets_from_counts(counts),
+        z=torch.randn(T, L, device=DEV, dtype=bf),
+        A1=(torch.randn(E, L, R, device=DEV) / L**0.5).to(bf), B1=(torch.randn(E, R, 2 * Fh, device=DEV) / R**0.5).to(bf),
+        A2=(torch.randn(E, Fh, R, device=DEV) / Fh**0.5).to(bf), B2=(torch.randn(E, R, L, device=DEV) / R**0.5).to(bf),
+        w1=(torch.randn(E, 2 * Fh, L, device=DEV) / L**0.5).to(bf),
+        w2=(torch.randn(E, L, Fh, device=DEV) / Fh**0.5).to(bf),
+        dy=torch.randn(len(ri), L, device=DEV, dtype=bf))
+
+
+def _check_experts(c, run):
+    """run(z, A1, B1, A2, B2) -> y (the bf16 kernels) against the unfolded fp32 reference (permute -> grouped_lora
+    -> swiglu -> grouped_lora): y, dz (token order), dA, dB of both projections within 2%; the empty expert's
+    adapter gradients exactly zero."""
+    res = {}
+    for be in ("kernel", "reference"):
+        cast = (lambda t: t.float()) if be == "reference" else (lambda t: t)
+        zz, a1, b1, a2, b2 = (cast(t).clone().requires_grad_(True) for t in (c.z, c.A1, c.B1, c.A2, c.B2))
+        if be == "kernel":
+            y = run(zz, a1, b1, a2, b2)
+        else:
+            xs, ri_ref, _ = permute(zz, c.ids, c.E, backend="reference")
+            assert torch.equal(ri_ref, c.ri)
+            gu = grouped_lora(xs, a1, b1, c.offs, 2.0, w_EIO=c.w1.float().transpose(1, 2), backend="reference")
+            y = grouped_lora(swiglu(gu, backend="reference"), a2, b2, c.offs, 2.0,
+                             w_EIO=c.w2.float().transpose(1, 2), backend="reference")
+        y.backward(c.dy.to(y.dtype))
+        res[be] = (y, zz.grad, a1.grad, b1.grad, a2.grad, b2.grad)
+    for a, b in zip(res["kernel"], res["reference"]):
+        assert _rel(a, b) < 2e-2
+    empty = c.counts == 0
+    for g in res["kernel"][2:]:
+        assert g[empty].abs().max() == 0
+
+
 @pytest.mark.parametrize("dx", ["cat", "split"])
 @pytest.mark.parametrize("zipf", [False, True])
 def test_fold_io_gpu(gen, monkeypatch, dx, zipf):
     """fused_lora fold_io (bf16): gate/up with the permute gather in its LoRA-in pass, down with SwiGLU in
-    its LoRA-in pass and the SwiGLU backward in its dx epilogue, against the unfolded fp32 reference
-    (permute -> grouped_lora -> swiglu -> grouped_lora); y, dz (token order), dA, dB of both; empty expert."""
-    from moeadapt.ops.moe import fused_lora, permutation
+    its LoRA-in pass and the SwiGLU backward in its dx epilogue, against the unfolded fp32 reference."""
+    from moeadapt.ops.moe import fused_lora
 
     monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
-    T, K, E, L, Fh, R = 2000, 4, 32, 512, 384, 16
-    ids = _routing(T, K, E, zipf=zipf)
-    ri, counts = permutation(ids, E)
-    offs = offsets_from_counts(counts)
-    bf = torch.bfloat16
-    z = torch.randn(T, L, device=DEV, dtype=bf)
-    A1, B1 = (torch.randn(E, L, R, device=DEV) / L**0.5).to(bf), (torch.randn(E, R, 2 * Fh, device=DEV) / R**0.5).to(bf)
-    A2, B2 = (torch.randn(E, Fh, R, device=DEV) / Fh**0.5).to(bf), (torch.randn(E, R, L, device=DEV) / R**0.5).to(bf)
-    w1 = (torch.randn(E, 2 * Fh, L, device=DEV) / L**0.5).to(bf)
-    w2 = (torch.randn(E, L, Fh, device=DEV) / Fh**0.5).to(bf)
-    c1, c2 = fused_lora.make_cat_buffer(w1, R), fused_lora.make_cat_buffer(w2, R)
-    dy = torch.randn(len(ri), L, device=DEV, dtype=bf)
-    res = {}
-    for be in ("fold", "reference"):
-        cast = (lambda t: t.float()) if be == "reference" else (lambda t: t)
-        zz, a1, b1, a2, b2 = (cast(t).clone().requires_grad_(True) for t in (z, A1, B1, A2, B2))
-        if be == "fold":
-            gu = fused_lora.grouped_lora_fused_gather(zz, ri, K, a1, b1, offs, 2.0,
-                                                      w_EIO=c1[:, :, :L].transpose(1, 2), w_cat=c1)
-            y = fused_lora.grouped_lora_fused_swiglu(gu, None, a2, b2, offs, 2.0,
-                                                     w_EIO=c2[:, :, :Fh].transpose(1, 2), w_cat=c2)
-        else:
-            xs, ri_ref, _ = permute(zz, ids, E, backend="reference")
-            assert torch.equal(ri_ref, ri)
-            gu = grouped_lora(xs, a1, b1, offs, 2.0, w_EIO=w1.float().transpose(1, 2), backend="reference")
-            y = grouped_lora(swiglu(gu, backend="reference"), a2, b2, offs, 2.0,
-                             w_EIO=w2.float().transpose(1, 2), backend="reference")
-        y.backward(dy.to(y.dtype))
-        res[be] = (y, zz.grad, a1.grad, b1.grad, a2.grad, b2.grad)
-    for a, b in zip(res["fold"], res["reference"]):
-        assert _rel(a, b) < 2e-2
-    empty = counts == 0
-    for g in res["fold"][2:]:
-        assert g[empty].abs().max() == 0
-    assert torch.equal(c1[:, :, :L], w1) and torch.equal(c2[:, :, :Fh], w2)
+    c = _experts_case(zipf)
+    c1, c2 = fused_lora.make_cat_buffer(c.w1, c.R), fused_lora.make_cat_buffer(c.w2, c.R)
+
+    def run(zz, a1, b1, a2, b2):
+        gu = fused_lora.grouped_lora_fused_gather(zz, c.ri, c.K, a1, b1, c.offs, 2.0,
+                                                  w_EIO=c1[:, :, :c.L].transpose(1, 2), w_cat=c1)
+        return fused_lora.grouped_lora_fused_swiglu(gu, None, a2, b2, c.offs, 2.0,
+                                                    w_EIO=c2[:, :, :c.Fh].transpose(1, 2), w_cat=c2)
+
+    _check_experts(c, run)
+    assert torch.equal(c1[:, :, :c.L], c.w1) and torch.equal(c2[:, :, :c.Fh], c.w2)
 
 
 @pytest.mark.parametrize("dx,col_split", [("cat", 1), ("split", 1), ("cat", 8)])
 @pytest.mark.parametrize("zipf", [False, True])
 def test_lean_lora_gpu(gen, monkeypatch, dx, col_split, zipf):
     """lean_lora (bf16): gate/up base GEMM at native width with the LoRA terms in the gather / SwiGLU passes,
-    against the unfolded fp32 reference; y, dz (token order), dA, dB of both projections; empty expert."""
-    from moeadapt.ops.moe import fused_lora, lean_lora, permutation
+    against the unfolded fp32 reference."""
+    from moeadapt.ops.moe import fused_lora, lean_lora
 
     monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
     monkeypatch.setitem(lean_lora.LEAN_TILES, "swiglu_bwd", {**lean_lora.LEAN_TILES["swiglu_bwd"], "SPLIT": col_split})
-    T, K, E, L, Fh, R = 2000, 4, 32, 512, 384, 16
-    ids = _routing(T, K, E, zipf=zipf)
-    ri, counts = permutation(ids, E)
-    offs = offsets_from_counts(counts)
-    bf = torch.bfloat16
-    z = torch.randn(T, L, device=DEV, dtype=bf)
-    A1, B1 = (torch.randn(E, L, R, device=DEV) / L**0.5).to(bf), (torch.randn(E, R, 2 * Fh, device=DEV) / R**0.5).to(bf)
-    A2, B2 = (torch.randn(E, Fh, R, device=DEV) / Fh**0.5).to(bf), (torch.randn(E, R, L, device=DEV) / R**0.5).to(bf)
-    w1 = (torch.randn(E, 2 * Fh, L, device=DEV) / L**0.5).to(bf)
-    w2 = (torch.randn(E, L, Fh, device=DEV) / Fh**0.5).to(bf)
-    c2 = fused_lora.make_cat_buffer(w2, R)
-    dy = torch.randn(len(ri), L, device=DEV, dtype=bf)
-    res = {}
-    for be in ("lean", "reference"):
-        cast = (lambda t: t.float()) if be == "reference" else (lambda t: t)
-        zz, a1, b1, a2, b2 = (cast(t).clone().requires_grad_(True) for t in (z, A1, B1, A2, B2))
-        if be == "lean":
-            y = lean_lora.lean_lora_experts(zz, ri, K, offs, w1, a1, b1, 2.0, c2[:, :, :Fh].transpose(1, 2), a2, b2,
-                                            2.0, wcat_d=c2)
-        else:
-            xs, ri_ref, _ = permute(zz, ids, E, backend="reference")
-            assert torch.equal(ri_ref, ri)
-            gu = grouped_lora(xs, a1, b1, offs, 2.0, w_EIO=w1.float().transpose(1, 2), backend="reference")
-            y = grouped_lora(swiglu(gu, backend="reference"), a2, b2, offs, 2.0,
-                             w_EIO=w2.float().transpose(1, 2), backend="reference")
-        y.backward(dy.to(y.dtype))
-        res[be] = (y, zz.grad, a1.grad, b1.grad, a2.grad, b2.grad)
-    for a, b in zip(res["lean"], res["reference"]):
-        assert _rel(a, b) < 2e-2
-    empty = counts == 0
-    for g in res["lean"][2:]:
-        assert g[empty].abs().max() == 0
-    assert torch.equal(c2[:, :, :Fh], w2)
+    c = _experts_case(zipf)
+    c2 = fused_lora.make_cat_buffer(c.w2, c.R)
+    _check_experts(c, lambda zz, a1, b1, a2, b2: lean_lora.lean_lora_experts(
+        zz, c.ri, c.K, c.offs, c.w1, a1, b1, 2.0, c2[:, :, :c.Fh].transpose(1, 2), a2, b2, 2.0, wcat_d=c2))
+    assert torch.equal(c2[:, :, :c.Fh], c.w2)
