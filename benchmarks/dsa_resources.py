@@ -53,6 +53,9 @@ CONFIGS = {  # name -> (kernel, constexprs + num_warps / num_stages)
     "pds_k16": ("pds", dict(MLA, **WALK, IDX_AHEAD=False, BLOCK_H=64, BLOCK_K=16, num_warps=4, num_stages=4)),
     "apply_h128": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=False, BLOCK_C=128,
                                  BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    "pds_w4_ahead": ("pds", dict(MLA, **WALK, IDX_AHEAD=True, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)),
+    "apply_h128_ahead": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=True, BLOCK_C=128,
+                                       BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     "apply_h64": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=False, BLOCK_C=128,
                                 BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=3)),
 }

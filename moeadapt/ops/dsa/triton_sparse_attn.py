@@ -108,6 +108,15 @@ def _idx_block(idx_row_ptr, k0, TOPK, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _idx_walk(idx_row_ptr, k0, idx_next, TOPK, BLOCK_K: tl.constexpr, IDX_AHEAD: tl.constexpr):
+    """(this block's index slots, the carried next ones). IDX_AHEAD (single-stage loops): the block loaded one
+    iteration early is used and the next one loads during this block; idx_next starts as block 0's slots."""
+    if IDX_AHEAD:
+        return idx_next, _idx_block(idx_row_ptr, k0 + BLOCK_K, TOPK, BLOCK_K)
+    return _idx_block(idx_row_ptr, k0, TOPK, BLOCK_K), idx_next
+
+
+@triton.jit
 def _key_rows(idx, I64: tl.constexpr):
     """(valid, key rows) of a block of indices: -1 slots point at row 0, for the caller to mask."""
     valid = idx >= 0
@@ -273,14 +282,9 @@ def _sfa_bwd_kernel(
     dvb_base = DV_ + b * sdv_b + g * sdv_h
     idx_row = IDX + row * si_t + g * si_h
     span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
-    if IDX_AHEAD:  # single-stage loops: the next block's indices load during this block
-        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
+    idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)  # used only with IDX_AHEAD
     for k0 in range(0, span, BLOCK_K):
-        if IDX_AHEAD:
-            idx = idx_next
-            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
-        else:
-            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        idx, idx_next = _idx_walk(idx_row, k0, idx_next, TOPK, BLOCK_K, IDX_AHEAD)
         valid, rows = _key_rows(idx, I64)
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
         s = _mm(q1, tl.trans(k1), IEEE)
@@ -386,15 +390,10 @@ def _sfa_bwd_pds_kernel(
     ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
     idx_row = IDX + row * si_t + g * si_h
     span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
-    if IDX_AHEAD:
-        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
+    idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)  # used only with IDX_AHEAD
     for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if IDX_AHEAD:
-            idx = idx_next
-            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
-        else:
-            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        idx, idx_next = _idx_walk(idx_row, k0, idx_next, TOPK, BLOCK_K, IDX_AHEAD)
         valid, rows = _key_rows(idx, I64)
         k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
         s = _mm(q1, tl.trans(k1), IEEE)
@@ -459,15 +458,10 @@ def _sfa_bwd_from_pds_kernel(
     ds_base = DS_ + local * sp_t + heads[:, None] * sp_h
     idx_row = IDX + row * si_t + g * si_h
     span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
-    if IDX_AHEAD:
-        idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)
+    idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)  # used only with IDX_AHEAD
     for k0 in range(0, span, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if IDX_AHEAD:
-            idx = idx_next
-            idx_next = _idx_block(idx_row, k0 + BLOCK_K, TOPK, BLOCK_K)
-        else:
-            idx = _idx_block(idx_row, k0, TOPK, BLOCK_K)
+        idx, idx_next = _idx_walk(idx_row, k0, idx_next, TOPK, BLOCK_K, IDX_AHEAD)
         valid, rows = _key_rows(idx, I64)
         # only slots pass 1 wrote: with SKIP it stops at its own BLOCK_K multiple past the row's last
         # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries
