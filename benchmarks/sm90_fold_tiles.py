@@ -25,6 +25,8 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "l.json"
         env = dict(os.environ, TRITON_INTERPRET="1", _SM90_RECORD=str(out))
+        if "SM90_CHILD_PYTHONPATH" in os.environ:  # as in sm90_check
+            env["PYTHONPATH"] = os.environ["SM90_CHILD_PYTHONPATH"]
         subprocess.run([sys.executable, sm90_check.__file__, "pytest", "tests/ops/test_moe_ops.py", "-k", "fold_bf16"],
                        env=env, check=True, stdout=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])
         recs = [r for r in json.loads(out.read_text()) if r["name"] in GPU]

@@ -126,6 +126,20 @@ def _lora_in_kernel(
 
 
 @triton.jit
+def _rank_tile(g_ptr, m_ptr, r64, row_ok, e, cols, col_ok, R, s_gn, s_gr, s_me, s_mr, s_mo,
+               IEEE: tl.constexpr, RP: tl.constexpr):
+    """[BM, BN] fp32 g[rows, :R]·m[e][:R, cols], the rank-R term of a row tile (r64: rows as int64, [BM, 1])."""
+    rs = tl.arange(0, RP)
+    r_ok = rs < R
+    g = tl.load(g_ptr + r64 * s_gn + rs[None, :] * s_gr, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    mt = tl.load(m_ptr + e.to(tl.int64) * s_me + rs[:, None] * s_mr + cols[None, :] * s_mo,
+                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(g, mt.to(g.dtype), input_precision="ieee")
+    return tl.dot(g, mt.to(g.dtype))
+
+
+@triton.jit
 def _lora_out_kernel(
     base_ptr, g_ptr, m_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr,
     O, R, scale,
@@ -141,24 +155,16 @@ def _lora_out_kernel(
     if e < 0:
         return
     rows, row_ok = _tile_rows(pid_m, e, tile_row_ptr, offsets_ptr, BM)
-    rows64 = rows.to(tl.int64)
+    r64 = rows.to(tl.int64)[:, None]
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < O
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    g = tl.load(g_ptr + rows64[:, None] * s_gn + rs[None, :] * s_gr, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    mt = tl.load(m_ptr + e.to(tl.int64) * s_me + rs[:, None] * s_mr + cols[None, :] * s_mo,
-                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    if IEEE:
-        acc = tl.dot(g, mt.to(g.dtype), input_precision="ieee")
-    else:
-        acc = tl.dot(g, mt.to(g.dtype))
+    acc = _rank_tile(g_ptr, m_ptr, r64, row_ok, e, cols, col_ok, R, s_gn, s_gr, s_me, s_mr, s_mo, IEEE, RP)
     mask = row_ok[:, None] & col_ok[None, :]
-    b = tl.load(base_ptr + rows64[:, None] * s_bn + cols[None, :] * s_bo, mask=mask, other=0.0)
+    b = tl.load(base_ptr + r64 * s_bn + cols[None, :] * s_bo, mask=mask, other=0.0)
     acc = b.to(tl.float32) + acc * scale
     if TWO:
-        acc += tl.load(base2_ptr + rows64[:, None] * s_b2n + cols[None, :] * s_b2o, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows64[:, None] * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(base2_ptr + r64 * s_b2n + cols[None, :] * s_b2o, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r64 * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 3 call 3
@@ -391,15 +397,7 @@ def _fold_swiglu_bwd_kernel(
     r64 = rows.to(tl.int64)[:, None]
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < F
-    rs = tl.arange(0, RP)
-    r_ok = rs < R
-    g = tl.load(g_ptr + r64 * s_gn + rs[None, :] * s_gr, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    at = tl.load(a_ptr + e.to(tl.int64) * s_ae + rs[:, None] * s_ar + cols[None, :] * s_af,
-                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-    if IEEE:
-        dh = tl.dot(g, at.to(g.dtype), input_precision="ieee")
-    else:
-        dh = tl.dot(g, at.to(g.dtype))
+    dh = _rank_tile(g_ptr, a_ptr, r64, row_ok, e, cols, col_ok, R, s_gn, s_gr, s_ae, s_ar, s_af, IEEE, RP)
     mask = row_ok[:, None] & col_ok[None, :]
     c = cols[None, :]
     dh = tl.load(base_ptr + r64 * s_bn + c * s_bf, mask=mask, other=0.0).to(tl.float32) + dh * scale
