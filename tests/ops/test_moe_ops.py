@@ -193,6 +193,20 @@ def test_grouped_mm(gen, backend, E, I, O, transposed, w_grad):
         assert w_param.grad is None
 
 
+def _check_lora_against_loops(y, leaves, x_NI, A_EIR, B_ERO, offsets, scaling, w_EOI, dy_NO):
+    """y = x·W (w_EOI None: no base) + scaling·(x·A)·B and the gradients of the leaves (x, A, B) against float64
+    per-expert loops, to 1e-4."""
+    x64, A64, B64 = _leaf(x_NI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
+    y_ref = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
+    if w_EOI is not None:
+        y_ref = y_ref + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
+    _close(y, y_ref, 1e-4)
+    (y * dy_NO).sum().backward()
+    (y_ref * dy_NO.double()).sum().backward()
+    for got, want in zip(leaves, (x64, A64, B64)):
+        _close(got.grad, want.grad, 1e-4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_base", [False, True])
 @pytest.mark.parametrize("R", [4, 16])
@@ -208,15 +222,7 @@ def test_grouped_lora(gen, backend, with_base, R):
     x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
     w_frozen = w_EOI.transpose(1, 2) if with_base else None  # frozen base: no grad requested
     y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_frozen, backend=backend)
-    x64, A64, B64 = _leaf(x_NI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
-    y_ref = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
-    if with_base:
-        y_ref = y_ref + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
-    _close(y, y_ref, 1e-4)
-    (y * dy_NO).sum().backward()
-    (y_ref * dy_NO.double()).sum().backward()
-    for got, want in [(x.grad, x64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
-        _close(got, want, 1e-4)
+    _check_lora_against_loops(y, (x, A, B), x_NI, A_EIR, B_ERO, offsets, scaling, w_EOI if with_base else None, dy_NO)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -330,14 +336,7 @@ def test_grouped_lora_fused(gen, monkeypatch, dx, wgrad, R, persistent):
     w_EIO = w_cat[:, :, :I].transpose(1, 2) if persistent else w_EOI.transpose(1, 2)
     x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
     y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_EIO, backend="fused", w_cat=w_cat)
-    x64, A64, B64 = _leaf(x_NI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
-    y_ref = _grouped_loop(_grouped_loop(x64, A64, offsets), B64, offsets) * scaling
-    y_ref = y_ref + _grouped_loop(x64, w_EOI.double().transpose(1, 2), offsets)
-    _close(y, y_ref, 1e-4)
-    (y * dy_NO).sum().backward()
-    (y_ref * dy_NO.double()).sum().backward()
-    for got, want in [(x.grad, x64.grad), (A.grad, A64.grad), (B.grad, B64.grad)]:
-        _close(got, want, 1e-4)
+    _check_lora_against_loops(y, (x, A, B), x_NI, A_EIR, B_ERO, offsets, scaling, w_EOI, dy_NO)
     assert A.grad[1].abs().max() == 0 and B.grad[1].abs().max() == 0  # the empty expert
     if persistent:  # the base columns were not touched
         assert torch.equal(w_cat[:, :, :I], w_EOI)
