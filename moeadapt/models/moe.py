@@ -127,18 +127,18 @@ class LocalDispatcher:
 
     def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
         num_routed = ids_TK.numel() if self.dropless else None
-        lean_ok = getattr(experts, "lean_ok", None)
-        if lean_ok is not None and lean_ok(z_TL, ids_TK.numel()):  # LoRA'd experts, lean_lora.py
+        if experts.lean_ok(z_TL, ids_TK.numel()):  # LoRA'd experts, lean_lora.py
+            over_z = experts.forward_lean
+        elif experts.can_gather(z_TL, ids_TK.numel()):  # LoRA'd w1/w3 with fold_io
+            over_z = experts.forward_gather
+        else:
+            over_z = None
+        if over_z is not None:  # the experts read z through the permutation: no permuted copy
             row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)
-            y_NL = experts.forward_lean(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))
-            return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
-        can_gather = getattr(experts, "can_gather", None)
-        if can_gather is not None and can_gather(z_TL, ids_TK.numel()):  # LoRA'd w1/w3 with fold_io: no permuted copy
-            row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)
-            y_NL = experts.forward_gather(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))
-            return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
-        z_NL, row_index_N, counts_E = permute(z_TL, ids_TK, n_experts, backend=backend, num_routed=num_routed)
-        y_NL = experts(z_NL, offsets_from_counts(counts_E))
+            y_NL = over_z(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))
+        else:
+            z_NL, row_index_N, counts_E = permute(z_TL, ids_TK, n_experts, backend=backend, num_routed=num_routed)
+            y_NL = experts(z_NL, offsets_from_counts(counts_E))
         return unpermute(y_NL, row_index_N, w_TK, z_TL.shape[0], backend=backend)
 
 
