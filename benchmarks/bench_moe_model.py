@@ -93,6 +93,31 @@ def step_fn(m, h, g_out):
     return step
 
 
+def bubbles(step, n=10) -> dict:
+    """Is the step bound by the host? host_ms: time to enqueue one step (no sync) after an idle GPU; wall_ms:
+    the same step to completion; kernel_ms: the GPU kernels' own time summed over one step (torch.profiler,
+    3 steps). wall - kernel is the time the GPU sat idle inside a step (launch gaps, syncs)."""
+    import time
+
+    host, wall = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        host.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+        wall.append(1e3 * (time.perf_counter() - t))
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    kern = sum(e.self_device_time_total for e in prof.key_averages())  # the table's "Self CUDA time total"
+    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA) / 3
+    return dict(host_ms=round(statistics.median(host), 3), wall_ms=round(statistics.median(wall), 3),
+                kernel_ms=round(kern / 3e3, 3), kernels=round(launches))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="64x8,256x16,896x16")
@@ -101,6 +126,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="4096,1024,1024", help="hidden, latent, expert ffn")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
+    ap.add_argument("--bubbles", action="store_true", help="host enqueue time vs kernel time per step (bubbles())")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
@@ -132,6 +158,7 @@ def main():
                     sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), flush=True)
                 print(f"# profile {k} E={E} K={K} (by host time)\n" + prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), flush=True)
+        bub = {k: bubbles(s) for k, s in steps.items()} if a.bubbles and DEV == "cuda" else None
         ms = {k: [] for k in steps}
         peak = {}
         for k, s in steps.items():
@@ -149,6 +176,8 @@ def main():
                    overhead_pct=round(100 * (med["lora"] / med["frozen"] - 1), 1),
                    frozen_rounds=[round(v, 3) for v in ms["frozen"]], lora_rounds=[round(v, 3) for v in ms["lora"]],
                    peak_gib={k: round(v, 2) for k, v in peak.items()})
+        if bub:
+            row["bubbles"] = bub
         print(json.dumps(row), flush=True)
         rows.append(row)
         del models, steps, h
