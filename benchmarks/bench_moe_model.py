@@ -118,6 +118,149 @@ def bubbles(step, n=10) -> dict:
                 kernel_ms=round(kern / 3e3, 3), kernels=round(launches))
 
 
+def _stats_table(pr, n, top) -> str:
+    """cProfile rows as microseconds per step: own time, cumulative time, calls per step."""
+    import pstats
+
+    st = pstats.Stats(pr).stats
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    out = [f"{'own us':>9} {'cum us':>9} {'calls':>7}  function"]
+    for (file, line, fn), (_, nc, tt, ct, _) in rows:
+        where = f"{os.path.basename(file)}:{line}({fn})" if file != "~" else fn
+        out.append(f"{1e6 * tt / n:9.1f} {1e6 * ct / n:9.1f} {nc / n:7.1f}  {where}")
+    return "\n".join(out)
+
+
+def _autograd_functions():
+    """The torch.autograd.Function subclasses of moeadapt (their Python backward runs on autograd's thread)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import moeadapt.models
+    import moeadapt.ops
+
+    found = []
+    infos = [i for pkg in (moeadapt.ops, moeadapt.models) for i in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+    for info in infos:
+        try:
+            mod = importlib.import_module(info.name)
+        except Exception:  # noqa: BLE001 - optional modules (e.g. ones needing a GPU-only package)
+            continue
+        for _, cls in inspect.getmembers(mod, inspect.isclass):
+            if issubclass(cls, torch.autograd.Function) and cls.__module__ == mod.__name__ and "backward" in cls.__dict__:
+                found.append(cls)
+    return found
+
+
+def host_profile(name, m, h, g_out, n=20, top=40):
+    """Where the host time of a step goes: enqueue time of forward and backward apart (no sync inside), the
+    host time of each Triton launch (JITFunction.run, any thread), cProfile tables of the forward and of the
+    Python backwards (profiled on autograd's device thread from inside each backward), microseconds per step."""
+    import collections
+    import cProfile
+    import time
+
+    from triton.runtime.jit import JITFunction
+
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    fwd_ms, bwd_ms = [], []
+    launch = collections.defaultdict(lambda: [0, 0.0])
+    per_fn = collections.defaultdict(float)
+    run = JITFunction.run
+    pr_f, pr_b = cProfile.Profile(), cProfile.Profile()
+
+    def timed_run(self, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return run(self, *args, **kw)
+        finally:
+            rec = launch[self.fn.__name__]
+            rec[0] += 1
+            rec[1] += time.perf_counter() - t
+
+    def wrap(cls, orig):
+        def backward(ctx, *grads):
+            t = time.perf_counter()
+            pr_b.enable()
+            try:
+                return orig(ctx, *grads)
+            finally:
+                pr_b.disable()
+                per_fn[cls.__name__] += time.perf_counter() - t
+        return staticmethod(backward)
+
+    patched = [(cls, cls.__dict__["backward"]) for cls in _autograd_functions()]
+    JITFunction.run = timed_run
+    for cls, orig in patched:
+        cls.backward = wrap(cls, orig.__func__ if isinstance(orig, staticmethod) else orig)
+    try:
+        for _ in range(n):
+            sync()
+            t = time.perf_counter()
+            pr_f.enable()
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                out, _ = m(h)
+            pr_f.disable()
+            t1 = time.perf_counter()
+            out.backward(g_out)
+            t2 = time.perf_counter()
+            fwd_ms.append(1e3 * (t1 - t))
+            bwd_ms.append(1e3 * (t2 - t1))
+            h.grad = None
+            for p in m.parameters():
+                p.grad = None
+    finally:
+        JITFunction.run = run
+        for cls, orig in patched:
+            cls.backward = orig
+    sync()
+    print(f"# host {name}: forward enqueue {statistics.median(fwd_ms):.3f} ms, backward enqueue "
+          f"{statistics.median(bwd_ms):.3f} ms (medians of {n}; cProfile on, so above a plain step)", flush=True)
+    for k, (c, sec) in sorted(launch.items(), key=lambda kv: -kv[1][1]):
+        print(f"#   triton launch {k}: {c / n:.1f} per step, {1e6 * sec / c:.1f} us each", flush=True)
+    for k, sec in sorted(per_fn.items(), key=lambda kv: -kv[1]):
+        print(f"#   python backward {k}: {1e6 * sec / n:.1f} us per step", flush=True)
+    print(f"# host profile {name}, forward\n" + _stats_table(pr_f, n, top), flush=True)
+    print(f"# host profile {name}, python backwards\n" + _stats_table(pr_b, n, top), flush=True)
+
+
+def calibrate():
+    """Host cost of one small torch op and of one Triton launch with few and with many arguments."""
+    import time
+
+    import triton.language as tl
+
+    @triton.jit
+    def _k4(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    @triton.jit
+    def _k40(x_ptr, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+             a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34, a35, n, BLOCK: tl.constexpr,
+             C1: tl.constexpr, C2: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    x = torch.zeros(64, device=DEV)
+    ys = [torch.zeros(64, device=DEV) for _ in range(8)]
+    ints = list(range(3, 30))
+    cases = {"torch add_": lambda: x.add_(1.0),
+             "triton 2 args": lambda: _k4[(1,)](x, 64, BLOCK=64),
+             "triton 36 args": lambda: _k40[(1,)](x, *ys, *ints, 64, BLOCK=64, C1=1, C2=2)}
+    for k, f in cases.items():
+        for _ in range(20):
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(500):
+            f()
+        el = time.perf_counter() - t
+        torch.cuda.synchronize()
+        print(f"# calibrate {k}: {1e6 * el / 500:.1f} us host per call", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="64x8,256x16,896x16")
@@ -127,6 +270,7 @@ def main():
     ap.add_argument("--dims", default="4096,1024,1024", help="hidden, latent, expert ffn")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
     ap.add_argument("--bubbles", action="store_true", help="host enqueue time vs kernel time per step (bubbles())")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile of the steps (host_profile())")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
@@ -138,6 +282,8 @@ def main():
     head = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
                 triton=triton.__version__)
     print(json.dumps(head), flush=True)
+    if a.host_profile and DEV == "cuda":
+        calibrate()
     for case in a.cases.split(","):
         E, K = (int(v) for v in case.split("x"))
         h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -158,6 +304,9 @@ def main():
                     sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), flush=True)
                 print(f"# profile {k} E={E} K={K} (by host time)\n" + prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), flush=True)
+        if a.host_profile:
+            for k, mod in models.items():
+                host_profile(f"{k} E={E} K={K}", mod, h, g_out)
         bub = {k: bubbles(s) for k, s in steps.items()} if a.bubbles and DEV == "cuda" else None
         ms = {k: [] for k in steps}
         peak = {}

@@ -85,12 +85,11 @@ class GroupedExperts(nn.Module):
         """The experts over z[row_index // K] via lean_lora (needs lean_ok): no permuted copy, gate/up GEMMs
         at native width, the rank terms in the gather / SwiGLU passes."""
         w1, w3, w2 = self.w1, self.w3, self.w2
-        dt = z_TL.dtype
-        A = torch.cat([w1.lora_A, w3.lora_A], 2).to(dt)
+        A = torch.cat([w1.lora_A, w3.lora_A], 2)  # the adapters in their own dtype: lean_lora casts them
         return lean_lora.lean_lora_experts(
-            z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B.to(dt), w3.lora_B.to(dt)),
-            w1.scaling, w2.weight.transpose(1, 2), w2.lora_A.to(dt), w2.lora_B.to(dt), w2.scaling,
-            wcat_d=w2.cat_weight(dt))
+            z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B, w3.lora_B),
+            w1.scaling, w2.weight.transpose(1, 2), w2.lora_A, w2.lora_B, w2.scaling,
+            wcat_d=w2.cat_weight(z_TL.dtype))
 
     def forward_gather(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
         """forward(z[row_index // K]) without materialising the permuted rows (needs can_gather)."""

@@ -28,6 +28,15 @@ from torch import nn
 from ..config import ModelSpec
 
 
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Choices per expert (int64 [E]); ids of -1 (dropped) are not counted. Unlike `torch.bincount` (which
+    reads the largest id back to the host) and boolean indexing, this never waits for the GPU."""
+    flat = ids.reshape(-1) + 1  # -1 -> bin 0, dropped
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts[1:]
+
+
 @dataclass
 class RouterOutput:
     expert_ids_TK: torch.Tensor  # int64, -1 = dropped by capacity
@@ -87,8 +96,8 @@ class Router(nn.Module):
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if spec.score_func == "sigmoid" else scores_TE
         if spec.aux_loss_coef > 0:  # global-batch: E * sum_e f_e * P_e, f from all ranks' tokens when reduced
             with torch.no_grad():
-                c_E = torch.bincount(ids_TK.flatten(), minlength=E).to(acc)
-                n = torch.tensor([float(T * K)], dtype=acc, device=c_E.device)
+                c_E = expert_counts(ids_TK, E).to(acc)
+                n = torch.full((1,), float(T * K), dtype=acc, device=c_E.device)
                 if self.global_counts_reduce is not None:
                     self.global_counts_reduce(c_E)
                     self.global_counts_reduce(n)
@@ -107,8 +116,7 @@ class Router(nn.Module):
         if spec.capacity_factor is not None:
             ids_TK, w_TK = self._apply_capacity(ids_TK, w_TK, sel_TE, T)
             drop_rate = (ids_TK < 0).float().mean()
-        valid = ids_TK >= 0
-        counts_E = torch.bincount(ids_TK[valid], minlength=E)
+        counts_E = expert_counts(ids_TK, E)
         if self.training:
             self.tokens_per_expert += counts_E.float()
         return RouterOutput(ids_TK, w_TK, counts_E, aux, drop_rate)
@@ -127,7 +135,7 @@ class Router(nn.Module):
         key = torch.where(valid, flat_ids, E).double() * 4.0 - flat_pri.double().clamp(-1, 1) * 1.0
         order = torch.argsort(key, stable=True)
         sorted_ids = torch.where(valid, flat_ids, E)[order]
-        counts = torch.bincount(sorted_ids, minlength=E + 1)
+        counts = expert_counts(sorted_ids, E + 1)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(order.numel(), device=ids_TK.device) - starts[sorted_ids]
         room = torch.cat([room_E, room_E.new_zeros(1)])
@@ -152,7 +160,7 @@ class Router(nn.Module):
             tried_TE = torch.zeros_like(sel_TE, dtype=torch.bool).scatter_(1, ids_TK, True)
             for _ in range(4):  # each round moves at most one dropped choice per token
                 dropped = ~keep
-                room_E = cap - torch.bincount(ids_TK[keep], minlength=E)
+                room_E = cap - expert_counts(torch.where(keep, ids_TK, -1), E)
                 cand_TE = sel_TE.masked_fill(tried_TE | (room_E <= 0)[None, :], float("-inf"))
                 has_T = torch.isfinite(cand_TE.max(-1).values)
                 first = dropped & (torch.cumsum(dropped.long(), dim=1) == 1) & has_T[:, None]

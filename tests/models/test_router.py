@@ -118,3 +118,15 @@ def test_bias_update_sign_and_recentre():
     b = r.expert_bias
     assert b[0] < b[2] < b[1] and abs(float(b.mean())) < 1e-6
     assert float(r.tokens_per_expert.sum()) == 0
+
+
+def test_expert_counts_matches_bincount():
+    """expert_counts (no host sync) against bincount of the valid ids, with dropped (-1) choices."""
+    from moeadapt.models.router import expert_counts
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    E = 13
+    ids = torch.randint(-1, E, (97, 4), generator=g)
+    want = torch.bincount(ids[ids >= 0], minlength=E)
+    assert torch.equal(expert_counts(ids, E), want)
+    assert expert_counts(torch.full((5, 2), -1), E).sum() == 0

@@ -259,27 +259,34 @@ def gmm(x_NK, w_EKO, offsets_E):
     return grouped_mm_reference(x_NK, w_EKO, offsets_E)
 
 
-def kgmm(a_NI, b_NO, offsets_E, counts_E=None):
-    """out[e] = a[rows of e]ᵀ·b[rows of e], [E, I, O] ("K-grouped"); zero for an empty expert."""
+def kgmm(a_NI, b_NO, offsets_E, scale=1.0, out_dtype=None):
+    """out[e] = scale·a[rows of e]ᵀ·b[rows of e], [E, I, O] ("K-grouped") in out_dtype (default a's dtype);
+    zero for an empty expert. The Triton kernel accumulates in fp32 and rounds once into out_dtype (fp32 LoRA
+    gradients straight from it, no cast); the torch forms round to a's dtype first."""
     E = len(offsets_E)
+    out_dtype = out_dtype or a_NI.dtype
     if CONFIG["wgrad"] == "triton" and _use_triton(a_NI):
-        like = torch.empty(E, a_NI.shape[1], b_NO.shape[1], dtype=a_NI.dtype, device=a_NI.device)
-        return grouped_wgrad(a_NI, b_NO, offsets_E, like)
+        out = torch.empty(E, a_NI.shape[1], b_NO.shape[1], dtype=out_dtype, device=a_NI.device)
+        return grouped_wgrad(a_NI, b_NO, offsets_E, None, alpha=scale, out_EIO=out)
+    out = None
     if _torch_gmm_ok(a_NI):
         try:
             out = torch._grouped_mm(a_NI.t(), b_NO, offs=offsets_E)
-            if counts_E is not None:  # do not trust the kernel to write empty groups
-                out = torch.where((counts_E > 0)[:, None, None], out, out.new_zeros(()))
-            return out
+            # do not trust the kernel to write empty groups
+            out = torch.where((_counts(offsets_E) > 0)[:, None, None], out, out.new_zeros(()))
         except RuntimeError:
             if a_NI.is_cuda:
                 raise
-    N = a_NI.shape[0]
-    expert_N, slot_N, C = _rows_to_padded(offsets_E, N)
-    n = len(expert_N)
-    a_pad = a_NI.new_zeros(E, C, a_NI.shape[1]).index_put((expert_N, slot_N), a_NI[:n])
-    b_pad = b_NO.new_zeros(E, C, b_NO.shape[1]).index_put((expert_N, slot_N), b_NO[:n])
-    return torch.bmm(a_pad.transpose(1, 2), b_pad)
+    if out is None:
+        N = a_NI.shape[0]
+        expert_N, slot_N, C = _rows_to_padded(offsets_E, N)
+        n = len(expert_N)
+        a_pad = a_NI.new_zeros(E, C, a_NI.shape[1]).index_put((expert_N, slot_N), a_NI[:n])
+        b_pad = b_NO.new_zeros(E, C, b_NO.shape[1]).index_put((expert_N, slot_N), b_NO[:n])
+        out = torch.bmm(a_pad.transpose(1, 2), b_pad)
+    if scale != 1.0:
+        out = out * scale
+    return out.to(out_dtype)
 
 
 # ---------------------------------------------------------------- autograd
@@ -312,7 +319,6 @@ class _FusedLoRAFn(torch.autograd.Function):
         s, I, R, wcat = ctx.scaling, ctx.I, ctx.R, ctx.wcat
         dy_NO = dy_NO.contiguous().to(xcat_NJ.dtype)
         N = dy_NO.shape[0]
-        counts_E = _counts(offsets_E)
         with torch.no_grad():
             wcat[:, :, I:I + R].copy_(B_ERO.transpose(1, 2))
         dx = dA = dB = dW = None
@@ -331,11 +337,11 @@ class _FusedLoRAFn(torch.autograd.Function):
                     dx = gmm(dy_NO, wcat[:, :, :I], offsets_E)
                     dx = lora_out(dx, g_NR, A_EIR.transpose(1, 2), offsets_E, s, dx)
             if need_a:
-                dA = (kgmm(xcat_NJ[:, :I], g_NR, offsets_E, counts_E) * s).to(A_EIR.dtype)
+                dA = kgmm(xcat_NJ[:, :I], g_NR, offsets_E, s, A_EIR.dtype)
         if need_b:  # xcat holds s·h already
-            dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, counts_E).to(B_ERO.dtype)
+            dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, 1.0, B_ERO.dtype)
         if need_w:
-            dW = kgmm(xcat_NJ[:, :I], dy_NO, offsets_E, counts_E).to(ctx.w_dtype)
+            dW = kgmm(xcat_NJ[:, :I], dy_NO, offsets_E, 1.0, ctx.w_dtype)
         return dx, dA, dB, None, None, dW, None
 
 
@@ -481,15 +487,14 @@ def _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_x):
         dxc_NJ = gmm(dy_NO, wcat, offsets_E)
         return dxc_NJ[:, :I], dxc_NJ[:, I:I + R]
     g_NW = torch.empty(dy_NO.shape[0], padded_rank(R), dtype=dy_NO.dtype, device=dy_NO.device)
-    lora_in(dy_NO, B_ERO.transpose(1, 2), offsets_E, 1.0, h_NW=g_NW)
+    lora_in(dy_NO, B_ERO.transpose(1, 2).to(dy_NO.dtype), offsets_E, 1.0, h_NW=g_NW)
     return (gmm(dy_NO, wcat[:, :, :I], offsets_E) if need_x else None), g_NW[:, :R]
 
 
 def _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_dtype, B_dtype):
     I, R, s = ctx.I, ctx.R, ctx.scaling
-    counts_E = _counts(offsets_E)
-    dA = (kgmm(xcat_NJ[:, :I], g_NR, offsets_E, counts_E) * s).to(A_dtype) if need_a else None
-    dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, counts_E).to(B_dtype) if need_b else None
+    dA = kgmm(xcat_NJ[:, :I], g_NR, offsets_E, s, A_dtype) if need_a else None
+    dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, 1.0, B_dtype) if need_b else None
     return dA, dB
 
 

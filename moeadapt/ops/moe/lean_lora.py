@@ -34,7 +34,6 @@ import triton.language as tl
 from .fused_lora import (
     FOLD_TILES,
     _combine_copies,
-    _counts,
     _dx_parts,
     _fold_cat,
     _interpreting,
@@ -314,12 +313,15 @@ def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
 # ---------------------------------------------------------------- autograd
 class _GatherBaseFn(torch.autograd.Function):
     """(y_a, y_b, h) = (x·W_aᵀ, x·W_bᵀ, s·x·A) with x = z[row_index // K]; dz in token order. h is [N, RW].
-    w_b None (packed gate/up in w_a): y_b is an empty placeholder."""
+    w_b None (packed gate/up in w_a): y_b is an empty placeholder. A in any dtype (the fp32 adapter itself):
+    cast to z's here, its gradient comes back in A's dtype straight from the K-grouped kernel."""
 
     @staticmethod
-    def forward(ctx, z_TI, A_EIR, row_index_N, offsets_E, K, scaling, w_a, w_b):
+    def forward(ctx, z_TI, A_in, row_index_N, offsets_E, K, scaling, w_a, w_b):
         T, I = z_TI.shape
-        N, R = row_index_N.shape[0], A_EIR.shape[2]
+        N, R = row_index_N.shape[0], A_in.shape[2]
+        A_EIR = A_in.to(z_TI.dtype)
+        ctx.a_dtype = A_in.dtype
         x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
         h_NW = torch.empty(N, padded_rank(R), dtype=z_TI.dtype, device=z_TI.device)
         gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
@@ -352,15 +354,18 @@ class _GatherBaseFn(torch.autograd.Function):
                 dx_NI += dx_b
             dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
         if need_a and dh_NR is not None:
-            dA = (kgmm(x_NI, dh_NR, offsets_E, _counts(offsets_E)) * s).to(A_EIR.dtype)
+            dA = kgmm(x_NI, dh_NR, offsets_E, s, ctx.a_dtype)
         return dz, dA, None, None, None, None, None, None
 
 
 class _SwiGLUDownFn(torch.autograd.Function):
-    """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(g + h_g·B_g)·(u + h_u·B_u); u None: g is gate/up packed."""
+    """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(g + h_g·B_g)·(u + h_u·B_u); u None: g is gate/up packed.
+    The adapters come in their own dtype (fp32): cast here, gradients returned in it (no autograd casts)."""
 
     @staticmethod
-    def forward(ctx, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
+    def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
+        ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
+        Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
         packed = u is None
         F = g.shape[1] // 2 if packed else g.shape[1]
         g_NF, u_NF = (g[:, :F], g[:, F:]) if packed else (g, u)
@@ -396,11 +401,11 @@ class _SwiGLUDownFn(torch.autograd.Function):
         hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
         swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
                         dg_NF, du_NF, dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
-        counts_E = _counts(offsets_E)
-        dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, counts_E).to(Bg.dtype)
-        dBu = kgmm(hu.contiguous(), du_NF, offsets_E, counts_E).to(Bu.dtype)
-        dAd = (kgmm(acat_NJ[:, :F], gd_NR, offsets_E, counts_E) * s_d).to(Ad.dtype)
-        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, counts_E).to(Bd.dtype)
+        tg, tu, ta, tb = ctx.dtypes
+        dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, 1.0, tg)
+        dBu = kgmm(hu.contiguous(), du_NF, offsets_E, 1.0, tu)
+        dAd = kgmm(acat_NJ[:, :F], gd_NR, offsets_E, s_d, ta)
+        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, 1.0, tb)
         return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
 
 
@@ -421,16 +426,15 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     dt = z_TI.dtype
     F = w_a.shape[1] if pair else w_a.shape[1] // 2
     if isinstance(B_gu, (tuple, list)):
-        Bg, Bu = (b.to(dt) for b in B_gu)
+        Bg, Bu = B_gu
         R, shared = Bg.shape[1], False
         if A_EIR.shape[2] != 2 * R:
             raise ValueError(f"lean_lora_experts: two LoRAs need A [E, I, 2R]; got {tuple(A_EIR.shape)}, R = {R}")
     else:
-        B = B_gu.to(dt)
-        Bg, Bu = B[:, :, :F], B[:, :, F:]
-        R, shared = B.shape[1], True
+        Bg, Bu = B_gu[:, :, :F], B_gu[:, :, F:]
+        R, shared = B_gu.shape[1], True
     wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
-    y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR.to(dt), row_index_N, offsets_E, int(K), float(scaling),
+    y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
-    return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d.to(dt), B_d.to(dt), offsets_E,
+    return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
                                float(scaling_d), wcat_d, shared, R)

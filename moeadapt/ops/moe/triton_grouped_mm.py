@@ -145,14 +145,51 @@ def _row_block(num_rows: int, num_experts: int) -> int:
     return 64 if num_rows < 384 * max(num_experts, 1) else 128
 
 
+@triton.jit
+def _tile_map_kernel(offsets_ptr, expert_ptr, row_ptr, E, num_tiles,
+                     BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr):
+    """tile_map in one launch: every program recomputes the experts' tile counts and their running sum
+    (E <= BE) and places its BT tiles by comparing against it."""
+    es = tl.arange(0, BE)
+    e_ok = es < E
+    ends = tl.load(offsets_ptr + es, mask=e_ok, other=0)
+    starts = tl.load(offsets_ptr + es - 1, mask=e_ok & (es > 0), other=0)
+    tiles = tl.where(e_ok, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(tiles, 0)  # tiles of experts 0..e
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    done = cum[None, :] <= t[:, None]  # [BT, BE]: expert e's tiles all come before tile t
+    e_t = tl.sum(done.to(tl.int32), 1)
+    before = tl.max(tl.where(done, cum[None, :], 0), 1)
+    start = tl.sum(tl.where(es[None, :] == e_t[:, None], starts[None, :], 0), 1)
+    valid = e_t < E
+    t_ok = t < num_tiles
+    tl.store(expert_ptr + t, tl.where(valid, e_t, -1), mask=t_ok)
+    tl.store(row_ptr + t, tl.where(valid, start + (t - before) * BM, 0), mask=t_ok)
+
+
 def tile_map(offsets_E: torch.Tensor, num_rows: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert and first row of every BM-row tile (expert -1 for the unused tail of the upper bound)."""
+    """Expert and first row of every BM-row tile (expert -1 for the unused tail of the upper bound).
+
+    On the GPU (and under the interpreter) one launch of `_tile_map_kernel`; elsewhere the torch form below."""
+    E = len(offsets_E)
+    num_tiles = triton.cdiv(num_rows, BM) + E  # upper bound known on the host: no sync
+    if offsets_E.is_cuda or _interpreting():
+        expert_T = torch.empty(num_tiles, dtype=torch.int32, device=offsets_E.device)
+        row_T = torch.empty_like(expert_T)
+        BE = triton.next_power_of_2(max(E, 1))
+        BT = max(16, min(256, 32768 // BE))
+        _tile_map_kernel[(triton.cdiv(num_tiles, BT),)](offsets_E, expert_T, row_T, E, num_tiles, BM=BM, BE=BE, BT=BT)
+        return expert_T, row_T
+    return _tile_map_torch(offsets_E, num_rows, BM)
+
+
+def _tile_map_torch(offsets_E: torch.Tensor, num_rows: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     E = len(offsets_E)
     ends_E = offsets_E.long()
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
     tiles_E = (ends_E - starts_E + BM - 1) // BM
     cum_E = torch.cumsum(tiles_E, 0)
-    num_tiles = triton.cdiv(num_rows, BM) + E  # upper bound known on the host: no sync
+    num_tiles = triton.cdiv(num_rows, BM) + E
     tile_ids = torch.arange(num_tiles, device=offsets_E.device)
     e_T = torch.searchsorted(cum_E, tile_ids, right=True)
     e_c = e_T.clamp(max=E - 1)
@@ -210,10 +247,11 @@ def grouped_mm_fwd(x_NI, w_EIO, offsets_E, x2_NR=None, w2_ERO=None, alpha=1.0, b
     return y_NO
 
 
-def grouped_wgrad(x_NI, dy_NO, offsets_E, like_w_EIO, alpha=1.0):
-    """dW[e] = alpha·x_eᵀ@dy_e in the layout (strides) and dtype of like_w."""
-    E, I, O = like_w_EIO.shape
-    dw_EIO = torch.empty_like(like_w_EIO)
+def grouped_wgrad(x_NI, dy_NO, offsets_E, like_w_EIO, alpha=1.0, out_EIO=None):
+    """dW[e] = alpha·x_eᵀ@dy_e in the layout (strides) and dtype of like_w (written into out_EIO when given:
+    like_w is then ignored). Accumulates in fp32 and rounds once to the output's dtype."""
+    dw_EIO = torch.empty_like(like_w_EIO) if out_EIO is None else out_EIO
+    E, I, O = dw_EIO.shape
     if E == 0 or I == 0 or O == 0:
         return dw_EIO
     args = (x_NI, dy_NO, dw_EIO, offsets_E, I, O, float(alpha),
