@@ -39,10 +39,10 @@ def _wall(fn, warmup=0, rep=0):
     return 1e3 * (time.perf_counter() - t)
 
 
-def build(E, K, D, L, F, lora, seed=0, lora_backend="auto"):
+def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul="fp32"):
     spec = get_preset("small").model_copy(update=dict(
         hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
-        n_shared_experts=0, capacity_factor=None))
+        n_shared_experts=0, capacity_factor=None, router_matmul=router_matmul))
     torch.manual_seed(seed)
     m = LatentMoE(spec).to(DEV, torch.float32)
     with torch.no_grad():
@@ -112,8 +112,9 @@ def bubbles(step, n=10) -> dict:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    kern = sum(e.self_device_time_total for e in prof.key_averages())  # the table's "Self CUDA time total"
-    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA) / 3
+    dev = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]  # kernels, memcpy/set
+    kern = sum(ev.time_range.elapsed_us() for ev in dev)
+    launches = len(dev) / 3
     return dict(host_ms=round(statistics.median(host), 3), wall_ms=round(statistics.median(wall), 3),
                 kernel_ms=round(kern / 3e3, 3), kernels=round(launches))
 
@@ -271,6 +272,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
     ap.add_argument("--bubbles", action="store_true", help="host enqueue time vs kernel time per step (bubbles())")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of the steps (host_profile())")
+    ap.add_argument("--router-matmul", default="fp32", help="ModelSpec.router_matmul: fp32, tf32 or bf16")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
@@ -287,8 +289,8 @@ def main():
     for case in a.cases.split(","):
         E, K = (int(v) for v in case.split("x"))
         h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        models = {"frozen": build(E, K, D, L, F, False),
-                  "lora": build(E, K, D, L, F, True, lora_backend=a.lora_backend)}
+        models = {"frozen": build(E, K, D, L, F, False, router_matmul=a.router_matmul),
+                  "lora": build(E, K, D, L, F, True, lora_backend=a.lora_backend, router_matmul=a.router_matmul)}
         g_out = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16) / (a.T * D) ** 0.5
         steps = {k: step_fn(m, h, g_out) for k, m in models.items()}
         for s in steps.values():  # compile, warm up
@@ -321,6 +323,7 @@ def main():
                 ms[k].append(bench(s, warmup=5, rep=50))
         med = {k: statistics.median(v) for k, v in ms.items()}
         row = dict(E=E, K=K, T=a.T, D=D, L=L, F=F, rows_per_expert=a.T * K / E, lora_path=path["lora"],
+                   router_matmul=a.router_matmul,
                    frozen_ms=round(med["frozen"], 3), lora_ms=round(med["lora"], 3),
                    overhead_pct=round(100 * (med["lora"] / med["frozen"] - 1), 1),
                    frozen_rounds=[round(v, 3) for v in ms["frozen"]], lora_rounds=[round(v, 3) for v in ms["lora"]],

@@ -98,6 +98,9 @@ class ModelSpec(_Strict):
     latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
     latent_norm: bool = True
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    router_matmul: Literal["fp32", "tf32", "bf16"] = Field(
+        default="fp32", description="the router's logit GEMM under bf16 autocast (logits and scores stay fp32): "
+        "fp32 = full precision; tf32 = tensor cores, inputs rounded to 10 mantissa bits; bf16 = bf16 inputs")
     n_group: int = Field(default=1, ge=1)
     topk_group: int = Field(default=1, ge=1)
     routed_scaling_factor: float = Field(default=1.0, gt=0)

@@ -37,6 +37,47 @@ def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     return counts[1:]
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
+    """a·b as an fp32 result: fp32 GEMM (TF32 off), TF32 tensor-core GEMM, or bf16 inputs with fp32 output."""
+    if mode == "bf16":
+        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
+    flag = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    try:
+        return a.float() @ b.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits = x·Wᵀ in fp32 under CUDA autocast, which would otherwise run this linear in bf16 and round the
+    logits to bf16 before the scores. Forward and backward GEMMs in `mode` (ModelSpec.router_matmul); x and W
+    are saved as given (no fp32 copies); their gradients return in their own dtypes."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED, mode):
+        ctx.mode = mode
+        ctx.save_for_backward(x_TD, w_ED)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return _mm(x_TD, w_ED.t(), mode)
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        dx = _mm(g_TE, w_ED, ctx.mode).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm(g_TE.t(), x_TD, ctx.mode).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str = "fp32") -> torch.Tensor:
+    """fp32 (fp64 for fp64 input) router logits x·Wᵀ, also under autocast (see _RouterLogits)."""
+    if x_TD.dtype == torch.float64:
+        return F.linear(x_TD, w_ED.double())
+    if torch.is_autocast_enabled(x_TD.device.type):
+        return _RouterLogits.apply(x_TD, w_ED, mode)
+    return F.linear(x_TD.float(), w_ED.float())
+
+
 @dataclass
 class RouterOutput:
     expert_ids_TK: torch.Tensor  # int64, -1 = dropped by capacity
@@ -82,7 +123,7 @@ class Router(nn.Module):
         spec, E, K = self.spec, self.n_experts, self.top_k
         T = x_TD.shape[0]
         acc = torch.float64 if x_TD.dtype == torch.float64 else torch.float32  # fp32 at least
-        logits_TE = F.linear(x_TD.to(acc), self.weight.to(acc))
+        logits_TE = router_logits(x_TD, self.weight, spec.router_matmul)
         scores_TE = logits_TE.sigmoid() if spec.score_func == "sigmoid" else logits_TE.softmax(-1)
         with torch.no_grad():
             sel_TE = self._select_scores(scores_TE)

@@ -130,3 +130,38 @@ def test_expert_counts_matches_bincount():
     want = torch.bincount(ids[ids >= 0], minlength=E)
     assert torch.equal(expert_counts(ids, E), want)
     assert expert_counts(torch.full((5, 2), -1), E).sum() == 0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
+def test_router_logits_fp32_under_autocast(mode):
+    """Under bf16 autocast the router's logits stay fp32 (autocast alone would give bf16), forward and backward
+    against float64; bf16 mode within bf16 input rounding."""
+    from moeadapt.models.router import router_logits
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    x = torch.randn(33, 64, generator=g, requires_grad=True)
+    w = torch.randn(12, 64, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16  # what the router used to get
+        out = router_logits(x, w, mode)
+    assert out.dtype == torch.float32
+    gout = torch.randn(out.shape, generator=g)
+    out.backward(gout)
+    x64, w64 = x.detach().double(), w.detach().double()
+    tol = 2e-2 if mode == "bf16" else 1e-5  # CPU has no TF32: tf32 runs as fp32 here
+    torch.testing.assert_close(out.double(), x64 @ w64.T, rtol=tol, atol=tol * 8)
+    torch.testing.assert_close(x.grad.double(), gout.double() @ w64, rtol=tol, atol=tol * 8)
+    torch.testing.assert_close(w.grad.double(), gout.double().T @ x64, rtol=tol, atol=tol * 8)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_router_scores_fp32_under_autocast():
+    r = router().float()
+    x = torch.randn(40, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = r(x)
+    assert out.weights_TK.dtype == torch.float32
+    s = torch.sigmoid(x.double() @ r.weight.double().T)
+    w = s.gather(1, out.expert_ids_TK)
+    w = w / w.sum(-1, keepdim=True)
+    torch.testing.assert_close(out.weights_TK.double(), w, rtol=1e-5, atol=1e-6)
