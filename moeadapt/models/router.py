@@ -51,21 +51,26 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
 
 class _RouterLogits(torch.autograd.Function):
     """logits = x·Wᵀ in fp32 under CUDA autocast, which would otherwise run this linear in bf16 and round the
-    logits to bf16 before the scores. Forward and backward GEMMs in `mode` (ModelSpec.router_matmul); x and W
-    are saved as given (no fp32 copies); their gradients return in their own dtypes."""
+    logits to bf16 before the scores. Forward and backward GEMMs in `mode` (ModelSpec.router_matmul). Saved for
+    the backward: W (dx), and x only when W trains (dW): as a bf16 copy, as autocast's linear would, except in
+    "fp32" mode (x as given). Gradients return in x's and W's dtypes."""
 
     @staticmethod
     def forward(ctx, x_TD, w_ED, mode):
         ctx.mode = mode
-        ctx.save_for_backward(x_TD, w_ED)
+        x_keep = None
+        if ctx.needs_input_grad[1]:
+            x_keep = x_TD if mode == "fp32" else x_TD.to(torch.bfloat16)
+        ctx.x_dtype = x_TD.dtype
+        ctx.save_for_backward(x_keep, w_ED)
         with torch.autocast(x_TD.device.type, enabled=False):
             return _mm(x_TD, w_ED.t(), mode)
 
     @staticmethod
     def backward(ctx, g_TE):
-        x_TD, w_ED = ctx.saved_tensors
-        dx = _mm(g_TE, w_ED, ctx.mode).to(x_TD.dtype) if ctx.needs_input_grad[0] else None
-        dw = _mm(g_TE.t(), x_TD, ctx.mode).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
+        x_keep, w_ED = ctx.saved_tensors
+        dx = _mm(g_TE, w_ED, ctx.mode).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm(g_TE.t(), x_keep, ctx.mode).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
