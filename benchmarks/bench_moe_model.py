@@ -39,10 +39,12 @@ def _wall(fn, warmup=0, rep=0):
     return 1e3 * (time.perf_counter() - t)
 
 
-def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul="fp32"):
-    spec = get_preset("small").model_copy(update=dict(
-        hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
-        n_shared_experts=0, capacity_factor=None, router_matmul=router_matmul))
+def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul=None):
+    update = dict(hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
+                  n_shared_experts=0, capacity_factor=None)
+    if router_matmul is not None:  # else ModelSpec's default
+        update["router_matmul"] = router_matmul
+    spec = get_preset("small").model_copy(update=update)
     torch.manual_seed(seed)
     m = LatentMoE(spec).to(DEV, torch.float32)
     with torch.no_grad():
@@ -272,7 +274,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
     ap.add_argument("--bubbles", action="store_true", help="host enqueue time vs kernel time per step (bubbles())")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of the steps (host_profile())")
-    ap.add_argument("--router-matmul", default="fp32", help="ModelSpec.router_matmul: fp32, tf32 or bf16")
+    ap.add_argument("--router-matmul", default=None, help="ModelSpec.router_matmul: fp32, tf32 or bf16 "
+                    "(default: the ModelSpec default)")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
     a = ap.parse_args()
@@ -323,7 +326,7 @@ def main():
                 ms[k].append(bench(s, warmup=5, rep=50))
         med = {k: statistics.median(v) for k, v in ms.items()}
         row = dict(E=E, K=K, T=a.T, D=D, L=L, F=F, rows_per_expert=a.T * K / E, lora_path=path["lora"],
-                   router_matmul=a.router_matmul,
+                   router_matmul=models["frozen"].spec.router_matmul,
                    frozen_ms=round(med["frozen"], 3), lora_ms=round(med["lora"], 3),
                    overhead_pct=round(100 * (med["lora"] / med["frozen"] - 1), 1),
                    frozen_rounds=[round(v, 3) for v in ms["frozen"]], lora_rounds=[round(v, 3) for v in ms["lora"]],
