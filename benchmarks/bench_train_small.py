@@ -62,10 +62,11 @@ def bench_train(args, device: torch.device) -> list[dict]:
     base = ParallelSpec(dp_shard=world, ep=args.ep, a2a_chunks=args.a2a_chunks)
     dims = build_parallel_dims(base, spec, device)
     rows = []
-    for ac in args.ac.split(","):
+    for ac, rm in [(ac, rm) for ac in args.ac.split(",") for rm in (args.router_matmul or "").split(",")]:
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
-        model = materialize(build_model(spec, "meta"), device, seed=0)  # fp32 master weights
+        spec_rm = spec.model_copy(update={"router_matmul": rm}) if rm else spec
+        model = materialize(build_model(spec_rm, "meta"), device, seed=0)  # fp32 master weights
         model.set_backend("auto")
         pdims = dataclasses.replace(dims, spec=base.model_copy(update={"activation_checkpointing": ac}))
         parallelize_model(model, pdims)
@@ -98,7 +99,7 @@ def bench_train(args, device: torch.device) -> list[dict]:
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         peak_t = torch.tensor([peak_gib], device=device)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-        row = {"ac": ac, "world": world, "ep": args.ep, "a2a_chunks": args.a2a_chunks, "seq_len": args.seq_len,
+        row = {"ac": ac, "router_matmul": spec_rm.router_matmul, "world": world, "ep": args.ep, "a2a_chunks": args.a2a_chunks, "seq_len": args.seq_len,
                "micro_batch": args.micro_batch, "layers": spec.n_layers, "step_s": dt, "tokens_per_s": tok / dt,
                "mfu": tok / dt * flops_per_token / PEAK / world, "peak_mem_gib": float(peak_t), "loss": loss}
         _log(json.dumps(row))
@@ -107,11 +108,11 @@ def bench_train(args, device: torch.device) -> list[dict]:
     _log(f"\nsmall preset: {counts['total'] / 1e9:.2f}B params, {counts['active_per_token'] / 1e9:.2f}B active; "
          f"FSDP world {world}, ep {args.ep}, seq {args.seq_len} x micro-batch {args.micro_batch} per rank, bf16 mixed "
          f"precision on GPU (fp32 on CPU), {args.steps} timed steps (median)\n")
-    _log("| activation ckpt | tokens/s (all ranks) | MFU | peak memory (GiB, max rank) | step (s) |")
-    _log("|---|---:|---:|---:|---:|")
+    _log("| activation ckpt | router GEMM | tokens/s (all ranks) | MFU | peak memory (GiB, max rank) | step (s) |")
+    _log("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        _log(f"| {r['ac']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gib']:.1f} | "
-             f"{r['step_s']:.3f} |")
+        _log(f"| {r['ac']} | {r['router_matmul']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+             f"{r['peak_mem_gib']:.1f} | {r['step_s']:.3f} |")
     return rows
 
 
@@ -198,6 +199,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--ac", default="none,selective", help="comma list of none | selective | full")
+    p.add_argument("--router-matmul", default=None, help="comma list of ModelSpec.router_matmul modes to compare "
+                   "(default: the preset's)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--a2a-chunks", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096)
