@@ -7,6 +7,9 @@ train, whose w1 and w3 are separate (two gate/up GEMMs, their SwiGLU through ops
 median LoRA ms / median frozen ms - 1 over interleaved rounds (do_bench means, L2 flushed).
 
     python benchmarks/bench_moe_model.py [--cases 64x8,256x16,896x16] [--rounds 5] [--out model.jsonl]
+        [--bubbles]          host enqueue time vs wall time vs summed kernel time of one step (is it host-bound?)
+        [--host-profile]     where the host time goes (Triton launches, cProfile of forward and Python backwards)
+        [--router-matmul M]  the router's logit GEMM (ModelSpec.router_matmul: tf32, fp32, bf16)
 """
 
 from __future__ import annotations
