@@ -57,14 +57,12 @@ class _RouterLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, w_ED, mode):
-        ctx.mode = mode
-        x_keep = None
-        if ctx.needs_input_grad[1]:
-            x_keep = x_TD if mode == "fp32" else x_TD.to(torch.bfloat16)
-        ctx.x_dtype = x_TD.dtype
-        ctx.save_for_backward(x_keep, w_ED)
+        ctx.mode, ctx.x_dtype = mode, x_TD.dtype
+        need_w = ctx.needs_input_grad[1]
+        x_bf = x_TD.to(torch.bfloat16) if mode == "bf16" or (need_w and mode != "fp32") else None  # cast once
+        ctx.save_for_backward((x_TD if mode == "fp32" else x_bf) if need_w else None, w_ED)
         with torch.autocast(x_TD.device.type, enabled=False):
-            return _mm(x_TD, w_ED.t(), mode)
+            return _mm(x_bf if mode == "bf16" else x_TD, w_ED.t(), mode)
 
     @staticmethod
     def backward(ctx, g_TE):
@@ -74,7 +72,7 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw, None
 
 
-def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str = "fp32") -> torch.Tensor:
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str) -> torch.Tensor:
     """fp32 (fp64 for fp64 input) router logits x·Wᵀ, also under autocast (see _RouterLogits)."""
     if x_TD.dtype == torch.float64:
         return F.linear(x_TD, w_ED.double())

@@ -180,16 +180,15 @@ def tile_map(offsets_E: torch.Tensor, num_rows: int, BM: int) -> tuple[torch.Ten
         BT = max(16, min(256, 32768 // BE))
         _tile_map_kernel[(triton.cdiv(num_tiles, BT),)](offsets_E, expert_T, row_T, E, num_tiles, BM=BM, BE=BE, BT=BT)
         return expert_T, row_T
-    return _tile_map_torch(offsets_E, num_rows, BM)
+    return _tile_map_torch(offsets_E, num_tiles, BM)
 
 
-def _tile_map_torch(offsets_E: torch.Tensor, num_rows: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_map_torch(offsets_E: torch.Tensor, num_tiles: int, BM: int) -> tuple[torch.Tensor, torch.Tensor]:
     E = len(offsets_E)
     ends_E = offsets_E.long()
     starts_E = torch.cat([ends_E.new_zeros(1), ends_E[:-1]])
     tiles_E = (ends_E - starts_E + BM - 1) // BM
     cum_E = torch.cumsum(tiles_E, 0)
-    num_tiles = triton.cdiv(num_rows, BM) + E
     tile_ids = torch.arange(num_tiles, device=offsets_E.device)
     e_T = torch.searchsorted(cum_E, tile_ids, right=True)
     e_c = e_T.clamp(max=E - 1)
