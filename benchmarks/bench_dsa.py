@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moeadapt.ops.dsa import gluon_sparse_attn as gws
 from moeadapt.ops.dsa import triton_indexer as ti
 from moeadapt.ops.dsa import triton_sparse_attn as tsa
 from moeadapt.ops.dsa.triton_indexer import lightning_indexer_triton
@@ -209,6 +210,8 @@ CHECK_FWD_S3 = {
     "dense": {**_SR, "DENSE": True},
     "w16": {**_SR, "num_warps": 16}, "w16_k32s3": {**_SR, "num_warps": 16, "BLOCK_K": 32, "num_stages": 3},
 }
+# Session 6: the warp-specialised Gluon forward (moeadapt/ops/dsa/gluon_sparse_attn.py), MLA shape, sm_90 only
+CHECK_FWD_S6 = {"gluon_ws": {"GLUON": True}}
 _PDS1 = dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
 _APPLY = dict(BLOCK_H=128, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)
 CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
@@ -228,7 +231,7 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
     """One GPU call: old vs new SFA and SFAG at T (LI indices), each variant checked
     against the old kernel's output; prints a table and the fastest configs."""
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_S3 if fwd_only else {})}
+    fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_S3 if fwd_only else {}), **CHECK_FWD_S6}
     bwd_cfgs = {} if fwd_only else CHECK_BWD
     torch.manual_seed(0)
     q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
@@ -258,6 +261,8 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
         o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["old"])
         for name, cfg in fwd_cfgs.items():
             def f(cfg=cfg):
+                if cfg.get("GLUON"):
+                    return gws.sfa_forward_ws(q, kv, idx, scale)
                 return tsa.sfa_forward(q, kv, v, idx, scale, cfg)
             ms = try_run(f"fwd {name}", lambda f=f: timeit(f, reps=reps), log)
             if ms is None:

@@ -1,0 +1,211 @@
+"""Warp-specialised SFA forward for Hopper (sm_90), written in Gluon (Triton's explicit-layout dialect).
+
+Same contract as `triton_sparse_attn.sfa_forward` for the MLA shape only: bf16, one KV head, D = 576
+(512 latent + 64 rope), DV = 512 with ``v = kv[..., :512]``, a multiple of 64 query heads per KV head.
+`supported()` says when it applies; everything else (and every CPU run) uses the Triton kernel.
+
+Why a second kernel: the Triton forward reaches ~295 TFLOP/s and is stuck at the register limit
+(RESULTS.md, DSA). Its 8 warps split every product along N, so both warp groups read all of Q for
+S = Q K^T (N = 32 per group), and the gathers, softmax and MMAs of one program run one after the other.
+Here one CTA (one query row, 64 heads) has three warp groups:
+
+- producer (4 warps): cp.async gathers of the selected K rows (64 keys x 576) into two buffers,
+  one per consumer, completion signalled on an mbarrier; Q once.
+- consumer c = 0, 1 (4 warps each): takes key blocks 2i + c, computes S = Q K^T for its block
+  (M = 64 heads, N = 64 keys: a full-width wgmma), and owns half of the output, O[:, 256c : 256c + 256].
+  Per pair of blocks the two consumers swap their row maxima (so both use the same running max),
+  each writes its P (bf16) into its block's rope buffer (free once S is done) and both add
+  P_0 V_0[:, half] + P_1 V_1[:, half] to their half of O. The row sums are added at the end.
+
+Keys past the row's last valid slot are never walked (the causal ramp t < topk); -1 slots are
+gathered as zero rows and masked to -inf in S. lse is saved in natural log, as the Triton kernel does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+# Triton 3.9 renamed the cp.async copy to async_load (the old name stays as an alias).
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# ... and thread_barrier to barrier (a bar.sync of the calling warp group inside a partition).
+_sync = getattr(gl, "barrier", None) or gl.thread_barrier
+
+BLOCK_H = 64  # query heads per CTA (the wgmma M of one warp group)
+BLOCK_K = 64  # selected keys per block
+D1, D2, DV = 512, 64, 512
+HALF = DV // 2  # output channels per consumer
+CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(40)  # setmaxnreg per warp group: 2 * 128 * 232 + 128 * 40 <= 65536
+
+
+@gluon.jit
+def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t):
+    """Gather Q once, then the selected K rows of blocks 2i (buffer 0) and 2i + 1 (buffer 1)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] tile, 16 B per cp.async
+    offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    qp = Q + row * sq_t + (h0 + offs_r)[:, None] * sq_h + offs_c[None, :]
+    for c in gl.static_range(8):
+        _cp_async(q1_s.slice(c * 64, 64, dim=1), qp + c * 64)
+    _cp_async(q2_s, qp + 512)
+    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    idx_row = IDX + row * si_t
+    kb = K + kb_off
+    for i in range(n_pairs):
+        for w in gl.static_range(2):
+            # buffer w is free once both consumers finished block 2(i - 1) + w
+            mbarrier.wait(bars.index(3 + w), (i + 1) & 1, pred=i > 0)
+            slot = (2 * i + w) * 64 + offs_r
+            ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
+            valid = (ix >= 0)[:, None] & (offs_c[None, :] >= 0)
+            kp = kb + gl.where(ix >= 0, ix, 0)[:, None] * sk_t + offs_c[None, :]
+            for c in gl.static_range(8):
+                _cp_async(k1_s.index(w).slice(c * 64, 64, dim=1), kp + c * 64, mask=valid)
+            _cp_async(k2_s.index(w), kp + 512, mask=valid)
+            async_copy.mbarrier_arrive(bars.index(1 + w), increment_count=False)
+
+
+@gluon.jit
+def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t, so_t, so_h,
+              sl_t, W: gl.constexpr):
+    """Blocks 2i + W: S = Q K^T, the shared online softmax, O[:, W half] += P_0 V_0 + P_1 V_1."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+    U: gl.constexpr = 1 - W  # the other consumer
+    m_i = gl.full([64], -1.0e30, gl.float32, ROW_S)
+    l_i = gl.zeros([64], gl.float32, ROW_S)
+    acc = gl.zeros([64, 256], gl.float32, O_L)
+    offs_k = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
+    idx_row = IDX + row * si_t
+    mbarrier.wait(bars.index(0), 0)  # Q
+    for i in range(n_pairs):
+        ph = i & 1
+        mbarrier.wait(bars.index(1 + W), ph)
+        s = hopper.warpgroup_mma(q1_s, k1_s.index(W).permute((1, 0)), gl.zeros([64, 64], gl.float32, S_L),
+                                 use_acc=False)
+        s = hopper.warpgroup_mma(q2_s, k2_s.index(W).permute((1, 0)), s)
+        slot = (2 * i + W) * 64 + offs_k
+        ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
+        s = gl.where((ix >= 0)[None, :], s * qk_scale, float("-inf"))
+        # both consumers use max(m_i, rowmax S_0, rowmax S_1)
+        rm = gl.max(s, axis=1)
+        x_s.index(W).store(rm)
+        _sync()
+        mbarrier.arrive(bars.index(5 + W))
+        mbarrier.wait(bars.index(5 + U), ph)
+        m_new = gl.maximum(m_i, gl.maximum(rm, x_s.index(U).load(ROW_S)))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, ROW_O)[:, None]
+        p16 = p.to(gl.bfloat16)
+        # P into this block's rope buffer (S is done with it) for the other consumer
+        k2_s.index(W).store(p16)
+        hopper.fence_async_shared()
+        _sync()
+        mbarrier.arrive(bars.index(7 + W))
+        acc = hopper.warpgroup_mma(gl.convert_layout(p16, P_L), k1_s.index(W).slice(W * 256, 256, dim=1), acc,
+                                   is_async=True)
+        mbarrier.wait(bars.index(7 + U), ph)
+        acc = hopper.warpgroup_mma(k2_s.index(U), k1_s.index(U).slice(W * 256, 256, dim=1), acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        _sync()
+        mbarrier.arrive(bars.index(3))
+        mbarrier.arrive(bars.index(4))
+        m_i = m_new
+    # row sums: each consumer summed its own blocks (against the same running max)
+    x_s.index(W).store(l_i)
+    _sync()
+    mbarrier.arrive(bars.index(5 + W))
+    mbarrier.wait(bars.index(5 + U), n_pairs & 1)
+    l_tot = l_i + x_s.index(U).load(ROW_S)
+    has = l_tot > 0
+    inv = gl.where(has, 1.0 / gl.where(has, l_tot, 1.0), 0.0)
+    o = acc * gl.convert_layout(inv, ROW_O)[:, None]
+    offs_h = gl.arange(0, 64, layout=ROW_O)
+    offs_d = gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    gl.store(O + row * so_t + (h0 + offs_h)[:, None] * so_h + W * 256 + offs_d[None, :], o.to(gl.bfloat16))
+    if W == 0:
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + row * sl_t + h0 + gl.arange(0, 64, layout=ROW_S), lse)
+
+
+@gluon.jit
+def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so_h, sl_t, T, TOPK, NHB, qk_scale,
+                       TOPK_P2: gl.constexpr):
+    pid = gl.program_id(0)
+    n_rows = gl.num_programs(0) // NHB
+    row = (n_rows - 1 - pid // NHB).to(gl.int64)  # full rows (t >= topk) first; the head blocks of a row adjacent
+    h0 = (pid % NHB) * 64
+    kb_off = (row // T) * sk_b
+    # walk key blocks only up to the row's last valid slot
+    SPAN_L: gl.constexpr = gl.BlockedLayout([TOPK_P2 // 128], [32], [4], [0])
+    offs = gl.arange(0, TOPK_P2, layout=SPAN_L)
+    ix = gl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
+    span = gl.max(gl.where(ix >= 0, offs + 1, 0), axis=0)
+    n_pairs = (span + 127) // 128
+
+    KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], KL)
+    q2_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    k1_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], KL)
+    k2_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
+    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # barriers: 0 Q ready; 1, 2 K buffer ready; 3, 4 K buffer free; 5, 6 row max / sum posted; 7, 8 P posted
+    bars = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(3):
+        mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
+    for j in gl.static_range(3, 5):
+        mbarrier.init(bars.index(j), count=2)  # both consumers
+    for j in gl.static_range(5, 9):
+        mbarrier.init(bars.index(j), count=1)
+    gl.warp_specialize(
+        [
+            (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
+                         so_t, so_h, sl_t, 0)),
+            (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
+                         so_t, so_h, sl_t, 1)),
+            (_producer, (Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h,
+                         sk_t, si_t)),
+        ],
+        [4, 4],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> bool:
+    """The shapes and devices this kernel is written for (else use the Triton kernel)."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    B, T, HQ, D = q.shape
+    return (
+        q.dtype == k.dtype == torch.bfloat16 and D == D1 + D2 and k.shape[2] == 1 and v.shape[-1] == DV
+        and HQ % BLOCK_H == 0 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+        and k.stride(-1) == 1 and indices.shape[-1] <= 8192
+    )
+
+
+def sfa_forward_ws(q, k, indices, scale):
+    """o [B, T, HQ, 512], lse [B, T, HQ] (natural log) of sparse attention with v = k[..., :512]."""
+    B, T, HQ, D = q.shape
+    q = q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    idx = indices.reshape(B, T, indices.shape[-1]).contiguous()
+    topk = idx.shape[-1]
+    o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    nhb = HQ // BLOCK_H
+    _sfa_fwd_ws_kernel[(B * T * nhb,)](
+        q, k, idx, o, lse, q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(1),
+        o.stride(1), o.stride(2), lse.stride(1), T, topk, nhb, scale * 1.4426950408889634,
+        TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
+    )
+    return o, lse
