@@ -126,16 +126,17 @@ def test_kl_loss_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon forward is written for sm_90")
-@pytest.mark.parametrize("HQ,T,topk", [(64, 700, 256), (128, 333, 2048), (64, 2200, 2048)])
-def test_sparse_attention_gluon_forward(HQ, T, topk):
+@pytest.mark.parametrize("B,HQ,T,topk", [(1, 64, 700, 256), (1, 128, 333, 2048), (1, 64, 2200, 2048),
+                                          (2, 128, 500, 512)])
+def test_sparse_attention_gluon_forward(B, HQ, T, topk):
     """Warp-specialised Gluon forward (MLA shape) vs the float64 reference: -1 padded rows (t < topk),
     an odd number of key blocks, rows shorter than one block, shuffled slots with holes."""
     from moeadapt.ops.dsa import gluon_sparse_attn as gws
     from moeadapt.ops.dsa.reference import sparse_attention_reference
 
     g = torch.Generator(device="cuda").manual_seed(SEED)
-    q = torch.randn(1, T, HQ, 576, device="cuda", generator=g).bfloat16()
-    kv = torch.randn(1, T, 1, 576, device="cuda", generator=g).bfloat16()
+    q = torch.randn(B, T, HQ, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, T, 1, 576, device="cuda", generator=g).bfloat16()
     v = kv[..., :512]
     pos = torch.arange(T, device="cuda")
     # causal random picks: row t takes min(topk, t + 1) distinct keys <= t, ascending, -1 padded
@@ -147,7 +148,7 @@ def test_sparse_attention_gluon_forward(HQ, T, topk):
     if pick.shape[1] < topk:
         idx = torch.cat([idx, idx.new_full((T, topk - pick.shape[1]), -1)], 1)
     idx[T // 2, ::3] = -1  # holes inside a full row
-    idx = idx[None, :, None, :]
+    idx = torch.stack([idx, idx.roll(1, 0)] if B == 2 else [idx])[:, :, None, :]
     assert gws.supported(q, kv, v, idx)
     scale = 576**-0.5
     o, lse = gws.sfa_forward_ws(q, kv, idx, scale)
@@ -159,5 +160,5 @@ def test_sparse_attention_gluon_forward(HQ, T, topk):
     # the Triton kernel of the same contract agrees too
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
-    o_t, _ = tsa.sfa_forward(q, kv, v, idx, scale)
+    o_t, _ = tsa.sfa_forward(q, kv, v, idx, scale, tsa.FWD_CONFIG)
     assert (o.float() - o_t.float()).abs().max().item() < 2e-2 * o_t.float().abs().max().item()

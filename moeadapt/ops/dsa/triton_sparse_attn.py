@@ -569,7 +569,23 @@ def _walk_args(cfg, topk):
     return dict(SKIP=skip, REVERSE=bool(cfg.get("REVERSE", False)), TOPK_P2=tp2 if skip else 16)
 
 
+def _gluon_forward_module(q, k, v, indices):
+    """The warp-specialised Gluon forward (gluon_sparse_attn.py) when it applies: sm_90, bf16, the MLA
+    shape (D = 576, v = k[..., :512], one KV head, heads a multiple of 64). MOEADAPT_SFA_GLUON=0 turns it off."""
+    if not q.is_cuda or os.environ.get("MOEADAPT_SFA_GLUON", "1") == "0":
+        return None
+    try:
+        from . import gluon_sparse_attn
+    except ImportError:  # a Triton without Gluon
+        return None
+    return gluon_sparse_attn if gluon_sparse_attn.supported(q, k, v, indices) else None
+
+
 def sfa_forward(q, k, v, indices, scale, cfg=None):
+    """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200: 383-387 vs 296-297
+    TFLOP/s at T = 32768, RESULTS.md), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
+    if cfg is None and (gws := _gluon_forward_module(q, k, v, indices)) is not None:
+        return gws.sfa_forward_ws(q, k, indices, scale)
     cfg = cfg or FWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
     q, k, v, vk = _prep(q, k, v, d1)
