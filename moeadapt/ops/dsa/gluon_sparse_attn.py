@@ -40,11 +40,36 @@ BLOCK_H = 64  # query heads per CTA (the wgmma M of one warp group)
 BLOCK_K = 64  # selected keys per block
 D1, D2, DV = 512, 64, 512
 HALF = DV // 2  # output channels per consumer
+# mbarrier slots: Q ready; K ready [buffer w, half h] (SPLIT; else one per buffer at h = 0); K free (same);
+# row max / row sum posted by consumer c; P posted by consumer c
+_Q, _READY, _FREE, _MAX, _P = gl.constexpr(0), gl.constexpr(1), gl.constexpr(5), gl.constexpr(9), gl.constexpr(11)
 CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(40)  # setmaxnreg per warp group: 2 * 128 * 232 + 128 * 40 <= 65536
 
 
 @gluon.jit
-def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t):
+def _key_ptrs(kb, idx_row, slot, offs_c, TOPK, sk_t):
+    """Pointers to channels 0..63 of the key rows named by index slots `slot` (-1 slots: row 0, masked)."""
+    ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
+    valid = (ix >= 0)[:, None] & (offs_c[None, :] >= 0)
+    return kb + gl.where(ix >= 0, ix, 0)[:, None] * sk_t + offs_c[None, :], valid
+
+
+@gluon.jit
+def _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, w: gl.constexpr, h: gl.constexpr):
+    """SPLIT: channels 256h..256h+255 of block 2i + w into buffer w, once consumer h has freed them. The rope
+    part (later P_w) goes with the half the other consumer frees, so h != w also gathers it."""
+    mbarrier.wait(bars.index(_FREE + 2 * w + h), (i + 1) & 1, pred=i > 0)
+    kp, valid = _key_ptrs(kb, idx_row, blk + w * 64, offs_c, TOPK, sk_t)
+    for c in gl.static_range(4):
+        _cp_async(k1_s.index(w).slice((4 * h + c) * 64, 64, dim=1), kp + (4 * h + c) * 64, mask=valid)
+    if h != w:
+        _cp_async(k2_s.index(w), kp + 512, mask=valid)
+    async_copy.mbarrier_arrive(bars.index(_READY + 2 * w + h), increment_count=False)
+
+
+@gluon.jit
+def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t,
+              SPLIT: gl.constexpr):
     """Gather Q once, then the selected K rows of blocks 2i (buffer 0) and 2i + 1 (buffer 1)."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] tile, 16 B per cp.async
     offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
@@ -53,26 +78,30 @@ def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs,
     for c in gl.static_range(8):
         _cp_async(q1_s.slice(c * 64, 64, dim=1), qp + c * 64)
     _cp_async(q2_s, qp + 512)
-    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
     idx_row = IDX + row * si_t
     kb = K + kb_off
     for i in range(n_pairs):
-        for w in gl.static_range(2):
-            # buffer w is free once both consumers finished block 2(i - 1) + w
-            mbarrier.wait(bars.index(3 + w), (i + 1) & 1, pred=i > 0)
-            slot = (2 * i + w) * 64 + offs_r
-            ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
-            valid = (ix >= 0)[:, None] & (offs_c[None, :] >= 0)
-            kp = kb + gl.where(ix >= 0, ix, 0)[:, None] * sk_t + offs_c[None, :]
-            for c in gl.static_range(8):
-                _cp_async(k1_s.index(w).slice(c * 64, 64, dim=1), kp + c * 64, mask=valid)
-            _cp_async(k2_s.index(w), kp + 512, mask=valid)
-            async_copy.mbarrier_arrive(bars.index(1 + w), increment_count=False)
+        if SPLIT:  # each consumer frees its own block's half first: gather those first
+            blk = 2 * i * 64 + offs_r
+            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 0)
+            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 1)
+            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 1)
+            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 0)
+        else:
+            for w in gl.static_range(2):
+                # buffer w is free once both consumers finished block 2(i - 1) + w
+                mbarrier.wait(bars.index(_FREE + 2 * w), (i + 1) & 1, pred=i > 0)
+                kp, valid = _key_ptrs(kb, idx_row, (2 * i + w) * 64 + offs_r, offs_c, TOPK, sk_t)
+                for c in gl.static_range(8):
+                    _cp_async(k1_s.index(w).slice(c * 64, 64, dim=1), kp + c * 64, mask=valid)
+                _cp_async(k2_s.index(w), kp + 512, mask=valid)
+                async_copy.mbarrier_arrive(bars.index(_READY + 2 * w), increment_count=False)
 
 
 @gluon.jit
 def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t, so_t, so_h,
-              sl_t, W: gl.constexpr):
+              sl_t, W: gl.constexpr, SPLIT: gl.constexpr):
     """Blocks 2i + W: S = Q K^T, the shared online softmax, O[:, W half] += P_0 V_0 + P_1 V_1."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -85,12 +114,21 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
     acc = gl.zeros([64, 256], gl.float32, O_L)
     offs_k = gl.arange(0, 64, layout=gl.SliceLayout(0, S_L))
     idx_row = IDX + row * si_t
-    mbarrier.wait(bars.index(0), 0)  # Q
+    mbarrier.wait(bars.index(_Q), 0)
     for i in range(n_pairs):
         ph = i & 1
-        mbarrier.wait(bars.index(1 + W), ph)
-        s = hopper.warpgroup_mma(q1_s, k1_s.index(W).permute((1, 0)), gl.zeros([64, 64], gl.float32, S_L),
-                                 use_acc=False)
+        if SPLIT:  # S over this consumer's own half of the channels while the rest is still arriving
+            mbarrier.wait(bars.index(_READY + 3 * W), ph)
+            s = hopper.warpgroup_mma(q1_s.slice(W * 256, 256, dim=1),
+                                     k1_s.index(W).slice(W * 256, 256, dim=1).permute((1, 0)),
+                                     gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
+            mbarrier.wait(bars.index(_READY + 2 * W + U), ph)
+            s = hopper.warpgroup_mma(q1_s.slice(U * 256, 256, dim=1),
+                                     k1_s.index(W).slice(U * 256, 256, dim=1).permute((1, 0)), s)
+        else:
+            mbarrier.wait(bars.index(_READY + 2 * W), ph)
+            s = hopper.warpgroup_mma(q1_s, k1_s.index(W).permute((1, 0)), gl.zeros([64, 64], gl.float32, S_L),
+                                     use_acc=False)
         s = hopper.warpgroup_mma(q2_s, k2_s.index(W).permute((1, 0)), s)
         slot = (2 * i + W) * 64 + offs_k
         ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
@@ -99,8 +137,8 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
         rm = gl.max(s, axis=1)
         x_s.index(W).store(rm)
         _sync()
-        mbarrier.arrive(bars.index(5 + W))
-        mbarrier.wait(bars.index(5 + U), ph)
+        mbarrier.arrive(bars.index(_MAX + W))
+        mbarrier.wait(bars.index(_MAX + U), ph)
         m_new = gl.maximum(m_i, gl.maximum(rm, x_s.index(U).load(ROW_S)))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
@@ -111,21 +149,29 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
         k2_s.index(W).store(p16)
         hopper.fence_async_shared()
         _sync()
-        mbarrier.arrive(bars.index(7 + W))
+        mbarrier.arrive(bars.index(_P + W))
         acc = hopper.warpgroup_mma(gl.convert_layout(p16, P_L), k1_s.index(W).slice(W * 256, 256, dim=1), acc,
                                    is_async=True)
-        mbarrier.wait(bars.index(7 + U), ph)
+        mbarrier.wait(bars.index(_P + U), ph)
         acc = hopper.warpgroup_mma(k2_s.index(U), k1_s.index(U).slice(W * 256, 256, dim=1), acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-        _sync()
-        mbarrier.arrive(bars.index(3))
-        mbarrier.arrive(bars.index(4))
+        if SPLIT:  # own block's half W is free after the first product, the other block's half W after both
+            acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+            _sync()
+            mbarrier.arrive(bars.index(_FREE + 3 * W))
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+            _sync()
+            mbarrier.arrive(bars.index(_FREE + 2 * U + W))
+        else:
+            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+            _sync()
+            mbarrier.arrive(bars.index(_FREE))
+            mbarrier.arrive(bars.index(_FREE + 2))
         m_i = m_new
     # row sums: each consumer summed its own blocks (against the same running max)
     x_s.index(W).store(l_i)
     _sync()
-    mbarrier.arrive(bars.index(5 + W))
-    mbarrier.wait(bars.index(5 + U), n_pairs & 1)
+    mbarrier.arrive(bars.index(_MAX + W))
+    mbarrier.wait(bars.index(_MAX + U), n_pairs & 1)
     l_tot = l_i + x_s.index(U).load(ROW_S)
     has = l_tot > 0
     inv = gl.where(has, 1.0 / gl.where(has, l_tot, 1.0), 0.0)
@@ -140,7 +186,7 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
 
 @gluon.jit
 def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so_h, sl_t, T, TOPK, NHB, qk_scale,
-                       TOPK_P2: gl.constexpr):
+                       TOPK_P2: gl.constexpr, SPLIT: gl.constexpr = False):
     pid = gl.program_id(0)
     n_rows = gl.num_programs(0) // NHB
     row = (n_rows - 1 - pid // NHB).to(gl.int64)  # full rows (t >= topk) first; the head blocks of a row adjacent
@@ -159,22 +205,21 @@ def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so
     k1_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], KL)
     k2_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], KL)
     x_s = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # barriers: 0 Q ready; 1, 2 K buffer ready; 3, 4 K buffer free; 5, 6 row max / sum posted; 7, 8 P posted
-    bars = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(3):
-        mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
-    for j in gl.static_range(3, 5):
-        mbarrier.init(bars.index(j), count=2)  # both consumers
-    for j in gl.static_range(5, 9):
-        mbarrier.init(bars.index(j), count=1)
+    bars = gl.allocate_shared_memory(gl.int64, [13, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_Q), count=128)  # one cp.async arrive per producer thread
+    for j in gl.static_range(4):
+        mbarrier.init(bars.index(_READY + j), count=128)
+        mbarrier.init(bars.index(_FREE + j), count=1 if SPLIT else 2)  # SPLIT: one consumer per half
+    for j in gl.static_range(4):
+        mbarrier.init(bars.index(_MAX + j), count=1)
     gl.warp_specialize(
         [
             (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
-                         so_t, so_h, sl_t, 0)),
+                         so_t, so_h, sl_t, 0, SPLIT)),
             (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
-                         so_t, so_h, sl_t, 1)),
+                         so_t, so_h, sl_t, 1, SPLIT)),
             (_producer, (Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h,
-                         sk_t, si_t)),
+                         sk_t, si_t, SPLIT)),
         ],
         [4, 4],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -198,7 +243,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
     )
 
 
-def sfa_forward_ws(q, k, indices, scale):
+def sfa_forward_ws(q, k, indices, scale, split=False):
     """o [B, T, HQ, 512], lse [B, T, HQ] (natural log) of sparse attention with v = k[..., :512]."""
     B, T, HQ, D = q.shape
     q = q.contiguous()
@@ -211,6 +256,6 @@ def sfa_forward_ws(q, k, indices, scale):
     _sfa_fwd_ws_kernel[(B * T * nhb,)](
         q, k, idx, o, lse, q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(1),
         o.stride(1), o.stride(2), lse.stride(1), T, topk, nhb, scale * 1.4426950408889634,
-        TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
+        TOPK_P2=max(128, triton.next_power_of_2(topk)), SPLIT=split, num_warps=4,
     )
     return o, lse
