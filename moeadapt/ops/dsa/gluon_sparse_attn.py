@@ -10,12 +10,17 @@ S = Q K^T (N = 32 per group), and the gathers, softmax and MMAs of one program r
 Here one CTA (one query row, 64 heads) has three warp groups:
 
 - producer (4 warps): cp.async gathers of the selected K rows (64 keys x 576) into two buffers,
-  one per consumer, completion signalled on an mbarrier; Q once.
+  one per consumer, completion signalled on mbarriers; Q once.
 - consumer c = 0, 1 (4 warps each): takes key blocks 2i + c, computes S = Q K^T for its block
   (M = 64 heads, N = 64 keys: a full-width wgmma), and owns half of the output, O[:, 256c : 256c + 256].
   Per pair of blocks the two consumers swap their row maxima (so both use the same running max),
   each writes its P (bf16) into its block's rope buffer (free once S is done) and both add
   P_0 V_0[:, half] + P_1 V_1[:, half] to their half of O. The row sums are added at the end.
+
+The buffers are released by halves of the channels: consumer c frees half c of its own block right after
+its first P V product and half c of the other block (with the rope part, which holds that block's P) after
+its second. The producer refills the halves in that order, and a consumer starts S on its own half while
+the other half is still in flight (3% faster than releasing whole buffers, RESULTS.md).
 
 Keys past the row's last valid slot are never walked (the causal ramp t < topk); -1 slots are
 gathered as zero rows and masked to -inf in S. lse is saved in natural log, as the Triton kernel does.
@@ -40,8 +45,8 @@ BLOCK_H = 64  # query heads per CTA (the wgmma M of one warp group)
 BLOCK_K = 64  # selected keys per block
 D1, D2, DV = 512, 64, 512
 HALF = DV // 2  # output channels per consumer
-# mbarrier slots: Q ready; K ready [buffer w, half h] (SPLIT; else one per buffer at h = 0); K free (same);
-# row max / row sum posted by consumer c; P posted by consumer c
+# mbarrier slots: Q ready; K ready [buffer w, half h] (at 2w + h); K free [w, h]; row max / row sum posted by
+# consumer c; P posted by consumer c
 _Q, _READY, _FREE, _MAX, _P = gl.constexpr(0), gl.constexpr(1), gl.constexpr(5), gl.constexpr(9), gl.constexpr(11)
 CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(40)  # setmaxnreg per warp group: 2 * 128 * 232 + 128 * 40 <= 65536
 
@@ -56,7 +61,7 @@ def _key_ptrs(kb, idx_row, slot, offs_c, TOPK, sk_t):
 
 @gluon.jit
 def _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, w: gl.constexpr, h: gl.constexpr):
-    """SPLIT: channels 256h..256h+255 of block 2i + w into buffer w, once consumer h has freed them. The rope
+    """Channels 256h..256h+255 of block 2i + w into buffer w, once consumer h has freed them. The rope
     part (later P_w) goes with the half the other consumer frees, so h != w also gathers it."""
     mbarrier.wait(bars.index(_FREE + 2 * w + h), (i + 1) & 1, pred=i > 0)
     kp, valid = _key_ptrs(kb, idx_row, blk + w * 64, offs_c, TOPK, sk_t)
@@ -68,8 +73,7 @@ def _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, w: g
 
 
 @gluon.jit
-def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t,
-              SPLIT: gl.constexpr):
+def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t):
     """Gather Q once, then the selected K rows of blocks 2i (buffer 0) and 2i + 1 (buffer 1)."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] tile, 16 B per cp.async
     offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
@@ -81,27 +85,17 @@ def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs,
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
     idx_row = IDX + row * si_t
     kb = K + kb_off
-    for i in range(n_pairs):
-        if SPLIT:  # each consumer frees its own block's half first: gather those first
-            blk = 2 * i * 64 + offs_r
-            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 0)
-            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 1)
-            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 1)
-            _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 0)
-        else:
-            for w in gl.static_range(2):
-                # buffer w is free once both consumers finished block 2(i - 1) + w
-                mbarrier.wait(bars.index(_FREE + 2 * w), (i + 1) & 1, pred=i > 0)
-                kp, valid = _key_ptrs(kb, idx_row, (2 * i + w) * 64 + offs_r, offs_c, TOPK, sk_t)
-                for c in gl.static_range(8):
-                    _cp_async(k1_s.index(w).slice(c * 64, 64, dim=1), kp + c * 64, mask=valid)
-                _cp_async(k2_s.index(w), kp + 512, mask=valid)
-                async_copy.mbarrier_arrive(bars.index(_READY + 2 * w), increment_count=False)
+    for i in range(n_pairs):  # each consumer frees its own block's half first: gather those first
+        blk = 2 * i * 64 + offs_r
+        _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 0)
+        _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 1)
+        _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 0, 1)
+        _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, 1, 0)
 
 
 @gluon.jit
 def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t, so_t, so_h,
-              sl_t, W: gl.constexpr, SPLIT: gl.constexpr):
+              sl_t, W: gl.constexpr):
     """Blocks 2i + W: S = Q K^T, the shared online softmax, O[:, W half] += P_0 V_0 + P_1 V_1."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -117,18 +111,12 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
     mbarrier.wait(bars.index(_Q), 0)
     for i in range(n_pairs):
         ph = i & 1
-        if SPLIT:  # S over this consumer's own half of the channels while the rest is still arriving
-            mbarrier.wait(bars.index(_READY + 3 * W), ph)
-            s = hopper.warpgroup_mma(q1_s.slice(W * 256, 256, dim=1),
-                                     k1_s.index(W).slice(W * 256, 256, dim=1).permute((1, 0)),
-                                     gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
-            mbarrier.wait(bars.index(_READY + 2 * W + U), ph)
-            s = hopper.warpgroup_mma(q1_s.slice(U * 256, 256, dim=1),
-                                     k1_s.index(W).slice(U * 256, 256, dim=1).permute((1, 0)), s)
-        else:
-            mbarrier.wait(bars.index(_READY + 2 * W), ph)
-            s = hopper.warpgroup_mma(q1_s, k1_s.index(W).permute((1, 0)), gl.zeros([64, 64], gl.float32, S_L),
-                                     use_acc=False)
+        # S over this consumer's own half of the channels while the rest may still be arriving
+        mbarrier.wait(bars.index(_READY + 3 * W), ph)
+        s = hopper.warpgroup_mma(q1_s.slice(W * 256, 256, dim=1), k1_s.index(W).slice(W * 256, 256, dim=1).permute((1, 0)),
+                                 gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
+        mbarrier.wait(bars.index(_READY + 2 * W + U), ph)
+        s = hopper.warpgroup_mma(q1_s.slice(U * 256, 256, dim=1), k1_s.index(W).slice(U * 256, 256, dim=1).permute((1, 0)), s)
         s = hopper.warpgroup_mma(q2_s, k2_s.index(W).permute((1, 0)), s)
         slot = (2 * i + W) * 64 + offs_k
         ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
@@ -154,18 +142,13 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
                                    is_async=True)
         mbarrier.wait(bars.index(_P + U), ph)
         acc = hopper.warpgroup_mma(k2_s.index(U), k1_s.index(U).slice(W * 256, 256, dim=1), acc, is_async=True)
-        if SPLIT:  # own block's half W is free after the first product, the other block's half W after both
-            acc = hopper.warpgroup_mma_wait(1, deps=[acc])
-            _sync()
-            mbarrier.arrive(bars.index(_FREE + 3 * W))
-            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-            _sync()
-            mbarrier.arrive(bars.index(_FREE + 2 * U + W))
-        else:
-            acc = hopper.warpgroup_mma_wait(0, deps=[acc])
-            _sync()
-            mbarrier.arrive(bars.index(_FREE))
-            mbarrier.arrive(bars.index(_FREE + 2))
+        # own block's half W is free after the first product, the other block's half W (and P_U) after both
+        acc = hopper.warpgroup_mma_wait(1, deps=[acc])
+        _sync()
+        mbarrier.arrive(bars.index(_FREE + 3 * W))
+        acc = hopper.warpgroup_mma_wait(0, deps=[acc])
+        _sync()
+        mbarrier.arrive(bars.index(_FREE + 2 * U + W))
         m_i = m_new
     # row sums: each consumer summed its own blocks (against the same running max)
     x_s.index(W).store(l_i)
@@ -186,7 +169,7 @@ def _consumer(IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, 
 
 @gluon.jit
 def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so_h, sl_t, T, TOPK, NHB, qk_scale,
-                       TOPK_P2: gl.constexpr, SPLIT: gl.constexpr = False):
+                       TOPK_P2: gl.constexpr):
     pid = gl.program_id(0)
     n_rows = gl.num_programs(0) // NHB
     row = (n_rows - 1 - pid // NHB).to(gl.int64)  # full rows (t >= topk) first; the head blocks of a row adjacent
@@ -209,17 +192,17 @@ def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so
     mbarrier.init(bars.index(_Q), count=128)  # one cp.async arrive per producer thread
     for j in gl.static_range(4):
         mbarrier.init(bars.index(_READY + j), count=128)
-        mbarrier.init(bars.index(_FREE + j), count=1 if SPLIT else 2)  # SPLIT: one consumer per half
+        mbarrier.init(bars.index(_FREE + j), count=1)  # the consumer that last reads that half
     for j in gl.static_range(4):
         mbarrier.init(bars.index(_MAX + j), count=1)
     gl.warp_specialize(
         [
             (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
-                         so_t, so_h, sl_t, 0, SPLIT)),
+                         so_t, so_h, sl_t, 0)),
             (_consumer, (IDX, O, LSE, q1_s, q2_s, k1_s, k2_s, x_s, bars, row, h0, n_pairs, TOPK, qk_scale, si_t,
-                         so_t, so_h, sl_t, 1, SPLIT)),
+                         so_t, so_h, sl_t, 1)),
             (_producer, (Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h,
-                         sk_t, si_t, SPLIT)),
+                         sk_t, si_t)),
         ],
         [4, 4],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -243,7 +226,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
     )
 
 
-def sfa_forward_ws(q, k, indices, scale, split=False):
+def sfa_forward_ws(q, k, indices, scale):
     """o [B, T, HQ, 512], lse [B, T, HQ] (natural log) of sparse attention with v = k[..., :512]."""
     B, T, HQ, D = q.shape
     q = q.contiguous()
@@ -256,6 +239,6 @@ def sfa_forward_ws(q, k, indices, scale, split=False):
     _sfa_fwd_ws_kernel[(B * T * nhb,)](
         q, k, idx, o, lse, q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(1),
         o.stride(1), o.stride(2), lse.stride(1), T, topk, nhb, scale * 1.4426950408889634,
-        TOPK_P2=max(128, triton.next_power_of_2(topk)), SPLIT=split, num_warps=4,
+        TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
     )
     return o, lse
