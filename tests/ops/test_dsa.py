@@ -345,13 +345,16 @@ _BWD_VARIANTS = {
     # (the H200's NaN of 2026-11-29; the buffer is NaN-poisoned in this test so such a read fails)
     "pds_kmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
                  "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
+    # the same, pass 2 masking its P/dS loads by pass 1's written extent instead of per-slot validity
+    "pds_kmix_extent": {"PDS": True, "SKIP": True, "EXTENT": True, "PDS_CFG": _BWD_SUB,
+                        "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
 }
 
 
 @triton_only
 @pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev", "split_ahead"), ("dense", "pds"),
                                      ("skip_rev", "split_dkvt"), ("skip_rev", "pds"), ("old", "pds_c32"),
-                                     ("dense", "pds_hmix"), ("old", "pds_kmix")])
+                                     ("dense", "pds_hmix"), ("old", "pds_kmix"), ("dense", "pds_kmix_extent")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa

@@ -424,6 +424,7 @@ def _sfa_bwd_from_pds_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
+    EXTENT_BK: tl.constexpr = 0,
 ):
     """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
     dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
@@ -465,7 +466,10 @@ def _sfa_bwd_from_pds_kernel(
         valid, rows = _key_rows(idx, I64)
         # only slots pass 1 wrote: with SKIP it stops at its own BLOCK_K multiple past the row's last
         # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries
-        ld_mask = mask_h[:, None] & valid[None, :]
+        if EXTENT_BK > 0:  # the slots pass 1 wrote: [0, its last block's end), a scalar bound per row
+            ld_mask = mask_h[:, None] & (offs_k < tl.minimum(TOPK, tl.cdiv(span, EXTENT_BK) * EXTENT_BK))[None, :]
+        else:
+            ld_mask = mask_h[:, None] & valid[None, :]
         p = tl.load(p_base + offs_k[None, :], mask=ld_mask, other=0.0)
         ds = tl.load(ds_base + offs_k[None, :], mask=ld_mask, other=0.0)
         kc = tl.load(kb_base + rows[:, None] * sk_t + offs_c[None, :], mask=valid[:, None] & mask_ck[None, :],
@@ -689,7 +693,10 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         pds.fill_(float("nan"))
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
 
+    bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
+
     def pass1(c, row0, n):
+        bk1[0] = c["BLOCK_K"]
         bh, nhb, _ = _launch_args(c, G, HK, B, T)
         _launch(
             _sfa_bwd_pds_kernel, (HK * nhb, n),
@@ -714,13 +721,18 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
             T, G, topk, D, DV, nhb, nc, row0, n,
             BLOCK_C=c["BLOCK_C"], BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
             IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+            # EXTENT (timing variant): mask P/dS loads by pass 1's written extent instead of per-slot validity
+            EXTENT_BK=(bk1[0] if walk["SKIP"] else 1) if cfg.get("EXTENT") else 0,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
 
+    only = cfg.get("ONLY_PASS")  # timing experiments: run one pass (wrong gradients)
     for row0 in range(0, rows_total, nrows):
         n = min(nrows, rows_total - row0)
-        _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
-        _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
+        if only != 2:
+            _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
+        if only != 1:
+            _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
 class SparseAttentionFunction(torch.autograd.Function):
