@@ -220,8 +220,8 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
     "pds": dict(tsa.BWD_CONFIG),  # the new default
     "pds_apply_h64": {**_PDS, "PDS_CFG": _PDS1, "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
     "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
-    # session 6: P/dS loads in pass 2 masked by pass 1's written extent (not per-slot validity); each pass alone
-    "pds_extent": {**tsa.BWD_CONFIG, "EXTENT": True},
+    # session 6: pass 2's P/dS loads masked per slot (the default until call 3; EXTENT is now); each pass alone
+    "pds_slotmask": {**tsa.BWD_CONFIG, "EXTENT": False},
     "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
     "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
     # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
