@@ -222,6 +222,9 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
     "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
     # session 6: pass 2's P/dS loads masked per slot (the default until call 3; EXTENT is now); each pass alone
     "pds_slotmask": {**tsa.BWD_CONFIG, "EXTENT": False},
+    "pds_chunk_major": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "CHUNK_MAJOR": True}},
+    "pds_c64": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64}},
+    "pds_c64_cm": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64, "CHUNK_MAJOR": True}},
     "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
     "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
     # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
