@@ -222,9 +222,11 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
     "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
     # session 6: pass 2's P/dS loads masked per slot (the default until call 3; EXTENT is now); each pass alone
     "pds_slotmask": {**tsa.BWD_CONFIG, "EXTENT": False},
-    "pds_chunk_major": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "CHUNK_MAJOR": True}},
+    # call 4: 128-channel chunks at every head block (the default takes 64 at 64-head blocks); 64 at every one.
+    # A chunk-major pass-2 grid (dk/dv atomics of one phase in 1/NC of the buffer) was no faster (225.0 / 153.9
+    # vs 220.7 / 152.4 ms) and was removed.
+    "pds_c128": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C_H64": 128}},
     "pds_c64": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64}},
-    "pds_c64_cm": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64, "CHUNK_MAJOR": True}},
     "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
     "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
     # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)

@@ -345,10 +345,9 @@ _BWD_VARIANTS = {
     # (the H200's NaN of 2026-11-29; the buffer is NaN-poisoned in this test so such a read fails)
     "pds_kmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
                  "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
-    # the same, pass 2 masking its P/dS loads by pass 1's written extent instead of per-slot validity, and
-    # its grid chunk-major (every row of a channel chunk before the next chunk)
+    # the same, pass 2 masking its P/dS loads by pass 1's written extent instead of per-slot validity
     "pds_kmix_extent": {"PDS": True, "SKIP": True, "EXTENT": True, "PDS_CFG": _BWD_SUB,
-                        "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16, "CHUNK_MAJOR": True}},
+                        "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
 }
 
 

@@ -424,7 +424,7 @@ def _sfa_bwd_from_pds_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
-    EXTENT_BK: tl.constexpr = 0, CHUNK_MAJOR: tl.constexpr = False,
+    EXTENT_BK: tl.constexpr = 0,
 ):
     """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
     dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
@@ -432,13 +432,11 @@ def _sfa_bwd_from_pds_kernel(
     Reads P and dS from pass 1; nothing is recomputed, every operand tile is small.
     Grid (HK * NHB * NC, rows): the channel chunks of one query run next to each other, so
     its P / dS tiles are read from L2 after the first chunk."""
-    # CHUNK_MAJOR: grid (rows, chunks), every row of channel chunk c before chunk c + 1, so the dk/dv atomics of
-    # one phase land in 1/NC of the fp32 buffer (L2-resident); else grid (chunks, rows), a row's chunks together
-    local = tl.program_id(0 if CHUNK_MAJOR else 1).to(tl.int64)
+    local = tl.program_id(1).to(tl.int64)
     if REVERSE:
         local = NROWS - 1 - local
     row = ROW0 + local
-    pid1 = tl.program_id(1 if CHUNK_MAJOR else 0)
+    pid1 = tl.program_id(0)
     c = pid1 % NC
     g = pid1 // (NC * NHB)
     h0 = ((pid1 // NC) % NHB) * BLOCK_H
@@ -521,7 +519,7 @@ BWD_CONFIG = {
     "EXTENT": True,
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
     # BLOCK_H = 128 (drops to 64 when G = 64): half the atomics and K reads of BLOCK_H = 64
-    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "num_warps": 8, "num_stages": 3},
+    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 8, "num_stages": 3},
 }
 BWD_CONFIG_SPLIT = {  # a dq pass and a dk/dv pass, each recomputing P and dS (spills: see above)
     "FUSED": False,
@@ -716,19 +714,21 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
 
     def pass2(c, row0, n):
         bh, nhb, _ = _launch_args(c, G, HK, B, T)
-        nc = triton.cdiv(max(D, DV), c["BLOCK_C"])
-        chunk_major = bool(c.get("CHUNK_MAJOR", False))
+        # 64-head blocks: 64-channel chunks (576 = 9 x 64, no half-empty last chunk): 140.2 vs 152.4 ms at HQ = 64;
+        # at 128-head blocks they lose (263.9 vs 220.7 ms at HQ = 128; T = 32768, H200, session 6 call 4)
+        bc = c.get("BLOCK_C_H64", c["BLOCK_C"]) if bh <= 64 else c["BLOCK_C"]
+        nc = triton.cdiv(max(D, DV), bc)
         _launch(
-            _sfa_bwd_from_pds_kernel, (n, HK * nhb * nc) if chunk_major else (HK * nhb * nc, n),
+            _sfa_bwd_from_pds_kernel, (HK * nhb * nc, n),
             q, k, idx, do, pds[0], pds[1], dq, dk, dv,
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), pds.stride(1), pds.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             T, G, topk, D, DV, nhb, nc, row0, n,
-            BLOCK_C=c["BLOCK_C"], BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
+            BLOCK_C=bc, BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
             IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
             # EXTENT: mask P/dS loads by pass 1's written extent (a scalar per row) instead of per-slot validity
-            EXTENT_BK=(bk1[0] if walk["SKIP"] else 1) if cfg.get("EXTENT") else 0, CHUNK_MAJOR=chunk_major,
+            EXTENT_BK=(bk1[0] if walk["SKIP"] else 1) if cfg.get("EXTENT") else 0,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
 
