@@ -227,7 +227,9 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
     # vs 220.7 / 152.4 ms) and was removed.
     "pds_c128": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C_H64": 128}},
     "pds_c64": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64}},
+    "pds_triton_p1": {**tsa.BWD_CONFIG, "GLUON_P1": False},  # pass 1 by the Triton kernel (default until call 5)
     "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
+    "pds_triton_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1, "GLUON_P1": False},
     "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
     # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
     "pds_k16": {**_PDS, "PDS_CFG": {**_PDS1, "BLOCK_K": 16, "num_stages": 4},

@@ -71,7 +71,8 @@ def _rand_indices(T, topk, g):
 @pytest.mark.parametrize("dtype,H,D,DV,shared,pds_bytes", [
     (torch.float32, 8, 96, 64, False, None),
     (torch.bfloat16, 16, 576, 512, True, None),
-    (torch.bfloat16, 128, 576, 512, True, None),
+    (torch.bfloat16, 128, 576, 512, True, None),  # on sm_90: the Gluon forward and backward pass 1
+    (torch.bfloat16, 64, 576, 512, True, None),
     # the P/dS backward over several row chunks (256 rows, rounded to whole waves: 132 on an
     # H200, last chunk partial): same compiled kernels, ROW0 / NROWS vary
     (torch.bfloat16, 128, 576, 512, True, 256 * 128 * 128 * 2 * 2),

@@ -1,6 +1,6 @@
-"""The Gluon SFA forward on a machine without a GPU: it compiles for sm_90 with the installed Triton (the
-interpreter cannot run Gluon; values are checked by tests/gpu/test_dsa_gpu.py on the H200), fits in an H200's
-shared memory, and the dispatch in `sfa_forward` only picks it where it applies."""
+"""The Gluon SFA kernels (forward, backward pass 1) on a machine without a GPU: they compile for sm_90 with the
+installed Triton (the interpreter cannot run Gluon; values are checked by tests/gpu/test_dsa_gpu.py on the H200),
+fit in an H200's shared memory, and the dispatch only picks them where they apply."""
 
 from __future__ import annotations
 
@@ -22,32 +22,35 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from moeadapt.ops.dsa import gluon_sparse_attn as gws
-fn = gws._sfa_fwd_ws_kernel
-ptrs = dict(Q="*bf16", K="*bf16", IDX="*i32", O="*bf16", LSE="*fp32")
-const = {"TOPK_P2": 2048}
-sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+ptrs = dict(Q="*bf16", K="*bf16", IDX="*i32", O="*bf16", DO="*bf16", LSE="*fp32", P_="*bf16", DS_="*bf16")
 # what Triton's launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16 elements
-# (supported() requires them: the 16-byte cp.async gathers need them)
-div = [n for n in fn.arg_names if n in ptrs or n in ("sq_t", "sq_h", "sk_t", "sk_b")]
-attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
-                     attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = k.asm["ptx"]
-print(json.dumps(dict(shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
-                      setmaxnreg="setmaxnreg" in ptx, cp_async_arrive="cp.async.mbarrier.arrive" in ptx)))
+# (supported() requires them: the 16-byte cp.async copies need them)
+div = ("sq_t", "sq_h", "sk_t", "sk_b", "so_t", "so_h")
+res = {}
+for name, fn in (("fwd", gws._sfa_fwd_ws_kernel), ("bwd_p1", gws._sfa_bwd_p1_ws_kernel)):
+    sig = {n: "constexpr" if n == "TOPK_P2" else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
+           for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in ptrs or n in div}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("TOPK_P2"),): 2048}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    res[name] = dict(shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), setmaxnreg="setmaxnreg" in ptx,
+                     cp_async_arrive="cp.async.mbarrier.arrive" in ptx)
+print(json.dumps(res))
 """
 
 
-def test_gluon_forward_compiles_for_sm90():
+def test_gluon_kernels_compile_for_sm90():
     # a child process: tests/conftest.py turns the interpreter on for this one, and Gluon does not run under it
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 200_000 < r["shared"] <= 232_448  # two K buffers + Q, within the H100/H200 limit
-    assert r["wgmma"] >= 2 * (36 + 8)  # each consumer: S = Q K^T (36 k-steps of 16) and P V (2 x 4)
-    assert r["setmaxnreg"] and r["cp_async_arrive"]
+    for name, lo in (("fwd", 200_000), ("bwd_p1", 200_000)):  # Q (+ dO) and two K buffers; H100/H200 limit
+        assert lo < r[name]["shared"] <= 232_448, (name, r[name])
+        assert r[name]["setmaxnreg"] and r[name]["cp_async_arrive"], (name, r[name])
+    assert r["fwd"]["wgmma"] >= 2 * (36 + 8)  # each consumer: S = Q K^T (36 k-steps of 16) and P V (2 x 4)
+    assert r["bwd_p1"]["wgmma"] >= 2 * (36 + 32)  # each consumer: S = Q K^T and dP = dO V^T
 
 
 def test_gluon_forward_dispatch_on_cpu(monkeypatch):
@@ -58,6 +61,6 @@ def test_gluon_forward_dispatch_on_cpu(monkeypatch):
     kv = torch.zeros(1, 4, 1, 576, dtype=torch.bfloat16)
     idx = torch.zeros(1, 4, 8, dtype=torch.int32)
     assert not gws.supported(q, kv, kv[..., :512], idx)  # not CUDA
-    assert tsa._gluon_forward_module(q, kv, kv[..., :512], idx) is None
+    assert tsa._gluon_module(q, kv, kv[..., :512], idx) is None
     monkeypatch.setenv("MOEADAPT_SFA_GLUON", "0")
-    assert tsa._gluon_forward_module(q, kv, kv[..., :512], idx) is None
+    assert tsa._gluon_module(q, kv, kv[..., :512], idx) is None

@@ -73,16 +73,31 @@ def _gather_half(k1_s, k2_s, bars, kb, idx_row, blk, offs_c, i, TOPK, sk_t, w: g
 
 
 @gluon.jit
-def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t):
-    """Gather Q once, then the selected K rows of blocks 2i (buffer 0) and 2i + 1 (buffer 1)."""
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] tile, 16 B per cp.async
-    offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
-    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+def _load_q(Q, q1_s, q2_s, bars, row, h0, sq_t, sq_h, offs_r, offs_c):
+    """Q [64 heads, 576] of this row into shared memory, completion on the _Q barrier."""
     qp = Q + row * sq_t + (h0 + offs_r)[:, None] * sq_h + offs_c[None, :]
     for c in gl.static_range(8):
         _cp_async(q1_s.slice(c * 64, 64, dim=1), qp + c * 64)
     _cp_async(q2_s, qp + 512)
     async_copy.mbarrier_arrive(bars.index(_Q), increment_count=False)
+
+
+@gluon.jit
+def _row_span(IDX, row, si_t, TOPK, TOPK_P2: gl.constexpr):
+    """Last valid slot + 1 of an index row (the causal ramp t < topk walks fewer blocks)."""
+    SPAN_L: gl.constexpr = gl.BlockedLayout([TOPK_P2 // 128], [32], [4], [0])
+    offs = gl.arange(0, TOPK_P2, layout=SPAN_L)
+    ix = gl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
+    return gl.max(gl.where(ix >= 0, offs + 1, 0), axis=0)
+
+
+@gluon.jit
+def _producer(Q, K, IDX, q1_s, q2_s, k1_s, k2_s, bars, row, h0, kb_off, n_pairs, TOPK, sq_t, sq_h, sk_t, si_t):
+    """Gather Q once, then the selected K rows of blocks 2i (buffer 0) and 2i + 1 (buffer 1)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [64, 64] tile, 16 B per cp.async
+    offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    _load_q(Q, q1_s, q2_s, bars, row, h0, sq_t, sq_h, offs_r, offs_c)
     idx_row = IDX + row * si_t
     kb = K + kb_off
     for i in range(n_pairs):  # each consumer frees its own block's half first: gather those first
@@ -175,12 +190,7 @@ def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so
     row = (n_rows - 1 - pid // NHB).to(gl.int64)  # full rows (t >= topk) first; the head blocks of a row adjacent
     h0 = (pid % NHB) * 64
     kb_off = (row // T) * sk_b
-    # walk key blocks only up to the row's last valid slot
-    SPAN_L: gl.constexpr = gl.BlockedLayout([TOPK_P2 // 128], [32], [4], [0])
-    offs = gl.arange(0, TOPK_P2, layout=SPAN_L)
-    ix = gl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
-    span = gl.max(gl.where(ix >= 0, offs + 1, 0), axis=0)
-    n_pairs = (span + 127) // 128
+    n_pairs = (_row_span(IDX, row, si_t, TOPK, TOPK_P2) + 127) // 128  # walk only up to the last valid slot
 
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], KL)
@@ -242,3 +252,126 @@ def sfa_forward_ws(q, k, indices, scale):
         TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
     )
     return o, lse
+
+
+# ------------------------------------------------------------------ backward pass 1 (P and dS)
+P1_BK = gl.constexpr(32)  # keys per block: Q, dO and two K buffers fit in shared memory (72 + 64 + 2 x 36 KB)
+
+
+@gluon.jit
+def _p1_producer(Q, K, IDX, DO, q1_s, q2_s, do_s, k1_s, k2_s, bars, row, h0, kb_off, n_blocks, TOPK, sq_t, sq_h,
+                 so_t, so_h, sk_t, si_t):
+    """Q and dO once, then block j's selected K rows into buffer j % 2 (consumer j % 2's) once that one freed it."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    dp_ = DO + row * so_t + (h0 + offs_r)[:, None] * so_h + offs_c[None, :]
+    for c in gl.static_range(8):
+        _cp_async(do_s.slice(c * 64, 64, dim=1), dp_ + c * 64)
+    _load_q(Q, q1_s, q2_s, bars, row, h0, sq_t, sq_h, offs_r, offs_c)  # its arrive covers dO's copies too
+    offs_b = gl.arange(0, P1_BK, layout=gl.SliceLayout(1, L))
+    idx_row = IDX + row * si_t
+    kb = K + kb_off
+    for j in range(n_blocks):
+        w = j % 2
+        n = j // 2
+        mbarrier.wait(bars.index(_FREE + w), (n + 1) & 1, pred=n > 0)
+        kp, valid = _key_ptrs(kb, idx_row, j * P1_BK + offs_b, offs_c, TOPK, sk_t)
+        for c in gl.static_range(8):
+            _cp_async(k1_s.index(w).slice(c * 64, 64, dim=1), kp + c * 64, mask=valid)
+        _cp_async(k2_s.index(w), kp + 512, mask=valid)
+        async_copy.mbarrier_arrive(bars.index(_READY + w), increment_count=False)
+
+
+@gluon.jit
+def _p1_consumer(IDX, O, DO, LSE, P_, DS_, q1_s, q2_s, do_s, k1_s, k2_s, bars, row, local, h0, n_blocks, TOPK,
+                 qk_scale, scale, si_t, so_t, so_h, sl_t, sp_t, sp_h, W: gl.constexpr):
+    """Blocks j = W, W + 2, ...: S = Q K^T, dP = dO V^T, P = exp2(S - lse), dS = P (dP - delta) * scale (bf16)."""
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+    COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+    # delta = rowsum(dO * O) per head, 128 channels at a time
+    B_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_hb = gl.arange(0, 64, layout=gl.SliceLayout(1, B_L))
+    offs_db = gl.arange(0, 128, layout=gl.SliceLayout(0, B_L))
+    o_off = row * so_t + (h0 + offs_hb)[:, None] * so_h + offs_db[None, :]
+    delta = gl.zeros([64], gl.float32, gl.SliceLayout(1, B_L))
+    for c in gl.static_range(4):
+        delta += gl.sum(gl.load(DO + o_off + c * 128).to(gl.float32) * gl.load(O + o_off + c * 128).to(gl.float32), 1)
+    delta = gl.convert_layout(delta, ROW_S)
+    offs_h = gl.arange(0, 64, layout=ROW_S)
+    lse2 = gl.load(LSE + row * sl_t + h0 + offs_h) * 1.4426950408889634
+    offs_k = gl.arange(0, P1_BK, layout=COL_S)
+    idx_row = IDX + row * si_t
+    st_base = local * sp_t + (h0 + offs_h)[:, None] * sp_h
+    mbarrier.wait(bars.index(_Q), 0)
+    for n in range((n_blocks - W + 1) // 2):
+        j = 2 * n + W
+        mbarrier.wait(bars.index(_READY + W), n & 1)
+        kt = k1_s.index(W).permute((1, 0))
+        zero = gl.zeros([64, P1_BK], gl.float32, S_L)
+        s = hopper.warpgroup_mma(q1_s, kt, zero, use_acc=False, is_async=True)
+        s = hopper.warpgroup_mma(q2_s, k2_s.index(W).permute((1, 0)), s, is_async=True)
+        dp = hopper.warpgroup_mma(do_s, kt, zero, use_acc=False, is_async=True)
+        s, dp = hopper.warpgroup_mma_wait(0, deps=[s, dp])
+        _sync()
+        mbarrier.arrive(bars.index(_FREE + W))  # the producer refills while P and dS are formed
+        slot = j * P1_BK + offs_k
+        ix = gl.load(idx_row + slot, mask=slot < TOPK, other=-1)
+        p = gl.where((ix >= 0)[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None]) * scale
+        st = st_base + slot[None, :]
+        st_mask = (slot < TOPK)[None, :] & (offs_h >= 0)[:, None]
+        gl.store(P_ + st, p.to(gl.bfloat16), mask=st_mask)
+        gl.store(DS_ + st, ds.to(gl.bfloat16), mask=st_mask)
+
+
+@gluon.jit
+def _sfa_bwd_p1_ws_kernel(Q, K, IDX, O, DO, LSE, P_, DS_, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so_h, sl_t, sp_t, sp_h,
+                          T, TOPK, NHB, ROW0, NROWS, qk_scale, scale, TOPK_P2: gl.constexpr):
+    """P/dS backward, pass 1, for rows ROW0 .. ROW0 + NROWS (the chunk the P/dS buffers hold)."""
+    pid = gl.program_id(0)
+    local = (NROWS - 1 - pid // NHB).to(gl.int64)  # full rows first
+    row = ROW0 + local
+    h0 = (pid % NHB) * 64
+    kb_off = (row // T) * sk_b
+    n_blocks = (_row_span(IDX, row, si_t, TOPK, TOPK_P2) + P1_BK - 1) // P1_BK
+    KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q1_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], KL)
+    q2_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], KL)
+    do_s = gl.allocate_shared_memory(gl.bfloat16, [64, 512], KL)
+    k1_s = gl.allocate_shared_memory(gl.bfloat16, [2, P1_BK, 512], KL)
+    k2_s = gl.allocate_shared_memory(gl.bfloat16, [2, P1_BK, 64], KL)
+    bars = gl.allocate_shared_memory(gl.int64, [13, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(_Q), count=128)
+    for j in gl.static_range(2):
+        mbarrier.init(bars.index(_READY + j), count=128)
+        mbarrier.init(bars.index(_FREE + j), count=1)
+    gl.warp_specialize(
+        [
+            (_p1_consumer, (IDX, O, DO, LSE, P_, DS_, q1_s, q2_s, do_s, k1_s, k2_s, bars, row, local, h0, n_blocks,
+                            TOPK, qk_scale, scale, si_t, so_t, so_h, sl_t, sp_t, sp_h, 0)),
+            (_p1_consumer, (IDX, O, DO, LSE, P_, DS_, q1_s, q2_s, do_s, k1_s, k2_s, bars, row, local, h0, n_blocks,
+                            TOPK, qk_scale, scale, si_t, so_t, so_h, sl_t, sp_t, sp_h, 1)),
+            (_p1_producer, (Q, K, IDX, DO, q1_s, q2_s, do_s, k1_s, k2_s, bars, row, h0, kb_off, n_blocks, TOPK,
+                            sq_t, sq_h, so_t, so_h, sk_t, si_t)),
+        ],
+        [4, 4],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+def pds_pass1_ws(q, k, idx, o, do, lse, p_buf, ds_buf, scale, row0, n):
+    """Pass 1 of the P/dS backward for rows [row0, row0 + n) into p_buf / ds_buf [n', HQ, topk] (n' >= n);
+    q, k, idx, o, do, lse as `triton_sparse_attn._backward_pds` holds them (q, o, do contiguous; idx [B, T, 1, topk]
+    or [B, T, topk]). Writes slots [0, P1_BK * ceil(span / P1_BK)) of each row, P = dS = 0 at -1 slots."""
+    B, T, HQ, _ = q.shape
+    topk = idx.shape[-1]
+    idx = idx.reshape(B, T, topk)
+    nhb = HQ // BLOCK_H
+    _sfa_bwd_p1_ws_kernel[(n * nhb,)](
+        q, k, idx, o, do, lse, p_buf, ds_buf, q.stride(1), q.stride(2), k.stride(0), k.stride(1), idx.stride(1),
+        do.stride(1), do.stride(2), lse.stride(1), p_buf.stride(0), p_buf.stride(1),
+        T, topk, nhb, row0, n, scale * 1.4426950408889634, scale,
+        TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
+    )

@@ -576,8 +576,8 @@ def _walk_args(cfg, topk):
     return dict(SKIP=skip, REVERSE=bool(cfg.get("REVERSE", False)), TOPK_P2=tp2 if skip else 16)
 
 
-def _gluon_forward_module(q, k, v, indices):
-    """The warp-specialised Gluon forward (gluon_sparse_attn.py) when it applies: sm_90, bf16, the MLA
+def _gluon_module(q, k, v, indices):
+    """gluon_sparse_attn (the warp-specialised forward and backward pass 1) when it applies: sm_90, bf16, the MLA
     shape (D = 576, v = k[..., :512], one KV head, heads a multiple of 64). MOEADAPT_SFA_GLUON=0 turns it off."""
     if not q.is_cuda or os.environ.get("MOEADAPT_SFA_GLUON", "1") == "0":
         return None
@@ -591,7 +591,7 @@ def _gluon_forward_module(q, k, v, indices):
 def sfa_forward(q, k, v, indices, scale, cfg=None):
     """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200: 383-387 vs 296-297
     TFLOP/s at T = 32768, RESULTS.md), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
-    if cfg is None and (gws := _gluon_forward_module(q, k, v, indices)) is not None:
+    if cfg is None and (gws := _gluon_module(q, k, v, indices)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
     cfg = cfg or FWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
@@ -697,6 +697,8 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
 
     bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
+    # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes); GLUON_P1=False: Triton
+    gws = _gluon_module(q, k, v, idx) if cfg.get("GLUON_P1", True) else None
 
     def pass1(c, row0, n):
         bk1[0] = c["BLOCK_K"]
@@ -735,7 +737,10 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     only = cfg.get("ONLY_PASS")  # timing experiments: run one pass (wrong gradients)
     for row0 in range(0, rows_total, nrows):
         n = min(nrows, rows_total - row0)
-        if only != 2:
+        if only != 2 and gws is not None:
+            gws.pds_pass1_ws(q, k, idx, o, do, lse, pds[0], pds[1], scale, row0, n)
+            bk1[0] = gws.P1_BK.value
+        elif only != 2:
             _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
         if only != 1:
             _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
