@@ -231,6 +231,9 @@ CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error colum
     "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
     "pds_triton_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1, "GLUON_P1": False},
     "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
+    # call 6: pass 2 with plain stores in place of the dk/dv atomics (wrong result): how much the atomics cost
+    "pds_pass2_store_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2,
+                             "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "STORE_ONLY": True}},
     # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
     "pds_k16": {**_PDS, "PDS_CFG": {**_PDS1, "BLOCK_K": 16, "num_stages": 4},
                 "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},

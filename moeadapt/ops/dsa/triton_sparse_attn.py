@@ -424,7 +424,7 @@ def _sfa_bwd_from_pds_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
-    EXTENT_BK: tl.constexpr = 0,
+    EXTENT_BK: tl.constexpr = 0, STORE_ONLY: tl.constexpr = False,
 ):
     """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
     dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
@@ -478,15 +478,15 @@ def _sfa_bwd_from_pds_kernel(
         if V_FROM_K:
             dkv = _mm(tl.trans(p), doc, IEEE)
             dkv = _mm(tl.trans(ds), qc, IEEE, dkv)
-            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dkv,
-                          mask=valid[:, None] & mask_ck[None, :], sem="relaxed")
+            _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dkv,
+                         valid[:, None] & mask_ck[None, :], STORE_ONLY)
         else:
             dk = _mm(tl.trans(ds), qc, IEEE)
-            tl.atomic_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dk,
-                          mask=valid[:, None] & mask_ck[None, :], sem="relaxed")
+            _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dk,
+                         valid[:, None] & mask_ck[None, :], STORE_ONLY)
             dv = _mm(tl.trans(p), doc, IEEE)
-            tl.atomic_add(dvb_base + rows[:, None] * sdv_t + offs_c[None, :], dv,
-                          mask=valid[:, None] & mask_cv[None, :], sem="relaxed")
+            _scatter_add(dvb_base + rows[:, None] * sdv_t + offs_c[None, :], dv,
+                         valid[:, None] & mask_cv[None, :], STORE_ONLY)
     tl.store(DQ + row * sq_t + heads[:, None] * sq_h + offs_c[None, :], dq.to(DQ.dtype.element_ty),
              mask=mask_h[:, None] & mask_ck[None, :])
 
@@ -731,6 +731,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
             IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
             # EXTENT: mask P/dS loads by pass 1's written extent (a scalar per row) instead of per-slot validity
             EXTENT_BK=(bk1[0] if walk["SKIP"] else 1) if cfg.get("EXTENT") else 0,
+            STORE_ONLY=bool(c.get("STORE_ONLY", False)),  # timing experiments: plain stores, wrong dk/dv
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
 
