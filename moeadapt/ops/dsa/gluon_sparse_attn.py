@@ -1,8 +1,10 @@
-"""Warp-specialised SFA forward for Hopper (sm_90), written in Gluon (Triton's explicit-layout dialect).
+"""Warp-specialised SFA kernels for Hopper (sm_90), written in Gluon (Triton's explicit-layout dialect):
+the forward, and pass 1 (P and dS) of the P/dS backward.
 
-Same contract as `triton_sparse_attn.sfa_forward` for the MLA shape only: bf16, one KV head, D = 576
-(512 latent + 64 rope), DV = 512 with ``v = kv[..., :512]``, a multiple of 64 query heads per KV head.
-`supported()` says when it applies; everything else (and every CPU run) uses the Triton kernel.
+Same contracts as `triton_sparse_attn.sfa_forward` and its `_sfa_bwd_pds_kernel`, for the MLA shape only: bf16,
+one KV head, D = 576 (512 latent + 64 rope), DV = 512 with ``v = kv[..., :512]``, a multiple of 64 query heads.
+`supported()` says when they apply; everything else (and every CPU run) uses the Triton kernels.
+The backward pass 1 is described at `_sfa_bwd_p1_ws_kernel`; the forward below.
 
 Why a second kernel: the Triton forward reaches ~295 TFLOP/s and is stuck at the register limit
 (RESULTS.md, DSA). Its 8 warps split every product along N, so both warp groups read all of Q for
@@ -329,7 +331,11 @@ def _p1_consumer(IDX, O, DO, LSE, P_, DS_, q1_s, q2_s, do_s, k1_s, k2_s, bars, r
 @gluon.jit
 def _sfa_bwd_p1_ws_kernel(Q, K, IDX, O, DO, LSE, P_, DS_, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so_h, sl_t, sp_t, sp_h,
                           T, TOPK, NHB, ROW0, NROWS, qk_scale, scale, TOPK_P2: gl.constexpr):
-    """P/dS backward, pass 1, for rows ROW0 .. ROW0 + NROWS (the chunk the P/dS buffers hold)."""
+    """P/dS backward, pass 1, for rows ROW0 .. ROW0 + NROWS (the chunk the P/dS buffers hold). One CTA per
+    (row, 64 heads): a producer gathers 32-key K blocks into two buffers (Q and dO stay in shared memory: 72 + 64
+    + 2 x 36 KB); consumer c takes blocks c, c + 2, ... with no exchange: S = Q K^T, dP = dO V^T (N = 32 wgmmas),
+    frees the buffer, then P = exp2(S - lse) and dS = P (dP - delta) * scale go to global memory in bf16.
+    1.23-1.29x the Triton pass 1 at T = 32768 (RESULTS.md); holding dO in registers with 64-key blocks spilled."""
     pid = gl.program_id(0)
     local = (NROWS - 1 - pid // NHB).to(gl.int64)  # full rows first
     row = ROW0 + local

@@ -15,16 +15,19 @@ masks, then the masked tail). Other forward variants (a 1-D grid, deferred row s
 folded into exp2, index loads ahead, unmasked channels, a lazy rescale, warp specialisation) were
 measured slower or equal on the H200 and removed (RESULTS.md, DSA; code in commit 54a2241).
 
+On sm_90 with bf16 MLA shapes the forward and backward pass 1 run the warp-specialised Gluon kernels of
+gluon_sparse_attn.py instead (same contract; MOEADAPT_SFA_GLUON=0 keeps everything here).
+
 Backward (default, PDS=True): two passes per chunk of rows. Pass 1
 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
 dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK],
 at most PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
-runs per (query, head block, 128-channel chunk): dq[:, c] = dS K_sel[:, c] and
-dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv. No product
+runs per (query, head block, 128-channel chunk; 64 at 64-head blocks): dq[:, c] = dS K_sel[:, c] and
+dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv; it reads the P/dS slots
+pass 1 wrote (EXTENT: a scalar bound per row). No product
 is computed twice and every accumulator is small ([BLOCK_H, 128] fp32), where the fused
 kernel below spills its [64, 576] dq accumulator. dq is deterministic; dk/dv (atomics) are
-not (summation order). Chosen without timing (compiled for sm_90 on a CPU); the
-kernels of the first version stay selectable: BWD_CONFIG_OLD, BWD_CONFIG_SPLIT.
+not (summation order). The kernels of the first version stay selectable: BWD_CONFIG_OLD, BWD_CONFIG_SPLIT.
 
 Fused backward (BWD_CONFIG_OLD): the same walk recomputes P from lse, forms dP = dO V^T and
 dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
