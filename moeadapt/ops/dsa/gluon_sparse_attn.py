@@ -43,14 +43,13 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 # ... and thread_barrier to barrier (a bar.sync of the calling warp group inside a partition).
 _sync = getattr(gl, "barrier", None) or gl.thread_barrier
 
-BLOCK_H = 64  # query heads per CTA (the wgmma M of one warp group)
-BLOCK_K = 64  # selected keys per block
+BLOCK_H = 64  # query heads per CTA (the wgmma M of one warp group); the forward walks 64-key blocks
 D1, D2, DV = 512, 64, 512
-HALF = DV // 2  # output channels per consumer
 # mbarrier slots: Q ready; K ready [buffer w, half h] (at 2w + h); K free [w, h]; row max / row sum posted by
 # consumer c; P posted by consumer c
 _Q, _READY, _FREE, _MAX, _P = gl.constexpr(0), gl.constexpr(1), gl.constexpr(5), gl.constexpr(9), gl.constexpr(11)
-CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(40)  # setmaxnreg per warp group: 2 * 128 * 232 + 128 * 40 <= 65536
+# setmaxnreg per warp group: 2 * 128 * 232 + 128 * 40 <= 65536 registers of an SM
+CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(40)
 
 
 @gluon.jit
@@ -222,7 +221,7 @@ def _sfa_fwd_ws_kernel(Q, K, IDX, O, LSE, sq_t, sq_h, sk_b, sk_t, si_t, so_t, so
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor) -> bool:
-    """The shapes and devices this kernel is written for (else use the Triton kernel)."""
+    """The shapes and devices these kernels are written for (else the Triton kernels run)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     B, T, HQ, D = q.shape

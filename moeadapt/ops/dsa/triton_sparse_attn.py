@@ -592,8 +592,8 @@ def _gluon_module(q, k, v, indices):
 
 
 def sfa_forward(q, k, v, indices, scale, cfg=None):
-    """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200: 383-387 vs 296-297
-    TFLOP/s at T = 32768, RESULTS.md), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
+    """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200, T = 32768: 380-398 vs
+    288-297 TFLOP/s for this one, RESULTS.md), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
     if cfg is None and (gws := _gluon_module(q, k, v, indices)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
     cfg = cfg or FWD_CONFIG
@@ -700,8 +700,9 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
 
     bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
-    # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes); GLUON_P1=False: Triton
-    gws = _gluon_module(q, k, v, idx) if cfg.get("GLUON_P1", True) else None
+    # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes); GLUON_P1=False: Triton.
+    # It always stops at the row's last valid slot, so pass 2 must too (SKIP) for EXTENT's bound to hold.
+    gws = _gluon_module(q, k, v, idx) if cfg.get("GLUON_P1", True) and walk["SKIP"] else None
 
     def pass1(c, row0, n):
         bk1[0] = c["BLOCK_K"]
