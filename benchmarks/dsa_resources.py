@@ -56,6 +56,10 @@ CONFIGS = {  # name -> (kernel, constexprs + num_warps / num_stages)
     "pds_w4_ahead": ("pds", dict(MLA, **WALK, IDX_AHEAD=True, BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)),
     "apply_h128_ahead": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=True, BLOCK_C=128,
                                        BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    "apply_h128_w4": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=False, BLOCK_C=128,
+                                    BLOCK_H=128, BLOCK_K=64, num_warps=4, num_stages=3)),  # default since session 6
+    "apply_h64_c64_w4": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=False, BLOCK_C=64,
+                                       BLOCK_H=64, BLOCK_K=64, num_warps=4, num_stages=3)),  # default at HQ = 64
     "apply_h64": ("apply", dict(V_FROM_K=True, IEEE=False, I64=False, **WALK, IDX_AHEAD=False, BLOCK_C=128,
                                 BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=3)),
 }
