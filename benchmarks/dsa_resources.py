@@ -1,7 +1,7 @@
 """Compile the DSA attention kernels for sm_90 on any machine (no GPU needed) and print
 each configuration's registers, spill stack and shared memory, as ptxas/cuobjdump report them.
 
-    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/dsa_resources.py [name ...]
+    TRITON_INTERPRET=0 PYTHONPATH=. python benchmarks/dsa_resources.py [name ...]   (gluon_fwd, gluon_bwd_p1 too)
 
 Shapes of issue #4 (bf16, D = 576 = 512 + 64, DV = 512, v = kv[..., :512], topk = 2048);
 integer arguments get Triton's divisible-by-16 specialisation as they do at T = 32768.
@@ -79,16 +79,37 @@ def resources(kernel: str, opts: dict) -> str:
              if (n in ptrs or sig[n] == "i32") and n not in NO_DIV}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                     attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": nw, "num_stages": ns})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns})
     return res_usage(k)
 
 
+GLUON = ("gluon_fwd", "gluon_bwd_p1")  # the warp-specialised kernels of gluon_sparse_attn.py (4 warps + 2 workers)
+
+
+def gluon_resources(name: str) -> str:
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moeadapt.ops.dsa import gluon_sparse_attn as gws
+
+    fn = gws._sfa_fwd_ws_kernel if name == "gluon_fwd" else gws._sfa_bwd_p1_ws_kernel
+    ptrs = dict(Q=BF, K=BF, IDX="*i32", O=BF, DO=BF, LSE="*fp32", P_=BF, DS_=BF)
+    sig = {n: "constexpr" if n == "TOPK_P2" else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
+           for n in fn.arg_names}
+    div = [n for n in fn.arg_names if n in ptrs or n in ("sq_t", "sq_h", "sk_t", "sk_b", "so_t", "so_h")]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("TOPK_P2"),): 2048},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div})
+    return res_usage(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+
+
 def main():
-    names = sys.argv[1:] or list(CONFIGS)
+    names = sys.argv[1:] or list(CONFIGS) + list(GLUON)
     print(f"triton {triton.__version__}, target sm_90")
     for n in names:
-        kernel, opts = CONFIGS[n]
         try:
+            if n in GLUON:  # REG is the launch bound (384 threads); setmaxnreg gives the consumers 232
+                print(f"{n:20s} {gluon_resources(n)}", flush=True)
+                continue
+            kernel, opts = CONFIGS[n]
             print(f"{n:20s} {resources(kernel, opts)}", flush=True)
         except Exception as e:  # noqa: BLE001  (report and go on)
             print(f"{n:20s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
