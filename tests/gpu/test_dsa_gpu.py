@@ -89,6 +89,11 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, monkeypatch):
     v0 = torch.randn(1, T, 1, DV, device="cuda", generator=g).to(dtype)
     do = torch.randn(1, T, H, DV, device="cuda", generator=g).to(dtype)
     idx = _rand_indices(T, topk, g)
+    if dtype == torch.bfloat16 and shared and H % 64 == 0 and torch.cuda.get_device_capability() == (9, 0):
+        from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+        # this case runs the Gluon forward and backward pass 1 (unless MOEADAPT_SFA_GLUON=0)
+        assert (tsa._gluon_module(q, kv, kv[..., :DV], idx) is not None) == (os.environ.get("MOEADAPT_SFA_GLUON") != "0")
     res = []
     # bf16: the reference's own dk (gather backward accumulates in bf16) is off by ~2%,
     # so both are compared with the reference run in fp32 on the same inputs
