@@ -87,18 +87,9 @@ GLUON = ("gluon_fwd", "gluon_bwd_p1")  # the warp-specialised kernels of gluon_s
 
 
 def gluon_resources(name: str) -> str:
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from moeadapt.ops.dsa import gluon_sparse_attn as gws
 
-    fn = gws._sfa_fwd_ws_kernel if name == "gluon_fwd" else gws._sfa_bwd_p1_ws_kernel
-    ptrs = dict(Q=BF, K=BF, IDX="*i32", O=BF, DO=BF, LSE="*fp32", P_=BF, DS_=BF)
-    sig = {n: "constexpr" if n == "TOPK_P2" else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
-           for n in fn.arg_names}
-    div = [n for n in fn.arg_names if n in ptrs or n in ("sq_t", "sq_h", "sk_t", "sk_b", "so_t", "so_h")]
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("TOPK_P2"),): 2048},
-                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div})
-    return res_usage(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+    return res_usage(gws.compile_sm90(name.removeprefix("gluon_")))
 
 
 def main():

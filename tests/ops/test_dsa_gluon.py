@@ -18,21 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 _COMPILE = r"""
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+import json
 from moeadapt.ops.dsa import gluon_sparse_attn as gws
-ptrs = dict(Q="*bf16", K="*bf16", IDX="*i32", O="*bf16", DO="*bf16", LSE="*fp32", P_="*bf16", DS_="*bf16")
-# what Triton's launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16 elements
-# (supported() requires them: the 16-byte cp.async copies need them)
-div = ("sq_t", "sq_h", "sk_t", "sk_b", "so_t", "so_h")
 res = {}
-for name, fn in (("fwd", gws._sfa_fwd_ws_kernel), ("bwd_p1", gws._sfa_bwd_p1_ws_kernel)):
-    sig = {n: "constexpr" if n == "TOPK_P2" else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
-           for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in ptrs or n in div}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("TOPK_P2"),): 2048}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+for name in ("fwd", "bwd_p1"):
+    k = gws.compile_sm90(name)
     ptx = k.asm["ptx"]
     res[name] = dict(shared=k.metadata.shared, wgmma=ptx.count("wgmma.mma_async"), setmaxnreg="setmaxnreg" in ptx,
                      cp_async_arrive="cp.async.mbarrier.arrive" in ptx)

@@ -380,3 +380,21 @@ def pds_pass1_ws(q, k, idx, o, do, lse, p_buf, ds_buf, scale, row0, n):
         T, topk, nhb, row0, n, scale * 1.4426950408889634, scale,
         TOPK_P2=max(128, triton.next_power_of_2(topk)), num_warps=4,
     )
+
+
+def compile_sm90(name: str):
+    """Compile "fwd" or "bwd_p1" ahead of time for sm_90 (no GPU needed) with the signature a launch at the
+    issue's shapes gets: bf16 / int32 / fp32 pointers, 16-byte alignment and the strides supported() requires
+    divisible by 16 (the 16-byte cp.async copies need them), topk = 2048. Used by tests/ops/test_dsa_gluon.py
+    and benchmarks/dsa_resources.py; the interpreter cannot run Gluon, so call it with TRITON_INTERPRET unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = {"fwd": _sfa_fwd_ws_kernel, "bwd_p1": _sfa_bwd_p1_ws_kernel}[name]
+    ptrs = dict(Q="*bf16", K="*bf16", IDX="*i32", O="*bf16", DO="*bf16", LSE="*fp32", P_="*bf16", DS_="*bf16")
+    div = ("sq_t", "sq_h", "sk_t", "sk_b", "so_t", "so_h")
+    sig = {n: "constexpr" if n == "TOPK_P2" else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
+           for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names if n in ptrs or n in div}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index("TOPK_P2"),): 2048}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
