@@ -2,10 +2,11 @@
 
 Owns: `save_distributed` / `load_distributed` and `gather_full_state` (the whole model on rank 0, for
 the final model/adapter export). A checkpoint directory `step_NNNNNNN/` holds
-  DCP shards + `.metadata`  model tensors "model.<name>" (trainable parameters — only the adapters in a
+  DCP shards + metadata.json model tensors "model.<name>" (trainable parameters — only the adapters in a
                             LoRA run — and the router biases) and optimizer state "optim.<name>.<key>";
   meta.json                 step, scheduler, data position, learning rates, the saving world size and ep;
-  rng/rank_<r>.pt           each rank's RNG state (restored when the world size is unchanged).
+  rng/rank_<r>.safetensors  each rank's RNG state (restored when the world size is unchanged).
+Nothing in it is a pickle (parallel/safe_dcp.py: JSON metadata, safetensors RNG).
 It is written to `.step_NNNNNNN.tmp` by all ranks and renamed by rank 0 after a barrier; `latest` names
 the newest (the single-process reader `train.checkpoint.latest_checkpoint` finds it).
 
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..io import atomic_write_text, replace_dir
 from ..models.moe import GroupedExperts
 from .mesh import ParallelDims
+from .safe_dcp import METADATA_FILE, SafeReader, SafeWriter, load_rng, read_safe_metadata, save_rng
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -87,11 +89,8 @@ def save_distributed(root: str | Path, step: int, model: nn.Module, optimizer, s
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     sd, _ = _state(model, optimizer, dims)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
+    dcp.save(sd, storage_writer=SafeWriter(str(tmp)))
+    save_rng(tmp / "rng" / f"rank_{rank}.safetensors")
     if rank == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler_state,
                 "lrs": [g["lr"] for g in optimizer.param_groups], "world_size": dims.world_size, "ep": dims.ep,
@@ -108,11 +107,11 @@ def save_distributed(root: str | Path, step: int, model: nn.Module, optimizer, s
 def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, dims: ParallelDims) -> tuple[int, dict]:
     """Restore in place (any world size / ep degree); returns (step, sampler_state). Collective."""
     path = Path(path)
-    if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a distributed checkpoint (no meta.json / .metadata); was the save "
-                                "interrupted, or was it written by a single-process run (resume without torchrun)?")
+    if not (path / "meta.json").is_file() or not any((path / f).is_file() for f in (METADATA_FILE, ".metadata")):
+        raise FileNotFoundError(f"{path} is not a distributed checkpoint (no meta.json / {METADATA_FILE}); was the "
+                                "save interrupted, or was it written by a single-process run (resume without torchrun)?")
     meta = json.loads((path / "meta.json").read_text())
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_safe_metadata(path).state_dict_metadata
     experts = expert_param_names(model)
     own = _model_tensors(model)
     want = {f"model.{n}" for n in own}
@@ -136,7 +135,7 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
                     tgt = _portable(torch.zeros_like(p.detach()), n in experts, dims)
                 sd[key] = tgt
                 opt_targets.append((p, n, k, key))
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+    dcp.load(sd, storage_reader=SafeReader(str(path)))
     with torch.no_grad():
         for n, t in own.items():
             if n in experts and dims.ep > 1:
@@ -153,12 +152,9 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
     for g, lr in zip(optimizer.param_groups, meta["lrs"]):
         g["lr"] = lr
     scheduler.load_state_dict(meta["scheduler"])
-    rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
+    rng_file = path / "rng" / f"rank_{dist.get_rank()}.safetensors"
     if meta["world_size"] == dims.world_size and rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        load_rng(rng_file)
     else:  # another world size: per-rank streams cannot carry over; derive fresh ones from the step
         torch.manual_seed(int(meta["step"]) * 1000003 + dist.get_rank())
     return int(meta["step"]), meta["sampler"]

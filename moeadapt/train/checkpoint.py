@@ -60,7 +60,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
     """Restore in place; returns (step, sampler_state)."""
     path = Path(path)
     state_file = path / "state.json"
-    if not state_file.is_file() and (path / ".metadata").is_file():
+    if not state_file.is_file() and any((path / f).is_file() for f in ("metadata.json", ".metadata")):
         raise FileNotFoundError(f"{path} is a distributed (DCP) checkpoint written under torchrun; resume it with "
                                 "`torchrun --nproc_per_node N -m moeadapt train ...` (any N)")
     if not state_file.is_file():

@@ -35,7 +35,7 @@ def test_torchrun_train_then_resume_on_fewer_ranks(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "run"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
-    assert (run / "checkpoints" / "step_0000004" / ".metadata").is_file()
+    assert (run / "checkpoints" / "step_0000004" / "metadata.json").is_file()
     assert (run / "model" / "model.safetensors").is_file() and (run / "summary.json").is_file()
     # resume from latest on one rank (ep=1), micro-batch doubled so the global batch is the same
     r = _torchrun(1, "-m", "moeadapt", "train", str(f), "--set", "train.steps=6", "train.micro_batch_size=4",
