@@ -182,7 +182,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         dev = q.device
         cfg = _cfg(K, V, q.dtype, HV)
         Tt = B * T
+        # cotangents may arrive expanded (stride 0, from `.sum()`) or strided: the kernels index them densely
         do = do.contiguous()
+        dht = None if dht is None else dht.contiguous()
         if h is None:
             h, vn, _ = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, False)
         dh = torch.empty_like(h)
@@ -297,7 +299,7 @@ def chunk_kda_triton(
         q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
     if beta_is_logits:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
-    h0 = None if initial_state is None else initial_state.float()
+    h0 = None if initial_state is None else initial_state.float().contiguous()  # kernels index it densely
     o, ht = ChunkKDAFunction.apply(
         q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias if A_log is not None else None
     )
