@@ -11,7 +11,7 @@ import yaml
 
 from .config import RunConfig, build_run_config, load_run_config, resolve_model
 from .config.load import ConfigError
-from .data.dataset import PackedDataset, pack, read_jsonl
+from .data.dataset import PackedDataset, check_targets, pack, read_jsonl
 from .data.tokenizer import get_tokenizer
 from .io import save_model_dir
 from .lora import export_peft, inject_lora, load_peft, merge_lora
@@ -31,8 +31,23 @@ def _cfg(config: str | Path | dict | RunConfig, overrides: dict[str, Any] | None
     return load_run_config(config, overrides)
 
 
+def _check_launch(cfg: RunConfig) -> None:
+    """Degrees that need several processes are refused in a single-process run instead of being ignored."""
+    import os
+
+    p = cfg.parallel
+    if "WORLD_SIZE" not in os.environ and (p.world_size > 1 or p.ep > 1):
+        raise ConfigError(f"parallel: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} ep={p.ep} cp={p.cp} need "
+                          f"{p.world_size} processes; launch with `torchrun --nproc_per_node {p.world_size} -m "
+                          "moeadapt train ...`, or set them to 1 for a single-process run")
+
+
 def _save_resolved(cfg: RunConfig) -> None:
     out = Path(cfg.train.output_dir)
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"train.output_dir {out}: {parent} is a file, not a directory; choose another "
+                              "output_dir")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
@@ -42,6 +57,17 @@ def train(config, overrides: dict[str, Any] | None = None, quiet: bool = False):
     from .train.trainer import train as _train
 
     cfg = _cfg(config, overrides)
+    _check_launch(cfg)
+    if cfg.train.init_from:
+        from .config.load import model_spec_from_dir
+
+        if not Path(cfg.train.init_from).is_dir():
+            raise ConfigError(f"train.init_from {cfg.train.init_from} is not a directory; give a model directory "
+                              "(config.json + model.safetensors), e.g. RUN/model")
+        try:
+            model_spec_from_dir(cfg.train.init_from)
+        except ConfigError as e:
+            raise ConfigError(f"train.init_from: {e}") from None
     _save_resolved(cfg)
     return _train(cfg, quiet=quiet)
 
@@ -64,6 +90,11 @@ def load_model_dir(model: str | Path, adapter: str | Path | None = None, device:
     m = materialize(build_model(spec, "meta"), device)
     if Path(str(model)).is_dir():
         load_model(model, m)
+    else:  # a preset: the weights are random
+        import sys
+
+        print(f"warning: {model!r} is a preset with random weights (not a trained model): its output is noise; give "
+              "a model directory written by `moeadapt train` (RUN/model) for real results", file=sys.stderr)
     if adapter is not None:
         load_peft(m, adapter)
     m.eval()
@@ -75,9 +106,13 @@ def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, se
     from .config import TrainSpec
     from .train.trainer import evaluate as _eval
 
+    for name, v, lo in (("seq_len", seq_len, 2), ("batch_size", batch_size, 1), ("max_batches", max_batches, 1)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
     m = load_model_dir(model, adapter)
     tok = get_tokenizer(tokenizer, model)
     ds = PackedDataset(*pack(read_jsonl(data), tok, seq_len))
+    check_targets(ds, str(data))
     cfg = RunConfig(model=m.spec, train=TrainSpec(micro_batch_size=batch_size, seq_len=seq_len, eval_batches=max_batches))
     loss = _eval(m, ds, cfg, torch.device("cpu"))
     return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()), "rows": min(len(ds), max_batches * batch_size)}
@@ -106,6 +141,12 @@ def _decode(m: HybridMoEModel, tok, prompt: str, max_new_tokens: int, temperatur
 def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, max_new_tokens: int = 64,
              temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto") -> str:
     """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("the prompt is empty; give some text to continue")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise ValueError(f"temperature={temperature!r} must be >= 0 and finite (0 = greedy)")
     m = load_model_dir(model, adapter)
     tok = get_tokenizer(tokenizer, model)
     return _decode(m, tok, prompt, max_new_tokens, temperature, chat, torch.Generator().manual_seed(seed))
@@ -117,10 +158,13 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
     from .train.checkpoint import latest_checkpoint
 
     run_dir = Path(run_dir)
+    _check_out_dir(out, "export-adapter --out")
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = build_run_config(yaml.safe_load(cfg_file.read_text()), str(cfg_file))
+    from .config.load import safe_load_yaml
+
+    cfg = build_run_config(safe_load_yaml(cfg_file.read_text(), str(cfg_file)), str(cfg_file))
     if cfg.lora is None:
         raise ConfigError(f"{run_dir} is a full-training run; it has no adapter to export")
     m = materialize(build_model(cfg.model, "meta"), "cpu")
@@ -142,8 +186,20 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
                        **peft_maps(cfg.train.init_from))
 
 
+def _check_out_dir(out: str | Path, what: str) -> None:
+    """An output directory may replace an earlier one of ours, never a file or a directory of something else."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} {out} is an existing file; give a new directory path")
+    if out.is_dir() and any(out.iterdir()) and not ((out / "config.json").is_file()
+                                                     or (out / "adapter_config.json").is_file()):
+        raise ValueError(f"{what} {out} is a non-empty directory that is not a model/adapter directory; give a new "
+                         "path (it would be replaced)")
+
+
 def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
     """Fold a PEFT adapter into the base weights and write a plain model directory."""
+    _check_out_dir(out, "merge-adapter --out")
     m = load_model_dir(model, adapter)
     merge_lora(m)
     return save_model_dir(m, m.spec.model_dump(), out)

@@ -17,16 +17,36 @@ console = make_console()
 
 
 def _kv(items: list[str]) -> dict:
-    """--set train.lr=1e-3 style overrides (values parsed as YAML scalars)."""
-    import yaml
+    """--set train.lr=1e-3 style overrides (values parsed as YAML)."""
+    from .config.load import parse_overrides
 
-    out = {}
-    for it in items or []:
-        if "=" not in it:
-            raise ValueError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {it!r}")
-        k, v = it.split("=", 1)
-        out[k] = yaml.safe_load(v)
-    return out
+    return parse_overrides(items)
+
+
+def _bounded(kind, lo, strict: bool = False):
+    """An argparse type: `kind` with value >= lo (> lo when strict), with the bound in the message."""
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if (v <= lo) if strict else (v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo}, got {text}")
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        return v
+    return conv
+
+
+POS_INT = _bounded(int, 1)
+NONNEG_FLOAT = _bounded(float, 0.0)
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _print_info(c: dict) -> None:
@@ -46,25 +66,25 @@ def _print_info(c: dict) -> None:
 def _add_plan_parsers(sub) -> None:
     s = sub.add_parser("plan", help="search EP / FSDP / CP / recompute / micro-batch plans that fit the GPUs")
     s.add_argument("--model", required=True, help="a preset name or a model directory")
-    s.add_argument("--gpus", type=int, required=True)
+    s.add_argument("--gpus", type=POS_INT, required=True)
     s.add_argument("--gpu-mem", default="141GiB", help="usable memory per GPU, e.g. 141GiB, 80GB")
     s.add_argument("--lora", action="store_true", help="LoRA fine-tune (frozen base) instead of full training")
-    s.add_argument("--lora-rank", type=int, default=16)
-    s.add_argument("--seq-len", type=int, default=None, help="fix the sequence length (default: search 2048 and 4096)")
-    s.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: search)")
-    s.add_argument("--top", type=int, default=5)
+    s.add_argument("--lora-rank", type=POS_INT, default=16)
+    s.add_argument("--seq-len", type=POS_INT, default=None, help="fix the sequence length (default: search 2048 and 4096)")
+    s.add_argument("--micro-batch", type=POS_INT, default=None, help="fix the micro-batch (default: search)")
+    s.add_argument("--top", type=POS_INT, default=5)
     s.add_argument("--cp", default="1", help="context-parallel degrees to search, e.g. 1,2,4,8 (default 1: "
                    "parallel/ does not run cp>1 yet)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("simulate-routing", help="per-rank token loads and all-to-all volume under EP")
-    s.add_argument("--experts", type=int, default=896)
-    s.add_argument("--top-k", type=int, default=16)
-    s.add_argument("--ep", type=int, default=64)
-    s.add_argument("--tokens", type=int, default=65536, help="tokens per step (all ranks)")
+    s.add_argument("--experts", type=POS_INT, default=896)
+    s.add_argument("--top-k", type=POS_INT, default=16)
+    s.add_argument("--ep", type=POS_INT, default=64)
+    s.add_argument("--tokens", type=POS_INT, default=65536, help="tokens per step (all ranks)")
     s.add_argument("--dist", default="zipf:1.0", help="uniform | zipf:S | a metrics.jsonl path (per-expert counts)")
     s.add_argument("--layer", type=int, default=None, help="MoE layer to take from a metrics.jsonl")
-    s.add_argument("--latent", type=int, default=3584, help="values per token-choice on the wire")
-    s.add_argument("--bytes-per-value", type=int, default=2)
+    s.add_argument("--latent", type=POS_INT, default=3584, help="values per token-choice on the wire")
+    s.add_argument("--bytes-per-value", type=POS_INT, default=2)
     s.add_argument("--png", default=None, help="write a plot here")
     s.add_argument("--json", action="store_true")
     s.add_argument("--seed", type=int, default=0)
@@ -74,10 +94,20 @@ def _run_plan_command(args) -> None:
     from . import api
 
     if args.cmd == "plan":
+        try:
+            cps = tuple(int(c) for c in args.cp.split(","))
+        except ValueError:
+            raise ValueError(f"--cp {args.cp!r}: give comma-separated integers such as 1,2,4") from None
+        if any(c < 1 for c in cps):
+            raise ValueError(f"--cp {args.cp!r}: every degree must be >= 1")
         api.plan(args.model, args.gpus, args.gpu_mem, lora=args.lora, lora_rank=args.lora_rank, seq_len=args.seq_len,
                  micro_batch=args.micro_batch, top=args.top, as_json=args.json,
-                 cps=tuple(int(c) for c in args.cp.split(",")))
+                 cps=cps)
     else:
+        if args.top_k > args.experts:
+            raise ValueError(f"--top-k {args.top_k} exceeds --experts {args.experts}; each token picks distinct experts")
+        if args.experts % args.ep:
+            raise ValueError(f"--ep {args.ep} does not divide --experts {args.experts}; choose a divisor")
         api.simulate_routing(args.experts, args.top_k, args.ep, args.tokens, args.dist, layer=args.layer,
                              latent=args.latent, bytes_per_value=args.bytes_per_value, png=args.png,
                              as_json=args.json, seed=args.seed)
@@ -94,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True)
     s.add_argument("--adapter")
     s.add_argument("--data", required=True)
-    s.add_argument("--seq-len", type=int, default=256)
-    s.add_argument("--batches", type=int, default=16)
+    s.add_argument("--seq-len", type=_bounded(int, 2), default=256)
+    s.add_argument("--batches", type=POS_INT, default=16)
     s = sub.add_parser("generate", help="generate text from a model (+ adapter)")
     s.add_argument("--model", required=True)
     s.add_argument("--adapter")
-    s.add_argument("--prompt", required=True)
+    s.add_argument("--prompt", required=True, type=_nonempty)
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--max-new-tokens", type=POS_INT, default=64)
+    s.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0, help="0 = greedy")
     s = sub.add_parser("export-adapter", help="write a LoRA run's adapter as a PEFT directory")
     s.add_argument("run_dir")
     s.add_argument("--out", required=True)
@@ -151,12 +181,49 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"run config written to {r['config_written']}")
         elif args.cmd in ("plan", "simulate-routing"):
             _run_plan_command(args)
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and type(e).__name__ not in ("TrainingError",):
+    except KeyboardInterrupt as e:
+        print(f"interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised
+        msg = user_error(e)
+        if msg is None:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     return 0
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one-line message for an error the user can act on; None for a bug (shown as a traceback)."""
+    import errno
+    import os
+
+    from pydantic import ValidationError
+
+    rank = f"rank {os.environ['RANK']}: " if "WORLD_SIZE" in os.environ and os.environ.get("WORLD_SIZE") != "1" else ""
+    if isinstance(e, ValidationError):
+        from .config.load import format_validation_error
+
+        return rank + format_validation_error(e, e.title).replace("\n", "; ")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{rank}disk full while writing {e.filename or 'a file'}; free space (or point train.output_dir at "
+                "another disk) and run again" + (f" - {e.moeadapt_hint}" if getattr(e, "moeadapt_hint", None) else ""))
+    if isinstance(e, (IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):
+        return f"{rank}{e.strerror}: {e.filename}" + (f" ({e.moeadapt_hint})" if getattr(e, "moeadapt_hint", None) else "")
+    if isinstance(e, (ValueError, FileNotFoundError, ImportError)):
+        return f"{rank}{e}"
+    if isinstance(e, RuntimeError) and type(e).__name__ == "TrainingError":
+        return f"{rank}{e}"
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover
+        DistError = ()
+    if rank and isinstance(e, (DistError, RuntimeError)) and any(
+            w in str(e) for w in ("Connection", "connection", "closed", "NCCL", "Gloo", "gloo", "timed out", "Timeout")):
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return (f"{rank}lost contact with another rank ({first}); a rank died or hung - torchrun's summary below "
+                "names it; resume with train.resume=true")
+    return None
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
 
 
 @contextlib.contextmanager
@@ -107,4 +110,16 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
         if own[k].shape != v.shape:
             raise ValueError(f"{source}: tensor {k} has shape {tuple(v.shape)}, the model expects "
                              f"{tuple(own[k].shape)}; the checkpoint belongs to another model config")
+        check_dtype_kind(k, v, own[k], source)
     model.load_state_dict(state, strict=False)
+
+
+def check_dtype_kind(name: str, got: torch.Tensor, want: torch.Tensor, source: str) -> None:
+    """Floating weights may change precision on load; an integer or bool tensor where the model holds floats
+    (or the reverse) is a broken or foreign file, never cast."""
+    def kind(t):
+        return ("floating" if t.is_floating_point() else "complex" if t.is_complex()
+                else "bool" if t.dtype == torch.bool else "integer")
+    if kind(got) != kind(want):
+        raise ValueError(f"{source}: tensor {name} is {got.dtype} but the model holds {want.dtype} there; the file "
+                         "is corrupt or was not written for this model - re-export it")

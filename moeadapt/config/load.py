@@ -20,6 +20,69 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the field and the fix."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that rejects a key given twice in one mapping (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, f"unhashable key {key!r}",
+                                                        key_node.start_mark) from None
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first on line {seen[key] + 1}, again on "
+                    f"line {key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def safe_load_yaml(text: str, where: str):
+    """YAML -> Python objects (no tags that build objects); duplicate keys are an error naming `where`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """`--set KEY=VALUE` items (VALUE parsed as YAML) -> {dotted key: value}; errors name the item."""
+    out: dict[str, Any] = {}
+    for it in items or []:
+        if "=" not in it:
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {it!r}")
+        k, v = it.split("=", 1)
+        if not k or any(not p.isidentifier() for p in k.split(".")):
+            raise ConfigError(f"--set {it!r}: {k!r} is not a dotted field name such as train.lr")
+        if not v.strip():
+            raise ConfigError(f"--set {it!r} has no value; give KEY=VALUE")
+        try:
+            out[k] = safe_load_yaml(v, f"--set {it!r}: the value")
+        except ConfigError as e:
+            raise ConfigError(f"{e}; write the value as YAML, e.g. train.betas=[0.9,0.95]") from None
+    return out
+
+
+def apply_overrides(raw: dict, overrides: dict[str, Any], where: str) -> None:
+    """Set dotted keys in the raw config mapping; a dotted key that runs through a non-mapping is an error."""
+    for dotted, v in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for i, p in enumerate(parents):
+            nxt = node.setdefault(p, {})
+            if isinstance(nxt, str) and i == 0 and p == "model":  # model: NAME -> {preset: NAME} to override fields
+                nxt = node[p] = {"preset": nxt}
+            if not isinstance(nxt, dict):
+                at = ".".join(parents[:i + 1])
+                raise ConfigError(f"--set {dotted}={v!r}: {at} is {nxt!r} in {where}, not a section; set {at}=VALUE "
+                                  "or a field of a section (e.g. train.lr)")
+            node = nxt
+        node[leaf] = v
+
+
 def format_validation_error(err: ValidationError, where: str) -> str:
     lines = []
     for e in err.errors():
@@ -37,12 +100,18 @@ def model_spec_from_dir(path: str | Path) -> ModelSpec:
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
+        if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
+            raise ConfigError(f"{path} is a run directory; point at its trained model, {path / 'model'}")
+        if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
+            raise ConfigError(f"{path} is a LoRA run directory; give its base model and --adapter {path / 'adapter'}")
         raise ConfigError(f"{path} has no config.json; give a preset name ({', '.join(preset_names())}) "
                           "or a model directory")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON ({e}); re-export the model") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON ({e}); re-export the model") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} holds a {type(cfg).__name__}, not a JSON object; re-export the model")
     if "moeadapt" not in cfg:  # a Hugging Face checkpoint: map it through onboarding (lazy: onboard imports torch)
         from ..onboard.families import OnboardError, read_family
 
@@ -63,18 +132,25 @@ def resolve_model(value: str | dict | ModelSpec) -> ModelSpec:
     if isinstance(value, str):
         if value in preset_names():
             return get_preset(value)
-        if Path(value).exists():
+        if Path(value).is_dir():
             return model_spec_from_dir(value)
+        if Path(value).exists():
+            raise ConfigError(f"model {value!r} is a file; give a model directory (config.json + model.safetensors) "
+                              f"or a preset ({', '.join(preset_names())})")
         raise ConfigError(f"model {value!r} is neither a preset ({', '.join(preset_names())}) nor an existing directory")
     if isinstance(value, dict):
         value = dict(value)
         base = value.pop("preset", None)
         try:
             if base is not None:
+                if not isinstance(base, str) or base not in preset_names():
+                    raise ConfigError(f"model.preset {base!r} is not a preset; choose one of {preset_names()}")
                 return get_preset(base, **value)
             return ModelSpec(**value)
         except ValidationError as e:
             raise ConfigError(format_validation_error(e, "model")) from None
+        except TypeError as e:  # a non-string key
+            raise ConfigError(f"model: {e}") from None
     raise ConfigError(f"model must be a preset name, a directory or a mapping, got {type(value).__name__}")
 
 
@@ -98,16 +174,17 @@ def build_run_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
 
 def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a directory; give a YAML file (examples/*.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    for dotted, v in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    raw = safe_load_yaml(text, str(path))
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with keys model/lora/train/data/parallel")
+    apply_overrides(raw, overrides or {}, str(path))
     return build_run_config(raw, str(path))

@@ -78,7 +78,7 @@ def preset_names() -> list[str]:
     return list(_PRESETS)
 
 
-def get_preset(name: str, **overrides) -> ModelSpec:
+def get_preset(name: str, /, **overrides) -> ModelSpec:
     if name not in _PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()} or give a model directory")
     kw = dict(_PRESETS[name])

@@ -220,6 +220,14 @@ class TrainSpec(_Strict):
     tensorboard: bool = False
     kernel_backend: Literal["auto", "reference", "triton"] = "auto"
 
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas={list(v)}: each Adam beta must be in [0, 1) (decay rates of the moment "
+                             "averages); the usual values are [0.9, 0.95]")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> TrainSpec:
         if self.warmup_steps is None:

@@ -25,28 +25,59 @@ def resolve_path(path: str) -> Path:
             raise FileNotFoundError(f"no built-in dataset {path!r}; available: {['builtin:' + n for n in names]}")
         return p
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"data path {p} is a directory; give a .jsonl file (one JSON record per line)")
     if not p.is_file():
         raise FileNotFoundError(f"data file {p} does not exist")
     return p
 
 
+def _check_record(rec, where: str) -> None:
+    """The record's shape, with the place and the fix (a wrong type would fail deep in the tokenizer)."""
+    if not isinstance(rec, dict) or not ("text" in rec or "messages" in rec):
+        raise ValueError(f"{where}: each record needs a 'text' string or a 'messages' list")
+    if "text" in rec and not isinstance(rec["text"], str):
+        raise ValueError(f"{where}: 'text' is a {type(rec['text']).__name__}, not a string; quote it")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, "
+                             f"got {type(msgs).__name__}")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: messages[{j}] needs a string 'role' and a string 'content', got {m!r:.80}")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"{where}: messages[{j}] has role {m['role']!r}; use 'system', 'user' or 'assistant'")
+
+
 def read_jsonl(path: str) -> list[dict]:
     p = resolve_path(path)
     out = []
-    with p.open() as f:
-        for i, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{i}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "convert the file to UTF-8") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(rec, dict) or not ("text" in rec or "messages" in rec):
-                raise ValueError(f"{p}:{i}: each record needs a 'text' string or a 'messages' list")
+            _check_record(rec, f"{p}:{i}")
             out.append(rec)
     if not out:
         raise ValueError(f"{p} holds no records")
     return out
+
+
+def check_targets(ds: PackedDataset, source: str) -> None:
+    """A dataset with no token to predict would train and evaluate at loss 0: refuse it, naming the source."""
+    if not bool((ds.labels != -100).any()):
+        raise ValueError(f"{source} has no target tokens (chat records without an assistant turn, or all loss "
+                         "masked); add assistant messages, or use text records / data.format: text")
 
 
 def encode_record(rec: dict, tok, fmt: str = "auto") -> tuple[list[int], list[bool]]:
@@ -141,5 +172,8 @@ def build_datasets(data_spec, tok, seq_len: int, seed: int) -> tuple[PackedDatas
             raise ValueError(f"{data_spec.train} has too few records ({len(recs)}) to hold out an eval split; "
                              "set data.eval")
         recs, ev = recs[:-n_ev], recs[-n_ev:]
-    return (PackedDataset(*pack(recs, tok, seq_len, data_spec.format)),
-            PackedDataset(*pack(ev, tok, seq_len, data_spec.format)))
+    train_ds = PackedDataset(*pack(recs, tok, seq_len, data_spec.format))
+    eval_ds = PackedDataset(*pack(ev, tok, seq_len, data_spec.format))
+    check_targets(train_ds, data_spec.train)
+    check_targets(eval_ds, data_spec.eval or f"the held-out end of {data_spec.train}")
+    return train_ds, eval_ds

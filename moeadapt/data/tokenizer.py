@@ -55,7 +55,14 @@ class HFTokenizer:
         except ImportError as e:
             raise ImportError("this model ships tokenizer.json; install the `tokenizers` package to use it") from e
         p = Path(path)
-        self.tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+        f = p / "tokenizer.json" if p.is_dir() else p
+        if not f.is_file():
+            raise FileNotFoundError(f"tokenizer {f} does not exist; set data.tokenizer to 'byte', 'auto' or a path "
+                                    "holding tokenizer.json")
+        try:
+            self.tok = Tokenizer.from_file(str(f))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+            raise ValueError(f"{f} is not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         self.vocab_size = self.tok.get_vocab_size()
         vocab = self.tok.get_vocab()
 

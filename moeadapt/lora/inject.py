@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import LoRASpec
+from ..config.schema import DEFAULT_LORA_TARGETS
 from ..models.moe import GroupedLinear
 from .layers import GroupedLoRALinear, LoRALinear
 
@@ -38,6 +39,13 @@ def inject_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
         examples = sorted({n.split(".", 2)[-1] for n, m in model.named_modules()
                            if isinstance(m, (nn.Linear, GroupedLinear))})[:12]
         raise ValueError(f"LoRA targets {spec.targets} matched no module; names look like {examples}")
+    if list(spec.targets) != DEFAULT_LORA_TARGETS:  # the default list names every family's layers: some are absent
+        linear = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, GroupedLinear))]
+        unused = [p for p in spec.targets if not any(_matches(n, [p]) for n in linear)]
+        if unused:
+            examples = sorted({n.split(".", 2)[-1] for n in linear})[:12]
+            raise ValueError(f"lora.targets {unused} match no module (the others do); fix or remove them - names "
+                             f"look like {examples}")
     for p in model.parameters():
         p.requires_grad_(False)
     for name, mod in targets:

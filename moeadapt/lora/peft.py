@@ -19,9 +19,11 @@ import json
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from ..config import LoRASpec
+from ..config.load import format_validation_error
 from ..io import atomic_dir, load_tensors, save_tensors
 from .inject import inject_lora, lora_modules
 from .layers import LoRALinear
@@ -76,12 +78,26 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
     f = path / "adapter_config.json"
     if not f.is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
-    cfg = json.loads(f.read_text())
+    try:
+        cfg = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f} is not valid JSON ({e}); the adapter is corrupt - export it again") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{f} holds a {type(cfg).__name__}, not a JSON object; export the adapter again")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
-    targets = cfg.get("moeadapt", {}).get("targets") or cfg["target_modules"]
-    return LoRASpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                    targets=targets), cfg
+    missing = [k for k in ("r", "lora_alpha") if k not in cfg]
+    own = cfg.get("moeadapt") if isinstance(cfg.get("moeadapt"), dict) else {}
+    targets = own.get("targets") or cfg.get("target_modules")
+    if missing or not targets:
+        raise ValueError(f"{f} lacks {missing + ([] if targets else ['target_modules'])}; a PEFT LoRA adapter_config "
+                         "needs r, lora_alpha and target_modules - export the adapter again")
+    try:
+        spec = LoRASpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
+                        targets=[targets] if isinstance(targets, str) else targets)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e, str(f)).replace("\n", "; ")) from None
+    return spec, cfg
 
 
 @torch.no_grad()
