@@ -58,6 +58,13 @@ def train(config, overrides: dict[str, Any] | None = None, quiet: bool = False):
 
     cfg = _cfg(config, overrides)
     _check_launch(cfg)
+    from .train.checkpoint import step_dirs
+
+    have = step_dirs(Path(cfg.train.output_dir) / "checkpoints")
+    if have and not cfg.train.resume:
+        raise ConfigError(f"train.output_dir {cfg.train.output_dir} already holds checkpoints (newest {have[0].name}); "
+                          "set train.resume=true to continue that run, or choose a new output_dir (a fresh start "
+                          "there would overwrite them)")
     if cfg.train.init_from:
         from .config.load import model_spec_from_dir
 

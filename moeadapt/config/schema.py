@@ -216,7 +216,10 @@ class TrainSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     init_from: str | None = Field(default=None, description="a model directory (config.json + safetensors)")
     resume: bool = Field(default=False, description="resume from output_dir/checkpoints/latest")
-    max_bad_steps: int = Field(default=5, gt=0, description="stop after this many NaN/Inf losses in a row")
+    max_bad_steps: int = Field(default=5, gt=0, description="stop after this many steps in a row with a NaN/Inf "
+                               "loss or gradient norm")
+    keep_last_checkpoints: int | None = Field(default=None, gt=0, description="delete older step_* checkpoints "
+                                              "beyond the newest N after each save; None = keep all")
     tensorboard: bool = False
     kernel_backend: Literal["auto", "reference", "triton"] = "auto"
 

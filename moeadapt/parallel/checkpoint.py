@@ -105,7 +105,10 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
     if not (path / "meta.json").is_file() or not any((path / f).is_file() for f in (METADATA_FILE, ".metadata")):
         raise FileNotFoundError(f"{path} is not a distributed checkpoint (no meta.json / {METADATA_FILE}); was the "
                                 "save interrupted, or was it written by a single-process run (resume without torchrun)?")
-    meta = json.loads((path / "meta.json").read_text())
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'meta.json'} is corrupt ({e}); resume from an earlier step_* checkpoint") from None
     saved = read_safe_metadata(path).state_dict_metadata
     experts = expert_param_names(model)
     own = checkpoint_tensors(model)
@@ -130,6 +133,11 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
                     tgt = _portable(torch.zeros_like(p.detach()), n in experts, dims)
                 sd[key] = tgt
                 opt_targets.append((p, n, k, key))
+    for key, tgt in sd.items():
+        if tuple(tgt.shape) != tuple(saved[key].size) and len(saved[key].size) > 0:
+            raise ValueError(f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this run's is "
+                             f"{tuple(tgt.shape)}; resume with the model and lora config (e.g. lora.rank) the run "
+                             "was saved with, or start a new output_dir")
     dcp.load(sd, storage_reader=SafeReader(str(path)))
     with torch.no_grad():
         for n, t in own.items():

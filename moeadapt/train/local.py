@@ -22,6 +22,11 @@ class LocalRun:
         self.cfg, self.device = cfg, device
 
     def parallelize(self, model: nn.Module) -> nn.Module:
+        """No sharding in one process; activation checkpointing applies all the same."""
+        if self.cfg.parallel.activation_checkpointing != "none":
+            from ..parallel.activation import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, self.cfg.parallel.activation_checkpointing)
         return model
 
     def mean(self, value: float) -> float:

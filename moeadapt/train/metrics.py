@@ -30,6 +30,7 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
+        _drop_torn_tail(self.path)
         self.tb = None
         if tensorboard:
             try:
@@ -92,9 +93,35 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """A record cut short (disk full, kill -9 mid-write) has no final newline: cut it off before appending."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    with path.open("r+b") as f:
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl; a torn last line (a write cut short) is left out, any other bad line
+    is an error naming the file and line."""
+    path = Path(path)
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):  # no newline after it: the last write was cut short
+                break
+            raise ValueError(f"{path}:{i}: not a JSON record ({e.msg}); the file is damaged - remove that line "
+                             "or start a new output_dir") from None
+    return out
 
 
 def plot_report(metrics_path: str | Path, out_png: str | Path, title: str = "") -> Path:

@@ -5,7 +5,12 @@ cfg.lora is set, parallelized, AdamW + warmup/cosine, resume), evaluates, calls 
 writes the results: `model/` (full training) or `adapter/` (PEFT, LoRA runs), `metrics.jsonl`,
 `report.png`, `summary.json`. `fit` is the loop; `train_step` is one optimizer step (grad accumulation,
 bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, router-bias update).
-A NaN/Inf loss skips the step with a warning; `max_bad_steps` in a row stop the run with a clear error.
+A NaN/Inf loss or gradient norm skips the step with a warning (the weights are never updated with it, and
+non-finite weights are never saved); `max_bad_steps` in a row stop the run with a clear error. A step whose
+batch holds no target token is skipped and counted. Resume takes the checkpoint `latest` names, else the
+newest complete step_* (falling back to older ones when one does not load); a changed lr / schedule takes
+effect from the resumed step. Interrupts and a full disk end the run with one message naming the newest
+checkpoint.
 
 Everything that differs between one process and torchrun goes through `run`: a `LocalRun` (local.py) or a
 `parallel.DistributedRun`, which have the same methods; the loop has no branch on which one it is.
@@ -14,6 +19,7 @@ Everything that differs between one process and torchrun goes through `run`: a `
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -30,11 +36,11 @@ from ..data.dataset import Sampler, build_datasets
 from ..data.tokenizer import get_tokenizer
 from ..io import atomic_write_text, load_state_into, load_tensors, save_model_dir
 from ..lora import cast_frozen_, export_peft, inject_lora
-from ..models.model import HybridMoEModel, build_model, materialize
-from ..models.router import update_expert_bias
+from ..models.model import HybridMoEModel, build_model, checkpoint_tensors, materialize
+from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..ui import make_console
-from .checkpoint import latest_checkpoint
+from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
 
@@ -172,6 +178,14 @@ class Loop:
     flops_per_token: float
     quiet: bool
     tokens_done: int = 0
+    step: int = 0  # the step being computed (0-based); messages number steps from 1 like the progress lines
+    skipped_nonfinite: int = 0
+    skipped_no_targets: int = 0
+
+    def say(self, msg: str) -> None:
+        """Run messages (warnings included) come from rank 0 only."""
+        if self.run.is_main:
+            console.print(msg)
 
 
 @dataclass
@@ -179,27 +193,42 @@ class StepStats:
     loss: float
     grad_norm: torch.Tensor
     tokens: int
+    skipped: str | None = None  # "nonfinite_loss" / "nonfinite_grad" / "no_targets": nothing was applied
     aux: dict[str, float] = field(default_factory=dict)
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer, still on the device
     drops: dict[int, float] = field(default_factory=dict)
 
 
-def train_step(lp: Loop) -> StepStats | None:
-    """One optimizer step over grad_accum_steps micro-batches; None when the loss was NaN/Inf (skipped)."""
+def _discard_step(lp: Loop) -> None:
+    """Drop what a skipped step accumulated: gradients and the router's token counts."""
+    lp.opt.zero_grad(set_to_none=True)
+    for m in lp.model.modules():
+        if isinstance(m, Router):
+            m.tokens_per_expert.zero_()
+
+
+def train_step(lp: Loop) -> StepStats:
+    """One optimizer step over grad_accum_steps micro-batches. `skipped` is set (and nothing applied) when the
+    loss or the gradient norm is NaN/Inf, or when the step's batch (over all ranks) has no target token."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     # merge_microbatches: one forward over all micro-batches (experts batched), else one per micro-batch
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
     n_fwd = t.grad_accum_steps // per_fwd
     st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
-    for _ in range(n_fwd):
-        xs, ys = zip(*(lp.sampler.next() for _ in range(per_fwd)))
-        x, y = torch.cat(xs).to(device), torch.cat(ys).to(device)
+    batches = [tuple(torch.cat(b) for b in zip(*(lp.sampler.next() for _ in range(per_fwd)))) for _ in range(n_fwd)]
+    if run.mean(float(sum(int((y != -100).sum()) for _, y in batches))) == 0:  # every rank agrees
+        _discard_step(lp)
+        st.skipped = "no_targets"
+        return st
+    for xb, yb in batches:
+        x, y = xb.to(device), yb.to(device)
         with _autocast(device, t.dtype):
             out = model(x, y, return_logits=False, micro_batches=per_fwd)
             loss = out.loss + out.aux_loss
         if not run.all_finite(loss):  # every rank takes the same branch
-            lp.opt.zero_grad(set_to_none=True)
-            return None
+            _discard_step(lp)
+            st.skipped = "nonfinite_loss"
+            return st
         (loss / n_fwd).backward()
         st.loss += float(out.loss.detach()) / n_fwd
         for k, v in out.aux.items():
@@ -209,12 +238,36 @@ def train_step(lp: Loop) -> StepStats | None:
             st.drops[m["layer"]] = st.drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
         st.tokens += x.numel() * run.world
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
+    if not bool(torch.isfinite(st.grad_norm)):  # the same global value on every rank
+        _discard_step(lp)
+        st.skipped = "nonfinite_grad"
+        return st
     st.loss = run.mean(st.loss)
     lp.opt.step()
     lp.sched.step()
     lp.opt.zero_grad(set_to_none=True)
     update_expert_bias(model, counts_reduce=run.counts_reduce)
     return st
+
+
+def _weights_finite(lp: Loop) -> bool:
+    """Every rank's trainable weights (and router biases) are finite; collective under torchrun."""
+    ok = all(bool(torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all())
+             for t in checkpoint_tensors(lp.model).values() if t.is_floating_point())
+    return lp.run.all_finite(torch.tensor(0.0 if ok else float("nan"), device=lp.run.device))
+
+
+def _save(lp: Loop, ckpt_root: Path, step: int) -> None:
+    if not _weights_finite(lp):
+        raise TrainingError(f"the weights hold NaN/Inf at step {step}; not saving them. Lower train.lr (or enable "
+                            "grad_clip) and resume from the last good checkpoint with train.resume=true")
+    lp.run.save(ckpt_root, step, lp.model, lp.opt, lp.sched, lp.sampler.state())
+    keep = lp.cfg.train.keep_last_checkpoints
+    if keep and lp.run.is_main:
+        prune_checkpoints(ckpt_root, keep)
+
+
+_SKIP_WHY = {"nonfinite_loss": "loss is NaN/Inf", "nonfinite_grad": "gradient norm is NaN/Inf"}
 
 
 def fit(lp: Loop, start: int) -> tuple[float, float]:
@@ -230,13 +283,24 @@ def fit(lp: Loop, start: int) -> tuple[float, float]:
     with progress:
         task = progress.add_task("train", total=t.steps, completed=start, info="")
         for step in range(start, t.steps):
+            lp.step = step
             st = train_step(lp)
-            if st is None:
+            if st.skipped == "no_targets":
+                lp.skipped_no_targets += 1
+                lp.say(f"[yellow]step {step + 1}: the batch has no target tokens - step skipped "
+                       f"({lp.skipped_no_targets} so far)")
+                progress.update(task, advance=1)
+                continue
+            if st.skipped:
                 bad += 1
-                console.print(f"[yellow]step {step}: loss is NaN/Inf - step skipped ({bad}/{t.max_bad_steps} in a row)")
+                lp.skipped_nonfinite += 1
+                lp.say(f"[yellow]step {step + 1}: {_SKIP_WHY[st.skipped]} - step skipped "
+                       f"({bad}/{t.max_bad_steps} in a row)")
                 if bad >= t.max_bad_steps:
-                    raise TrainingError(f"{bad} NaN/Inf losses in a row at step {step}; lower train.lr, enable "
-                                        "grad_clip, or check the data and init_from checkpoint")
+                    raise TrainingError(f"{bad} steps in a row with a NaN/Inf loss or gradient norm at step "
+                                        f"{step + 1}; lower train.lr (it takes effect on resume), enable grad_clip, "
+                                        "or check the data and init_from checkpoint")
+                progress.update(task, advance=1)
                 continue
             bad, last_loss = 0, st.loss
             lp.tokens_done += st.tokens
@@ -249,7 +313,8 @@ def fit(lp: Loop, start: int) -> tuple[float, float]:
                 lp.logger.log({"kind": "eval", "step": step + 1,
                                "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device)})
             if t.save_every and (step + 1) % t.save_every == 0:
-                lp.run.save(ckpt_root, step + 1, lp.model, lp.opt, lp.sched, lp.sampler.state())
+                _save(lp, ckpt_root, step + 1)
+    lp.step = t.steps
     return last_loss, time.perf_counter() - t0
 
 
@@ -274,22 +339,54 @@ def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progres
 
 
 def _resume(lp: Loop) -> int:
-    """The step to start from: the latest checkpoint's when cfg.train.resume and one exists, else 0."""
+    """The step to start from: with cfg.train.resume, that of the first checkpoint of `resume_candidates`
+    that loads (saying so when one is skipped), else 0."""
     root = Path(lp.cfg.train.output_dir) / "checkpoints"
-    last = latest_checkpoint(root) if lp.cfg.train.resume else None
-    if lp.cfg.train.resume and last is None:
-        console.print(f"[yellow]resume: no checkpoint under {root}; starting from step 0")
-    if last is None:
+    if not lp.cfg.train.resume:
         return 0
-    start, sampler_state = lp.run.load(last, lp.model, lp.opt, lp.sched)
-    lp.sampler.load_state(sampler_state)
-    console.print(f"resumed from {last} at step {start}")
-    return start
+    candidates, failed = resume_candidates(root), []
+    for ck in candidates:
+        try:
+            start, sampler_state = lp.run.load(ck, lp.model, lp.opt, lp.sched)
+            if not _weights_finite(lp):
+                raise ValueError("its weights hold NaN/Inf")
+        except (ValueError, FileNotFoundError, OSError) as e:
+            failed.append(ck.name)
+            lp.say(f"[yellow]resume: {ck} does not load ({e}); trying the previous checkpoint")
+            continue
+        lp.sampler.load_state(sampler_state)
+        lp.say(f"resumed from {ck} at step {start}" + (f" (skipped {', '.join(failed)})" if failed else ""))
+        _apply_config_lr(lp, start)
+        return start
+    if failed:
+        raise TrainingError(f"resume: no checkpoint under {root} loads ({', '.join(failed)}); start a new "
+                            "train.output_dir, or move the broken checkpoints away and set train.resume=false")
+    lp.say(f"[yellow]resume: no checkpoint under {root}; starting from step 0")
+    return 0
+
+
+def _apply_config_lr(lp: Loop, start: int) -> None:
+    """The lr, schedule, betas and weight decay of this run's config take effect from the resumed step (the
+    checkpoint's are what the old config gave); a change is stated in the log."""
+    t, opt, sched = lp.cfg.train, lp.opt, lp.sched
+    old_base, old_lr = sched.base_lrs[0], opt.param_groups[0]["lr"]
+    new_lr = t.lr * lr_lambda(lp.cfg)(start)
+    for g in opt.param_groups:
+        g.update(initial_lr=t.lr, lr=new_lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    sched.base_lrs = [t.lr] * len(opt.param_groups)
+    sched._last_lr = [new_lr] * len(opt.param_groups)
+    if not math.isclose(old_lr, new_lr, rel_tol=1e-9, abs_tol=0.0):
+        lp.say(f"resume: the lr at step {start} is {new_lr:.3e} from this config (train.lr {t.lr:g} and its "
+               f"schedule), not the checkpoint's {old_lr:.3e} (train.lr {old_base:g})")
+        lp.logger.log({"kind": "lr_change", "step": start, "lr": new_lr, "checkpoint_lr": old_lr, "train.lr": t.lr})
 
 
 def _export(lp: Loop, out_dir: Path) -> None:
     """model/ or adapter/ from the trained weights (written by rank 0 only; collective under torchrun)."""
     cfg = lp.cfg
+    if not _weights_finite(lp):
+        raise TrainingError("the trained weights hold NaN/Inf; not exporting them. Lower train.lr and resume from "
+                            "the last good checkpoint with train.resume=true")
     plain = lp.run.unsharded_copy(lp.model)  # None on ranks other than 0
     if plain is None:
         return
@@ -309,6 +406,9 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     torch.manual_seed(t.seed)
     out_dir = Path(t.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if run.is_main:
+        for p in clean_partial_saves(out_dir / "checkpoints"):
+            console.print(f"[yellow]removed {p.name}, left by an interrupted save")
     tok = get_tokenizer(cfg.data.tokenizer, t.init_from)
     if tok.vocab_size > cfg.model.vocab_size:
         raise TrainingError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
@@ -327,10 +427,40 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     lp.logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step
     if start:
         lp.logger.log({"kind": "resume", "step": start})
+    with _run_errors(lp):
+        return _train_body(lp, start, out_dir, n_train, n_total, len(train_ds), quiet)
+
+
+@contextlib.contextmanager
+def _run_errors(lp: Loop):
+    """Ctrl-C and a full disk end the run with one message: the step and the checkpoint to resume from."""
+    root = Path(lp.cfg.train.output_dir) / "checkpoints"
+
+    def newest() -> str:
+        ck = latest_checkpoint(root)
+        return f"the newest checkpoint is {ck}" if ck else "no checkpoint was saved (set train.save_every)"
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"interrupted at step {lp.step + 1} of {lp.cfg.train.steps}; {newest()} - resume "
+                                "with train.resume=true") from None
+    except Exception as e:
+        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(e)
+        if not full:
+            raise
+        where = getattr(e, "filename", None) or "the output directory"
+        raise TrainingError(f"disk full while writing {where} at step {lp.step + 1}; {newest()} - free space and "
+                            "resume with train.resume=true") from None
+
+
+def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int, n_rows: int,
+                quiet: bool) -> TrainResult:
+    cfg, t, run, model, eval_ds = lp.cfg, lp.cfg.train, lp.run, lp.model, lp.eval_ds
     if not quiet:
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {run.device}, "
-                      f"{len(train_ds)} train rows x {t.seq_len} tokens")
+                      f"{n_rows} train rows x {t.seq_len} tokens")
     eval_before = evaluate(model, eval_ds, cfg, run.device)
     lp.logger.log({"kind": "eval", "step": start, "eval_loss": eval_before})
     if not quiet:
@@ -346,7 +476,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     if run.is_main:
         plot_report(lp.logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
         summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
-                   "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train}
+                   "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
+                   "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets}
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:

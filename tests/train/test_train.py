@@ -78,7 +78,7 @@ def test_nan_loss_skips_then_stops(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(model_mod.HybridMoEModel, "forward", nan_forward)
-    with pytest.raises(TrainingError, match="3 NaN/Inf losses in a row"):
+    with pytest.raises(TrainingError, match="3 steps in a row with a NaN/Inf loss"):
         api.train(cfg(tmp_path, max_bad_steps=3), quiet=True)
 
 
