@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.kda.short_conv import causal_conv_silu
 from ..ops.moe import swiglu_pair
 
 
@@ -21,15 +21,23 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm in fp32 (or float64). Under autocast an fp32 input (the residual stream) comes out in the autocast
+    dtype: every GEMM after a norm casts its input anyway, so the cast happens once here instead of once per
+    consuming projection (and its gradient is summed once). `autocast_output = False` keeps the input dtype."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.autocast_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = _acc(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+        out = x.dtype
+        if self.autocast_output and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+            out = torch.get_autocast_dtype(x.device.type)
+        return (y * self.weight.to(xf.dtype)).to(out)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -112,18 +120,17 @@ class SwiGLU(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]."""
+    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]: ops.kda.causal_conv_silu
+    (one Triton pass each way on CUDA, the torch conv1d composition on CPU or with backend "reference")."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.backend = "auto"
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        T = x_BTC.shape[1]
-        y = F.conv1d(x_BTC.transpose(1, 2), self.weight.to(x_BTC.dtype), padding=self.kernel - 1,
-                     groups=x_BTC.shape[-1])
-        return F.silu(y[..., :T].transpose(1, 2))
+        return causal_conv_silu(x_BTC, self.weight, backend=self.backend)
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)
