@@ -9,7 +9,7 @@ Levers (cumulative, in this order; `--variants` picks a subset by name):
   +loss         ops.loss.linear_cross_entropy (chunked): no [tokens x vocab] fp32 logits
   +norm_cast    RMSNorm emits the autocast dtype: one cast per norm instead of one per consuming GEMM
   +fused_adamw  torch.optim.AdamW(fused=True)
-  +compile_norm RMSNorm through torch.compile (one compiled function for every norm), measured last
+  +compile_norm RMSNorm (and the KDA output gate folded into it) through torch.compile, the model's default
 Full fine-tuning (fp32 master weights) runs every variant; LoRA r = 16 (frozen bf16 base, the trainer's layout)
 runs baseline and the final variant. Kernel families: our Triton kernels by the ops/ folder that defines them
 (KDA, DSA, MoE, conv), the rest by name (GEMM, elementwise+copy, norm+reduce, optimizer, index/sort, compiled).
@@ -31,7 +31,6 @@ import json
 import re
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -113,11 +112,16 @@ def family(name: str, triton_fam: dict[str, str]) -> str:
     return "other"
 
 
+# GPU-side ranges the profiler draws for CPU-side annotations (Optimizer.step#AdamW.step, ProfilerStep#N):
+# not kernels, and they overlap the kernels they enclose
+_ANNOTATION = re.compile(r"#|^ProfilerStep|^Optimizer\.")
+
+
 def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=device.type == "cuda") as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -125,7 +129,7 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
     fams: dict[str, float] = {}
     kernels: dict[str, float] = {}
     for e in prof.key_averages():
-        if e.device_type != want:
+        if e.device_type != want or (device.type == "cuda" and _ANNOTATION.search(e.key)):
             continue
         us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
               if device.type == "cuda" else e.self_cpu_time_total)
@@ -135,28 +139,19 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
         fams[f] = fams.get(f, 0.0) + us / 1e3
         kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    ops = []  # the aten ops whose kernels take the time, with their input shapes (CUDA only)
+    if device.type == "cuda":
+        for e in prof.key_averages(group_by_input_shape=True):
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if e.device_type == torch.autograd.DeviceType.CPU and us and e.key.startswith("aten::"):
+                ops.append((e.key, str(e.input_shapes)[:80], e.count, us / 1e3))
+        ops = sorted(ops, key=lambda r: -r[3])[:20]
     return {"families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])), "total_ms": sum(fams.values()),
-            "top_kernels_ms": top}
+            "top_kernels_ms": top, "top_ops_ms": ops}
 
 
 # ------------------------------------------------------------------ switching the levers
-def _rms_fn(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(out)
-
-
-_compiled_rms = None
-
-
-def _compiled_forward(self, x):
-    out = x.dtype
-    if self.autocast_output and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-        out = torch.get_autocast_dtype(x.device.type)
-    return _compiled_rms(x, self.weight, self.eps, out)
-
-
 def configure(model, v: dict) -> None:
-    global _compiled_rms
     model.set_backend("auto")
     model.backend = v["loss"]
     for m in model.modules():
@@ -164,12 +159,7 @@ def configure(model, v: dict) -> None:
             m.backend = v["conv"]
         if isinstance(m, RMSNorm):
             m.autocast_output = v["norm_cast"]
-            if v["compile_norm"]:
-                if _compiled_rms is None:
-                    _compiled_rms = torch.compile(_rms_fn, dynamic=False)
-                m.forward = types.MethodType(_compiled_forward, m)
-            elif "forward" in m.__dict__:
-                del m.forward
+            m.compiled = v["compile_norm"]
 
 
 def make_opt(params, v: dict, device):
@@ -338,28 +328,38 @@ def check_ops(device) -> list[dict]:
     return out
 
 
-def check_model(spec, device, args, final: str) -> dict:
-    """Loss and gradients of the whole step, baseline vs `final` levers, on the same weights and batch."""
+def check_model(spec, device, args, names: list[str]) -> list[dict]:
+    """Loss and gradients of one forward/backward, baseline (twice: the run-to-run floor of the atomics in
+    the kernels) vs each variant in `names`, on the same weights and batch. Also the three parameters whose
+    gradients moved most."""
     model = materialize(build_model(spec, "meta"), device, seed=0)
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=g)
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
-    res = {}
-    for name in ("baseline", final):
+    amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+           else contextlib.nullcontext)
+
+    def grads(name):
         configure(model, variants()[name])
         model.zero_grad(set_to_none=True)
-        with amp:
+        with amp():
             out = model(x[:, :-1], x[:, 1:], return_logits=False)
         out.loss.backward()
-        res[name] = (float(out.loss), torch.cat([p.grad.float().flatten() for p in model.parameters()
-                                                 if p.grad is not None]))
+        return float(out.loss), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = grads("baseline")
+    ref_flat = torch.cat([t.flatten() for t in ref.values()])
+    rows = []
+    for name in ["baseline"] + list(names):
+        loss, gr = grads(name)
+        flat = torch.cat([gr[n].flatten() for n in ref])
+        per = sorted(((float((gr[n] - ref[n]).norm() / ref[n].norm().clamp(min=1e-30)), n) for n in ref),
+                     reverse=True)[:3]
+        rows.append({"check": f"one fwd/bwd, baseline vs {name}", "loss_baseline": ref_loss, "loss": loss,
+                     "rel_grad": float((flat - ref_flat).norm() / ref_flat.norm()),
+                     "worst_params": [(n, round(r, 4)) for r, n in per]})
+        print(json.dumps(rows[-1]), flush=True)
     configure(model, variants()["baseline"])
-    a, b = res["baseline"], res[final]
-    row = {"check": f"model step baseline vs {final}", "loss_baseline": a[0], "loss_final": b[0],
-           "rel_grad": float((a[1] - b[1]).norm() / a[1].norm())}
-    print(json.dumps(row), flush=True)
-    del model
-    return row
+    return rows
 
 
 def _table(rows: list[dict]) -> str:
@@ -397,10 +397,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--variants", default="baseline,+conv,+loss,+norm_cast,+fused_adamw")
-    p.add_argument("--lora-variants", default="baseline,+fused_adamw")
-    p.add_argument("--profile", default="baseline,+fused_adamw", help="variants to profile (one extra step each)")
-    p.add_argument("--compile-norm", action="store_true", help="time +compile_norm last (full FT)")
+    p.add_argument("--variants", default="baseline,+conv,+loss,+norm_cast,+fused_adamw,+compile_norm")
+    p.add_argument("--lora-variants", default="baseline,+compile_norm")
+    p.add_argument("--profile", default="baseline,+compile_norm", help="variants to profile (one extra step each)")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--out", default=None, help="write profile_step.json here (a directory)")
     args = p.parse_args()
@@ -411,15 +410,12 @@ def main() -> None:
           f" {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch {torch.__version__}",
           flush=True)
     result: dict = {"args": vars(args)}
-    final = args.variants.split(",")[-1]
     if not args.skip_checks and device.type == "cuda":
         result["ops"] = check_ops(device)
-        result["model_check"] = check_model(spec, device, args, final)
+        result["model_check"] = check_model(spec, device, args, args.variants.split(",")[1:])
     rows = run_mode("full", args.variants.split(","), args, spec, device, triton_fam)
     if args.lora_variants:
         rows += run_mode("lora", args.lora_variants.split(","), args, spec, device, triton_fam)
-    if args.compile_norm:
-        rows += run_mode("full", [final, "+compile_norm"], args, spec, device, triton_fam)
     result["rows"] = rows
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

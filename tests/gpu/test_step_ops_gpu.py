@@ -53,6 +53,9 @@ def test_chunked_loss_matches_reference_under_autocast(seed):
 
 
 def test_model_levers_keep_loss_and_grads(seed):
+    """Conv kernel, chunked loss, bf16 norm outputs and the compiled norm on vs off (every other kernel on its
+    default both times): the loss agrees to bf16 rounding and the gradients to within a few times the
+    run-to-run spread of the baseline itself (the DSA / MoE backward kernels accumulate with atomics)."""
     from conftest import micro_spec
 
     from moeadapt.models.common import CausalConv1d, RMSNorm
@@ -60,19 +63,23 @@ def test_model_levers_keep_loss_and_grads(seed):
 
     model = materialize(build_model(micro_spec(), "meta"), "cuda", seed=seed % 1000)
     x = torch.randint(0, 264, (2, 65), device="cuda")
-    res = []
-    for on in (False, True):
-        model.set_backend("auto" if on else "reference")
+
+    def run(on):
+        model.set_backend("auto")
         model.backend = "auto" if on else "reference"
         for m in model.modules():
             if isinstance(m, RMSNorm):
-                m.autocast_output = on
+                m.autocast_output = m.compiled = on
             if isinstance(m, CausalConv1d):
                 m.backend = "auto" if on else "reference"
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(x[:, :-1], x[:, 1:], return_logits=False)
         out.loss.backward()
-        res.append((float(out.loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
-    assert abs(res[0][0] - res[1][0]) < 2e-2 * abs(res[0][0])
-    assert _rel(res[1][1], res[0][1]) < 5e-2
+        return float(out.loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    (l0, g0), (_, g1), (l2, g2) = run(False), run(False), run(True)
+    floor = _rel(g1, g0)
+    print(f"loss {l0:.5f} / {l2:.5f}, rel grad floor {floor:.2e}, levers {_rel(g2, g0):.2e}")
+    assert abs(l0 - l2) < 1e-2 * abs(l0)
+    assert _rel(g2, g0) < max(5 * floor, 2e-2)

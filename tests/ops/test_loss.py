@@ -4,11 +4,17 @@ loss through it matching the logits path."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moeadapt.ops.loss import chunked, linear_cross_entropy
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+CHUNKED = ["chunked", pytest.param("triton", marks=pytest.mark.skipif(
+    not (INTERPRET or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1"))]
 
 
 def _rel(a, b):
@@ -32,36 +38,40 @@ def _ref64(h, w, labels, weight):
     return loss.detach(), hr.grad, wr.grad
 
 
-@pytest.mark.parametrize("chunk_elems", [1 << 26, 101 * 5])  # one chunk; 5-row chunks with a ragged last one
-def test_chunked_matches_float64(seed, monkeypatch, chunk_elems):
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", chunk_elems)
-    h, w, labels, weight = _case()
+@pytest.mark.parametrize("backend", CHUNKED)
+@pytest.mark.parametrize("chunk_rows", [None, 5])  # one chunk; 5-row chunks with a ragged last one
+@pytest.mark.parametrize("V", [101, 2500])  # one vocabulary block of the Triton kernel; three, the last ragged
+def test_chunked_matches_float64(seed, monkeypatch, chunk_rows, backend, V):
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1 << 26 if chunk_rows is None else V * chunk_rows)
+    h, w, labels, weight = _case(V=V)
     loss_r, dh_r, dw_r = _ref64(h, w, labels, weight)
     hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = linear_cross_entropy(hc, wc, labels, weight, backend="chunked")
+    loss = linear_cross_entropy(hc, wc, labels, weight, backend=backend)
     (2.5 * loss).backward()  # a non-unit upstream gradient scales both
     assert abs(float(loss.detach()) - float(loss_r)) / abs(float(loss_r)) < 1e-5
     assert _rel(hc.grad, 2.5 * dh_r) < 1e-5 and _rel(wc.grad, 2.5 * dw_r) < 1e-5
     assert float(hc.grad[labels == -100].abs().max()) == 0.0  # ignored rows: no gradient
 
 
-def test_chunked_bf16_and_frozen_head(seed, monkeypatch):
+@pytest.mark.parametrize("backend", CHUNKED)
+def test_chunked_bf16_and_frozen_head(seed, monkeypatch, backend):
     monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 101 * 8)
     h, w, labels, weight = _case()
     loss_r, dh_r, _ = _ref64(h.bfloat16().float(), w.bfloat16().float(), labels, weight)
     hb = h.bfloat16().requires_grad_()
     wb = w.bfloat16()  # frozen: no dW
-    loss = linear_cross_entropy(hb, wb, labels, weight, backend="chunked")
+    loss = linear_cross_entropy(hb, wb, labels, weight, backend=backend)
     loss.backward()
     assert hb.grad.dtype == torch.bfloat16 and wb.grad is None
     assert abs(float(loss.detach()) - float(loss_r)) / abs(float(loss_r)) < 1e-2
     assert _rel(hb.grad, dh_r) < 1e-2
 
 
-def test_no_grad_gives_the_loss_only(seed):
+@pytest.mark.parametrize("backend", CHUNKED)
+def test_no_grad_gives_the_loss_only(seed, backend):
     h, w, labels, weight = _case()
     with torch.no_grad():
-        loss = linear_cross_entropy(h.requires_grad_(), w, labels, weight, backend="chunked")
+        loss = linear_cross_entropy(h.requires_grad_(), w, labels, weight, backend=backend)
     assert not loss.requires_grad
     assert abs(float(loss) - float(_ref64(h.detach(), w, labels, weight)[0])) < 1e-4
 

@@ -20,8 +20,13 @@ def rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _chunk_loss_and_grad(h_cD, w_VD, lab_c, wt_c, want_grad: bool):
+def _chunk_loss_and_grad(h_cD, w_VD, lab_c, wt_c, want_grad: bool, use_triton: bool):
     logits = h_cD @ w_VD.t()
+    if use_triton:
+        from .triton_ce import ce_rows_
+
+        loss = ce_rows_(logits, lab_c, wt_c, want_grad).sum()
+        return loss, (logits if want_grad else None)
     lf = logits.float() if logits.dtype != torch.float64 else logits
     del logits
     lse = torch.logsumexp(lf, dim=-1)
@@ -38,7 +43,7 @@ def _chunk_loss_and_grad(h_cD, w_VD, lab_c, wt_c, want_grad: bool):
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, weight_N):
+    def forward(ctx, h_ND, w_VD, labels_N, weight_N, use_triton):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, V = h_ND.shape[0], w_VD.shape[0]
         step = rows_per_chunk(V)
@@ -48,7 +53,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dw = torch.zeros(w_VD.shape, device=w_VD.device, dtype=acc) if need_dw else None
         for s in range(0, N, step):
             e = min(N, s + step)
-            part, g_cV = _chunk_loss_and_grad(h_ND[s:e], w_VD, labels_N[s:e], weight_N[s:e], need_dh or need_dw)
+            part, g_cV = _chunk_loss_and_grad(h_ND[s:e], w_VD, labels_N[s:e], weight_N[s:e], need_dh or need_dw,
+                                             use_triton)
             loss += part
             if need_dh:
                 torch.mm(g_cV, w_VD, out=dh[s:e])
@@ -63,22 +69,25 @@ class _ChunkedLinearCE(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         dh_out = dh * g.to(dh.dtype) if dh is not None else None
         dw_out = (dw * g.to(dw.dtype)).to(ctx.w_dtype) if dw is not None else None
-        return dh_out, dw_out, None, None
+        return dh_out, dw_out, None, None, None
 
 
 def linear_cross_entropy_chunked(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor,
-                                 weight_N: torch.Tensor) -> torch.Tensor:
-    """sum_i weight_i * CE(h_i W^T, label_i) (-100 = no loss) in row chunks; h and W already in compute dtype."""
+                                 weight_N: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """sum_i weight_i * CE(h_i W^T, label_i) (-100 = no loss) in row chunks; h and W already in compute dtype.
+    use_triton: each chunk's softmax / loss / gradient in triton_ce's one-program-per-row kernel (fp32 math;
+    not for float64 inputs), else in torch ops."""
+    use_triton = use_triton and h_ND.dtype != torch.float64
     if not (torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad)):
         with torch.no_grad():
-            return _ChunkedLinearCE.forward(_NoGradCtx(), h_ND, w_VD, labels_N, weight_N)
-    return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, weight_N)
+            return _ChunkedLinearCE.forward(_NoGradCtx(), h_ND, w_VD, labels_N, weight_N, use_triton)
+    return _ChunkedLinearCE.apply(h_ND, w_VD, labels_N, weight_N, use_triton)
 
 
 class _NoGradCtx:
     """Stands in for autograd's ctx when no gradient is wanted (evaluation): nothing is kept."""
 
-    needs_input_grad = (False, False, False, False)
+    needs_input_grad = (False, False, False, False, False)
 
     def save_for_backward(self, *_):
         pass
