@@ -33,13 +33,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
 _compiled_rms_norm = None
 
 
-def _rms_norm_cuda(*args) -> torch.Tensor:
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype,
+                   gate: torch.Tensor | None) -> torch.Tensor:
     """rms_norm through torch.compile: one fused kernel each way instead of ~6 elementwise / reduction passes
-    (forward) and ~10 (backward). Compiled once per input shape on first use."""
+    (forward) and ~10 (backward). Inputs are flattened to [rows, dim] and compiled with dynamic shapes, so every
+    norm of the model (hidden, latent, head dims; training and evaluation batches) shares a handful of graphs
+    rather than one per shape (Dynamo falls back to eager past its recompile limit)."""
     global _compiled_rms_norm
     if _compiled_rms_norm is None:
-        _compiled_rms_norm = torch.compile(rms_norm)
-    return _compiled_rms_norm(*args)
+        _compiled_rms_norm = torch.compile(rms_norm, dynamic=True)
+    d = x.shape[-1]
+    g2 = None if gate is None else gate.reshape(-1, d)
+    return _compiled_rms_norm(x.reshape(-1, d), weight, eps, out, g2).view(x.shape)
 
 
 class RMSNorm(nn.Module):

@@ -54,15 +54,16 @@ def test_chunked_loss_matches_reference_under_autocast(seed):
 
 def test_model_levers_keep_loss_and_grads(seed):
     """Conv kernel, chunked loss, bf16 norm outputs and the compiled norm on vs off (every other kernel on its
-    default both times): the loss agrees to bf16 rounding and the gradients to within a few times the
-    run-to-run spread of the baseline itself (the DSA / MoE backward kernels accumulate with atomics)."""
-    from conftest import micro_spec
-
+    default both times), bf16 autocast: the loss agrees to bf16 rounding and the gradients, router weights left
+    out (bf16 rounding flips some tokens' discrete top-k expert choice: tests/gpu/test_model_gpu.py), to within
+    a few times the baseline's own run-to-run spread (the DSA / MoE backward kernels accumulate with atomics)."""
+    from moeadapt.config import get_preset
     from moeadapt.models.common import CausalConv1d, RMSNorm
     from moeadapt.models.model import build_model, materialize
 
-    model = materialize(build_model(micro_spec(), "meta"), "cuda", seed=seed % 1000)
-    x = torch.randint(0, 264, (2, 65), device="cuda")
+    spec = get_preset("small", n_layers=4, index_topk=256)
+    model = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
+    x = torch.randint(0, spec.vocab_size, (1, 1025), device="cuda")
 
     def run(on):
         model.set_backend("auto")
@@ -76,10 +77,11 @@ def test_model_levers_keep_loss_and_grads(seed):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(x[:, :-1], x[:, 1:], return_logits=False)
         out.loss.backward()
-        return float(out.loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return float(out.loss), torch.cat([p.grad.float().flatten() for n, p in model.named_parameters()
+                                           if p.grad is not None and ".router." not in n])
 
     (l0, g0), (_, g1), (l2, g2) = run(False), run(False), run(True)
     floor = _rel(g1, g0)
     print(f"loss {l0:.5f} / {l2:.5f}, rel grad floor {floor:.2e}, levers {_rel(g2, g0):.2e}")
     assert abs(l0 - l2) < 1e-2 * abs(l0)
-    assert _rel(g2, g0) < max(5 * floor, 2e-2)
+    assert _rel(g2, g0) < max(5 * floor, 5e-2)

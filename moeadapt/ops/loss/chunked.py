@@ -1,9 +1,9 @@
-"""Chunked linear + cross-entropy: the [N x V] logits exist one row chunk at a time, never whole and never in fp32.
+"""Chunked linear + cross-entropy: the logits exist one row chunk at a time in the inputs' dtype, never in fp32.
 
-Forward walks the rows in chunks of ROWS_PER_CHUNK(V) and, for each, makes the chunk's logits (one GEMM in the
-inputs' dtype), its fp32 log-sum-exp and loss, and at once the chunk's logit gradient
-(softmax - onehot) * weight (in place in the fp32 chunk), turned into dh (chunk GEMM) and accumulated into dW
-(fp32). The loss is a weighted sum, so its gradient is known up to the scalar upstream gradient: backward only
+Forward walks the rows in chunks of rows_per_chunk(V) (2**28 logits: all 8192 rows of a 32768 vocabulary in
+one chunk, 512 MiB of bf16) and, for each, makes the chunk's logits (one GEMM), its fp32 log-sum-exp and loss,
+and at once the chunk's logit gradient (softmax - onehot) * weight, in place over the logits (triton_ce's
+kernel; the torch path makes an fp32 copy of the chunk), turned into dh (one GEMM) and added into dW (fp32). The loss is a weighted sum, so its gradient is known up to the scalar upstream gradient: backward only
 scales dh and dW. Saves dh [N, D] and dW [V, D] (fp32), not the logits. Gradients only for the inputs that
 need them (a frozen LM head under LoRA skips the dW GEMMs).
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-# fp32 logits of one chunk: 2**26 elements (256 MiB) at most, so V = 32768 takes 2048 rows a chunk.
-CHUNK_ELEMENTS = 1 << 26
+# logits of one chunk: 2**28 elements at most (512 MiB in bf16; the torch path's fp32 copy is 1 GiB). Few, large
+# chunks keep the GEMMs large (K = rows for dW); a 131072-token batch at V = 32768 takes 16.
+CHUNK_ELEMENTS = 1 << 28
 
 
 def rows_per_chunk(vocab: int) -> int:
@@ -50,7 +51,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         acc = torch.float64 if h_ND.dtype == torch.float64 else torch.float32
         loss = torch.zeros((), device=h_ND.device, dtype=acc)
         dh = torch.empty_like(h_ND) if need_dh else None
-        dw = torch.zeros(w_VD.shape, device=w_VD.device, dtype=acc) if need_dw else None
+        dw = None
         for s in range(0, N, step):
             e = min(N, s + step)
             part, g_cV = _chunk_loss_and_grad(h_ND[s:e], w_VD, labels_N[s:e], weight_N[s:e], need_dh or need_dw,
@@ -59,7 +60,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_dh:
                 torch.mm(g_cV, w_VD, out=dh[s:e])
             if need_dw:
-                dw += (g_cV.t() @ h_ND[s:e]).to(acc)
+                part_VD = g_cV.t() @ h_ND[s:e]
+                dw = part_VD.to(acc) if dw is None else dw.add_(part_VD)
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = w_VD.dtype
         return loss
