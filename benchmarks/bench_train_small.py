@@ -71,7 +71,7 @@ def bench_train(args, device: torch.device) -> list[dict]:
         pdims = dataclasses.replace(dims, spec=base.model_copy(update={"activation_checkpointing": ac}))
         parallelize_model(model, pdims)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
         g = torch.Generator(device=device).manual_seed(1 + dist.get_rank())
         x = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=g)
         inp, lab = x[:, :-1].contiguous(), x[:, 1:].contiguous()

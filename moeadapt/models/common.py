@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.kda.short_conv import causal_conv_silu
 from ..ops.moe import swiglu_pair
 
 
@@ -20,16 +20,55 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x / rms(x) * weight (fp32 math, or float64), times sigmoid(gate) when a gate is given, in dtype `out`."""
+    xf = _acc(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xf.dtype)
+    if gate is not None:
+        y = y * torch.sigmoid(gate.to(xf.dtype))
+    return y.to(out)
+
+
+_compiled_rms_norm = None
+
+
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype,
+                   gate: torch.Tensor | None) -> torch.Tensor:
+    """rms_norm through torch.compile: one fused kernel each way instead of ~6 elementwise / reduction passes
+    (forward) and ~10 (backward). Inputs are flattened to [rows, dim] and compiled with dynamic shapes, so every
+    norm of the model (hidden, latent, head dims; training and evaluation batches) shares a handful of graphs
+    rather than one per shape (Dynamo falls back to eager past its recompile limit)."""
+    global _compiled_rms_norm
+    if _compiled_rms_norm is None:
+        _compiled_rms_norm = torch.compile(rms_norm, dynamic=True)
+    d = x.shape[-1]
+    g2 = None if gate is None else gate.reshape(-1, d)
+    return _compiled_rms_norm(x.reshape(-1, d), weight, eps, out, g2).view(x.shape)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm in fp32 (or float64), optionally gated: norm(x) * weight * sigmoid(gate) (the KDA output gate).
+
+    Under autocast an fp32 input (the residual stream) comes out in the autocast dtype: every GEMM after a norm
+    casts its input anyway, so the cast happens once here instead of once per consuming projection (and its
+    gradient is summed once); `autocast_output = False` keeps the input dtype. On CUDA the math runs through
+    torch.compile (`compiled = False`: eager torch ops, as on CPU)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.autocast_output = True
+        self.compiled = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = _acc(x)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        out = x.dtype
+        if self.autocast_output and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+            out = torch.get_autocast_dtype(x.device.type)
+        if self.compiled and x.is_cuda:
+            return _rms_norm_cuda(x, self.weight, self.eps, out, gate)
+        return rms_norm(x, self.weight, self.eps, out, gate)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -112,18 +151,17 @@ class SwiGLU(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]."""
+    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]: ops.kda.causal_conv_silu
+    (one Triton pass each way on CUDA, the torch conv1d composition on CPU or with backend "reference")."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.backend = "auto"
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        T = x_BTC.shape[1]
-        y = F.conv1d(x_BTC.transpose(1, 2), self.weight.to(x_BTC.dtype), padding=self.kernel - 1,
-                     groups=x_BTC.shape[-1])
-        return F.silu(y[..., :T].transpose(1, 2))
+        return causal_conv_silu(x_BTC, self.weight, backend=self.backend)
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)

@@ -56,6 +56,6 @@ class KDAAttention(nn.Module):
         beta_logits = self.b_proj(x_BTD).float()
         o, _ = chunk_kda(q, k, v, g_raw, beta_logits, backend=self.backend, use_qk_l2norm=True,
                          A_log=self.A_log, dt_bias=self.dt_bias, beta_is_logits=True)
-        gate = torch.sigmoid(self.g_b(self.g_a(x_BTD))).view(B, T, H, K)
-        o = self.o_norm(o.to(x_BTD.dtype)) * gate
+        gate_logits = self.g_b(self.g_a(x_BTD)).view(B, T, H, K)
+        o = self.o_norm(o.to(x_BTD.dtype), gate=gate_logits)  # norm(o) * sigmoid(gate) in one pass
         return self.o_proj(o.reshape(B, T, H * K)), {}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
+from ..ops.loss import linear_cross_entropy
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
 from .gqa_attn import GQAAttention
@@ -76,6 +77,7 @@ class HybridMoEModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.backend = "auto"  # of the loss (ops.loss); set_backend sets it with the others
 
     def set_backend(self, backend: str) -> None:
         """Kernel backend for every op ("auto", "reference", "triton")."""
@@ -127,9 +129,16 @@ class HybridMoEModel(nn.Module):
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
         h = self.norm(x)
-        logits = self.lm_head(h)
-        loss = None
-        if labels is not None:
+        logits, loss = None, None
+        if labels is not None and not return_logits and type(self.lm_head) is nn.Linear:
+            # the loss straight from h: ops.loss never holds the [tokens x vocab] logits whole (chunked on CUDA)
+            valid = (labels.reshape(micro_batches, -1) != -100).float()
+            weight = (valid / valid.sum(1, keepdim=True).clamp(min=1) / micro_batches).reshape(-1)
+            loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1),
+                                        weight, backend=self.backend)
+        else:
+            logits = self.lm_head(h)
+        if labels is not None and loss is None:
             per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
                                       ignore_index=-100, reduction="none").view(micro_batches, -1)
             valid = (labels.reshape(micro_batches, -1) != -100).float()
