@@ -179,19 +179,23 @@ def demo(output_dir: str | Path = "runs/demo", rebuild_base: bool = False, quiet
 
 
 def onboard(path: str | Path, validate: bool = False, write_config: str | Path | None = None,
-            allow_unmapped: bool = False, quiet: bool = False) -> dict:
+            allow_unmapped: bool = False, quiet: bool = False, layers: int | None = None,
+            seq_len: int | None = None, seed: int = 0) -> dict:
     """Map a checkpoint directory (HF families or ours) onto our model: spec, tensor-name check, op mapping;
-    optionally validate logits against transformers and write a run YAML. See moeadapt/onboard/."""
+    optionally validate the checkpoint's weights (the first `layers` blocks) against transformers and write a run
+    YAML. See moeadapt/onboard/."""
     from . import onboard as ob
 
-    res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped)
+    res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped, layers=layers, seq_len=seq_len,
+                     seed=seed)
     if write_config:
         res["config_written"] = ob.write_run_config(res["fam"], path, write_config)
     if not quiet:
         ob.report(res)
     v = res.get("validation")
     if v is not None and not v["passed"]:
-        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']} > tolerance {v.get('tolerance')}")
+        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']:.3g} (tolerance "
+                         f"{v['tolerance']:.0e}); {v['where']}")
     return res
 
 

@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rebuild-base", action="store_true", help="pre-train the tiny base again first")
     s = sub.add_parser("onboard", help="map a Hugging Face (or moeadapt) checkpoint directory onto our model")
     s.add_argument("path")
-    s.add_argument("--validate", action="store_true", help="compare logits with transformers on a tiny random model")
+    s.add_argument("--validate", action="store_true", help="run the checkpoint's weights in transformers and in "
+                   "moeadapt on the same random documents; compare every layer and the logits (FAIL above 1e-4)")
+    s.add_argument("--layers", type=int, default=None, help="validate only the first N blocks (+ embeddings, head)")
+    s.add_argument("--seq-len", type=int, default=None, help="longest validation document (default: index_topk + 24 "
+                   "with an indexer, else 40)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the validation input")
     s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
     s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
     _add_plan_parsers(sub)
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "demo":
             api.demo(args.output_dir, args.rebuild_base)
         elif args.cmd == "onboard":
-            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped)
+            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped, layers=args.layers,
+                            seq_len=args.seq_len, seed=args.seed)
             if r.get("config_written"):
                 console.print(f"run config written to {r['config_written']}")
         elif args.cmd in ("plan", "simulate-routing"):

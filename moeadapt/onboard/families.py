@@ -12,7 +12,7 @@ type), and our own format (config.json with a "moeadapt" key).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ class Family:
     dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
     notes: list[str] = field(default_factory=list)  # semantic differences worth a line in the report
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
+    layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
 
 
 class _Reader:
@@ -140,7 +141,10 @@ def _mlp_types(r: _Reader, kw: dict) -> None:
 def _mla(r: _Reader) -> dict:
     r.expect("num_key_value_heads", lambda v: v == r.cfg.get("num_attention_heads"), "MLA has no KV-head groups")
     r.expect("head_dim", lambda v: v in (r.cfg.get("qk_rope_head_dim"), None), "transformers' rotary width = rope dim")
+    # transformers (and the DeepSeek / Moonshot reference code) build q_a_layernorm / kv_a_layernorm with a fixed
+    # epsilon of 1e-6, whatever rms_norm_eps says
     return dict(
+        mla_norm_eps=1e-6,
         n_heads=r.need("num_attention_heads"), q_lora_rank=r.get("q_lora_rank"), kv_lora_rank=r.need("kv_lora_rank"),
         qk_nope_head_dim=r.need("qk_nope_head_dim"), qk_rope_head_dim=r.need("qk_rope_head_dim"),
         v_head_dim=r.need("v_head_dim"),
@@ -194,7 +198,7 @@ def _deepseek(r: _Reader, fam: Family) -> dict:
     if r.model_type == "deepseek_v32":
         r.expect("layer_types", lambda v: set(v) <= {"indexed_attention"}, "every layer is MLA + indexer")
         kw.update(index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
-                  index_topk=r.need("index_topk"))
+                  index_topk=r.need("index_topk"), index_norm_eps=1e-6)  # indexer.k_norm: LayerNorm(eps=1e-6)
         fam.hf_class = "DeepseekV32ForCausalLM"
     else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
         fam.dense_mla = True
@@ -221,13 +225,13 @@ def _kimi_linear(r: _Reader, fam: Family) -> dict:
         kw.update(kda_n_heads=r.need("linear_num_heads"), kda_head_dim=r.need("linear_head_dim"),
                   kda_conv_size=r.get("linear_conv_kernel_dim", default=4))
     _mlp_types(r, kw)
-    r.expect("mla_use_nope", lambda v: True, "")
     r.get("use_grouped_topk", "model_max_length", "num_nextn_predict_layers")
+    # Kimi Linear's MLA layers are NoPE (transformers never rotates them; Moonshot's config says mla_use_nope)
     kw.update(layer_types=types, attn_output_gate=False, index_topk=kw["max_position_embeddings"],
-              index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"])
+              index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"],
+              mla_rope=not bool(r.get("mla_use_nope", default=True)))
     fam.dense_mla = True
-    fam.notes.append("kimi_linear MLA layers are NoPE in the original; our DSA layer rotates the qk_rope_head_dim "
-                     "channels, so logits differ until a NoPE switch exists (names and shapes map exactly)")
+    fam.hf_class = "KimiLinearForCausalLM"
     return kw
 
 
@@ -295,3 +299,17 @@ def read_family(cfg: dict, name: str = "", allow_unmapped: bool = False) -> Fami
     except ValidationError as e:
         raise OnboardError(format_validation_error(e, f"{mt} -> ModelSpec")) from None
     return fam
+
+
+def truncated(fam: Family, n_layers: int) -> Family:
+    """The first `n_layers` blocks of a family (embeddings, final norm and head kept): what `validate --layers N`
+    builds; the checkpoint's later layers are skipped by the loader (names.ignorable)."""
+    s = fam.spec
+    if not 1 <= n_layers <= s.n_layers:
+        raise OnboardError(f"--layers {n_layers} is outside 1..{s.n_layers} (the checkpoint's num_hidden_layers)")
+    if n_layers == s.n_layers:
+        return fam
+    d = s.model_dump()
+    d.update(n_layers=n_layers, layer_types=s.resolved_layer_types()[:n_layers],
+             first_k_dense=min(s.first_k_dense, n_layers))
+    return replace(fam, spec=ModelSpec(**d), layer_limit=n_layers, notes=list(fam.notes))

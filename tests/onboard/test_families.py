@@ -41,7 +41,9 @@ def test_real_sized_families_map():
     assert set(q.resolved_layer_types()) == {"gqa"} and q.score_func == "softmax" and q.n_shared_experts == 0
     klc = transformers.KimiLinearConfig().to_dict()
     kl = read_family(klc)
-    assert kl.spec.resolved_layer_types().count("dsa") == klc["layer_types"].count("full_attention") and kl.notes
+    assert kl.spec.resolved_layer_types().count("dsa") == klc["layer_types"].count("full_attention")
+    assert not kl.spec.mla_rope and kl.spec.mla_norm_eps == 1e-6  # NoPE MLA, transformers' fixed latent-norm eps
+    assert ds.mla_norm_eps == 1e-6 and ds.index_norm_eps == 1e-5 and v32.index_norm_eps == 1e-6
     k2 = transformers.DeepseekV3Config().to_dict() | {"model_type": "kimi_k2", "n_routed_experts": 384}
     assert read_family(k2).spec.n_routed_experts == 384
 
