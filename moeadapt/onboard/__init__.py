@@ -134,6 +134,10 @@ def report(result: dict, console=None) -> None:
                       f"{v['lengths']} random tokens (seed {v['seed']}), float32, vs {v['reference']}")
         for i, (d, m) in enumerate(v["per_layer"]):
             console.print(f"  layer {i}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
+        if v.get("tie_aligned") and v["tie_aligned"][0]:
+            console.print(f"  indexer: {v['tie_aligned'][0]} of {v['tie_aligned'][1]} query rows differed from "
+                          "transformers only among keys of equal score (torch.topk breaks ties arbitrarily); "
+                          "compared with our selection there")
         ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
         console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}"
                       f"; per layer relative to max(1, max |h|)){'; ' + v['where'] if v['where'] else ''}")

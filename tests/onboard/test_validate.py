@@ -81,3 +81,17 @@ def test_first_layers_only_and_cli(tmp_path, capsys):
     assert main(["onboard", str(d), "--validate", "--layers", "99"]) == 2  # one message, exit 2
     assert "--layers 99 is outside" in capsys.readouterr().err
     assert main(["onboard", str(tmp_path)]) == 2  # no config.json
+
+
+def test_indexer_ties_are_aligned_but_a_wrong_indexer_fails(tmp_path):
+    """4 indexer heads: many keys score exactly 0 and torch.topk breaks those ties its own way; the validation
+    accepts a different choice among equal scores only, so a perturbed indexer key projection still FAILS."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("deepseek_v32", tmp_path / "ckpt", seed, index_n_heads=4)
+    fam = read_family_dir(d)
+    v = validate_checkpoint(d, fam)
+    assert v["passed"], v["where"]
+    assert v["tie_aligned"][1] > 0
+    v = validate_checkpoint(d, fam, tamper=_perturb(0, "attn.wk_idx.weight"))
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
