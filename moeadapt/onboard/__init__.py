@@ -27,6 +27,13 @@ __all__ = [
 ]
 
 
+# Families whose transformers model fuses the experts, where peft (0.21) converts per-expert adapters itself and
+# re-targets every gate_proj / up_proj / down_proj module onto the fused experts (transformers' qwen2_moe
+# conversion pattern)
+PEFT_FUSED_EXPERTS = ("deepseek_v3", "deepseek_v32", "qwen3_moe")
+PEFT_FUSED_FFN_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
 def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
     path = Path(path)
     f = path / "config.json"
@@ -83,7 +90,8 @@ def peft_name_map(path: str | Path) -> dict[str, str]:
 
 def peft_maps(path: str | Path | None) -> dict:
     """`export_peft` keyword arguments for a model onboarded from the Hugging Face checkpoint directory `path`:
-    name_map (ours -> checkpoint module names) and row_perms (rows of lora_B back in checkpoint order).
+    name_map (ours -> checkpoint module names), row_perms (rows of lora_B back in checkpoint order) and
+    fused_ffn_leaves (module names peft takes for expert projections in this family).
     Empty for anything else (our own format, a preset name, None)."""
     if not path or not (Path(path) / "config.json").is_file():
         return {}
@@ -91,7 +99,8 @@ def peft_maps(path: str | Path | None) -> dict:
     if fam.model_type == "moeadapt":
         return {}
     rules = build_rules(fam, checkpoint_index(path))
-    return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules)}
+    return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules),
+            "fused_ffn_leaves": PEFT_FUSED_FFN_LEAVES if fam.model_type in PEFT_FUSED_EXPERTS else ()}
 
 
 def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
