@@ -142,10 +142,17 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
                        **peft_maps(cfg.train.init_from))
 
 
-def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
-    """Fold a PEFT adapter into the base weights and write a plain model directory."""
+def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, format: str = "moeadapt") -> Path:
+    """Fold a PEFT adapter into the base weights and write a model directory: moeadapt's own format, or with
+    format="hf" the base Hugging Face checkpoint's own names, config and safetensors (transformers loads it)."""
+    if format not in ("moeadapt", "hf"):
+        raise ConfigError(f"format={format!r}; choose 'moeadapt' or 'hf'")
     m = load_model_dir(model, adapter)
     merge_lora(m)
+    if format == "hf":
+        from .onboard.export import save_hf_dir
+
+        return save_hf_dir(m, model, out)
     return save_model_dir(m, m.spec.model_dump(), out)
 
 

@@ -90,3 +90,44 @@ def test_dense_ffn_adapter_is_a_warning_and_kept_for_us(tmp_path):
     assert set(a) == set(b) and all(torch.equal(x, y) for n in a for x, y in zip(a[n].parameters(), b[n].parameters()))
     _, msgs = _peft_logits(ckpt, out, torch.zeros(1, 4, dtype=torch.long))
     assert not msgs, msgs
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
+    from safetensors import safe_open
+
+    from moeadapt.cli import main
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.onboard import peft_maps
+
+    seed = fresh_seed()
+    print(f"{model_type} seed {seed}")
+    ckpt = random_checkpoint(model_type, tmp_path / "ckpt", seed)
+    ours, _ = onboard_model(ckpt, dtype=torch.float32)
+    targets = TARGETS[model_type] + ["ffn.w1", "shared.w3"]  # dense FFN / shared expert too: merged by us
+    lora = LoRASpec(rank=2, alpha=4.0, targets=targets)
+    inject_lora(ours, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dense-FFN adapters peft cannot place (kept in the side file)
+        adapter = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(ckpt))
+    out = tmp_path / "merged"
+    assert main(["merge-adapter", "--model", str(ckpt), "--adapter", str(adapter), "--out", str(out),
+                 "--format", "hf"]) == 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as a, safe_open(str(out / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # the checkpoint's own names, nothing more or less
+        assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
+    assert json.loads((out / "config.json").read_text()) == json.loads((ckpt / "config.json").read_text())
+    ids = torch.randint(0, 64, (2, 20), generator=g)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ref = ours.eval()(ids).logits.float()
+        got = hf(input_ids=ids).logits.float()
+    diff = (got - ref).abs().max().item()
+    print(f"transformers on the merged checkpoint vs ours + adapter: {diff:.2e}")
+    assert diff <= 1e-4
