@@ -266,6 +266,53 @@ _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _de
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
 
 
+# Config fields of architectures we do not implement -> what they are (for the unknown-family message)
+_FEATURES = {
+    "hc_mult": "hyper-connections (several residual streams mixed per layer)",
+    "hc_sinkhorn_iters": "Sinkhorn-normalised hyper-connection mixing",
+    "index_kpool": "KPool indexer (pooled indexer keys)",
+    "index_kpool_always_select_tail": "indexer that always selects the tail block",
+    "indexer_types": "layers that reuse another layer's indexer top-k ('shared' indexer layers)",
+    "linear_lower_bound": "lower-bounded linear-attention gate",
+    "gate_lower_bound": "lower-bounded linear-attention gate",
+    "swiglu_limit": "clamped SwiGLU",
+    "linear_num_value_heads": "Gated DeltaNet linear attention (one decay per head, grouped value heads)",
+    "linear_key_head_dim": "Gated DeltaNet linear attention",
+    "shared_expert_intermediate_size": "sigmoid-gated shared expert",
+    "partial_rotary_factor": "partial RoPE (a fraction of the head dim rotated)",
+    "use_sliding_window": "sliding-window attention",
+    "sliding_window": "sliding-window attention",
+    "vision_config": "a vision tower (multimodal model)",
+    "audio_config": "an audio tower",
+    "router_jitter_noise": "router jitter noise",
+    "use_qk_norm": "q/k RMSNorm",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "num_nextn_predict_layers": "multi-token-prediction layers",
+}
+
+
+def unsupported_features(cfg: dict) -> list[str]:
+    """The features of a config (and of its text_config) that moeadapt does not implement, named."""
+    out: list[str] = []
+    for where, d in (("", cfg), ("text_config.", cfg.get("text_config") or {})):
+        for k, what in _FEATURES.items():
+            v = d.get(k)
+            if v in (None, False, 0) or (isinstance(v, dict) and not v):
+                continue
+            item = f"{where}{k} ({what})"
+            if item not in out:
+                out.append(item)
+        rope = d.get("rope_parameters") or {}
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+            out.append(f"{where}rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']} (partial RoPE)")
+        types = set(d.get("layer_types") or [])
+        odd = sorted(t for t in types if t not in ("linear_attention", "full_attention", "indexed_attention"))
+        if odd:
+            out.append(f"{where}layer_types {odd} (attention kinds moeadapt does not have)")
+    return out
+
+
 def family_names() -> list[str]:
     return [*_FAMILIES, "moeadapt"]
 
@@ -281,7 +328,10 @@ def read_family(cfg: dict, name: str = "", allow_unmapped: bool = False) -> Fami
         return Family("moeadapt", spec, cfg)
     mt = cfg.get("model_type")
     if mt not in _FAMILIES:
-        raise OnboardError(f"model_type={mt!r} is not a known family; moeadapt onboards {family_names()}")
+        feats = unsupported_features(cfg)
+        raise OnboardError(f"model_type={mt!r} is not a known family; moeadapt onboards {family_names()}"
+                           + (f". Its config uses features moeadapt does not implement: {'; '.join(feats)}"
+                              if feats else ""))
     fam = Family(mt, None, cfg)  # type: ignore[arg-type]
     r = _Reader(cfg, mt)
     kw = _FAMILIES[mt](r, fam)

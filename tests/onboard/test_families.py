@@ -15,6 +15,21 @@ def test_unknown_model_type_lists_families():
         read_family({"model_type": "llama"})
 
 
+def test_unknown_family_lists_its_unsupported_features():
+    cfg = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    with pytest.raises(OnboardError) as e:
+        read_family(cfg)
+    msg = str(e.value)
+    assert "model_type='glm5_next' is not a known family" in msg
+    for feat in ("text_config.hc_mult (hyper-connections", "text_config.index_kpool (KPool indexer",
+                 "text_config.swiglu_limit (clamped SwiGLU)", "vision_config (a vision tower"):
+        assert feat in msg, (feat, msg)
+    with pytest.raises(OnboardError, match="partial_rotary_factor=0.25 .*Gated DeltaNet|Gated DeltaNet.*partial"):
+        read_family(transformers.AutoConfig.for_model("minimax_m2").to_dict() | {
+            "model_type": "qwen3_next_like", "linear_num_value_heads": 32,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}})
+
+
 def test_unmapped_fields_are_named():
     cfg = transformers.Qwen3MoeConfig().to_dict()
     cfg["frobnicate_heads"] = 3
