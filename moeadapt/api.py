@@ -204,11 +204,18 @@ def _check_out_dir(out: str | Path, what: str) -> None:
                          "path (it would be replaced)")
 
 
-def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
-    """Fold a PEFT adapter into the base weights and write a plain model directory."""
+def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, format: str = "moeadapt") -> Path:
+    """Fold a PEFT adapter into the base weights and write a model directory: moeadapt's own format, or with
+    format="hf" the base Hugging Face checkpoint's own names, config and safetensors (transformers loads it)."""
+    if format not in ("moeadapt", "hf"):
+        raise ConfigError(f"format={format!r}; choose 'moeadapt' or 'hf'")
     _check_out_dir(out, "merge-adapter --out")
     m = load_model_dir(model, adapter)
     merge_lora(m)
+    if format == "hf":
+        from .onboard.export import save_hf_dir
+
+        return save_hf_dir(m, model, out)
     return save_model_dir(m, m.spec.model_dump(), out)
 
 
@@ -242,19 +249,23 @@ def demo(output_dir: str | Path = "runs/demo", rebuild_base: bool = False, quiet
 
 
 def onboard(path: str | Path, validate: bool = False, write_config: str | Path | None = None,
-            allow_unmapped: bool = False, quiet: bool = False) -> dict:
+            allow_unmapped: bool = False, quiet: bool = False, layers: int | None = None,
+            seq_len: int | None = None, seed: int = 0) -> dict:
     """Map a checkpoint directory (HF families or ours) onto our model: spec, tensor-name check, op mapping;
-    optionally validate logits against transformers and write a run YAML. See moeadapt/onboard/."""
+    optionally validate the checkpoint's weights (the first `layers` blocks) against transformers and write a run
+    YAML. See moeadapt/onboard/."""
     from . import onboard as ob
 
-    res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped)
+    res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped, layers=layers, seq_len=seq_len,
+                     seed=seed)
     if write_config:
         res["config_written"] = ob.write_run_config(res["fam"], path, write_config)
     if not quiet:
         ob.report(res)
     v = res.get("validation")
     if v is not None and not v["passed"]:
-        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']} > tolerance {v.get('tolerance')}")
+        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']:.3g} (tolerance "
+                         f"{v['tolerance']:.0e}); {v['where']}")
     return res
 
 

@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True)
     s.add_argument("--adapter", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--format", choices=("moeadapt", "hf"), default="moeadapt", help="hf: the base Hugging Face "
+                   "checkpoint's own names, config and safetensors (loadable by transformers)")
     s = sub.add_parser("info", help="parameter counts of a preset or model directory (meta device)")
     s.add_argument("--model", required=True)
     s.add_argument("--json", action="store_true")
@@ -148,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rebuild-base", action="store_true", help="pre-train the tiny base again first")
     s = sub.add_parser("onboard", help="map a Hugging Face (or moeadapt) checkpoint directory onto our model")
     s.add_argument("path")
-    s.add_argument("--validate", action="store_true", help="compare logits with transformers on a tiny random model")
+    s.add_argument("--validate", action="store_true", help="run the checkpoint's weights in transformers and in "
+                   "moeadapt on the same random documents; compare every layer and the logits (FAIL above 1e-4)")
+    s.add_argument("--layers", type=int, default=None, help="validate only the first N blocks (+ embeddings, head)")
+    s.add_argument("--seq-len", type=int, default=None, help="longest validation document (default: index_topk + 24 "
+                   "with an indexer, else 40)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the validation input")
     s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
     s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
     _add_plan_parsers(sub)
@@ -169,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-adapter":
             console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
         elif args.cmd == "merge-adapter":
-            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out)}")
+            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out, args.format)}")
         elif args.cmd == "info":
             c = api.info(args.model)
             print(json.dumps(c, indent=2)) if args.json else _print_info(c)
         elif args.cmd == "demo":
             api.demo(args.output_dir, args.rebuild_base)
         elif args.cmd == "onboard":
-            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped)
+            r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped, layers=args.layers,
+                            seq_len=args.seq_len, seed=args.seed)
             if r.get("config_written"):
                 console.print(f"run config written to {r['config_written']}")
         elif args.cmd in ("plan", "simulate-routing"):

@@ -78,6 +78,12 @@ class ModelSpec(_Strict):
     index_head_dim: int = Field(default=32, gt=0)
     index_topk: int = Field(default=2048, gt=0)
     index_loss_coef: float = Field(default=0.0, ge=0)
+    index_norm_eps: float = Field(default=1e-5, gt=0, description="epsilon of the indexer key LayerNorm "
+                                  "(DeepSeek-V3.2 checkpoints: 1e-6)")
+    mla_rope: bool = Field(default=True, description="rotate the qk_rope_head_dim channels of the MLA query and "
+                           "shared key; False = NoPE MLA (Kimi Linear): those channels are used unrotated")
+    mla_norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the MLA q / kv latent RMSNorms; "
+                                       "None = norm_eps (DeepSeek / Kimi checkpoints fix it at 1e-6)")
 
     attn_output_gate: bool = Field(default=True, description="sigmoid(x W_gate) head-wise output gate on DSA")
 

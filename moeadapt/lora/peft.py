@@ -1,21 +1,34 @@
-"""PEFT-format adapter directories: adapter_config.json + adapter_model.safetensors.
+"""PEFT-format adapter directories: adapter_config.json + adapter_model.safetensors (+ our side file).
 
-Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`, with <module> the name the module
-has in the base checkpoint (ours: `layers.3.ffn.experts.w1`). Dense adapters use PEFT's layout
-(lora_A [r, in], lora_B [out, r]). Grouped expert adapters are stored per expert in the same layout, stacked
-on a leading expert axis (lora_A [E, r, in], lora_B [E, out, r]); `adapter_config.json` lists them under
-`moeadapt.grouped_modules`. Written atomically.
+Keys are `base_model.model.<module>.lora_A.weight` / `.lora_B.weight` in PEFT's layout (lora_A [r, in], lora_B
+[out, r]), <module> the name the module has in the base model. adapter_config.json holds only fields `peft`
+knows; our own metadata (the LoRASpec targets, the module-name map, row permutations, the layout of expert
+adapters, adapters peft cannot place) goes to `moeadapt_adapter.json` beside it. Written atomically.
 
-For a model onboarded from a Hugging Face checkpoint (`moeadapt.onboard.peft_maps(dir)`), module names are the
-checkpoint's and the rows of lora_B are put back in the checkpoint's row order where onboarding permuted the
-base weight's rows (DeepSeek's interleaved RoPE rows of q_b_proj / q_proj / kv_a_proj_with_mqa): then
-W_ckpt + scaling * B @ A is exactly the checkpoint-order form of our merged weight. adapter_config.json records
-both (`moeadapt.modules`: checkpoint name -> ours, `moeadapt.row_perms`), so `load_peft` undoes them alone.
+Expert adapters (one grouped adapter per projection, A [E, in, r], B [E, r, out] in our model):
+- for a model onboarded from a Hugging Face checkpoint (`name_map` given) they are written one tensor per expert,
+  `<...>.experts.<e>.<proj>.lora_A.weight`: the transformers-v4 per-expert layout that peft (pinned 0.21.2)
+  converts itself onto transformers-v5 fused experts (gate_up_proj / down_proj parameters, via
+  `target_parameters`, tested in tests/onboard/test_peft_real.py). peft fuses gate and up and places their
+  adapter by the down projection's: where gate or up is adapted, the others of the three are written as zero
+  adapters (exactly no change) so the conversion has all its parts;
+- for our own format they stay stacked (lora_A [E, r, in], lora_B [E, out, r]).
+
+With `fused_ffn_leaves` (families whose transformers model fuses experts), peft's MoE conversion re-targets every
+module named like an expert projection (gate_proj / up_proj / down_proj), so adapters on the dense FFN layers and
+the shared expert cannot be placed by peft. They are left out of adapter_model.safetensors with a warning and kept
+in `moeadapt_extra.safetensors`, so `load_peft` (and merge-adapter) still restore the whole adapter.
+
+For a model onboarded from a Hugging Face checkpoint (`moeadapt.onboard.peft_maps(dir)`) the rows of lora_B are
+put back in the checkpoint's row order where onboarding permuted the base weight's rows (DeepSeek's interleaved
+RoPE rows of q_b_proj / q_proj / kv_a_proj_with_mqa): W_ckpt + scaling * B @ A is then exactly the checkpoint-order
+form of our merged weight.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,51 +42,110 @@ from .inject import inject_lora, lora_modules
 from .layers import LoRALinear
 
 PREFIX = "base_model.model."
+SIDE = "moeadapt_adapter.json"
+EXTRA = "moeadapt_extra.safetensors"
 
 
 def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: str = "",
-                name_map: dict[str, str] | None = None,
-                row_perms: dict[str, torch.Tensor] | None = None) -> Path:
+                name_map: dict[str, str] | None = None, row_perms: dict[str, torch.Tensor] | None = None,
+                fused_ffn_leaves: tuple[str, ...] = ()) -> Path:
     """`name_map` maps our module names to the original checkpoint's (identity for our own format);
     `row_perms[ours]`: our base weight's rows = checkpoint rows[perm] (onboarding's permutation), undone on
-    lora_B so the adapter is in the checkpoint's row order."""
+    lora_B so the adapter is in the checkpoint's row order; `fused_ffn_leaves`: module leaf names that peft's MoE
+    conversion takes for expert projections (dense adapters with such names go to the side file, with a warning)."""
     mods = lora_modules(model)
     if not mods:
         raise ValueError("the model has no LoRA adapters to export; run a fine-tune with a `lora:` section")
+    per_expert = name_map is not None
     name_map = name_map or {}
     row_perms = row_perms or {}
-    tensors, grouped, targets, perms_out = {}, [], set(), {}
+    tensors, extra, grouped, targets, perms_out, dropped = {}, {}, [], set(), {}, []
+    expert_heads: dict[str, set[str]] = {}  # ...mlp.experts -> projections written
     for n, m in mods.items():
         out = name_map.get(n, n)
-        targets.add(out.rsplit(".", 1)[-1])
+        leaf = out.rsplit(".", 1)[-1]
         if isinstance(m, LoRALinear):
-            a, b = m.lora_A.weight, m.lora_B.weight
+            a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
             if n in row_perms:
                 perm = row_perms[n].to(b.device)
                 b = b.index_select(0, torch.argsort(perm))  # ours[i] = ckpt[perm[i]]  =>  ckpt = ours[argsort]
                 perms_out[out] = perm.tolist()
-        else:
-            a, b = m.lora_A.transpose(1, 2), m.lora_B.transpose(1, 2)
-            grouped.append(out)
-        tensors[f"{PREFIX}{out}.lora_A.weight"] = a.float()
-        tensors[f"{PREFIX}{out}.lora_B.weight"] = b.float()
+            dst = tensors
+            if leaf in fused_ffn_leaves:
+                dst = extra
+                dropped.append(out)
+            else:
+                targets.add(leaf)
+            dst[f"{PREFIX}{out}.lora_A.weight"], dst[f"{PREFIX}{out}.lora_B.weight"] = a, b
+            continue
+        a, b = m.lora_A.transpose(1, 2).float(), m.lora_B.transpose(1, 2).float()  # [E, r, in], [E, out, r]
+        grouped.append(out)
+        targets.add(leaf)
+        if not per_expert:
+            tensors[f"{PREFIX}{out}.lora_A.weight"], tensors[f"{PREFIX}{out}.lora_B.weight"] = a, b
+            continue
+        head = out.rsplit(".", 1)[0]
+        expert_heads.setdefault(head, set()).add(leaf)
+        for e in range(a.shape[0]):
+            tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_A.weight"] = a[e]
+            tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_B.weight"] = b[e]
+    zero_filled = _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets) if per_expert else []
+    if dropped:
+        warnings.warn(f"{len(dropped)} adapter(s) cannot be represented for peft and are left out of "
+                      f"adapter_model.safetensors: {dropped[:4]}{' ...' if len(dropped) > 4 else ''} (peft maps every "
+                      f"{'/'.join(fused_ffn_leaves)} target onto the fused experts of this model, so dense-FFN and "
+                      f"shared-expert adapters would be dropped); they are kept in {EXTRA} for moeadapt "
+                      "(load, merge-adapter). Leave dense FFN / shared experts out of lora.targets for a peft-only "
+                      "adapter.", stacklevel=2)
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
         "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
-        "moeadapt": {"targets": lora.targets, "grouped_modules": sorted(grouped)},
     }
+    side = {"targets": lora.targets, "grouped_modules": sorted(grouped),
+            "expert_layout": "per_expert" if per_expert else "stacked", "zero_filled": zero_filled,
+            "not_in_peft": sorted(dropped)}
     if any(name_map.get(n, n) != n for n in mods):
-        cfg["moeadapt"]["modules"] = {name_map.get(n, n): n for n in mods}
+        side["modules"] = {name_map.get(n, n): n for n in mods}
     if perms_out:
-        cfg["moeadapt"]["row_perms"] = perms_out
+        side["row_perms"] = perms_out
     with atomic_dir(path) as tmp:
         save_tensors(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        if extra:
+            save_tensors(extra, tmp / EXTRA, metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / SIDE).write_text(json.dumps(side, indent=2))
     return Path(path)
 
 
+def _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets) -> list[str]:
+    """peft fuses the experts' gate and up projections into one adapted parameter and places the pair's adapter
+    by the presence of the down projection's: where gate or up is adapted, every one of gate, up and down that is
+    not gets a zero adapter of the same rank (B = 0: no change)."""
+    ours_of = {name_map.get(n, n): n for n in mods}
+    filled = []
+    for head, leaves in expert_heads.items():
+        some = ours_of[f"{head}.{next(iter(leaves))}"]
+        stem = some.rsplit(".", 1)[0]  # layers.i.ffn.experts
+        names = {w: name_map.get(f"{stem}.{w}", f"{stem}.{w}").rsplit(".", 1)[-1] for w in ("w1", "w3", "w2")}
+        if names["w1"] not in leaves and names["w3"] not in leaves:
+            continue
+        r = mods[some].lora_A.shape[-1]
+        for w, leaf in names.items():
+            if leaf in leaves:
+                continue
+            base = model.get_submodule(f"{stem}.{w}").weight  # [E, out, in]
+            for e in range(base.shape[0]):
+                tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_A.weight"] = torch.zeros(r, base.shape[2])
+                tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_B.weight"] = torch.zeros(base.shape[1], r)
+            targets.add(leaf)
+            filled.append(f"{head}.{leaf}")
+    return filled
+
+
 def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
+    """(LoRASpec, our metadata) of an adapter directory: moeadapt_adapter.json when present (older adapters kept
+    it under adapter_config.json's "moeadapt" key)."""
     path = Path(path)
     f = path / "adapter_config.json"
     if not f.is_file():
@@ -87,8 +159,12 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
     missing = [k for k in ("r", "lora_alpha") if k not in cfg]
-    own = cfg.get("moeadapt") if isinstance(cfg.get("moeadapt"), dict) else {}
-    targets = own.get("targets") or cfg.get("target_modules")
+    try:
+        side = json.loads((path / SIDE).read_text()) if (path / SIDE).is_file() else cfg.get("moeadapt", {})
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / SIDE} is not valid JSON ({e}); the adapter is corrupt - export it again") from None
+    side = side if isinstance(side, dict) else {}
+    targets = side.get("targets") or cfg.get("target_modules")
     if missing or not targets:
         raise ValueError(f"{f} lacks {missing + ([] if targets else ['target_modules'])}; a PEFT LoRA adapter_config "
                          "needs r, lora_alpha and target_modules - export the adapter again")
@@ -97,31 +173,43 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
                         targets=[targets] if isinstance(targets, str) else targets)
     except ValidationError as e:
         raise ValueError(format_validation_error(e, str(f)).replace("\n", "; ")) from None
-    return spec, cfg
+    return spec, side
 
 
 @torch.no_grad()
 def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | None = None) -> LoRASpec:
     """Inject adapters as the directory describes (unless present) and load their weights strictly."""
-    spec, cfg = read_adapter_config(path)
+    spec, own = read_adapter_config(path)
     if not lora_modules(model):
         inject_lora(model, spec)
     tensors = load_tensors(Path(path) / "adapter_model.safetensors")
-    own = cfg.get("moeadapt", {})
+    if (Path(path) / EXTRA).is_file():
+        tensors.update(load_tensors(Path(path) / EXTRA))
     if name_map is None and own.get("modules"):  # written with checkpoint names: map them back
         name_map = {ours: ckpt for ckpt, ours in own["modules"].items()}
     name_map = name_map or {}
     perms = {k: torch.tensor(v) for k, v in own.get("row_perms", {}).items()}
-    expected = {}
+    per_expert = own.get("expert_layout") == "per_expert"
+    for z in own.get("zero_filled", []):  # the zero partners of a fused pair: not ours
+        head, leaf = z.rsplit(".", 1)
+        for k in [k for k in tensors if k.startswith(f"{PREFIX}{head}.") and f".{leaf}.lora_" in k]:
+            tensors.pop(k)
+    expected: dict[str, tuple[nn.Module, str, int | None]] = {}
     for n, m in lora_modules(model).items():
         out = name_map.get(n, n)
-        expected[f"{PREFIX}{out}.lora_A.weight"] = (m, "A")
-        expected[f"{PREFIX}{out}.lora_B.weight"] = (m, "B")
+        if per_expert and not isinstance(m, LoRALinear):
+            head, leaf = out.rsplit(".", 1)
+            for e in range(m.lora_A.shape[0]):
+                for w in "AB":
+                    expected[f"{PREFIX}{head}.{e}.{leaf}.lora_{w}.weight"] = (m, w, e)
+        else:
+            for w in "AB":
+                expected[f"{PREFIX}{out}.lora_{w}.weight"] = (m, w, None)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         raise ValueError(f"adapter {path} does not fit this model: missing {missing[:6]}, unexpected {extra[:6]}")
-    for key, (m, which) in expected.items():
+    for key, (m, which, e) in expected.items():
         t = tensors[key]
         if isinstance(m, LoRALinear):
             dst = m.lora_A.weight if which == "A" else m.lora_B.weight
@@ -130,7 +218,9 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
                 t = t.index_select(0, perms[mod])  # checkpoint row order -> ours
         else:
             dst = m.lora_A if which == "A" else m.lora_B
-            t = t.transpose(1, 2)
+            t = t.transpose(-1, -2)
+            if e is not None:
+                dst = dst[e]
         if dst.shape != t.shape:
             raise ValueError(f"adapter tensor {key} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
         dst.copy_(t)

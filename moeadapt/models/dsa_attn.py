@@ -1,6 +1,7 @@
 """DSAAttention: gated DeepSeek Sparse Attention (as in DeepSeek-V3.2, plus a sigmoid output gate).
 
-MLA projections (q through a q_lora_rank latent, a shared kv latent of kv_lora_rank + a RoPE part);
+MLA projections (q through a q_lora_rank latent, a shared kv latent of kv_lora_rank + a RoPE part; with
+spec.mla_rope = False that part is not rotated: NoPE MLA as in Kimi Linear);
 the lightning indexer (queries from the q latent, one LayerNorm'd key per token, RoPE on the first
 rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query; attention runs
 in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
@@ -26,14 +27,15 @@ class DSAAttention(nn.Module):
         H, nope, rope, vd = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         self.n_heads, self.nope, self.rope, self.vd, self.kvl = H, nope, rope, vd, spec.kv_lora_rank
         q_in = spec.q_lora_rank or d
+        lat_eps = spec.mla_norm_eps or spec.norm_eps
         if spec.q_lora_rank:
             self.wq_a = nn.Linear(d, spec.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(spec.q_lora_rank, eps=spec.norm_eps)
+            self.q_norm = RMSNorm(spec.q_lora_rank, eps=lat_eps)
             self.wq_b = nn.Linear(spec.q_lora_rank, H * (nope + rope), bias=False)
         else:
             self.wq = nn.Linear(d, H * (nope + rope), bias=False)
         self.wkv_a = nn.Linear(d, spec.kv_lora_rank + rope, bias=False)
-        self.kv_norm = RMSNorm(spec.kv_lora_rank, eps=spec.norm_eps)
+        self.kv_norm = RMSNorm(spec.kv_lora_rank, eps=lat_eps)
         self.wkv_b = nn.Linear(spec.kv_lora_rank, H * (nope + vd), bias=False)
         self.wo = nn.Linear(H * vd, d, bias=False)
         self.w_gate = nn.Linear(d, H, bias=False) if spec.attn_output_gate else None
@@ -42,7 +44,7 @@ class DSAAttention(nn.Module):
         self.HI, self.DI = HI, DI
         self.wq_idx = nn.Linear(q_in, HI * DI, bias=False)
         self.wk_idx = nn.Linear(d, DI, bias=False)
-        self.k_idx_norm = nn.LayerNorm(DI)
+        self.k_idx_norm = nn.LayerNorm(DI, eps=spec.index_norm_eps)
         self.w_idx = nn.Linear(d, HI, bias=False)
         # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
         self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
@@ -69,9 +71,11 @@ class DSAAttention(nn.Module):
         H, nope, r, kvl = self.n_heads, self.nope, self.rope, self.kvl
         q, q_lat = self._queries(x_BTD)
         q = q.view(B, T, H, nope + r)
-        q_nope, q_pe = q[..., :nope], apply_rope(q[..., nope:], cos, sin)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
         kv = self.wkv_a(x_BTD)
-        kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), apply_rope(kv[..., kvl:], cos, sin)
+        kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), kv[..., kvl:]
+        if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
+            q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
         # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
         w = self.wkv_b.weight
         if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself

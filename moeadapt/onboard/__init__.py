@@ -2,7 +2,7 @@
 
 `onboard(path)` recognises the family (families.py), maps every tensor name both ways (names.py), checks names
 and shapes from the safetensors headers (loader.py), prints the operator mapping (opmap.py) and optionally
-validates logits against transformers on a tiny random model of the same architecture (validate.py).
+validates the checkpoint's own weights against transformers, block by block (validate.py).
 `onboard_model(path)` / `StreamingLoader` load the weights shard by shard (only a rank's experts under EP).
 """
 
@@ -27,6 +27,13 @@ __all__ = [
 ]
 
 
+# Families whose transformers model fuses the experts, where peft (0.21) converts per-expert adapters itself and
+# re-targets every gate_proj / up_proj / down_proj module onto the fused experts (transformers' qwen2_moe
+# conversion pattern)
+PEFT_FUSED_EXPERTS = ("deepseek_v3", "deepseek_v32", "qwen3_moe")
+PEFT_FUSED_FFN_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
 def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
     path = Path(path)
     f = path / "config.json"
@@ -39,17 +46,19 @@ def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
     return read_family(cfg, name=path.name, allow_unmapped=allow_unmapped)
 
 
-def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = False, device: str = "auto") -> dict:
-    """Map a checkpoint directory without loading its weights: spec, name-map check, op mapping, validation."""
+def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = False, device: str = "auto",
+            layers: int | None = None, seq_len: int | None = None, seed: int = 0) -> dict:
+    """Map a checkpoint directory: spec, name-map check, op mapping; with `validate`, the checkpoint's own weights
+    (the first `layers` blocks, default all) run in transformers and in moeadapt and are compared (validate.py)."""
     fam = read_family_dir(path, allow_unmapped)
-    rules = build_rules(fam)
+    rules = build_rules(fam, checkpoint_index(path))
     summary = StreamingLoader(path, fam, rules).check()
     out = {"family": fam.model_type, "spec": fam.spec, "notes": fam.notes, "check": summary,
            "ops": op_mapping(fam.spec, device), "rules": rules, "fam": fam}
     if validate:
-        from .validate import validate_family
+        from .validate import validate_checkpoint
 
-        out["validation"] = validate_family(fam)
+        out["validation"] = validate_checkpoint(path, fam, layers=layers, seq_len=seq_len, seed=seed)
     return out
 
 
@@ -59,7 +68,7 @@ def onboard_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device:
     from ..models.model import build_model, materialize
 
     fam = read_family_dir(path, allow_unmapped)
-    loader = StreamingLoader(path, fam, build_rules(fam), dtype=dtype)
+    loader = StreamingLoader(path, fam, build_rules(fam, checkpoint_index(path)), dtype=dtype)
     model = materialize(build_model(fam.spec, "meta"), device, dtype=dtype)
     summary = load_into_model(model, loader)
     model.set_backend("reference" if device == "cpu" else "auto")
@@ -71,25 +80,27 @@ def load_weights(path: str | Path, model, allow_unmapped: bool = False) -> dict:
     (what a trainer's `init_from` needs for a Hugging Face directory). Returns the check summary."""
     fam = read_family_dir(path, allow_unmapped)
     dtype = next(model.parameters()).dtype
-    return load_into_model(model, StreamingLoader(path, fam, build_rules(fam), dtype=dtype))
+    return load_into_model(model, StreamingLoader(path, fam, build_rules(fam, checkpoint_index(path)), dtype=dtype))
 
 
 def peft_name_map(path: str | Path) -> dict[str, str]:
     """Our module names -> the checkpoint's, for `export_peft(..., name_map=...)`."""
-    return reverse_module_map(build_rules(read_family_dir(path, allow_unmapped=True)))
+    return reverse_module_map(build_rules(read_family_dir(path, allow_unmapped=True), checkpoint_index(path)))
 
 
 def peft_maps(path: str | Path | None) -> dict:
     """`export_peft` keyword arguments for a model onboarded from the Hugging Face checkpoint directory `path`:
-    name_map (ours -> checkpoint module names) and row_perms (rows of lora_B back in checkpoint order).
+    name_map (ours -> checkpoint module names), row_perms (rows of lora_B back in checkpoint order) and
+    fused_ffn_leaves (module names peft takes for expert projections in this family).
     Empty for anything else (our own format, a preset name, None)."""
     if not path or not (Path(path) / "config.json").is_file():
         return {}
     fam = read_family_dir(path, allow_unmapped=True)
     if fam.model_type == "moeadapt":
         return {}
-    rules = build_rules(fam)
-    return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules)}
+    rules = build_rules(fam, checkpoint_index(path))
+    return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules),
+            "fused_ffn_leaves": PEFT_FUSED_FFN_LEAVES if fam.model_type in PEFT_FUSED_EXPERTS else ()}
 
 
 def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
@@ -125,9 +136,17 @@ def report(result: dict, console=None) -> None:
     print_op_mapping(result["ops"], result["notes"], console)
     v = result.get("validation")
     if v:
-        if v.get("max_abs_diff") is not None:
-            ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
-            console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}) "
-                          f"vs {v['reference']} on a tiny random {v['tiny']}")
-        else:
-            console.print(f"validate: {'PASS' if v['passed'] else 'FAIL'} ({v['note']})")
+        if v.get("max_abs_diff") is None:
+            console.print(f"validate: skipped ({v['note']})")
+            return
+        console.print(f"validate: {v['layers']} of {v['of_layers']} layers of the checkpoint's weights, documents of "
+                      f"{v['lengths']} random tokens (seed {v['seed']}), float32, vs {v['reference']}")
+        for i, (d, m) in enumerate(v["per_layer"]):
+            console.print(f"  layer {i}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
+        if v.get("tie_aligned") and v["tie_aligned"][0]:
+            console.print(f"  indexer: {v['tie_aligned'][0]} of {v['tie_aligned'][1]} query rows differed from "
+                          "transformers only among keys of equal score (torch.topk breaks ties arbitrarily); "
+                          "compared with our selection there")
+        ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
+        console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}"
+                      f"; per layer relative to max(1, max |h|)){'; ' + v['where'] if v['where'] else ''}")

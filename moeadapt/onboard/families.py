@@ -12,7 +12,7 @@ type), and our own format (config.json with a "moeadapt" key).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ class Family:
     dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
     notes: list[str] = field(default_factory=list)  # semantic differences worth a line in the report
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
+    layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
 
 
 class _Reader:
@@ -140,7 +141,10 @@ def _mlp_types(r: _Reader, kw: dict) -> None:
 def _mla(r: _Reader) -> dict:
     r.expect("num_key_value_heads", lambda v: v == r.cfg.get("num_attention_heads"), "MLA has no KV-head groups")
     r.expect("head_dim", lambda v: v in (r.cfg.get("qk_rope_head_dim"), None), "transformers' rotary width = rope dim")
+    # transformers (and the DeepSeek / Moonshot reference code) build q_a_layernorm / kv_a_layernorm with a fixed
+    # epsilon of 1e-6, whatever rms_norm_eps says
     return dict(
+        mla_norm_eps=1e-6,
         n_heads=r.need("num_attention_heads"), q_lora_rank=r.get("q_lora_rank"), kv_lora_rank=r.need("kv_lora_rank"),
         qk_nope_head_dim=r.need("qk_nope_head_dim"), qk_rope_head_dim=r.need("qk_rope_head_dim"),
         v_head_dim=r.need("v_head_dim"),
@@ -194,7 +198,7 @@ def _deepseek(r: _Reader, fam: Family) -> dict:
     if r.model_type == "deepseek_v32":
         r.expect("layer_types", lambda v: set(v) <= {"indexed_attention"}, "every layer is MLA + indexer")
         kw.update(index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
-                  index_topk=r.need("index_topk"))
+                  index_topk=r.need("index_topk"), index_norm_eps=1e-6)  # indexer.k_norm: LayerNorm(eps=1e-6)
         fam.hf_class = "DeepseekV32ForCausalLM"
     else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
         fam.dense_mla = True
@@ -221,13 +225,13 @@ def _kimi_linear(r: _Reader, fam: Family) -> dict:
         kw.update(kda_n_heads=r.need("linear_num_heads"), kda_head_dim=r.need("linear_head_dim"),
                   kda_conv_size=r.get("linear_conv_kernel_dim", default=4))
     _mlp_types(r, kw)
-    r.expect("mla_use_nope", lambda v: True, "")
     r.get("use_grouped_topk", "model_max_length", "num_nextn_predict_layers")
+    # Kimi Linear's MLA layers are NoPE (transformers never rotates them; Moonshot's config says mla_use_nope)
     kw.update(layer_types=types, attn_output_gate=False, index_topk=kw["max_position_embeddings"],
-              index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"])
+              index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"],
+              mla_rope=not bool(r.get("mla_use_nope", default=True)))
     fam.dense_mla = True
-    fam.notes.append("kimi_linear MLA layers are NoPE in the original; our DSA layer rotates the qk_rope_head_dim "
-                     "channels, so logits differ until a NoPE switch exists (names and shapes map exactly)")
+    fam.hf_class = "KimiLinearForCausalLM"
     return kw
 
 
@@ -262,6 +266,53 @@ _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _de
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
 
 
+# Config fields of architectures we do not implement -> what they are (for the unknown-family message)
+_FEATURES = {
+    "hc_mult": "hyper-connections (several residual streams mixed per layer)",
+    "hc_sinkhorn_iters": "Sinkhorn-normalised hyper-connection mixing",
+    "index_kpool": "KPool indexer (pooled indexer keys)",
+    "index_kpool_always_select_tail": "indexer that always selects the tail block",
+    "indexer_types": "layers that reuse another layer's indexer top-k ('shared' indexer layers)",
+    "linear_lower_bound": "lower-bounded linear-attention gate",
+    "gate_lower_bound": "lower-bounded linear-attention gate",
+    "swiglu_limit": "clamped SwiGLU",
+    "linear_num_value_heads": "Gated DeltaNet linear attention (one decay per head, grouped value heads)",
+    "linear_key_head_dim": "Gated DeltaNet linear attention",
+    "shared_expert_intermediate_size": "sigmoid-gated shared expert",
+    "partial_rotary_factor": "partial RoPE (a fraction of the head dim rotated)",
+    "use_sliding_window": "sliding-window attention",
+    "sliding_window": "sliding-window attention",
+    "vision_config": "a vision tower (multimodal model)",
+    "audio_config": "an audio tower",
+    "router_jitter_noise": "router jitter noise",
+    "use_qk_norm": "q/k RMSNorm",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "num_nextn_predict_layers": "multi-token-prediction layers",
+}
+
+
+def unsupported_features(cfg: dict) -> list[str]:
+    """The features of a config (and of its text_config) that moeadapt does not implement, named."""
+    out: list[str] = []
+    for where, d in (("", cfg), ("text_config.", cfg.get("text_config") or {})):
+        for k, what in _FEATURES.items():
+            v = d.get(k)
+            if v in (None, False, 0) or (isinstance(v, dict) and not v):
+                continue
+            item = f"{where}{k} ({what})"
+            if item not in out:
+                out.append(item)
+        rope = d.get("rope_parameters") or {}
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+            out.append(f"{where}rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']} (partial RoPE)")
+        types = set(d.get("layer_types") or [])
+        odd = sorted(t for t in types if t not in ("linear_attention", "full_attention", "indexed_attention"))
+        if odd:
+            out.append(f"{where}layer_types {odd} (attention kinds moeadapt does not have)")
+    return out
+
+
 def family_names() -> list[str]:
     return [*_FAMILIES, "moeadapt"]
 
@@ -277,7 +328,10 @@ def read_family(cfg: dict, name: str = "", allow_unmapped: bool = False) -> Fami
         return Family("moeadapt", spec, cfg)
     mt = cfg.get("model_type")
     if mt not in _FAMILIES:
-        raise OnboardError(f"model_type={mt!r} is not a known family; moeadapt onboards {family_names()}")
+        feats = unsupported_features(cfg)
+        raise OnboardError(f"model_type={mt!r} is not a known family; moeadapt onboards {family_names()}"
+                           + (f". Its config uses features moeadapt does not implement: {'; '.join(feats)}"
+                              if feats else ""))
     fam = Family(mt, None, cfg)  # type: ignore[arg-type]
     r = _Reader(cfg, mt)
     kw = _FAMILIES[mt](r, fam)
@@ -295,3 +349,17 @@ def read_family(cfg: dict, name: str = "", allow_unmapped: bool = False) -> Fami
     except ValidationError as e:
         raise OnboardError(format_validation_error(e, f"{mt} -> ModelSpec")) from None
     return fam
+
+
+def truncated(fam: Family, n_layers: int) -> Family:
+    """The first `n_layers` blocks of a family (embeddings, final norm and head kept): what `validate --layers N`
+    builds; the checkpoint's later layers are skipped by the loader (names.ignorable)."""
+    s = fam.spec
+    if not 1 <= n_layers <= s.n_layers:
+        raise OnboardError(f"--layers {n_layers} is outside 1..{s.n_layers} (the checkpoint's num_hidden_layers)")
+    if n_layers == s.n_layers:
+        return fam
+    d = s.model_dump()
+    d.update(n_layers=n_layers, layer_types=s.resolved_layer_types()[:n_layers],
+             first_k_dense=min(s.first_k_dense, n_layers))
+    return replace(fam, spec=ModelSpec(**d), layer_limit=n_layers, notes=list(fam.notes))

@@ -10,6 +10,7 @@ one) are `absent_ok` rules with a stated reason and a stated init; nothing else 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -75,9 +76,9 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "attn.A_log": "self_attn.A_log", "attn.dt_bias": "self_attn.dt_bias",
         "attn.g_a.weight": "self_attn.g_a_proj.weight", "attn.g_b.weight": "self_attn.g_b_proj.weight",
         "attn.o_norm.weight": "self_attn.o_norm.weight",
-        # FFN
-        "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
-        "ffn.w2.weight": "mlp.down_proj.weight",
+        # FFN (transformers writes Kimi Linear's dense layers under block_sparse_moe. as well; see _alias)
+        "ffn.w1.weight": moe + "gate_proj.weight", "ffn.w3.weight": moe + "up_proj.weight",
+        "ffn.w2.weight": moe + "down_proj.weight",
         "ffn.router.weight": moe + "gate.weight", "ffn.router.expert_bias": moe + "gate.e_score_correction_bias",
         "ffn.shared.w1.weight": moe + "shared_experts.gate_proj.weight",
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
@@ -95,8 +96,30 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     return None
 
 
-def build_rules(fam: Family) -> list[Rule]:
-    """One rule per tensor of our state dict (tokens_per_expert, a non-persistent counter, excluded)."""
+def _alias(fam: Family, name: str) -> str | None:
+    """The other spelling of a checkpoint name where a family is saved both ways: Kimi Linear's FFN lives under
+    `block_sparse_moe.` as transformers writes it (dense layers included) and under `mlp.` in other writers."""
+    if fam.model_type == "kimi_linear":
+        for a, b in ((".block_sparse_moe.", ".mlp."), (".mlp.", ".block_sparse_moe.")):
+            if a in name:
+                return name.replace(a, b)
+    return None
+
+
+def build_rules(fam: Family, present: Collection[str] | None = None) -> list[Rule]:
+    """One rule per tensor of our state dict (tokens_per_expert, a non-persistent counter, excluded).
+    `present`: the checkpoint's tensor names; a source it lacks is replaced by its alias when that is present."""
+    rules = _build_rules(fam)
+    if present is not None:
+        have = set(present)
+        for r in rules:
+            alt = [_alias(fam, s) for s in r.sources]
+            if any(s not in have for s in r.sources) and all(a is not None and a in have for a in alt):
+                r.sources = alt  # type: ignore[assignment]
+    return rules
+
+
+def _build_rules(fam: Family) -> list[Rule]:
     spec = fam.spec
     model = build_model(spec, "meta")
     rules = []
@@ -142,8 +165,10 @@ def ignorable(fam: Family, ckpt_name: str) -> str:
         return "fp8 block scale (consumed by dequantisation)"
     if ckpt_name.endswith("rotary_emb.inv_freq"):
         return "rotary table (recomputed)"
-    if fam.mtp_layers and ckpt_name.startswith("model.layers."):
+    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith("model.layers."):
         i = int(ckpt_name.split(".")[2])
+        if fam.layer_limit is not None and i >= fam.layer_limit:
+            return f"layer {i} is beyond the first {fam.layer_limit} layers being validated"
         if fam.spec.n_layers <= i < fam.spec.n_layers + fam.mtp_layers:
             return f"multi-token-prediction layer (num_nextn_predict_layers={fam.mtp_layers}); not trained here"
     return ""

@@ -1,7 +1,10 @@
 """Tiny transformers checkpoints for the onboarding tests (never downloads)."""
 
 import json
+import os
+import random
 
+import torch
 import transformers
 
 
@@ -30,7 +33,78 @@ def save_tiny(model_type: str, out, **kw):
     return out
 
 
-
-
 def read_cfg(d):
     return json.loads((d / "config.json").read_text())
+
+
+def fresh_seed() -> int:
+    """A new seed each run (MOEADAPT_TEST_SEED fixes it); tests print it so a failure can be replayed."""
+    return int(os.environ.get("MOEADAPT_TEST_SEED") or random.SystemRandom().randrange(2 ** 31))
+
+
+def _random_cfg(model_type: str, rnd: random.Random):
+    c = rnd.choice
+    tok = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    n = c([2, 3])
+    common = dict(vocab_size=c([64, 96, 128]), hidden_size=c([32, 48, 64]), intermediate_size=c([48, 64, 96]),
+                  moe_intermediate_size=c([16, 24, 32]), num_hidden_layers=n, max_position_embeddings=128,
+                  rms_norm_eps=c([1e-5, 1e-6, 3e-6]), num_experts_per_tok=2, **tok)
+    if model_type == "qwen3_moe":
+        H = c([2, 4])
+        return transformers.Qwen3MoeConfig(num_attention_heads=H, num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
+                                           num_experts=c([4, 8]), norm_topk_prob=c([True, False]),
+                                           mlp_only_layers=c([[], [0]]), **common)
+    mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
+               qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
+    mla["num_key_value_heads"] = mla["num_attention_heads"]
+    if model_type == "kimi_linear":
+        E = c([4, 8])
+        kda = c([1, 2])  # KDA layers before each full-attention (MLA) layer
+        types = (["linear_attention"] * kda + ["full_attention"]) * 2
+        n = len(types)
+        common.update(num_hidden_layers=n)
+        dense = c([0, 1])
+        return transformers.KimiLinearConfig(
+            **mla, q_lora_rank=c([None, 16]), num_experts=E, num_shared_experts=1,
+            linear_num_heads=c([2, 4]), linear_head_dim=c([8, 16]), layer_types=types,
+            mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense), routed_scaling_factor=c([1.0, 2.5]),
+            model_max_length=128, **{k: v for k, v in common.items() if k != "max_position_embeddings"})
+    E, groups = c([4, 8]), c([1, 2])
+    q_ranks = [16, 24] if model_type == "deepseek_v32" else [None, 16, 24]  # V3.2's indexer reads the q latent
+    kw = dict(**mla, q_lora_rank=c(q_ranks), n_routed_experts=E, n_shared_experts=1,
+              n_group=groups, topk_group=1 if groups == 1 else c([1, 2]), first_k_dense_replace=c([0, 1]),
+              routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), num_nextn_predict_layers=0,
+              **common)
+    if model_type == "deepseek_v32":
+        # 32 indexer heads: a key's score is exactly 0 (a tie broken differently by transformers' topk) only when
+        # all 32 ReLUs are 0
+        return transformers.DeepseekV32Config(index_n_heads=32, index_head_dim=c([16, 32]),
+                                              index_topk=c([8, 12, 16]), **kw)
+    return transformers.DeepseekV3Config(**kw)
+
+
+def random_checkpoint(model_type: str, out, seed: int, **overrides):
+    """A tiny random checkpoint written by transformers, its shapes and weights drawn from `seed`: norms away
+    from 1, router biases non-zero, so a wrong epsilon, a missed norm or a swapped tensor shows in the logits.
+    `overrides` are set on the drawn config (e.g. rope_parameters)."""
+    rnd = random.Random(seed)
+    cfg = _random_cfg(model_type, rnd)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.1 * noise)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    m.save_pretrained(str(out))
+    return out

@@ -15,6 +15,21 @@ def test_unknown_model_type_lists_families():
         read_family({"model_type": "llama"})
 
 
+def test_unknown_family_lists_its_unsupported_features():
+    cfg = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    with pytest.raises(OnboardError) as e:
+        read_family(cfg)
+    msg = str(e.value)
+    assert "model_type='glm5_next' is not a known family" in msg
+    for feat in ("text_config.hc_mult (hyper-connections", "text_config.index_kpool (KPool indexer",
+                 "text_config.swiglu_limit (clamped SwiGLU)", "vision_config (a vision tower"):
+        assert feat in msg, (feat, msg)
+    with pytest.raises(OnboardError, match="partial_rotary_factor=0.25 .*Gated DeltaNet|Gated DeltaNet.*partial"):
+        read_family(transformers.AutoConfig.for_model("minimax_m2").to_dict() | {
+            "model_type": "qwen3_next_like", "linear_num_value_heads": 32,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}})
+
+
 def test_unmapped_fields_are_named():
     cfg = transformers.Qwen3MoeConfig().to_dict()
     cfg["frobnicate_heads"] = 3
@@ -41,7 +56,9 @@ def test_real_sized_families_map():
     assert set(q.resolved_layer_types()) == {"gqa"} and q.score_func == "softmax" and q.n_shared_experts == 0
     klc = transformers.KimiLinearConfig().to_dict()
     kl = read_family(klc)
-    assert kl.spec.resolved_layer_types().count("dsa") == klc["layer_types"].count("full_attention") and kl.notes
+    assert kl.spec.resolved_layer_types().count("dsa") == klc["layer_types"].count("full_attention")
+    assert not kl.spec.mla_rope and kl.spec.mla_norm_eps == 1e-6  # NoPE MLA, transformers' fixed latent-norm eps
+    assert ds.mla_norm_eps == 1e-6 and ds.index_norm_eps == 1e-5 and v32.index_norm_eps == 1e-6
     k2 = transformers.DeepseekV3Config().to_dict() | {"model_type": "kimi_k2", "n_routed_experts": 384}
     assert read_family(k2).spec.n_routed_experts == 384
 

@@ -41,22 +41,14 @@ def _merged_hf_logits(ckpt, adapter, tmp, ids):
     transformers on the result."""
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     s = cfg["lora_alpha"] / cfg["r"]
-    grouped = set(cfg["moeadapt"]["grouped_modules"])
     w = load_tensors(ckpt / "model.safetensors")
     ad = load_tensors(adapter / "adapter_model.safetensors")
     mods = {k[len(PREFIX):-len(".lora_A.weight")] for k in ad if k.endswith(".lora_A.weight")}
-    for mod in mods:
+    for mod in mods:  # expert adapters are per expert (...mlp.experts.3.gate_proj), like the checkpoint's tensors
         A, B = ad[f"{PREFIX}{mod}.lora_A.weight"], ad[f"{PREFIX}{mod}.lora_B.weight"]
-        if mod in grouped:  # ...mlp.experts.gate_proj: [E, r, in], [E, out, r] over the per-expert tensors
-            head, proj = mod.rsplit(".", 1)
-            for e in range(A.shape[0]):
-                W = w[f"{head}.{e}.{proj}.weight"]
-                assert B[e].shape[0] == W.shape[0] and A[e].shape[1] == W.shape[1]
-                w[f"{head}.{e}.{proj}.weight"] = W + s * B[e] @ A[e]
-        else:
-            W = w[mod + ".weight"]
-            assert B.shape[0] == W.shape[0] and A.shape[1] == W.shape[1], (mod, A.shape, B.shape, W.shape)
-            w[mod + ".weight"] = W + s * B @ A
+        W = w[mod + ".weight"]
+        assert B.shape[0] == W.shape[0] and A.shape[1] == W.shape[1], (mod, A.shape, B.shape, W.shape)
+        w[mod + ".weight"] = W + s * B @ A
     out = tmp / "merged"
     out.mkdir()
     shutil.copy(ckpt / "config.json", out / "config.json")
@@ -80,7 +72,7 @@ def test_exported_deepseek_adapter_merges_into_the_checkpoint_exactly(tmp_path, 
     adapter = export_peft(ours, lora, tmp_path / "adapter", name_map=maps["name_map"], row_perms=maps["row_perms"])
     keys = load_tensors(adapter / "adapter_model.safetensors")
     assert f"{PREFIX}model.layers.1.self_attn.{q}.lora_B.weight" in keys
-    assert f"{PREFIX}model.layers.1.mlp.experts.gate_proj.lora_A.weight" in keys
+    assert f"{PREFIX}model.layers.1.mlp.experts.3.gate_proj.lora_A.weight" in keys
     got = _merged_hf_logits(ckpt, adapter, tmp_path, ids)
     diff = (got - ref).abs().max().item()
     print(f"q_lora_rank={q_lora_rank}: max |logit diff| merged-into-checkpoint vs ours {diff:.2e}, "

@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 import transformers
+from onboard_helpers import fresh_seed, random_checkpoint
 
 from moeadapt.cli import main
 from moeadapt.config import RopeScaling
 from moeadapt.models import common
-from moeadapt.onboard import OnboardError, read_family
-from moeadapt.onboard.validate import TOL, validate_family
+from moeadapt.onboard import OnboardError, read_family, read_family_dir
+from moeadapt.onboard.validate import TOL, validate_checkpoint
 
 # what DeepSeek-V3's config.json ships (the legacy key and "type")
 DSV3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -49,48 +50,46 @@ def test_unknown_yarn_key_is_reported():
         read_family(_ds_cfg(frobnicate=1))
 
 
-@pytest.mark.parametrize("cls,extra", [
-    (transformers.DeepseekV3Config, {}),  # DeepSeek-V3's own values
-    (transformers.DeepseekV3Config, {"mscale": 1.0, "mscale_all_dim": 0.707}),  # attention_factor != 1 too
-    (transformers.DeepseekV32Config, {}),
+def _yarn_ckpt(tmp_path, model_type, rope_theta=10000.0, **yarn):
+    """A tiny random checkpoint with YaRN; original context 32 of 128 positions so the ramp splits the dims."""
+    seed = fresh_seed()
+    print(f"{model_type} seed {seed}")
+    rope = {"rope_type": "yarn", "rope_theta": rope_theta, "factor": 8.0, "original_max_position_embeddings": 32,
+            **yarn}
+    return random_checkpoint(model_type, tmp_path / "ckpt", seed, rope_parameters=rope)
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("deepseek_v3", {"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),  # DeepSeek-V3's
+    ("deepseek_v3", {"mscale": 1.0, "mscale_all_dim": 0.707}),  # attention_factor != 1 too
+    ("deepseek_v32", {"mscale": 1.0, "mscale_all_dim": 1.0}),
+    ("qwen3_moe", {}),  # no mscales: cos/sin x (0.1 ln 8 + 1), no softmax change, through the gqa layer
 ])
-def test_yarn_logits_match_transformers(cls, extra):
-    fam = read_family(_ds_cfg(cls, **extra))
-    v = validate_family(fam)
-    print(v)
-    assert v["tiny"]["rope"] == "yarn"
-    assert v["passed"] and v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.5
+def test_yarn_logits_match_transformers(model_type, extra, tmp_path):
+    d = _yarn_ckpt(tmp_path, model_type, **extra)
+    fam = read_family_dir(d)
+    assert fam.spec.rope_scaling is not None and fam.spec.rope_scaling.factor == 8.0
+    v = validate_checkpoint(d, fam)
+    assert v["passed"] and v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1, v["where"]
 
 
-def test_validation_sees_the_yarn_softmax_scale(monkeypatch):
+def test_validation_sees_the_yarn_softmax_scale(monkeypatch, tmp_path):
     """Dropping the mscale^2 of the MLA softmax scale makes the same comparison fail: the test exercises it."""
+    d = _yarn_ckpt(tmp_path, "deepseek_v3", mscale=1.0, mscale_all_dim=1.0)
     monkeypatch.setattr("moeadapt.models.dsa_attn.rope_softmax_mscale", lambda scaling: 1.0)
-    v = validate_family(read_family(_ds_cfg()))
-    assert not v["passed"] and v["max_abs_diff"] > 100 * TOL
+    v = validate_checkpoint(d, read_family_dir(d))
+    assert not v["passed"] and v["first_bad_layer"] == 0
 
 
 def test_cli_onboard_validate_on_a_saved_yarn_checkpoint(tmp_path, capsys):
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
-        topk_group=1, first_k_dense_replace=1, max_position_embeddings=256, num_nextn_predict_layers=0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                         "mscale_all_dim": 1.0})
-    transformers.DeepseekV3ForCausalLM(cfg).float().save_pretrained(str(tmp_path))
-    fam = read_family(__import__("json").loads((tmp_path / "config.json").read_text()))
-    assert fam.spec.rope_scaling is not None and fam.spec.rope_scaling.factor == 8.0
-    assert main(["onboard", str(tmp_path), "--validate"]) == 0
+    d = _yarn_ckpt(tmp_path, "deepseek_v3", mscale=1.0, mscale_all_dim=1.0)
+    assert main(["onboard", str(d), "--validate"]) == 0
     assert "PASS" in capsys.readouterr().out
 
 
-def test_qwen3_moe_yarn_logits_match_transformers():
-    """Qwen3 YaRN (no mscales: cos/sin x (0.1 ln 4 + 1), no softmax change) through the gqa layer."""
+def test_qwen3_moe_yarn_maps():
     cfg = transformers.Qwen3MoeConfig().to_dict()
     cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                               "original_max_position_embeddings": 32768}
     fam = read_family(cfg)
     assert fam.spec.rope_scaling.factor == 4.0 and common.rope_inv_freq(8, 1e6, fam.spec.rope_scaling)[1] > 1.1
-    v = validate_family(fam)
-    assert v["tiny"]["rope"] == "yarn" and v["passed"] and v["max_abs_diff"] <= TOL

@@ -1,0 +1,133 @@
+"""Adapters the real `peft` loads: finetune a few steps from a Hugging Face checkpoint -> export-adapter ->
+`peft.PeftModel.from_pretrained` on the transformers model reproduces our logits with the adapter (pinned peft
+0.21.2, which converts per-expert adapters onto transformers' fused experts), with no missing or unexpected keys;
+adapter_config.json holds only fields peft knows; a dense-FFN adapter peft cannot place is a warning."""
+
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+from onboard_helpers import fresh_seed, random_checkpoint
+
+peft = pytest.importorskip("peft")
+
+from moeadapt import api  # noqa: E402
+from moeadapt.config import build_run_config  # noqa: E402
+from moeadapt.lora import load_peft  # noqa: E402
+from moeadapt.onboard import onboard_model  # noqa: E402
+
+TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
+                         "experts.w3"],
+           "deepseek_v3": ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
+
+
+def _finetune(ckpt, tmp_path, targets):
+    cfg = build_run_config({
+        "model": str(ckpt), "lora": {"rank": 4, "alpha": 8.0, "targets": targets},
+        "train": {"steps": 3, "lr": 0.05, "warmup_steps": 0, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1,
+                  "init_from": str(ckpt), "output_dir": str(tmp_path / "ft"), "dtype": "fp32", "device": "cpu"},
+        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+    return api.train(cfg, quiet=True).output_dir
+
+
+def _peft_logits(ckpt, adapter, ids):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    msgs = [str(w.message) for w in caught if "adapter keys" in str(w.message) or "unexpected" in str(w.message)]
+    with torch.no_grad():
+        return pm(input_ids=ids).logits.float(), msgs
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_finetuned_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
+    seed = fresh_seed()
+    print(f"{model_type} seed {seed}")
+    ckpt = random_checkpoint(model_type, tmp_path / "ckpt", seed, vocab_size=264)  # the byte tokenizer's vocab
+    run = _finetune(ckpt, tmp_path, TARGETS[model_type])
+    out = api.export_adapter(run, tmp_path / "peft")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert set(cfg) <= set(peft.LoraConfig().to_dict()) | {"peft_type"}, set(cfg) - set(peft.LoraConfig().to_dict())
+    ours, _ = onboard_model(ckpt, dtype=torch.float32)
+    ids = torch.randint(0, 264, (2, 20), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        base = ours(ids).logits.float()
+        load_peft(ours, out)
+        ref = ours.eval()(ids).logits.float()
+    got, msgs = _peft_logits(ckpt, out, ids)
+    diff = (got - ref).abs().max().item()
+    effect = (ref - base).abs().max().item()
+    print(f"peft vs ours + adapter: {diff:.2e}; adapter's effect on the logits {effect:.3f}; warnings {msgs}")
+    assert not msgs, msgs  # no missing / unexpected adapter keys
+    assert effect > 1e-3 and diff <= 1e-4
+
+
+def test_dense_ffn_adapter_is_a_warning_and_kept_for_us(tmp_path):
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import export_peft, inject_lora, lora_modules
+    from moeadapt.onboard import peft_maps
+
+    ckpt = random_checkpoint("deepseek_v3", tmp_path / "ckpt", fresh_seed(), first_k_dense_replace=1)
+    ours, _ = onboard_model(ckpt, dtype=torch.float32)
+    lora = LoRASpec(rank=2, targets=["attn.wo", "ffn.w1", "shared.w2", "experts.w3"])
+    inject_lora(ours, lora)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.normal_()
+    with pytest.warns(UserWarning, match=r"cannot be represented for peft .*mlp\.gate_proj"):
+        out = export_peft(ours, lora, tmp_path / "a", **peft_maps(ckpt))
+    side = json.loads((out / "moeadapt_adapter.json").read_text())
+    assert any("shared_experts.down_proj" in m for m in side["not_in_peft"])
+    assert side["zero_filled"]  # experts.w3 (up) alone: a zero gate partner for peft's fused gate_up_proj
+    fresh, _ = onboard_model(ckpt, dtype=torch.float32)
+    load_peft(fresh, out)  # the whole adapter comes back (the side file included, the zero partners left out)
+    a, b = lora_modules(ours), lora_modules(fresh)
+    assert set(a) == set(b) and all(torch.equal(x, y) for n in a for x, y in zip(a[n].parameters(), b[n].parameters()))
+    _, msgs = _peft_logits(ckpt, out, torch.zeros(1, 4, dtype=torch.long))
+    assert not msgs, msgs
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
+    from safetensors import safe_open
+
+    from moeadapt.cli import main
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.onboard import peft_maps
+
+    seed = fresh_seed()
+    print(f"{model_type} seed {seed}")
+    ckpt = random_checkpoint(model_type, tmp_path / "ckpt", seed)
+    ours, _ = onboard_model(ckpt, dtype=torch.float32)
+    targets = TARGETS[model_type] + ["ffn.w1", "shared.w3"]  # dense FFN / shared expert too: merged by us
+    lora = LoRASpec(rank=2, alpha=4.0, targets=targets)
+    inject_lora(ours, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dense-FFN adapters peft cannot place (kept in the side file)
+        adapter = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(ckpt))
+    out = tmp_path / "merged"
+    assert main(["merge-adapter", "--model", str(ckpt), "--adapter", str(adapter), "--out", str(out),
+                 "--format", "hf"]) == 0
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as a, safe_open(str(out / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())  # the checkpoint's own names, nothing more or less
+        assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
+    assert json.loads((out / "config.json").read_text()) == json.loads((ckpt / "config.json").read_text())
+    ids = torch.randint(0, 64, (2, 20), generator=g)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ref = ours.eval()(ids).logits.float()
+        got = hf(input_ids=ids).logits.float()
+    diff = (got - ref).abs().max().item()
+    print(f"transformers on the merged checkpoint vs ours + adapter: {diff:.2e}")
+    assert diff <= 1e-4
