@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -117,7 +117,7 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
 # pwrite at their offsets: nobody ever holds more than its own shard, and no bytes travel between ranks.
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
@@ -179,10 +179,10 @@ def _header(names: list[str], meta: dict, metadata: dict | None) -> tuple[bytes,
     pos = 0
     for n in names:
         shape, dtype = meta[n]
-        if dtype not in _ST_DTYPES:
+        if dtype not in ST_DTYPES:
             raise ValueError(f"tensor {n} has dtype {dtype}, which safetensors cannot store")
         b = _nbytes(shape, dtype)
-        h[n] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + b]}
+        h[n] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + b]}
         pos += b
     js = json.dumps(h, separators=(",", ":")).encode()
     js += b" " * (-(len(js) + 8) % 8)  # data starts 8-byte aligned
@@ -236,3 +236,60 @@ def write_shard_index(root: Path, files: dict[str, list[str]], meta: dict) -> No
     wm = {n: f for f, names in files.items() for n in names}
     (root / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def write_sharded_dir(path: str | Path, tensors: list[tuple[str, tuple[int, ...], torch.dtype]], config: dict,
+                      write: Callable[[Callable[[str, tuple[int, ...], torch.Tensor], None]], None],
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: dict[str, str] | None = None) -> Path:
+    """A model directory of sharded safetensors written by every process of the job (or by one).
+
+    `tensors` (the same list on every rank) fixes the files; rank 0 writes their headers into `.<name>.tmp`;
+    then `write(emit)` runs on every rank and calls `emit(name, offset, box)` for each box that rank owns
+    (pwrite at its place: boxes never travel between ranks); after a barrier rank 0 writes the index,
+    config.json and `extra_files`, and renames the directory into place. Collective under torch.distributed."""
+    dist = _dist()
+    rank = dist.get_rank() if dist else 0
+    final = Path(path)
+    tmp = final.parent / f".{final.name}.tmp"
+    meta = {n: (tuple(s), d) for n, s, d in tensors}
+    files = plan_shard_files(list(tensors), max_shard_bytes)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        where = write_shard_headers(tmp, files, meta)
+    else:
+        where = layout_shards(files, meta)
+    if dist:
+        dist.barrier()
+    fds: dict[str, int] = {}
+
+    def emit(name: str, offset: tuple[int, ...], box: torch.Tensor) -> None:
+        fname, start = where[name]
+        if fname not in fds:
+            fds[fname] = os.open(tmp / fname, os.O_WRONLY)
+        write_region(fds[fname], start, meta[name][0], tuple(offset), box.to(meta[name][1]))
+
+    try:
+        write(emit)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if dist:
+        dist.barrier()  # every box is on disk before the rename makes the directory visible
+    if rank == 0:
+        write_shard_index(tmp, files, meta)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+        replace_dir(tmp, final)
+    if dist:
+        dist.barrier()
+    return final

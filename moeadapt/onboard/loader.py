@@ -112,6 +112,7 @@ class StreamingLoader:
         self.reads: list[str] = []  # checkpoint tensors actually read, in order (tests look at this)
         self.ignored: dict[str, str] = {}
         self.src_shapes: dict[str, tuple[int, ...]] = {}  # checkpoint tensor -> shape, from the headers
+        self.src_dtypes: dict[str, str] = {}  # checkpoint tensor -> safetensors dtype ("BF16", "F8_E4M3", ...)
         self.bytes_read = 0  # bytes of checkpoint data read by `read_slice` (scales included)
         self._by_ours = {r.ours: r for r in rules}
         self._open = _OpenShard(self.path, 256 * 2**20)
@@ -160,8 +161,9 @@ class StreamingLoader:
         for shard, items in by_shard.items():
             with safe_open(str(self.path / shard), "pt") as f:
                 for s, want, ours in items:
-                    got = tuple(f.get_slice(s).get_shape())
-                    self.src_shapes[s] = got
+                    sl = f.get_slice(s)
+                    got = tuple(sl.get_shape())
+                    self.src_shapes[s], self.src_dtypes[s] = got, sl.get_dtype()
                     if got != tuple(want) and _squeezed(got) != _squeezed(want):
                         bad.append(f"{s} has shape {got} but our {ours} needs {tuple(want)}")
         return [f"shape mismatch: {'; '.join(bad[:10])}"] if bad else []

@@ -14,8 +14,6 @@ Must not change what the model computes; sources (moeadapt/onboard/sources.py) k
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..io import (
-    DEFAULT_MAX_SHARD_BYTES,
-    layout_shards,
-    plan_shard_files,
-    replace_dir,
-    write_region,
-    write_shard_headers,
-    write_shard_index,
-)
+from ..io import DEFAULT_MAX_SHARD_BYTES, write_sharded_dir
 from ..models.moe import GroupedExperts
 from .mesh import ParallelDims
 
@@ -147,11 +137,6 @@ class IdentityLayout:
         yield name, region.offset, box
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def export_sharded(model: nn.Module, path: str | Path, config: dict, dims: ParallelDims | None = None,
                    layout=None, dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    extra_files: dict[str, str] | None = None,
@@ -159,64 +144,32 @@ def export_sharded(model: nn.Module, path: str | Path, config: dict, dims: Paral
     """Write the model as safetensors files of <= max_shard_bytes (`model.safetensors`, or
     `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`) + config.json (+ `extra_files`).
     Collective under torch.distributed: every rank writes only the boxes it owns; no tensor is gathered.
-    Atomic: everything goes to `.<name>.tmp` and rank 0 renames it after every rank has written.
-    `layout` maps our tensors to the output's (default ours; `moeadapt.onboard.loader.HFLayout` for a
-    Hugging Face checkpoint's names); `dtype` casts floating tensors except those `keep_dtype` names."""
-    import json
-
-    final = Path(path)
-    tmp = final.parent / f".{final.name}.tmp"
+    Atomic (`moeadapt.io.write_sharded_dir`). `layout` maps our tensors to the output's (default ours;
+    `moeadapt.onboard.loader.HFLayout` for a Hugging Face checkpoint's names); `dtype` casts floating
+    tensors except those `keep_dtype` names. LoRA adapters are not written (see `gather_adapters`)."""
     layout = layout or IdentityLayout()
     regs = model_regions(model, dims)
-    meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    order, writes = [], []  # writes: (our name, tensor, region, out dtype) that claim at least one dest
+    claimed: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    order, writes = [], []
     for n, (t, r) in regs.items():
         out_dtype = dtype if (dtype is not None and t.is_floating_point() and not keep_dtype(n)) else t.dtype
-        claimed = False
+        mine = False
         for dn, dshape in layout.dests(n, r.global_shape):
-            if dn in meta:  # tied weights / two of ours on one checkpoint tensor: the first one writes it
+            if dn in claimed:  # tied weights / two of ours on one checkpoint tensor: the first one writes it
                 continue
-            meta[dn] = (tuple(dshape), out_dtype)
+            claimed[dn] = (tuple(dshape), out_dtype)
             order.append((dn, tuple(dshape), out_dtype))
-            claimed = True
-        if claimed:
-            writes.append((n, t, r, out_dtype))
-    files = plan_shard_files(order, max_shard_bytes)
-    rank = _rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        where = write_shard_headers(tmp, files, meta)
-    else:
-        where = layout_shards(files, meta)
-    _barrier()
-    fds: dict[str, int] = {}
-    try:
-        for n, t, r, out_dtype in writes:
-            if not r.owner or 0 in r.shape:
-                continue
-            box = local(t).detach()
-            for dn, off, piece in layout.pieces(n, r, box):
-                if dn not in where:
-                    continue
-                fname, start = where[dn]
-                if fname not in fds:
-                    fds[fname] = os.open(tmp / fname, os.O_WRONLY)
-                write_region(fds[fname], start, meta[dn][0], off, piece.to(out_dtype))
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    _barrier()  # every box is on disk before the rename makes the directory visible
-    if rank == 0:
-        write_shard_index(tmp, files, meta)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for fname, text in (extra_files or {}).items():
-            (tmp / fname).write_text(text)
-        replace_dir(tmp, final)
-    _barrier()
-    return final
+            mine = True
+        if mine:
+            writes.append((n, t, r))
+
+    def write(emit) -> None:
+        for n, t, r in writes:
+            if r.owner and 0 not in r.shape:
+                for dn, off, piece in layout.pieces(n, r, local(t).detach()):
+                    emit(dn, off, piece)
+
+    return write_sharded_dir(path, order, config, write, max_shard_bytes, extra_files)
 
 
 @torch.no_grad()
