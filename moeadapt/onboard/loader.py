@@ -37,12 +37,57 @@ def checkpoint_index(path: str | Path) -> dict[str, str]:
 
 
 def dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """DeepSeek block FP8: w_real[i, j] = w[i, j] * scale_inv[i // bm, j // bn] (edge blocks partial)."""
+                dtype: torch.dtype = torch.bfloat16, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """DeepSeek block FP8: w_real[i, j] = w[i, j] * scale_inv[i // bm, j // bn] (edge blocks partial).
+
+    `w` may be a slice of the full weight starting at row/column `offset`; `scale_inv` then holds the scale
+    blocks from row block offset[0] // bm and column block offset[1] // bn on (`fp8_scale_slices`)."""
     bm, bn = block
     m, n = w.shape
-    s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+    r, c = offset[0] % bm, offset[1] % bn
+    s = scale_inv.float().repeat_interleave(bm, 0)[r:r + m].repeat_interleave(bn, 1)[:, c:c + n]
     return (w.float() * s).to(dtype)
+
+
+def fp8_scale_slices(sl: tuple[slice, slice], block: tuple[int, int]) -> tuple[slice, slice]:
+    """The scale_inv blocks that cover the weight slice `sl` (row and column slices with explicit bounds)."""
+    (bm, bn), (rs, cs) = block, sl
+    return slice(rs.start // bm, -(-rs.stop // bm)), slice(cs.start // bn, -(-cs.stop // bn))
+
+
+Slices = tuple[slice, ...]
+
+
+def _carry_slices(shape: tuple[int, ...], sl: Slices, src_shape: tuple[int, ...]) -> Slices:
+    """Our slices on a checkpoint tensor whose shape equals ours up to size-1 dims (what `check` allows)."""
+    if tuple(src_shape) == tuple(shape):
+        return tuple(sl)
+    big = iter([s for d, s in zip(shape, sl) if d != 1])
+    return tuple(next(big) if d != 1 else slice(0, 1) for d in src_shape)
+
+
+class _OpenShard:
+    """At most one checkpoint file open. safe_open memory-maps the file, and the pages a read touches stay in
+    this process's resident set until the map is closed: reopening after `budget` bytes keeps host memory
+    during a load near the largest slice instead of growing with everything read from one file."""
+
+    def __init__(self, root: Path, budget: int):
+        self.root, self.budget = root, budget
+        self.name, self.f, self.touched = None, None, 0
+
+    def get(self, shard: str):
+        if self.f is not None and (self.name != shard or self.touched > self.budget):
+            self.close()
+        if self.f is None:
+            self.f = safe_open(str(self.root / shard), "pt")
+            self.f.__enter__()
+            self.name, self.touched = shard, 0
+        return self.f
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.__exit__(None, None, None)
+        self.name, self.f = None, None
 
 
 def _is_expert(rule: Rule) -> bool:
@@ -66,6 +111,11 @@ class StreamingLoader:
         self.index = checkpoint_index(self.path)
         self.reads: list[str] = []  # checkpoint tensors actually read, in order (tests look at this)
         self.ignored: dict[str, str] = {}
+        self.src_shapes: dict[str, tuple[int, ...]] = {}  # checkpoint tensor -> shape, from the headers
+        self.src_dtypes: dict[str, str] = {}  # checkpoint tensor -> safetensors dtype ("BF16", "F8_E4M3", ...)
+        self.bytes_read = 0  # bytes of checkpoint data read by `read_slice` (scales included)
+        self._by_ours = {r.ours: r for r in rules}
+        self._open = _OpenShard(self.path, 256 * 2**20)
 
     # -- checks ----------------------------------------------------------------------------------------
     def _sources(self, r: Rule) -> list[str]:
@@ -111,7 +161,9 @@ class StreamingLoader:
         for shard, items in by_shard.items():
             with safe_open(str(self.path / shard), "pt") as f:
                 for s, want, ours in items:
-                    got = tuple(f.get_slice(s).get_shape())
+                    sl = f.get_slice(s)
+                    got = tuple(sl.get_shape())
+                    self.src_shapes[s], self.src_dtypes[s] = got, sl.get_dtype()
                     if got != tuple(want) and _squeezed(got) != _squeezed(want):
                         bad.append(f"{s} has shape {got} but our {ours} needs {tuple(want)}")
         return [f"shape mismatch: {'; '.join(bad[:10])}"] if bad else []
@@ -163,6 +215,61 @@ class StreamingLoader:
         if pending:
             raise OnboardError(f"stacked tensors left incomplete: {sorted(pending)}")
 
+    # -- sliced reading (a rank's shard of one of our tensors) --------------------------------------------
+    def rule(self, ours: str) -> Rule | None:
+        return self._by_ours.get(ours)
+
+    def read_slice(self, ours: str, sl: Slices) -> torch.Tensor | None:
+        """The box `sl` (one slice per dim of our full shape) of our tensor `ours`, reading only that box from
+        the checkpoint: name map, RoPE row order, expert stacking and FP8 dequantisation applied to the box.
+        A tensor absent by design comes back as its stated init (zeros), or None for "keep the model's own".
+        The checkpoint's dtype is kept (FP8 comes out as float32): the caller's copy into the model casts.
+        Call `check()` first (it reads the shapes from the headers)."""
+        r = self._by_ours.get(ours)
+        if r is None:
+            raise OnboardError(f"{self.path}: our tensor {ours} has no rule in the {self.fam.model_type} name map")
+        sl = tuple(slice(*s.indices(d)[:2]) for s, d in zip(sl, r.shape))
+        box = tuple(s.stop - s.start for s in sl)
+        if r.absent_ok and not any(s in self.index for s in r.sources):
+            return torch.zeros(box, dtype=torch.float32) if r.init == "zeros" else None
+        if any(n == 0 for n in box):
+            return torch.empty(box)
+        if r.stacked:  # dim 0 picks experts; each expert is its own checkpoint tensor
+            return torch.stack([self._read_box(r.sources[e], r.shape[1:], sl[1:])
+                                for e in range(sl[0].start, sl[0].stop)])
+        if r.row_perm is not None:  # ours[i] = ckpt[perm[i]]: read the rows' span, then pick them
+            rows = r.row_perm[sl[0]]
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+            t = self._read_box(r.sources[0], r.shape, (slice(lo, hi), *sl[1:]))
+            return t.index_select(0, rows - lo)
+        return self._read_box(r.sources[0], r.shape, sl)
+
+    def _read_box(self, name: str, shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
+        """Box `sl` of checkpoint tensor `name` whose shape is ours (`shape`) up to size-1 dims."""
+        src_shape = self.src_shapes.get(name)
+        if src_shape is None:
+            raise OnboardError(f"{self.path}: read_slice before check() (no header shape for {name})")
+        src_sl = _carry_slices(shape, sl, src_shape)
+        shard = self.index[name]
+        f = self._open.get(shard)
+        self.reads.append(name)
+        t = f.get_slice(name)[src_sl]
+        n = t.numel() * t.element_size()
+        if t.dtype == torch.float8_e4m3fn:
+            sname = name + "_scale_inv"
+            if sname not in self.index or not self.fam.fp8_block or t.dim() != 2:
+                raise OnboardError(f"{name} is float8_e4m3fn but {sname} / quantization_config is missing")
+            g = self._open.get(self.index[sname]) if self.index[sname] != shard else f
+            scale = g.get_slice(sname)[fp8_scale_slices(src_sl, self.fam.fp8_block)]
+            n += scale.numel() * scale.element_size()
+            t = dequant_fp8(t, scale, self.fam.fp8_block, torch.float32, (src_sl[0].start, src_sl[1].start))
+        self.bytes_read += n
+        self._open.touched += n
+        return t.reshape(tuple(s.stop - s.start for s in sl))
+
+    def close(self) -> None:
+        self._open.close()
+
 
 @torch.no_grad()
 def load_into_model(model: torch.nn.Module, loader: StreamingLoader) -> dict:
@@ -178,3 +285,65 @@ def load_into_model(model: torch.nn.Module, loader: StreamingLoader) -> dict:
     for name, t in loader:
         state[name].copy_(t)
     return summary
+
+
+class HFLayout:
+    """Our tensors written under the checkpoint's names, shapes and row order (the inverse of `read_slice`),
+    box by box: for `moeadapt.parallel.shards.export_sharded(layout=...)`. A stacked expert tensor becomes
+    its E per-expert tensors, a RoPE-permuted weight has its rows put back, size-1 dims come back; tensors
+    absent by design are not written. `src_shapes` (checkpoint name -> shape, `StreamingLoader.src_shapes`
+    after `check()`) gives the checkpoint's shapes; without it our shapes are used."""
+
+    def __init__(self, rules: list[Rule], src_shapes: dict[str, tuple[int, ...]] | None = None):
+        self.by_ours = {r.ours: r for r in rules if not r.absent_ok}
+        self.src_shapes = src_shapes or {}
+
+    def _shape(self, src: str, ours_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.src_shapes.get(src, ours_shape))
+
+    def dests(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        r = self.by_ours.get(name)
+        if r is None:
+            return []
+        if r.stacked:
+            return [(s, self._shape(s, tuple(shape[1:]))) for s in r.sources]
+        return [(r.sources[0], self._shape(r.sources[0], tuple(shape)))]
+
+    def pieces(self, name: str, region, box: torch.Tensor):
+        r = self.by_ours.get(name)
+        if r is None:
+            return
+        off = region.offset
+        if r.stacked:
+            for i in range(box.shape[0]):
+                src = r.sources[off[0] + i]
+                dshape = self._shape(src, tuple(r.shape[1:]))
+                yield src, _carry_offsets(tuple(r.shape[1:]), off[1:], dshape), box[i].reshape(
+                    _carry_shape(tuple(r.shape[1:]), tuple(box.shape[1:]), dshape))
+            return
+        src = r.sources[0]
+        dshape = self._shape(src, tuple(r.shape))
+        if r.row_perm is None:
+            yield src, _carry_offsets(tuple(r.shape), off, dshape), box.reshape(
+                _carry_shape(tuple(r.shape), tuple(box.shape), dshape))
+            return
+        rows = r.row_perm[off[0]:off[0] + box.shape[0]].tolist()  # our row i is checkpoint row perm[i]
+        start = 0
+        for i in range(1, len(rows) + 1):  # one piece per run of consecutive checkpoint rows
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                yield src, (rows[start], *off[1:]), box[start:i]
+                start = i
+
+
+def _carry_offsets(shape: tuple[int, ...], off: tuple[int, ...], dshape: tuple[int, ...]) -> tuple[int, ...]:
+    if tuple(dshape) == tuple(shape):
+        return tuple(off)
+    big = iter([o for d, o in zip(shape, off) if d != 1])
+    return tuple(next(big) if d != 1 else 0 for d in dshape)
+
+
+def _carry_shape(shape: tuple[int, ...], box: tuple[int, ...], dshape: tuple[int, ...]) -> tuple[int, ...]:
+    if tuple(dshape) == tuple(shape):
+        return tuple(box)
+    big = iter([b for d, b in zip(shape, box) if d != 1])
+    return tuple(next(big) if d != 1 else 1 for d in dshape)
