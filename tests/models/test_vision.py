@@ -122,3 +122,31 @@ def test_embed_images_fills_placeholders_in_order(seed):
     torch.testing.assert_close(y[1, 3:5], toks[2:4])
     keep = ids != 263
     assert torch.equal(y[keep], x[keep])
+
+
+def test_model_replaces_placeholders_before_the_first_block(seed):
+    from moeadapt.config import get_preset
+    from moeadapt.models.model import build_model, materialize
+    from moeadapt.models.stats import count_parameters
+    from moeadapt.plan.memory import param_counts
+
+    spec = get_preset("tiny-vl")
+    meta = build_model(spec, "meta")
+    c = count_parameters(meta, spec)
+    assert c["by_component"]["vision_tower"] > 0 and c["by_component"]["vision_projector"] > 0
+    assert param_counts(spec, None).total == c["total"]  # the planner counts the tower
+    m = materialize(build_model(spec, "meta"), "cpu", seed=0)
+    m.set_backend("reference")
+    ids = torch.randint(0, 256, (2, 12))
+    ids[0, 3:7] = spec.vision.image_token_id  # one 56 x 56 image = 4 tokens per row
+    ids[1, 5:9] = spec.vision.image_token_id
+    imgs = [torch.randn(3, 56, 56) for _ in range(2)]
+    out = m(ids, images=_pack(imgs))
+    alt = m(ids, images=_pack([imgs[0], torch.randn(3, 56, 56)]))
+    d = (out.logits - alt.logits).abs().amax(-1)
+    assert d[0].max() == 0  # row 0's image unchanged, causal model: row 0 identical
+    assert d[1, :5].max() == 0 and d[1, 5:].min() > 0  # row 1: only from its first image token on
+    assert m(torch.randint(0, 256, (1, 8))).logits.shape == (1, 8, spec.vocab_size)  # text-only batch
+    text = materialize(build_model(get_preset("tiny"), "meta"), "cpu")
+    with pytest.raises(ValueError, match="has no vision tower"):
+        text(ids, images=_pack(imgs))
