@@ -11,6 +11,9 @@ checkpoint's and the rows of lora_B are put back in the checkpoint's row order w
 base weight's rows (DeepSeek's interleaved RoPE rows of q_b_proj / q_proj / kv_a_proj_with_mqa): then
 W_ckpt + scaling * B @ A is exactly the checkpoint-order form of our merged weight. adapter_config.json records
 both (`moeadapt.modules`: checkpoint name -> ours, `moeadapt.row_perms`), so `load_peft` undoes them alone.
+
+Modules trained in full beside the adapters (a vision-language model's projector with `lora.projector: full`)
+are listed in `modules_to_save` and stored as PEFT stores them: `base_model.model.<module>.<param>`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from ..config import LoRASpec
 from ..io import atomic_dir, load_tensors, save_tensors
-from .inject import inject_lora, lora_modules
+from .inject import full_trained_modules, inject_lora, lora_modules
 from .layers import LoRALinear
 
 PREFIX = "base_model.model."
@@ -55,11 +58,17 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
             grouped.append(out)
         tensors[f"{PREFIX}{out}.lora_A.weight"] = a.float()
         tensors[f"{PREFIX}{out}.lora_B.weight"] = b.float()
+    to_save = full_trained_modules(model, lora)
+    for mod in to_save:
+        for pn, p in model.get_submodule(mod).named_parameters():
+            tensors[f"{PREFIX}{mod}.{pn}"] = p.detach().float().contiguous()
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
         "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
-        "moeadapt": {"targets": lora.targets, "grouped_modules": sorted(grouped)},
+        "modules_to_save": to_save or None,
+        "moeadapt": {"targets": lora.targets, "grouped_modules": sorted(grouped),
+                     "vision_tower": lora.vision_tower, "projector": lora.projector},
     }
     if any(name_map.get(n, n) != n for n in mods):
         cfg["moeadapt"]["modules"] = {name_map.get(n, n): n for n in mods}
@@ -79,9 +88,11 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
     cfg = json.loads(f.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
-    targets = cfg.get("moeadapt", {}).get("targets") or cfg["target_modules"]
+    own = cfg.get("moeadapt", {})
+    targets = own.get("targets") or cfg["target_modules"]
     return LoRASpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                    targets=targets), cfg
+                    targets=targets, vision_tower=own.get("vision_tower", "frozen"),
+                    projector=own.get("projector", "frozen")), cfg
 
 
 @torch.no_grad()
@@ -101,13 +112,18 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
         out = name_map.get(n, n)
         expected[f"{PREFIX}{out}.lora_A.weight"] = (m, "A")
         expected[f"{PREFIX}{out}.lora_B.weight"] = (m, "B")
+    full = {f"{PREFIX}{mod}.{pn}": p for mod in full_trained_modules(model, spec)
+            for pn, p in model.get_submodule(mod).named_parameters()}
+    expected.update({k: (None, None) for k in full})
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         raise ValueError(f"adapter {path} does not fit this model: missing {missing[:6]}, unexpected {extra[:6]}")
     for key, (m, which) in expected.items():
         t = tensors[key]
-        if isinstance(m, LoRALinear):
+        if m is None:  # a module trained in full
+            dst = full[key]
+        elif isinstance(m, LoRALinear):
             dst = m.lora_A.weight if which == "A" else m.lora_B.weight
             mod = key[len(PREFIX):].rsplit(".", 2)[0]
             if which == "B" and mod in perms:
