@@ -63,7 +63,7 @@ def test_switches_and_peft_roundtrip(micro, tmp_path, seed):
     assert {"vision.projector.fc1.weight", "vision.projector.fc2.bias"} <= tr
     assert "vision.tower.patch_embed.weight" not in tr and "vision.merger.norm.weight" not in tr
     with torch.no_grad():  # make every trained tensor differ from the base
-        for n, p in m.named_parameters():
+        for p in m.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     ids, images = _batch()
