@@ -151,6 +151,14 @@ class HybridMoEModel(nn.Module):
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
 
 
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a training checkpoint holds of the model: the trainable parameters (only the adapters in a LoRA
+    run) and the router biases (state that training changes without a gradient). Live tensors, not copies."""
+    out = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    return out
+
+
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridMoEModel:
     with torch.device(device):
         return HybridMoEModel(spec)
