@@ -1,10 +1,10 @@
 """`builtin:shapes`: a procedurally generated image question-answering task (the vision-language demo's data).
 
-Each 84 x 84 picture holds 1-3 shapes of one kind (circle, square, triangle) and one colour (red, green, blue,
+Each 56 x 56 picture (4 image tokens for a patch-14 tower) holds 1-3 shapes of one kind (circle, square, triangle) and one colour (red, green, blue,
 yellow) on a white background. Questions: colour, shape, count, and, for a single shape, left or right. The
 answer is one word, so the chance level of a model that ignores the image is 1/4, 1/3, 1/3 and 1/2 per question
 type (the `meta.question` field of each record). Generated deterministically (fixed seeds) on first use into
-$MOEADAPT_CACHE/shapes-v1 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
+$MOEADAPT_CACHE/shapes-v2 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
 usual chat-with-images format, so the normal JSONL path reads them.
 """
 
@@ -19,16 +19,16 @@ from pathlib import Path
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (235, 200, 20)}
 KINDS = ("circle", "square", "triangle")
-QUESTIONS = {
-    "colour": "What colour are the shapes?",
-    "shape": "What kind of shape is shown?",
-    "count": "How many shapes are there?",
-    "position": "Is the shape on the left or the right?",
+QUESTIONS = {  # short: on a CPU, every prompt byte is a token the tiny model pays for
+    "colour": "Colour?",
+    "shape": "Shape?",
+    "count": "How many?",
+    "position": "Left or right?",
 }
 CHANCE = {"colour": 1 / 4, "shape": 1 / 3, "count": 1 / 3, "position": 1 / 2}
-SIZE, CELL = 84, 28
+SIZE, CELL = 56, 18  # a 3 x 3 grid of cells, one shape at most per cell
 SPLITS = {"train": (2000, 1), "eval": (240, 2)}  # records, seed
-VERSION = "shapes-v1"
+VERSION = "shapes-v2"
 
 
 def _draw(d, kind: str, cx: int, cy: int, r: int, rgb) -> None:
@@ -57,9 +57,9 @@ def make_sample(rng: random.Random):
     img = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
     d = ImageDraw.Draw(img)
     for c, r in cells:
-        rad = rng.randint(8, 11)
-        cx = c * CELL + CELL // 2 + rng.randint(-2, 2)
-        cy = r * CELL + CELL // 2 + rng.randint(-2, 2)
+        rad = rng.randint(5, 7)
+        cx = 1 + c * CELL + CELL // 2 + rng.randint(-1, 1)
+        cy = 1 + r * CELL + CELL // 2 + rng.randint(-1, 1)
         _draw(d, kind, cx, cy, rad, COLOURS[colour])
     answer = {"colour": colour, "shape": kind, "count": str(n),
               "position": "left" if cells[0][0] == 0 else "right"}[q]
