@@ -118,6 +118,15 @@ def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, se
             raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
     m = load_model_dir(model, adapter)
     tok = get_tokenizer(tokenizer, model)
+    if m.spec.vision is not None:  # image + text records: loss and answer accuracy (train/vl.py)
+        from .config import DataSpec
+        from .data.multimodal import build_mm_dataset
+        from .train.vl import evaluate_vl
+
+        ds = build_mm_dataset(data, tok, m.spec.vision, seq_len, DataSpec(train=data))
+        r = evaluate_vl(m, ds, batch_size, torch.device("cpu"), max_batches)
+        return {"loss": r["loss"], "perplexity": float(torch.tensor(r["loss"]).exp()), "rows": r["rows"],
+                "accuracy": r["accuracy"], **({"by_question": r["by_question"]} if "by_question" in r else {})}
     ds = PackedDataset(*pack(read_jsonl(data), tok, seq_len))
     check_targets(ds, str(data))
     cfg = RunConfig(model=m.spec, train=TrainSpec(micro_batch_size=batch_size, seq_len=seq_len, eval_batches=max_batches))
@@ -125,16 +134,40 @@ def evaluate(model: str | Path, data: str, adapter: str | Path | None = None, se
     return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()), "rows": min(len(ds), max_batches * batch_size)}
 
 
+def _image_prompt(m: HybridMoEModel, images: list[str]):
+    """Placeholder ids for each image (in order) and the packed ImageBatch."""
+    from .config import DataSpec
+    from .data.multimodal import _check_image, image_to_patches, load_image
+    from .models.vision import ImageBatch
+
+    vs, d = m.spec.vision, DataSpec()
+    if vs is None:
+        raise ValueError(f"model {m.spec.name!r} has no vision tower; --image needs a vision-language model")
+    ids, pix, grids = [], [], []
+    for f in images:
+        _check_image(Path(f), "--image")
+        px, (gh, gw) = image_to_patches(load_image(Path(f)), vs, d.min_pixels, d.max_pixels)
+        ids += [vs.image_token_id] * (gh * gw // 4)
+        pix.append(px)
+        grids.append((gh, gw))
+    return ids, ImageBatch(torch.cat(pix), torch.tensor(grids, dtype=torch.long))
+
+
 @torch.no_grad()
 def _decode(m: HybridMoEModel, tok, prompt: str, max_new_tokens: int, temperature: float, chat: bool,
-            g: torch.Generator) -> str:
-    ids = ([tok.role_id("user")] + tok.encode(prompt) + [tok.end_id, tok.role_id("assistant")]) if chat \
+            g: torch.Generator, images: list[str] | None = None) -> str:
+    img_ids, batch = _image_prompt(m, images) if images else ([], None)
+    chat = chat or bool(images)  # images go into a user turn
+    ids = ([tok.role_id("user")] + img_ids + tok.encode(prompt) + [tok.end_id, tok.role_id("assistant")]) if chat \
         else tok.encode(prompt)
     out: list[int] = []
     stop = {tok.eos_id, tok.end_id} if chat else {tok.eos_id}
     for _ in range(max_new_tokens):
-        x = torch.tensor([ids + out][-m.spec.max_position_embeddings:])
-        logits = m(x).logits[0, -1].float()
+        x = torch.tensor([ids + out])
+        if x.shape[1] > m.spec.max_position_embeddings:
+            raise ValueError(f"prompt + output reach {x.shape[1]} tokens, over the model's "
+                             f"max_position_embeddings={m.spec.max_position_embeddings}; lower --max-new-tokens")
+        logits = m(x, images=batch).logits[0, -1].float()
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -146,8 +179,10 @@ def _decode(m: HybridMoEModel, tok, prompt: str, max_new_tokens: int, temperatur
 
 
 def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, max_new_tokens: int = 64,
-             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto") -> str:
-    """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models."""
+             temperature: float = 0.0, chat: bool = False, seed: int = 0, tokenizer: str = "auto",
+             images: list[str] | None = None) -> str:
+    """Greedy (temperature 0) or sampled decoding. Recomputes the prefix each token (no cache): for small models.
+    `images`: picture files put before the prompt in the user turn (a vision-language model; implies chat)."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt is empty; give some text to continue")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -156,7 +191,7 @@ def generate(model: str | Path, prompt: str, adapter: str | Path | None = None, 
         raise ValueError(f"temperature={temperature!r} must be >= 0 and finite (0 = greedy)")
     m = load_model_dir(model, adapter)
     tok = get_tokenizer(tokenizer, model)
-    return _decode(m, tok, prompt, max_new_tokens, temperature, chat, torch.Generator().manual_seed(seed))
+    return _decode(m, tok, prompt, max_new_tokens, temperature, chat, torch.Generator().manual_seed(seed), images)
 
 
 def export_adapter(run_dir: str | Path, out: str | Path) -> Path:

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name, help=hlp)
         s.add_argument("config")
         s.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
-    s = sub.add_parser("eval", help="evaluate a model (+ adapter) on a JSONL dataset")
+    s = sub.add_parser("eval", help="evaluate a model (+ adapter) on a JSONL dataset (image + text records for a "
+                       "vision-language model: also answer accuracy)")
     s.add_argument("--model", required=True)
     s.add_argument("--adapter")
     s.add_argument("--data", required=True)
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn")
     s.add_argument("--max-new-tokens", type=POS_INT, default=64)
     s.add_argument("--temperature", type=NONNEG_FLOAT, default=0.0, help="0 = greedy")
+    s.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="a picture for a vision-language model (repeat for several; implies --chat)")
     s = sub.add_parser("export-adapter", help="write a LoRA run's adapter as a PEFT directory")
     s.add_argument("run_dir")
     s.add_argument("--out", required=True)
@@ -170,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             api.finetune(args.config, _kv(args.set))
         elif args.cmd == "eval":
             r = api.evaluate(args.model, args.data, args.adapter, seq_len=args.seq_len, max_batches=args.batches)
-            console.print(f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  ({r['rows']} rows)")
+            acc = f"  answer accuracy {r['accuracy']:.3f}" if "accuracy" in r else ""
+            by = "".join(f"  {k} {v:.3f}" for k, v in r.get("by_question", {}).items())
+            console.print(f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}{acc}{by}  ({r['rows']} rows)")
         elif args.cmd == "generate":
-            print(api.generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.temperature, args.chat))
+            print(api.generate(args.model, args.prompt, args.adapter, args.max_new_tokens, args.temperature, args.chat,
+                               images=args.image or None))
         elif args.cmd == "export-adapter":
             console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
         elif args.cmd == "merge-adapter":

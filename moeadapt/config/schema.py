@@ -42,6 +42,38 @@ class RopeScaling(_Strict):
     truncate: bool = True
 
 
+class VisionSpec(_Strict):
+    """The vision tower in front of the language model (models/vision/): a ViT over variable-resolution images
+    (patches of `patch_size` pixels, 2-D rotary positions, images packed by cu_seqlens), a merge_size x merge_size
+    patch merger and an MLP projector into the language model's hidden size. Every image placeholder token
+    (`image_token_id`) in the text is replaced by one projected image token; an image of H x W pixels (multiples
+    of patch_size * merge_size after resizing) gives (H / patch / merge) * (W / patch / merge) tokens."""
+
+    patch_size: Literal[14, 16] = 14
+    in_channels: int = Field(default=3, gt=0)
+    hidden_size: int = Field(default=64, gt=0)
+    n_layers: int = Field(default=2, gt=0)
+    n_heads: int = Field(default=4, gt=0)
+    intermediate_size: int = Field(default=256, gt=0)
+    merge_size: Literal[2] = 2
+    projector_hidden_size: int | None = Field(default=None, gt=0, description="None = the LM's hidden_size")
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-6, gt=0)
+    image_token_id: int = Field(default=263, ge=0, description="placeholder token (byte tokenizer: <|image|> = 263)")
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @model_validator(mode="after")
+    def _check(self) -> VisionSpec:
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"vision.n_heads={self.n_heads} does not divide vision.hidden_size={self.hidden_size}; "
+                             f"choose n_heads in {_divisors(self.hidden_size)}")
+        if (self.hidden_size // self.n_heads) % 4:
+            raise ValueError(f"vision head dim {self.hidden_size // self.n_heads} must be a multiple of 4 (2-D RoPE "
+                             "rotates pairs on a row half and a column half); change vision.hidden_size or n_heads")
+        return self
+
+
 class ModelSpec(_Strict):
     """The architecture: a hybrid KDA / gated-DSA transformer with a (latent) MoE FFN.
 
@@ -118,6 +150,7 @@ class ModelSpec(_Strict):
     bias_update_rate: float = Field(default=1e-3, ge=0, description="aux-loss-free balancing; 0 = off")
     capacity_factor: float | None = Field(default=None, gt=0, description="None = dropless")
     drop_policy: Literal["probs", "position", "reroute"] = "probs"
+    vision: VisionSpec | None = Field(default=None, description="vision tower (image understanding); None = text")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -158,6 +191,9 @@ class ModelSpec(_Strict):
                 f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim} "
                 "(the indexer applies RoPE to its first rope-dim channels)"
             )
+        if self.vision is not None and self.vision.image_token_id >= self.vocab_size:
+            raise ValueError(f"vision.image_token_id={self.vision.image_token_id} is outside vocab_size="
+                             f"{self.vocab_size}; give the tokenizer's image placeholder id")
         return self
 
     def resolved_layer_types(self) -> list[str]:
@@ -185,6 +221,13 @@ class LoRASpec(_Strict):
     alpha: float = Field(default=32.0, gt=0)
     dropout: float = Field(default=0.0, ge=0, lt=1)
     targets: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    # vision-language models (ms-swift / LLaMA-Factory defaults: tower and projector frozen, LoRA on the LM only).
+    # `targets` apply to the language model; these switches add the vision side.
+    vision_tower: Literal["frozen", "lora"] = Field(default="frozen", description="lora: adapters on every "
+                                                    "linear of the ViT blocks (qkv, proj, fc1, fc2)")
+    projector: Literal["frozen", "lora", "full"] = Field(default="frozen", description="lora: adapters on the "
+                                                         "projector's linears; full: train it fully (PEFT "
+                                                         "modules_to_save)")
 
     @field_validator("targets")
     @classmethod
@@ -255,6 +298,18 @@ class DataSpec(_Strict):
     tokenizer: str = Field(default="auto", description="'auto' (tokenizer.json of train.init_from if present, "
                            "else byte-level), 'byte', or a path holding tokenizer.json")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="held-out share when eval is unset")
+    # image + text records (a `vision:` model): each image is resized, aspect kept, to H x W multiples of
+    # patch_size * merge_size with min_pixels <= H * W <= max_pixels
+    min_pixels: int = Field(default=28 * 28, gt=0)
+    max_pixels: int = Field(default=448 * 448, gt=0)
+    skip_bad_images: bool = Field(default=False, description="drop records whose image is missing, unreadable or "
+                                  "truncated (counted and reported) instead of stopping with an error")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels={self.min_pixels} exceeds data.max_pixels={self.max_pixels}")
+        return self
 
 
 class ParallelSpec(_Strict):

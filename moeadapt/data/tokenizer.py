@@ -2,14 +2,15 @@
 ships tokenizer.json.
 
 Byte tokenizer: ids 0-255 are bytes; then <bos>, <eos>, <pad>, and the chat markers <|user|>,
-<|assistant|>, <|system|>, <|end|>. Vocabulary 264 (the `tiny` preset's vocab_size).
+<|assistant|>, <|system|>, <|end|>, and the image placeholder <|image|> (263; one per image token of a
+vision-language model, see data/multimodal.py). Vocabulary 264 (the `tiny` preset's vocab_size).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-SPECIALS = ["<bos>", "<eos>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|unused|>"]
+SPECIALS = ["<bos>", "<eos>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|image|>"]
 
 
 class ByteTokenizer:
@@ -44,6 +45,10 @@ class ByteTokenizer:
     @property
     def end_id(self) -> int:
         return self.special["<|end|>"]
+
+    @property
+    def image_id(self) -> int:
+        return self.special["<|image|>"]
 
 
 class HFTokenizer:

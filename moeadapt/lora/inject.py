@@ -2,6 +2,10 @@
 
 Owns: which modules get adapters (LoRASpec.targets: module-name suffixes or fnmatch patterns) and the
 freezing of everything else. Must not touch the optimizer or checkpoints.
+
+Vision-language models (a `vision` module): `targets` apply to the language model only; the tower and the
+projector stay frozen unless `LoRASpec.vision_tower` / `projector` say "lora" (adapters on every linear of the
+ViT blocks / of the projector) or, for the projector, "full" (all its parameters trained).
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ def _matches(name: str, patterns: list[str]) -> bool:
 def inject_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     """Wrap every nn.Linear / GroupedLinear whose name matches a target; freeze all base parameters.
     Returns the wrapped module names. Raises if no module matches."""
-    targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, (nn.Linear, GroupedLinear)) and not isinstance(m, LORA_TYPES)
-               and _matches(n, spec.targets)]
+    linears = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, (nn.Linear, GroupedLinear)) and not isinstance(m, LORA_TYPES)]
+    targets = [(n, m) for n, m in linears if not n.startswith("vision.") and _matches(n, spec.targets)]
+    vision = getattr(model, "vision", None)
+    if vision is None and (spec.vision_tower != "frozen" or spec.projector != "frozen"):
+        raise ValueError(f"lora.vision_tower={spec.vision_tower!r} / lora.projector={spec.projector!r} need a model "
+                         "with a vision tower; leave them 'frozen' for a text model")
+    if spec.vision_tower == "lora":
+        targets += [(n, m) for n, m in linears if n.startswith("vision.tower.blocks.")]
+    if spec.projector == "lora":
+        targets += [(n, m) for n, m in linears if n.startswith("vision.projector.")]
     if not targets:
         examples = sorted({n.split(".", 2)[-1] for n, m in model.named_modules()
                            if isinstance(m, (nn.Linear, GroupedLinear))})[:12]
@@ -53,7 +65,15 @@ def inject_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         cls = GroupedLoRALinear if isinstance(mod, GroupedLinear) else LoRALinear
         setattr(parent, child, cls(mod, spec.rank, spec.alpha, spec.dropout))
+    if spec.projector == "full":
+        for p in vision.projector.parameters():
+            p.requires_grad_(True)
     return [n for n, _ in targets]
+
+
+def full_trained_modules(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """Modules trained in full beside the adapters (PEFT's modules_to_save)."""
+    return ["vision.projector"] if spec.projector == "full" and getattr(model, "vision", None) is not None else []
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:

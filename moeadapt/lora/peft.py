@@ -23,6 +23,9 @@ For a model onboarded from a Hugging Face checkpoint (`moeadapt.onboard.peft_map
 put back in the checkpoint's row order where onboarding permuted the base weight's rows (DeepSeek's interleaved
 RoPE rows of q_b_proj / q_proj / kv_a_proj_with_mqa): W_ckpt + scaling * B @ A is then exactly the checkpoint-order
 form of our merged weight.
+
+Modules trained in full beside the adapters (a vision-language model's projector with `lora.projector: full`)
+are listed in `modules_to_save` and stored as PEFT stores them: `base_model.model.<module>.<param>`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from torch import nn
 from ..config import LoRASpec
 from ..config.load import format_validation_error
 from ..io import atomic_dir, load_tensors, save_tensors
-from .inject import inject_lora, lora_modules
+from .inject import full_trained_modules, inject_lora, lora_modules
 from .layers import LoRALinear
 
 PREFIX = "base_model.model."
@@ -97,14 +100,19 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
                       f"shared-expert adapters would be dropped); they are kept in {EXTRA} for moeadapt "
                       "(load, merge-adapter). Leave dense FFN / shared experts out of lora.targets for a peft-only "
                       "adapter.", stacklevel=2)
+    to_save = full_trained_modules(model, lora)  # trained in full beside the adapters: PEFT's modules_to_save
+    for mod in to_save:
+        for pn, p in model.get_submodule(mod).named_parameters():
+            tensors[f"{PREFIX}{mod}.{pn}"] = p.detach().float().contiguous()
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
         "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": to_save or None,
     }
     side = {"targets": lora.targets, "grouped_modules": sorted(grouped),
             "expert_layout": "per_expert" if per_expert else "stacked", "zero_filled": zero_filled,
-            "not_in_peft": sorted(dropped)}
+            "not_in_peft": sorted(dropped), "vision_tower": lora.vision_tower, "projector": lora.projector}
     if any(name_map.get(n, n) != n for n in mods):
         side["modules"] = {name_map.get(n, n): n for n in mods}
     if perms_out:
@@ -170,7 +178,8 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
                          "needs r, lora_alpha and target_modules - export the adapter again")
     try:
         spec = LoRASpec(rank=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-                        targets=[targets] if isinstance(targets, str) else targets)
+                        targets=[targets] if isinstance(targets, str) else targets,
+                        vision_tower=side.get("vision_tower", "frozen"), projector=side.get("projector", "frozen"))
     except ValidationError as e:
         raise ValueError(format_validation_error(e, str(f)).replace("\n", "; ")) from None
     return spec, side
@@ -194,7 +203,7 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
         head, leaf = z.rsplit(".", 1)
         for k in [k for k in tensors if k.startswith(f"{PREFIX}{head}.") and f".{leaf}.lora_" in k]:
             tensors.pop(k)
-    expected: dict[str, tuple[nn.Module, str, int | None]] = {}
+    expected: dict[str, tuple[nn.Module | None, str | None, int | None]] = {}
     for n, m in lora_modules(model).items():
         out = name_map.get(n, n)
         if per_expert and not isinstance(m, LoRALinear):
@@ -205,13 +214,18 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
         else:
             for w in "AB":
                 expected[f"{PREFIX}{out}.lora_{w}.weight"] = (m, w, None)
+    full = {f"{PREFIX}{mod}.{pn}": p for mod in full_trained_modules(model, spec)
+            for pn, p in model.get_submodule(mod).named_parameters()}
+    expected.update({k: (None, None, None) for k in full})
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
         raise ValueError(f"adapter {path} does not fit this model: missing {missing[:6]}, unexpected {extra[:6]}")
     for key, (m, which, e) in expected.items():
         t = tensors[key]
-        if isinstance(m, LoRALinear):
+        if m is None:  # a module trained in full
+            dst = full[key]
+        elif isinstance(m, LoRALinear):
             dst = m.lora_A.weight if which == "A" else m.lora_B.weight
             mod = key[len(PREFIX):].rsplit(".", 2)[0]
             if which == "B" and mod in perms:

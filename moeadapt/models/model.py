@@ -23,6 +23,7 @@ from .gqa_attn import GQAAttention
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear, LatentMoE
 from .router import Router
+from .vision import ImageBatch, VisionModel
 
 
 class Block(nn.Module):
@@ -72,6 +73,8 @@ class HybridMoEModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # vision-language: projected image tokens replace the placeholder embeddings before the first block
+        self.vision = VisionModel(spec.vision, spec.hidden_size) if spec.vision is not None else None
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.n_layers))
         self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -90,7 +93,11 @@ class HybridMoEModel(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         std = self.spec.initializer_range
+        if self.vision is not None:
+            self.vision.init_weights(std)
         for name, m in self.named_modules():
+            if name.startswith("vision."):
+                continue
             if isinstance(m, nn.Linear):
                 s = std / (2 * self.spec.n_layers) ** 0.5 if name.endswith(("o_proj", "wo", "w2")) else std
                 nn.init.normal_(m.weight, std=s)
@@ -104,11 +111,12 @@ class HybridMoEModel(nn.Module):
                 m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                return_logits: bool = True, micro_batches: int = 1) -> ModelOutput:
+                return_logits: bool = True, micro_batches: int = 1, images: ImageBatch | None = None) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] with -100 where no loss is taken (already shifted: label[t] is
         the target for position t). micro_batches = M > 1 merges M micro-batches stacked along B: the experts
         see all their tokens in one grouped GEMM, while the loss is the mean of the M per-micro-batch means
-        (what gradient accumulation over them would optimise)."""
+        (what gradient accumulation over them would optimise). images: the batch's pictures, packed, in the order of
+        their placeholder tokens in input_ids (row by row); a model with a vision tower only."""
         B, T = input_ids.shape
         if B % micro_batches:
             raise ValueError(f"batch of {B} rows does not split into micro_batches={micro_batches}")
@@ -116,6 +124,11 @@ class HybridMoEModel(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
         x = self.embed(input_ids)
+        if self.vision is not None:
+            x = self.vision.embed_images(x, input_ids, images)
+        elif images is not None:
+            raise ValueError(f"model {self.spec.name!r} has no vision tower but the batch holds images; "
+                             "use a model with a `vision:` section (e.g. the tiny-vl preset)")
         cos, sin = rope_cos_sin(torch.arange(T, device=input_ids.device), self.spec.qk_rope_head_dim,
                                 self.spec.rope_theta, self.spec.rope_scaling)
         aux_total = x.new_zeros((), dtype=torch.float32)

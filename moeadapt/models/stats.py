@@ -8,6 +8,10 @@ from ..config import ModelSpec
 
 
 def _component(name: str) -> str:
+    if name.startswith("vision.projector."):
+        return "vision_projector"
+    if name.startswith("vision."):
+        return "vision_tower"
     if name.startswith("embed"):
         return "embeddings"
     if name.startswith("lm_head"):
@@ -48,5 +52,6 @@ def count_parameters(model: nn.Module, spec: ModelSpec) -> dict:
     total = sum(by.values())
     routed = by.get("moe.routed_experts", 0)
     E, K = spec.n_routed_experts, spec.n_experts_per_tok
-    active = total - (routed - routed * K // E if E else 0)
+    vision = by.get("vision_tower", 0) + by.get("vision_projector", 0)  # runs on image patches, not per text token
+    active = total - vision - (routed - routed * K // E if E else 0)
     return {"total": total, "active_per_token": active, "by_component": dict(sorted(by.items()))}

@@ -54,6 +54,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         if spec.ep > 1 and isinstance(block.ffn, LatentMoE):
             fully_shard(block.ffn.experts, mesh=dims.expert_fsdp_mesh(), reshard_after_forward=raf, mp_policy=mp)
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
+    if getattr(model, "vision", None) is not None:  # the vision tower (+ merger, projector): one FSDP unit
+        fully_shard(model.vision, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
     return model
 

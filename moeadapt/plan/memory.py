@@ -74,7 +74,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    root: int  # embedding + final norm + LM head (FSDP root, gathered for the whole step)
+    root: int  # embedding + final norm + LM head (FSDP root, gathered for the whole step), and the vision tower
+    # of a vision-language model (its own FSDP unit, counted here as gathered for the whole step: an upper bound)
     block_dense: tuple[int, ...]  # per layer: non-expert parameters
     block_experts: tuple[int, ...]  # per layer: routed-expert parameters (all experts)
     lora_dense: tuple[int, ...]  # per layer: adapter parameters on non-expert modules

@@ -33,16 +33,19 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..config import RunConfig
 from ..data.dataset import Sampler, build_datasets
+from ..data.multimodal import MultimodalDataset, MultimodalSampler, build_mm_datasets
 from ..data.tokenizer import get_tokenizer
 from ..io import atomic_write_text, load_state_into, load_tensors, save_model_dir
 from ..lora import cast_frozen_, export_peft, inject_lora
 from ..models.model import HybridMoEModel, build_model, checkpoint_tensors, materialize
 from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
+from ..models.vision import ImageBatch
 from ..ui import make_console
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
+from .vl import evaluate_vl
 
 if TYPE_CHECKING:
     from ..parallel import DistributedRun
@@ -62,6 +65,8 @@ class TrainResult:
     final_loss: float
     tokens_per_s: float
     steps: int
+    accuracy_before: dict | None = None  # vision-language runs: evaluate_vl's answer accuracy (overall, by question)
+    accuracy_after: dict | None = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,8 +90,10 @@ def load_model(model_dir: str | Path, model: HybridMoEModel) -> None:
     if not f.is_file():
         raise FileNotFoundError(f"{p} holds no model.safetensors; give a directory written by `moeadapt train`")
     state = load_tensors(f)
+    # a text model's weights into a vision-language model: the vision tower keeps its fresh initialisation
+    fresh_vision = getattr(model, "vision", None) is not None and not any(k.startswith("vision.") for k in state)
     load_state_into(model, {k: v.to(model.embed.weight.dtype) if v.is_floating_point() and "expert_bias" not in k
-                            else v for k, v in state.items()}, str(f))
+                            else v for k, v in state.items()}, str(f), allow_missing=("vision.",) if fresh_vision else ())
 
 
 def prepare_model(cfg: RunConfig, device: torch.device) -> HybridMoEModel:
@@ -110,6 +117,9 @@ def _autocast(device: torch.device, dtype: str):
 
 @torch.no_grad()
 def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None) -> float:
+    if isinstance(ds, MultimodalDataset):
+        return evaluate_vl(model, ds, cfg.train.micro_batch_size, device, n_batches or cfg.train.eval_batches,
+                           lambda: _autocast(device, cfg.train.dtype))["loss"]
     model.eval()
     bs = cfg.train.micro_batch_size
     n = min(len(ds), (n_batches or cfg.train.eval_batches) * bs)
@@ -215,15 +225,20 @@ def train_step(lp: Loop) -> StepStats:
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
     n_fwd = t.grad_accum_steps // per_fwd
     st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
-    batches = [tuple(torch.cat(b) for b in zip(*(lp.sampler.next() for _ in range(per_fwd)))) for _ in range(n_fwd)]
-    if run.mean(float(sum(int((y != -100).sum()) for _, y in batches))) == 0:  # every rank agrees
+    batches = []
+    for _ in range(n_fwd):
+        parts = [lp.sampler.next() for _ in range(per_fwd)]  # (inputs, labels[, images])
+        images = ImageBatch.cat([b[2] for b in parts]) if len(parts[0]) > 2 else None
+        batches.append((torch.cat([b[0] for b in parts]), torch.cat([b[1] for b in parts]), images))
+    if run.mean(float(sum(int((y != -100).sum()) for _, y, _ in batches))) == 0:  # every rank agrees
         _discard_step(lp)
         st.skipped = "no_targets"
         return st
-    for xb, yb in batches:
+    for xb, yb, images in batches:
         x, y = xb.to(device), yb.to(device)
         with _autocast(device, t.dtype):
-            out = model(x, y, return_logits=False, micro_batches=per_fwd)
+            out = model(x, y, return_logits=False, micro_batches=per_fwd,
+                        images=images.to(device) if images is not None else None)
             loss = out.loss + out.aux_loss
         if not run.all_finite(loss):  # every rank takes the same branch
             _discard_step(lp)
@@ -381,6 +396,42 @@ def _apply_config_lr(lp: Loop, start: int) -> None:
         lp.logger.log({"kind": "lr_change", "step": start, "lr": new_lr, "checkpoint_lr": old_lr, "train.lr": t.lr})
 
 
+def _save_fresh_vision_base(cfg: RunConfig, model: HybridMoEModel, out_dir: Path) -> Path | None:
+    """A LoRA run of a vision-language model whose tower was initialised here (init_from is a text model, or
+    unset) writes that base to out_dir/base before training: the adapter needs the exact frozen tower it was
+    trained against, and no other file holds it. Adapter tensors (B = 0 still) are left out."""
+    from ..config import model_spec_from_dir
+
+    if cfg.lora is None or (cfg.train.init_from and model_spec_from_dir(cfg.train.init_from).vision is not None):
+        return None
+    state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k and not k.endswith("tokens_per_expert")}
+    from ..io import atomic_dir, save_tensors
+
+    with atomic_dir(out_dir / "base") as tmp:
+        save_tensors({k: v.detach().float().contiguous() if v.is_floating_point() and "expert_bias" not in k else v
+                      for k, v in state.items()}, tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps({"moeadapt": cfg.model.model_dump()}, indent=2))
+    return out_dir / "base"
+
+
+def _final_eval(lp: Loop, step: int, when: str) -> tuple[float, dict | None]:
+    """Eval loss (logged and printed); for a multimodal eval set also the answer accuracy."""
+    cfg, device = lp.cfg, lp.run.device
+    acc = None
+    if isinstance(lp.eval_ds, MultimodalDataset):
+        r = evaluate_vl(lp.model, lp.eval_ds, cfg.train.micro_batch_size, device, cfg.train.eval_batches,
+                        lambda: _autocast(device, cfg.train.dtype))
+        loss, acc = r["loss"], {"accuracy": r["accuracy"], **r.get("by_question", {})}
+        lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss, "eval_accuracy": r["accuracy"]})
+    else:
+        loss = evaluate(lp.model, lp.eval_ds, cfg, device)
+        lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss})
+    if not lp.quiet:
+        extra = "" if acc is None else "  answer accuracy " + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+        console.print(f"eval loss {when}: {loss:.4f}{extra}")
+    return loss, acc
+
+
 def _export(lp: Loop, out_dir: Path) -> None:
     """model/ or adapter/ from the trained weights (written by rank 0 only; collective under torchrun)."""
     cfg = lp.cfg
@@ -393,7 +444,9 @@ def _export(lp: Loop, out_dir: Path) -> None:
     if cfg.lora is not None:
         from ..onboard import peft_maps  # checkpoint names / row order for a Hugging Face init_from
 
-        export_peft(plain, cfg.lora, out_dir / "adapter", base_model=cfg.train.init_from or cfg.model.name,
+        fresh_base = out_dir / "base"  # a vision-language run whose tower started fresh (see _save_fresh_vision_base)
+        base = str(fresh_base) if fresh_base.is_dir() else (cfg.train.init_from or cfg.model.name)
+        export_peft(plain, cfg.lora, out_dir / "adapter", base_model=base,
                     **peft_maps(cfg.train.init_from))
     else:
         save_model_dir(plain, cfg.model.model_dump(), out_dir / "model")
@@ -413,15 +466,24 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     if tok.vocab_size > cfg.model.vocab_size:
         raise TrainingError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
                             "raise vocab_size or use a matching tokenizer")
-    train_ds, eval_ds = build_datasets(cfg.data, tok, t.seq_len, t.seed)
+    vl = cfg.model.vision is not None
+    if vl:  # image + text records, one per row (data/multimodal.py)
+        train_ds, eval_ds = build_mm_datasets(cfg.data, tok, cfg.model.vision, t.seq_len)
+        if train_ds.skipped and not quiet:
+            console.print(f"[yellow]skipped {len(train_ds.skipped)} records with bad images (data.skip_bad_images); "
+                          f"first: {train_ds.skipped[0]}")
+    else:
+        train_ds, eval_ds = build_datasets(cfg.data, tok, t.seq_len, t.seed)
     model = prepare_model(cfg, run.device)
+    if vl and run.is_main:
+        _save_fresh_vision_base(cfg, model, out_dir)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fpt, n_total = flops_per_token(model, cfg), count_parameters(model, cfg.model)["total"]
     run.parallelize(model)  # shards parameters: count them (above) before
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-              Sampler(train_ds, t.micro_batch_size, t.seed, rank=run.rank, world=run.world),
+              (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.rank, world=run.world),
               MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet)
     start = _resume(lp)
     lp.logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step
@@ -456,20 +518,16 @@ def _run_errors(lp: Loop):
 
 def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int, n_rows: int,
                 quiet: bool) -> TrainResult:
-    cfg, t, run, model, eval_ds = lp.cfg, lp.cfg.train, lp.run, lp.model, lp.eval_ds
+    cfg, t, run = lp.cfg, lp.cfg.train, lp.run
     if not quiet:
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {run.device}, "
                       f"{n_rows} train rows x {t.seq_len} tokens")
-    eval_before = evaluate(model, eval_ds, cfg, run.device)
-    lp.logger.log({"kind": "eval", "step": start, "eval_loss": eval_before})
-    if not quiet:
-        console.print(f"eval loss before: {eval_before:.4f}")
+    eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed = fit(lp, start)
 
-    eval_after = evaluate(model, eval_ds, cfg, run.device)
-    lp.logger.log({"kind": "eval", "step": t.steps, "eval_loss": eval_after})
+    eval_after, acc_after = _final_eval(lp, t.steps, "after")
     lp.logger.close()
     tps = lp.tokens_done / max(elapsed, 1e-9)
     _export(lp, out_dir)
@@ -478,9 +536,11 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
                    "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets}
+        if acc_before is not None:
+            summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {tps:,.0f} tokens/s; "
                       f"results in {out_dir}/")
-    return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps)
+    return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps, acc_before, acc_after)

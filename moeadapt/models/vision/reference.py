@@ -1,0 +1,68 @@
+"""The vision model's math, written out for one image at a time: the specification the packed module is
+tested against (float64, values and gradients). Nothing here is used at run time.
+
+An image [C, H, W] is cut into patches in plain raster order; positions are (row, col); 2-D RoPE rotates the
+pair (x[i], x[i + Dh/4]) of the row half (and of the column half, offset Dh/2) as the complex number
+x[i] + j x[i + Dh/4] times exp(j pos theta^(-2i / (Dh/2))); attention is softmax over all patches of the image;
+the merger concatenates the 2 x 2 spatial neighbours (r, c), (r, c+1), (r+1, c), (r+1, c+1) of each block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _ln(x, w, b, eps):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _rope(x_NHD, rows, cols, theta):
+    dh = x_NHD.shape[-1]
+    q = dh // 4
+    freq = theta ** (-2 * torch.arange(q, dtype=torch.float64) / (dh // 2))
+    out = x_NHD.clone()
+    for half, pos in ((0, rows), (1, cols)):
+        lo = half * dh // 2
+        z = torch.complex(x_NHD[..., lo:lo + q], x_NHD[..., lo + q:lo + 2 * q])
+        rot = torch.polar(torch.ones_like(freq), pos.double()[:, None] * freq)[:, None, :]  # [N, 1, q]
+        z = z * rot
+        out = torch.cat([out[..., :lo], z.real, z.imag, out[..., lo + 2 * q:]], -1)
+    return out
+
+
+def vision_reference(p: dict[str, torch.Tensor], spec, image_CHW: torch.Tensor) -> torch.Tensor:
+    """p: the VisionModel's named parameters; -> image tokens [(H/2p) * (W/2p), lm_hidden] in raster order
+    of the merged blocks."""
+    ps, nh, eps = spec.patch_size, spec.n_heads, spec.norm_eps
+    C, H, W = image_CHW.shape
+    gh, gw = H // ps, W // ps
+    patches = image_CHW.reshape(C, gh, ps, gw, ps).permute(1, 3, 0, 2, 4).reshape(gh * gw, C * ps * ps)
+    idx = torch.arange(gh * gw)
+    rows, cols = idx // gw, idx % gw
+    x = patches @ p["tower.patch_embed.weight"].T + p["tower.patch_embed.bias"]
+    N, D = x.shape
+    for i in range(spec.n_layers):
+        b = f"tower.blocks.{i}."
+        h = _ln(x, p[b + "norm1.weight"], p[b + "norm1.bias"], eps)
+        qkv = (h @ p[b + "attn.qkv.weight"].T + p[b + "attn.qkv.bias"]).view(N, 3, nh, D // nh)
+        q, k, v = _rope(qkv[:, 0], rows, cols, spec.rope_theta), _rope(qkv[:, 1], rows, cols, spec.rope_theta), qkv[:, 2]
+        s = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(D // nh)
+        a = torch.exp(s - s.amax(-1, keepdim=True))
+        a = a / a.sum(-1, keepdim=True)
+        o = torch.einsum("hnm,mhd->nhd", a, v).reshape(N, D)
+        x = x + o @ p[b + "attn.proj.weight"].T + p[b + "attn.proj.bias"]
+        h = _ln(x, p[b + "norm2.weight"], p[b + "norm2.bias"], eps)
+        x = x + _gelu(h @ p[b + "fc1.weight"].T + p[b + "fc1.bias"]) @ p[b + "fc2.weight"].T + p[b + "fc2.bias"]
+    x = _ln(x, p["tower.norm.weight"], p["tower.norm.bias"], eps)
+    x = _ln(x, p["merger.norm.weight"], p["merger.norm.bias"], eps).view(gh, gw, D)
+    merged = torch.cat([x[0::2, 0::2], x[0::2, 1::2], x[1::2, 0::2], x[1::2, 1::2]], -1).reshape(-1, 4 * D)
+    h = _gelu(merged @ p["projector.fc1.weight"].T + p["projector.fc1.bias"])
+    return h @ p["projector.fc2.weight"].T + p["projector.fc2.bias"]

@@ -1,0 +1,228 @@
+"""The vision tower: ViT over variable-resolution images -> 2 x 2 patch merger -> MLP projector.
+
+Owns: `ImageBatch` (the packed pixel input), `VisionTower` (patch embedding + pre-LN ViT blocks with 2-D
+rotary positions, block-diagonal attention by cu_seqlens), `PatchMerger`, `Projector` and `VisionModel`, which
+also replaces a text's image placeholder tokens by the projected image tokens. Must not know about the language
+model's blocks: it returns (or inserts) vectors of the LM's hidden size, nothing more.
+
+Shape suffixes: N patches (all images), M merged tokens (= N / 4), D vision width, H heads, Dh head dim,
+P = channels x patch x patch pixel values per patch, I images.
+
+Patch order (the data pipeline writes it, data/multimodal.py `patchify`): image by image; inside an image,
+merged 2 x 2 blocks in raster order, and inside a block its 4 patches in raster order. The merger therefore
+concatenates 4 consecutive patches, and a patch's (row, col) follows from its image's grid alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import VisionSpec
+from .attention import packed_attention
+
+
+@dataclass
+class ImageBatch:
+    """Images of one batch, packed: pixel_values [N, P] (patches in the order above), grid_hw [I, 2] int64
+    (patch rows, patch cols per image), in the order the images' placeholders appear in the batch's rows."""
+
+    pixel_values: torch.Tensor
+    grid_hw: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:  # merged tokens = placeholders the images fill
+        return int((self.grid_hw[:, 0] * self.grid_hw[:, 1]).sum()) // 4
+
+    def to(self, device) -> ImageBatch:
+        return ImageBatch(self.pixel_values.to(device), self.grid_hw.to(device))
+
+    @staticmethod
+    def cat(batches: list[ImageBatch | None]) -> ImageBatch | None:
+        bs = [b for b in batches if b is not None and b.grid_hw.shape[0]]
+        if not bs:
+            return None
+        return ImageBatch(torch.cat([b.pixel_values for b in bs]), torch.cat([b.grid_hw for b in bs]))
+
+
+def patchify(image_CHW: torch.Tensor, patch: int, merge: int = 2) -> torch.Tensor:
+    """One image [C, H, W] (H, W multiples of patch * merge) -> its patches [N, C * patch * patch] in the packed
+    order: merged blocks in raster order, then the merge x merge patches of a block in raster order."""
+    C, H, W = image_CHW.shape
+    gh, gw = H // patch, W // patch
+    if gh * patch != H or gw * patch != W or gh % merge or gw % merge:
+        raise ValueError(f"image of {H} x {W} pixels is not a multiple of patch_size * merge_size = "
+                         f"{patch * merge}; resize it first (data/multimodal.py resize_for_budget)")
+    x = image_CHW.reshape(C, gh // merge, merge, patch, gw // merge, merge, patch)
+    return x.permute(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, C * patch * patch)
+
+
+def patch_positions(grid_hw: torch.Tensor, merge: int = 2) -> torch.Tensor:
+    """(row, col) of every patch [N, 2] in the packed order (merged blocks in raster order, then patches)."""
+    out = []
+    for h, w in grid_hw.tolist():
+        r = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+        c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+        out.append(torch.stack([r.permute(0, 2, 1, 3).reshape(-1), c.permute(0, 2, 1, 3).reshape(-1)], -1))
+    return torch.cat(out, 0)
+
+
+def rope_2d(pos_N2: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, head_dim / 2]: the first half of the head dim rotates by the patch row, the second by the
+    column, each half in the half-split convention with theta^(-2i / (head_dim / 2)) frequencies."""
+    quarter = head_dim // 4
+    inv = 1.0 / theta ** (torch.arange(quarter, dtype=torch.float64) * 2 / (head_dim // 2))
+    ang = torch.cat([pos_N2[:, :1].double() * inv, pos_N2[:, 1:].double() * inv], -1)  # [N, 2 * quarter]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope_2d(x_NHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    q = x_NHD.shape[-1] // 4
+    xf = x_NHD if x_NHD.dtype == torch.float64 else x_NHD.float()
+    c, s = cos[:, None].to(xf.dtype), sin[:, None].to(xf.dtype)
+    parts = []
+    for j in range(2):  # row half, column half
+        x1, x2 = xf[..., 2 * j * q:(2 * j + 1) * q], xf[..., (2 * j + 1) * q:(2 * j + 2) * q]
+        cj, sj = c[..., j * q:(j + 1) * q], s[..., j * q:(j + 1) * q]
+        parts += [x1 * cj - x2 * sj, x1 * sj + x2 * cj]
+    return torch.cat(parts, -1).to(x_NHD.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+        self.backend = "auto"
+
+    def forward(self, x_ND: torch.Tensor, cos, sin, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+        N, D = x_ND.shape
+        q, k, v = self.qkv(x_ND).view(N, 3, self.n_heads, D // self.n_heads).unbind(1)
+        q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
+        backend = "auto" if self.backend == "triton" else self.backend  # the model-wide switch has no ViT kernel
+        o = packed_attention(q, k, v, cu_seqlens, max_len, backend)
+        return self.proj(o.reshape(N, D))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        d = spec.hidden_size
+        self.norm1 = nn.LayerNorm(d, eps=spec.norm_eps)
+        self.attn = VisionAttention(d, spec.n_heads)
+        self.norm2 = nn.LayerNorm(d, eps=spec.norm_eps)
+        self.fc1 = nn.Linear(d, spec.intermediate_size, bias=True)
+        self.fc2 = nn.Linear(spec.intermediate_size, d, bias=True)
+
+    def forward(self, x_ND, cos, sin, cu_seqlens, max_len):
+        x_ND = x_ND + self.attn(self.norm1(x_ND), cos, sin, cu_seqlens, max_len)
+        return x_ND + self.fc2(F.gelu(self.fc1(self.norm2(x_ND))))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.spec = spec
+        p = spec.patch_size
+        self.patch_embed = nn.Linear(spec.in_channels * p * p, spec.hidden_size, bias=True)
+        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.n_layers))
+        self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+
+    def forward(self, images: ImageBatch) -> torch.Tensor:
+        """-> patch features [N, D] in the packed order."""
+        s, px, grid = self.spec, images.pixel_values, images.grid_hw.cpu()
+        n_pix = s.in_channels * s.patch_size ** 2
+        if px.dim() != 2 or px.shape[1] != n_pix:
+            raise ValueError(f"pixel_values has shape {tuple(px.shape)}; expected [patches, {n_pix}] "
+                             f"({s.in_channels} channels x {s.patch_size} x {s.patch_size})")
+        if grid.numel() and bool((grid % s.merge_size).any()):
+            raise ValueError(f"image grids {grid.tolist()} must be multiples of merge_size={s.merge_size} patches; "
+                             "resize images to multiples of patch_size * merge_size pixels")
+        lens = grid[:, 0] * grid[:, 1]
+        if int(lens.sum()) != px.shape[0]:
+            raise ValueError(f"image grids hold {int(lens.sum())} patches but pixel_values has {px.shape[0]} rows")
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        cos, sin = rope_2d(patch_positions(grid, s.merge_size), s.hidden_size // s.n_heads, s.rope_theta)
+        cos, sin = cos.to(px.device), sin.to(px.device)
+        x = self.patch_embed(px.to(self.patch_embed.weight.dtype))
+        max_len = int(lens.max())
+        for blk in self.blocks:
+            x = blk(x, cos, sin, cu, max_len)
+        return self.norm(x)
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm per patch, then the 4 patches of each 2 x 2 block concatenated: [N, D] -> [N / 4, 4 D]."""
+
+    def __init__(self, spec: VisionSpec):
+        super().__init__()
+        self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.group = spec.merge_size ** 2
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.norm(x_ND).reshape(-1, self.group * x_ND.shape[-1])
+
+
+class Projector(nn.Module):
+    """MLP into the language model: fc2(GELU(fc1(x))), [M, 4 D] -> [M, lm_hidden]."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, hidden, bias=True)
+        self.fc2 = nn.Linear(hidden, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class VisionModel(nn.Module):
+    """tower -> merger -> projector, and the placeholder replacement (`embed_images`)."""
+
+    def __init__(self, spec: VisionSpec, lm_hidden: int):
+        super().__init__()
+        self.spec = spec
+        self.tower = VisionTower(spec)
+        self.merger = PatchMerger(spec)
+        d4 = spec.hidden_size * spec.merge_size ** 2
+        self.projector = Projector(d4, spec.projector_hidden_size or lm_hidden, lm_hidden)
+
+    def forward(self, images: ImageBatch) -> torch.Tensor:
+        """-> image tokens [M, lm_hidden], image by image in the packed order."""
+        return self.projector(self.merger(self.tower(images)))
+
+    def _dummy(self, device) -> ImageBatch:
+        p = self.spec.patch_size
+        return ImageBatch(torch.zeros(4, self.spec.in_channels * p * p, device=device),
+                          torch.tensor([[2, 2]], dtype=torch.long))
+
+    def embed_images(self, x_BTD: torch.Tensor, input_ids: torch.Tensor, images: ImageBatch | None) -> torch.Tensor:
+        """Replace the embeddings of the image placeholder tokens by the projected image tokens, in order.
+
+        Without images the tower still runs once on a 2 x 2-patch blank (its output multiplied by zero): every
+        rank then runs the same FSDP unit and every trainable vision parameter gets a (zero) gradient."""
+        is_img = input_ids == self.spec.image_token_id
+        n_slots = int(is_img.sum())
+        if images is None or images.grid_hw.shape[0] == 0:
+            if n_slots:
+                raise ValueError(f"the text holds {n_slots} image placeholder tokens "
+                                 f"(id {self.spec.image_token_id}) but no images were given")
+            return x_BTD + 0.0 * self(self._dummy(x_BTD.device)).sum().to(x_BTD.dtype)
+        if images.n_tokens != n_slots:
+            raise ValueError(f"the images give {images.n_tokens} tokens but the text holds {n_slots} image "
+                             f"placeholders (id {self.spec.image_token_id}); each image needs "
+                             "(H / patch / 2) * (W / patch / 2) placeholders, as data/multimodal.py writes them")
+        tok_MD = self(images).to(x_BTD.dtype)
+        return x_BTD.masked_scatter(is_img.unsqueeze(-1), tok_MD)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
