@@ -143,7 +143,13 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
 
 
 def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
-    """Fold a PEFT adapter into the base weights and write a plain model directory."""
+    """Fold a PEFT adapter into the base weights and write a plain model directory. A model directory (ours or
+    Hugging Face) is merged streaming, block by block into sharded safetensors (moeadapt/merge.py: no process
+    holds the model; under torchrun the ranks share the tensors); a preset (random weights) in memory."""
+    if Path(str(model)).is_dir():
+        from .merge import merge_adapter_streaming
+
+        return merge_adapter_streaming(model, adapter, out)
     m = load_model_dir(model, adapter)
     merge_lora(m)
     return save_model_dir(m, m.spec.model_dump(), out)

@@ -57,7 +57,7 @@ class SafetensorsSource:
             raise OnboardError(f"init_from {self.path} ({self.fam.model_type}) does not match the model: the model "
                                f"has {_listed(unknown)} that the checkpoint's config does not, and lacks "
                                f"{_listed(lacking)}; use the model config the checkpoint was made with")
-        bad = [f"{n} is {tuple(shapes[n])} in the model but {rules[n].shape} in the checkpoint's config"
+        bad = [f"{n} has shape {tuple(shapes[n])} in the model but {rules[n].shape} in the checkpoint's config"
                for n in shapes if tuple(shapes[n]) != tuple(rules[n].shape)]
         if bad:
             raise OnboardError(f"init_from {self.path}: shape mismatch: {'; '.join(bad[:6])}; the checkpoint "
@@ -97,7 +97,7 @@ class DCPSource:
                     "or a model directory)" if missing and not base else "")
             raise OnboardError(f"init_from {self.path} (DCP) does not match the model: missing {_listed(missing)}, "
                                f"unexpected {_listed(extra)}{hint}")
-        bad = [f"{n} is {tuple(shapes[n])} in the model but {tuple(have[n].size)} in the checkpoint"
+        bad = [f"{n} has shape {tuple(shapes[n])} in the model but {tuple(have[n].size)} in the checkpoint"
                for n in shapes if isinstance(have[n], TensorStorageMetadata) and tuple(have[n].size) != tuple(shapes[n])]
         if bad:
             raise OnboardError(f"init_from {self.path}: shape mismatch: {'; '.join(bad[:6])}; the checkpoint "

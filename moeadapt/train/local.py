@@ -39,7 +39,17 @@ class LocalRun:
     def load(self, path, model, opt, sched) -> tuple[int, dict]:
         return load_checkpoint(path, model, opt, sched)
 
-    def unsharded_copy(self, model: nn.Module) -> nn.Module:
+    def load_init(self, model: nn.Module, path) -> dict:
+        from .trainer import load_model
+
+        return load_model(path, model)
+
+    def export_model(self, model: nn.Module, path, config: dict) -> None:
+        from ..parallel.shards import export_sharded
+
+        export_sharded(model, path, config)
+
+    def adapter_copy(self, model: nn.Module) -> nn.Module:
         return model
 
     def finish(self) -> None:

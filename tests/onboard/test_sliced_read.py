@@ -123,7 +123,7 @@ def test_wrong_model_or_checkpoint_fails_before_reading(qwen_dir, tmp_path):
     other = ModelSpec(**{**spec.model_dump(), "moe_intermediate_size": spec.moe_intermediate_size * 2})
     m = build_model(other, "meta").to_empty(device="cpu")
     src = open_source(qwen_dir)
-    with pytest.raises(OnboardError, match=r"mismatch: layers\.0\.ffn\.experts\.w1\.weight is \(4, 32, 32\) in the mod"):
+    with pytest.raises(OnboardError, match=r"mismatch: layers\.0\.ffn\.experts\.w1\.weight has shape \(4, 32, 32\) in the m"):
         load_sharded(m, src)
     assert src.bytes_read == 0
     fewer = ModelSpec(**{**spec.model_dump(), "n_layers": 1, "layer_types": spec.layer_types[:1]})
