@@ -3,7 +3,7 @@
 Owns: `SafetensorsSource` (Hugging Face directories, single file or indexed shards, FP8 block-scaled weights,
 and our own model directories, through `StreamingLoader.read_slice`), `DCPSource` (torch.distributed.checkpoint
 directories written by a full-training run) and `open_source(path)`, which picks one. A source knows nothing
-of ranks: `moeadapt.parallel.shards.load_sharded` asks it for boxes (`read(name, global_shape, slices)`, the
+of ranks: `moeadapt.parallel.sharded_io.load_sharded` asks it for boxes (`read(name, global_shape, slices)`, the
 shape of the `fill(name, global_shape, local_slices)` hook of the build path) and copies them into the shards.
 
 Both check names and shapes against the model first (`check(shapes)`, from headers / metadata only) and fail
@@ -67,6 +67,20 @@ class SafetensorsSource:
     def read(self, name: str, global_shape: tuple[int, ...], slices: Slices) -> torch.Tensor | None:
         return self.loader.read_slice(name, slices)
 
+    def as_fill(self, fallback=None):
+        """This source as a `fill(name, global_shape, local_slices) -> tensor` for the build path's per-shard
+        fill: checkpoint tensors are read, the rest (LoRA adapters, router counters, tensors absent by design
+        with no stated init) come from `fallback` (e.g. the initialising fill). Call `check` first."""
+        def fill(name: str, global_shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
+            t = self.read(name, global_shape, sl) if self.loader.rule(name) is not None else None
+            if t is None:
+                if fallback is None:
+                    raise OnboardError(f"{name} is not in {self.path} and no fallback fill was given")
+                return fallback(name, global_shape, sl)
+            return t
+
+        return fill
+
     def fill(self, items: list[tuple[str, tuple[int, ...], Slices, torch.Tensor]]) -> None:
         """Copy each box into its destination (a rank's local shard), one tensor at a time."""
         for name, shape, sl, dst in items:
@@ -102,6 +116,17 @@ class DCPSource:
         if bad:
             raise OnboardError(f"init_from {self.path}: shape mismatch: {'; '.join(bad[:6])}; the checkpoint "
                                "belongs to another model config")
+
+    def as_fill(self, fallback=None):
+        """As `SafetensorsSource.as_fill` (one small DCP read per tensor)."""
+        def fill(name: str, global_shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
+            if f"model.{name}" in self.meta.state_dict_metadata:
+                return self.read(name, global_shape, sl)
+            if fallback is None:
+                raise OnboardError(f"{name} is not in {self.path} and no fallback fill was given")
+            return fallback(name, global_shape, sl)
+
+        return fill
 
     def read(self, name: str, global_shape: tuple[int, ...], slices: Slices) -> torch.Tensor:
         box = torch.empty([s.stop - s.start for s in slices],

@@ -3,7 +3,7 @@
 Owns: `DistributedRun` — joins the process group, builds the meshes from `cfg.parallel`, parallelizes the
 model, reduces the logged loss, agrees on skipping a non-finite step, clips gradients over both meshes,
 all-reduces router counts, saves / loads DCP checkpoints, loads `init_from` and exports the model shard by
-shard (parallel/shards.py: no rank ever holds the whole model), and gathers the LoRA adapters onto rank 0. The trainer keeps the loop and talks to this object only through
+shard (parallel/sharded_io.py: no rank ever holds the whole model), and gathers the LoRA adapters onto rank 0. The trainer keeps the loop and talks to this object only through
 the methods `train.local.LocalRun` (the single-process run) has too.
 """
 
@@ -17,7 +17,7 @@ from ..config import RunConfig
 from .checkpoint import load_distributed, save_distributed
 from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
-from .shards import export_sharded, gather_adapters, load_sharded
+from .sharded_io import export_sharded, gather_adapters, load_sharded
 
 
 class DistributedRun:

@@ -45,7 +45,7 @@ class LocalRun:
         return load_model(path, model)
 
     def export_model(self, model: nn.Module, path, config: dict) -> None:
-        from ..parallel.shards import export_sharded
+        from ..parallel.sharded_io import export_sharded
 
         export_sharded(model, path, config)
 

@@ -68,9 +68,9 @@ def pick_device(name: str) -> torch.device:
 
 def load_model(model_dir: str | Path, model: HybridMoEModel) -> dict:
     """Weights from a model directory (ours or Hugging Face: one file or indexed shards, FP8 dequantised) or a
-    full-training DCP checkpoint, tensor by tensor (the single-process case of `parallel.shards.load_sharded`)."""
+    full-training DCP checkpoint, tensor by tensor (the single-process case of `parallel.sharded_io.load_sharded`)."""
     from ..onboard.sources import open_source
-    from ..parallel.shards import load_sharded
+    from ..parallel.sharded_io import load_sharded
 
     return load_sharded(model, open_source(model_dir))
 
