@@ -25,6 +25,8 @@ from .families import OnboardError
 from .loader import Slices, StreamingLoader
 from .names import build_rules
 
+BLOCK_BYTES = 64 * 2**20
+
 
 def _is_adapter(name: str) -> bool:
     return ".lora_A" in name or ".lora_B" in name
@@ -82,11 +84,20 @@ class SafetensorsSource:
         return fill
 
     def fill(self, items: list[tuple[str, tuple[int, ...], Slices, torch.Tensor]]) -> None:
-        """Copy each box into its destination (a rank's local shard), one tensor at a time."""
+        """Copy each box into its destination (a rank's local shard), in blocks of dim-0 rows of at most
+        BLOCK_BYTES (one expert at least): the memory a load needs beyond the shards is one block."""
         for name, shape, sl, dst in items:
-            t = self.read(name, shape, sl)
-            if t is not None:
-                dst.copy_(t.reshape(dst.shape))
+            if dst.numel() == 0:
+                continue
+            rows = sl[0].stop - sl[0].start
+            per_row = max(1, dst[0].numel() * 4)  # fp32: what a dequantised FP8 block takes
+            step = max(1, min(rows, BLOCK_BYTES // per_row))
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                t = self.read(name, shape, (slice(sl[0].start + a, sl[0].start + b), *sl[1:]))
+                if t is None:
+                    break
+                dst[a:b].copy_(t.reshape(dst[a:b].shape))
                 del t
         self.loader.close()
 
