@@ -142,14 +142,14 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
                        **peft_maps(cfg.train.init_from))
 
 
-def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
+def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, max_shard_gb: float = 5.0) -> Path:
     """Fold a PEFT adapter into the base weights and write a plain model directory. A model directory (ours or
     Hugging Face) is merged streaming, block by block into sharded safetensors (moeadapt/merge.py: no process
     holds the model; under torchrun the ranks share the tensors); a preset (random weights) in memory."""
     if Path(str(model)).is_dir():
         from .merge import merge_adapter_streaming
 
-        return merge_adapter_streaming(model, adapter, out)
+        return merge_adapter_streaming(model, adapter, out, max_shard_bytes=int(max_shard_gb * 1e9))
     m = load_model_dir(model, adapter)
     merge_lora(m)
     return save_model_dir(m, m.spec.model_dump(), out)

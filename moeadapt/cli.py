@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True)
     s.add_argument("--adapter", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file written")
     s = sub.add_parser("info", help="parameter counts of a preset or model directory (meta device)")
     s.add_argument("--model", required=True)
     s.add_argument("--json", action="store_true")
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-adapter":
             console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
         elif args.cmd == "merge-adapter":
-            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out)}")
+            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out, args.max_shard_gb)}")
         elif args.cmd == "info":
             c = api.info(args.model)
             print(json.dumps(c, indent=2)) if args.json else _print_info(c)

@@ -65,9 +65,9 @@ class DistributedRun:
 
         return load_sharded(model, open_source(path), self.dims)
 
-    def export_model(self, model: nn.Module, path, config: dict) -> None:
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
         """The trained model as sharded safetensors, each rank writing its own shards. Collective."""
-        export_sharded(model, path, config, self.dims)
+        export_sharded(model, path, config, self.dims, max_shard_bytes=max_shard_bytes)
 
     def adapter_copy(self, model: nn.Module) -> nn.Module | None:
         """On rank 0, a meta-built model holding the trained LoRA adapters (gathered: they are small) for

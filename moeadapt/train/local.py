@@ -44,10 +44,10 @@ class LocalRun:
 
         return load_model(path, model)
 
-    def export_model(self, model: nn.Module, path, config: dict) -> None:
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
         from ..parallel.sharded_io import export_sharded
 
-        export_sharded(model, path, config)
+        export_sharded(model, path, config, max_shard_bytes=max_shard_bytes)
 
     def adapter_copy(self, model: nn.Module) -> nn.Module:
         return model

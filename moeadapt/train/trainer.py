@@ -282,7 +282,8 @@ def _export(lp: Loop, out_dir: Path) -> None:
     Collective under torchrun."""
     cfg = lp.cfg
     if cfg.lora is None:
-        lp.run.export_model(lp.model, out_dir / "model", {"moeadapt": cfg.model.model_dump(mode="json")})
+        lp.run.export_model(lp.model, out_dir / "model", {"moeadapt": cfg.model.model_dump(mode="json")},
+                            int(cfg.train.export_shard_gb * 1e9))
         return
     plain = lp.run.adapter_copy(lp.model)  # None on ranks other than 0
     if plain is not None:
