@@ -1,7 +1,7 @@
 """Sharded loading of a big checkpoint: time to the first training step and peak host memory per rank.
 
 Each rank builds the model on meta, applies LoRA and FSDP2 (+ EP) on meta, allocates only its shards
-(`to_empty`), fills them from the checkpoint reading only its boxes (`moeadapt.parallel.shards.load_sharded`),
+(`to_empty`), fills them from the checkpoint reading only its boxes (`moeadapt.parallel.sharded_io.load_sharded`),
 then takes one LoRA training step. Per rank it reports: seconds from process start to the end of the load and
 to the end of the first step, checkpoint bytes read, its shard bytes, the peak resident memory (VmHWM) after
 the load and after the step, and the load's transient peak (VmHWM during the load above the resident set before
@@ -119,7 +119,7 @@ def run_rank(ckpt: Path, device: str, ep: int, seq: int, out_dir: Path | None) -
     from moeadapt.models.model import build_model
     from moeadapt.onboard.sources import open_source
     from moeadapt.parallel import build_parallel_dims, init_distributed, parallelize_model
-    from moeadapt.parallel.shards import load_sharded, local, model_regions
+    from moeadapt.parallel.sharded_io import load_sharded, local, model_regions
 
     dev = init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()

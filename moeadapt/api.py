@@ -239,12 +239,20 @@ def _check_out_dir(out: str | Path, what: str) -> None:
                          "path (it would be replaced)")
 
 
-def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, format: str = "moeadapt") -> Path:
+def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, format: str = "moeadapt",
+                  max_shard_gb: float = 5.0) -> Path:
     """Fold a PEFT adapter into the base weights and write a model directory: moeadapt's own format, or with
-    format="hf" the base Hugging Face checkpoint's own names, config and safetensors (transformers loads it)."""
+    format="hf" the base Hugging Face checkpoint's own names, config and safetensors (transformers loads it).
+    A model directory in our format is merged streaming, block by block into sharded safetensors
+    (moeadapt/merge.py: no process holds the model; under torchrun the ranks share the tensors); a preset
+    (random weights) in memory."""
     if format not in ("moeadapt", "hf"):
         raise ConfigError(f"format={format!r}; choose 'moeadapt' or 'hf'")
     _check_out_dir(out, "merge-adapter --out")
+    if format == "moeadapt" and Path(str(model)).is_dir():
+        from .merge import merge_adapter_streaming
+
+        return merge_adapter_streaming(model, adapter, out, max_shard_bytes=int(max_shard_gb * 1e9))
     m = load_model_dir(model, adapter)
     merge_lora(m)
     if format == "hf":

@@ -18,7 +18,7 @@ from moeadapt.merge import merge_adapter_streaming  # noqa: E402
 from moeadapt.models.model import build_model  # noqa: E402
 from moeadapt.onboard import onboard_model, peft_maps, read_family_dir  # noqa: E402
 from moeadapt.onboard.sources import open_source  # noqa: E402
-from moeadapt.parallel.shards import load_sharded  # noqa: E402
+from moeadapt.parallel.sharded_io import load_sharded  # noqa: E402
 
 
 def _adapted(ckpt: Path, adir: Path, seed: int):

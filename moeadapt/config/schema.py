@@ -263,7 +263,11 @@ class TrainSpec(_Strict):
     output_dir: str = "runs/run"
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    init_from: str | None = Field(default=None, description="a model directory (config.json + safetensors)")
+    init_from: str | None = Field(default=None, description="a model directory (config.json + safetensors, ours "
+                                  "or Hugging Face, one file or indexed shards) or a full-training DCP step_N "
+                                  "directory; every rank reads only its shards")
+    export_shard_gb: float = Field(default=5.0, gt=0, description="largest safetensors file of the exported "
+                                   "model/ (sharded as model-0000k-of-0000n.safetensors beyond it)")
     resume: bool = Field(default=False, description="resume from output_dir/checkpoints/latest")
     max_bad_steps: int = Field(default=5, gt=0, description="stop after this many steps in a row with a NaN/Inf "
                                "loss or gradient norm")

@@ -289,7 +289,7 @@ def load_into_model(model: torch.nn.Module, loader: StreamingLoader) -> dict:
 
 class HFLayout:
     """Our tensors written under the checkpoint's names, shapes and row order (the inverse of `read_slice`),
-    box by box: for `moeadapt.parallel.shards.export_sharded(layout=...)`. A stacked expert tensor becomes
+    box by box: for `moeadapt.parallel.sharded_io.export_sharded(layout=...)`. A stacked expert tensor becomes
     its E per-expert tensors, a RoPE-permuted weight has its rows put back, size-1 dims come back; tensors
     absent by design are not written. `src_shapes` (checkpoint name -> shape, `StreamingLoader.src_shapes`
     after `check()`) gives the checkpoint's shapes; without it our shapes are used."""

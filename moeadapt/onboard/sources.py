@@ -3,7 +3,7 @@
 Owns: `SafetensorsSource` (Hugging Face directories, single file or indexed shards, FP8 block-scaled weights,
 and our own model directories, through `StreamingLoader.read_slice`), `DCPSource` (torch.distributed.checkpoint
 directories written by a full-training run) and `open_source(path)`, which picks one. A source knows nothing
-of ranks: `moeadapt.parallel.shards.load_sharded` asks it for boxes (`read(name, global_shape, slices)`, the
+of ranks: `moeadapt.parallel.sharded_io.load_sharded` asks it for boxes (`read(name, global_shape, slices)`, the
 shape of the `fill(name, global_shape, local_slices)` hook of the build path) and copies them into the shards.
 
 Both check names and shapes against the model first (`check(shapes)`, from headers / metadata only) and fail
@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .families import OnboardError
 from .loader import Slices, StreamingLoader
 from .names import build_rules
+
+BLOCK_BYTES = 64 * 2**20
 
 
 def _is_adapter(name: str) -> bool:
@@ -57,7 +59,7 @@ class SafetensorsSource:
             raise OnboardError(f"init_from {self.path} ({self.fam.model_type}) does not match the model: the model "
                                f"has {_listed(unknown)} that the checkpoint's config does not, and lacks "
                                f"{_listed(lacking)}; use the model config the checkpoint was made with")
-        bad = [f"{n} is {tuple(shapes[n])} in the model but {rules[n].shape} in the checkpoint's config"
+        bad = [f"{n} has shape {tuple(shapes[n])} in the model but {rules[n].shape} in the checkpoint's config"
                for n in shapes if tuple(shapes[n]) != tuple(rules[n].shape)]
         if bad:
             raise OnboardError(f"init_from {self.path}: shape mismatch: {'; '.join(bad[:6])}; the checkpoint "
@@ -67,12 +69,35 @@ class SafetensorsSource:
     def read(self, name: str, global_shape: tuple[int, ...], slices: Slices) -> torch.Tensor | None:
         return self.loader.read_slice(name, slices)
 
+    def as_fill(self, fallback=None):
+        """This source as a `fill(name, global_shape, local_slices) -> tensor` for the build path's per-shard
+        fill: checkpoint tensors are read, the rest (LoRA adapters, router counters, tensors absent by design
+        with no stated init) come from `fallback` (e.g. the initialising fill). Call `check` first."""
+        def fill(name: str, global_shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
+            t = self.read(name, global_shape, sl) if self.loader.rule(name) is not None else None
+            if t is None:
+                if fallback is None:
+                    raise OnboardError(f"{name} is not in {self.path} and no fallback fill was given")
+                return fallback(name, global_shape, sl)
+            return t
+
+        return fill
+
     def fill(self, items: list[tuple[str, tuple[int, ...], Slices, torch.Tensor]]) -> None:
-        """Copy each box into its destination (a rank's local shard), one tensor at a time."""
+        """Copy each box into its destination (a rank's local shard), in blocks of dim-0 rows of at most
+        BLOCK_BYTES (one expert at least): the memory a load needs beyond the shards is one block."""
         for name, shape, sl, dst in items:
-            t = self.read(name, shape, sl)
-            if t is not None:
-                dst.copy_(t.reshape(dst.shape))
+            if dst.numel() == 0:
+                continue
+            rows = sl[0].stop - sl[0].start
+            per_row = max(1, dst[0].numel() * 4)  # fp32: what a dequantised FP8 block takes
+            step = max(1, min(rows, BLOCK_BYTES // per_row))
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                t = self.read(name, shape, (slice(sl[0].start + a, sl[0].start + b), *sl[1:]))
+                if t is None:
+                    break
+                dst[a:b].copy_(t.reshape(dst[a:b].shape))
                 del t
         self.loader.close()
 
@@ -82,7 +107,9 @@ class DCPSource:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = dcp.FileSystemReader(str(self.path))
+        from ..parallel.safe_dcp import SafeReader  # metadata as JSON: a checkpoint never unpickles
+
+        self.reader = SafeReader(str(self.path))
         self.meta = self.reader.read_metadata()
         self.bytes_read = 0
 
@@ -97,11 +124,22 @@ class DCPSource:
                     "or a model directory)" if missing and not base else "")
             raise OnboardError(f"init_from {self.path} (DCP) does not match the model: missing {_listed(missing)}, "
                                f"unexpected {_listed(extra)}{hint}")
-        bad = [f"{n} is {tuple(shapes[n])} in the model but {tuple(have[n].size)} in the checkpoint"
+        bad = [f"{n} has shape {tuple(shapes[n])} in the model but {tuple(have[n].size)} in the checkpoint"
                for n in shapes if isinstance(have[n], TensorStorageMetadata) and tuple(have[n].size) != tuple(shapes[n])]
         if bad:
             raise OnboardError(f"init_from {self.path}: shape mismatch: {'; '.join(bad[:6])}; the checkpoint "
                                "belongs to another model config")
+
+    def as_fill(self, fallback=None):
+        """As `SafetensorsSource.as_fill` (one small DCP read per tensor)."""
+        def fill(name: str, global_shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
+            if f"model.{name}" in self.meta.state_dict_metadata:
+                return self.read(name, global_shape, sl)
+            if fallback is None:
+                raise OnboardError(f"{name} is not in {self.path} and no fallback fill was given")
+            return fallback(name, global_shape, sl)
+
+        return fill
 
     def read(self, name: str, global_shape: tuple[int, ...], slices: Slices) -> torch.Tensor:
         box = torch.empty([s.stop - s.start for s in slices],
@@ -137,6 +175,13 @@ class _BoxPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index):
         return self.state_dict[index.fqn]
+
+
+def source_has(source, prefix: str) -> bool:
+    """Whether the checkpoint behind `source` holds any tensor whose (our) name starts with `prefix`."""
+    if isinstance(source, SafetensorsSource):
+        return any(r.ours.startswith(prefix) for r in source.loader.rules)
+    return any(n.startswith("model." + prefix) for n in source.meta.state_dict_metadata)
 
 
 def open_source(path: str | Path, allow_unmapped: bool = False) -> SafetensorsSource | DCPSource:

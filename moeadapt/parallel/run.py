@@ -2,8 +2,8 @@
 
 Owns: `DistributedRun` — joins the process group, builds the meshes from `cfg.parallel`, parallelizes the
 model, reduces the logged loss, agrees on skipping a non-finite step, clips gradients over both meshes,
-all-reduces router counts, saves / loads DCP checkpoints, and gathers the final model onto rank 0 as a
-plain (unsharded) model for the export. The trainer keeps the loop and talks to this object only through
+all-reduces router counts, saves / loads DCP checkpoints, loads `init_from` and exports the model shard by
+shard (parallel/sharded_io.py: no rank ever holds the whole model), and gathers the LoRA adapters onto rank 0. The trainer keeps the loop and talks to this object only through
 the methods `train.local.LocalRun` (the single-process run) has too.
 """
 
@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import RunConfig
-from .checkpoint import gather_full_state, load_distributed, save_distributed
+from .checkpoint import load_distributed, save_distributed
 from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
+from .sharded_io import export_sharded, gather_adapters, load_sharded
 
 
 class DistributedRun:
@@ -58,18 +59,28 @@ class DistributedRun:
     def load(self, path, model, opt, sched) -> tuple[int, dict]:
         return load_distributed(path, model, opt, sched, self.dims)
 
-    def unsharded_copy(self, model: nn.Module) -> nn.Module | None:
-        """A plain CPU model with the trained weights on rank 0 (None elsewhere), for the export. Collective."""
-        from ..lora import inject_lora
-        from ..models.model import build_model, materialize
+    def load_init(self, model: nn.Module, path) -> dict:
+        """`init_from` into the parallelized model: each rank reads only its shards. Collective."""
+        from ..onboard.sources import open_source
 
-        state = gather_full_state(model, self.dims)
+        return load_sharded(model, open_source(path), self.dims)
+
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
+        """The trained model as sharded safetensors, each rank writing its own shards. Collective."""
+        export_sharded(model, path, config, self.dims, max_shard_bytes=max_shard_bytes)
+
+    def adapter_copy(self, model: nn.Module) -> nn.Module | None:
+        """On rank 0, a meta-built model holding the trained LoRA adapters (gathered: they are small) for
+        `export_peft`; None elsewhere. The base weights are never gathered. Collective."""
+        from ..lora import inject_lora
+        from ..models.model import build_model
+
+        state = gather_adapters(model, self.dims)
         if state is None:
             return None
-        plain = materialize(build_model(self.cfg.model, "meta"), "cpu", seed=self.cfg.train.seed)
-        if self.cfg.lora is not None:
-            inject_lora(plain, self.cfg.lora)
-        plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+        plain = build_model(self.cfg.model, "meta")
+        inject_lora(plain, self.cfg.lora)
+        plain.load_state_dict(state, strict=False, assign=True)
         return plain
 
     def finish(self) -> None:

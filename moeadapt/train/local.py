@@ -44,7 +44,17 @@ class LocalRun:
     def load(self, path, model, opt, sched) -> tuple[int, dict]:
         return load_checkpoint(path, model, opt, sched)
 
-    def unsharded_copy(self, model: nn.Module) -> nn.Module:
+    def load_init(self, model: nn.Module, path) -> dict:
+        from .trainer import load_model
+
+        return load_model(path, model)
+
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
+        from ..parallel.sharded_io import export_sharded
+
+        export_sharded(model, path, config, max_shard_bytes=max_shard_bytes)
+
+    def adapter_copy(self, model: nn.Module) -> nn.Module:
         return model
 
     def finish(self) -> None:

@@ -1,7 +1,7 @@
 """The training loop: one file a reader can follow from data to optimizer step.
 
-`train(cfg)` sets a run up (model built on meta and materialised, `init_from` loaded, LoRA injected when
-cfg.lora is set, parallelized, AdamW + warmup/cosine, resume), evaluates, calls `fit`, evaluates again and
+`train(cfg)` sets a run up (model built on meta and materialised, LoRA injected when cfg.lora is set,
+parallelized, `init_from` read shard by shard into it, AdamW + warmup/cosine, resume), evaluates, calls `fit`, evaluates again and
 writes the results: `model/` (full training) or `adapter/` (PEFT, LoRA runs), `metrics.jsonl`,
 `report.png`, `summary.json`. `fit` is the loop; `train_step` is one optimizer step (grad accumulation,
 bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, router-bias update).
@@ -35,7 +35,7 @@ from ..config import RunConfig
 from ..data.dataset import Sampler, build_datasets
 from ..data.multimodal import MultimodalDataset, MultimodalSampler, build_mm_datasets
 from ..data.tokenizer import get_tokenizer
-from ..io import atomic_write_text, load_state_into, load_tensors, save_model_dir
+from ..io import atomic_write_text
 from ..lora import cast_frozen_, export_peft, inject_lora
 from ..models.model import HybridMoEModel, build_model, checkpoint_tensors, materialize
 from ..models.router import Router, update_expert_bias
@@ -77,30 +77,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(model_dir: str | Path, model: HybridMoEModel) -> None:
-    """Weights from a moeadapt model directory, or (streamed and name-mapped) from a Hugging Face one."""
-    p = Path(model_dir)
-    cfg_file = p / "config.json"
-    if cfg_file.is_file() and "moeadapt" not in json.loads(cfg_file.read_text()):
-        from ..onboard import load_weights
+def load_model(model_dir: str | Path, model: HybridMoEModel) -> dict:
+    """Weights from a model directory (ours or Hugging Face: one file or indexed shards, FP8 dequantised) or a
+    full-training DCP checkpoint, tensor by tensor (the single-process case of `parallel.sharded_io.load_sharded`)."""
+    from ..onboard.sources import open_source, source_has
+    from ..parallel.sharded_io import load_sharded
 
-        load_weights(p, model)
-        return
-    f = p / "model.safetensors"
-    if not f.is_file():
-        raise FileNotFoundError(f"{p} holds no model.safetensors; give a directory written by `moeadapt train`")
-    state = load_tensors(f)
+    source = open_source(model_dir)
     # a text model's weights into a vision-language model: the vision tower keeps its fresh initialisation
-    fresh_vision = getattr(model, "vision", None) is not None and not any(k.startswith("vision.") for k in state)
-    load_state_into(model, {k: v.to(model.embed.weight.dtype) if v.is_floating_point() and "expert_bias" not in k
-                            else v for k, v in state.items()}, str(f), allow_missing=("vision.",) if fresh_vision else ())
+    skip = ("vision.",) if getattr(model, "vision", None) is not None and not source_has(source, "vision.") else ()
+    return load_sharded(model, source, skip_prefixes=skip)
 
 
 def prepare_model(cfg: RunConfig, device: torch.device) -> HybridMoEModel:
     model = build_model(cfg.model, "meta")
     materialize(model, device, seed=cfg.train.seed)
-    if cfg.train.init_from:
-        load_model(cfg.train.init_from, model)
     if cfg.lora is not None:
         inject_lora(model, cfg.lora)
         if device.type == "cuda":  # frozen BF16 backbone, fp32 adapters
@@ -433,23 +424,24 @@ def _final_eval(lp: Loop, step: int, when: str) -> tuple[float, dict | None]:
 
 
 def _export(lp: Loop, out_dir: Path) -> None:
-    """model/ or adapter/ from the trained weights (written by rank 0 only; collective under torchrun)."""
+    """model/ (sharded safetensors, every rank writing its shards) or adapter/ (gathered, written by rank 0).
+    Collective under torchrun."""
     cfg = lp.cfg
     if not _weights_finite(lp):
         raise TrainingError("the trained weights hold NaN/Inf; not exporting them. Lower train.lr and resume from "
                             "the last good checkpoint with train.resume=true")
-    plain = lp.run.unsharded_copy(lp.model)  # None on ranks other than 0
-    if plain is None:
+    if cfg.lora is None:
+        lp.run.export_model(lp.model, out_dir / "model", {"moeadapt": cfg.model.model_dump(mode="json")},
+                            int(cfg.train.export_shard_gb * 1e9))
         return
-    if cfg.lora is not None:
+    plain = lp.run.adapter_copy(lp.model)  # None on ranks other than 0
+    if plain is not None:
         from ..onboard import peft_maps  # checkpoint names / row order for a Hugging Face init_from
 
         fresh_base = out_dir / "base"  # a vision-language run whose tower started fresh (see _save_fresh_vision_base)
         base = str(fresh_base) if fresh_base.is_dir() else (cfg.train.init_from or cfg.model.name)
         export_peft(plain, cfg.lora, out_dir / "adapter", base_model=base,
                     **peft_maps(cfg.train.init_from))
-    else:
-        save_model_dir(plain, cfg.model.model_dump(), out_dir / "model")
 
 
 def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
@@ -480,6 +472,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fpt, n_total = flops_per_token(model, cfg), count_parameters(model, cfg.model)["total"]
     run.parallelize(model)  # shards parameters: count them (above) before
+    if t.init_from:  # after parallelize: each rank reads only the shards it holds (the LoRA base included)
+        run.load_init(model, t.init_from)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from moeadapt.models.model import build_model, materialize
 from moeadapt.onboard import OnboardError, onboard_model
 from moeadapt.onboard.sources import open_source
-from moeadapt.parallel.shards import load_sharded
+from moeadapt.parallel.sharded_io import load_sharded
 
 
 def _boxes(shape, rng, n=3):
@@ -104,7 +104,7 @@ def test_fp8_boxes_dequantise_with_their_blocks(dsv3_dir, tmp_path, seed):
 
 
 def test_sharded_load_of_our_own_directory(qwen_dir, tmp_path):
-    from moeadapt.parallel.shards import export_sharded
+    from moeadapt.parallel.sharded_io import export_sharded
 
     ref, _ = onboard_model(qwen_dir, dtype=torch.float32)
     out = export_sharded(ref, tmp_path / "ours", {"moeadapt": ref.spec.model_dump(mode="json")},
@@ -123,7 +123,7 @@ def test_wrong_model_or_checkpoint_fails_before_reading(qwen_dir, tmp_path):
     other = ModelSpec(**{**spec.model_dump(), "moe_intermediate_size": spec.moe_intermediate_size * 2})
     m = build_model(other, "meta").to_empty(device="cpu")
     src = open_source(qwen_dir)
-    with pytest.raises(OnboardError, match=r"mismatch: layers\.0\.ffn\.experts\.w1\.weight is \(4, 32, 32\) in the mod"):
+    with pytest.raises(OnboardError, match=r"mismatch: layers\.0\.ffn\.experts\.w1\.weight has shape \(4, 32, 32\) in the m"):
         load_sharded(m, src)
     assert src.bytes_read == 0
     fewer = ModelSpec(**{**spec.model_dump(), "n_layers": 1, "layer_types": spec.layer_types[:1]})
@@ -139,3 +139,44 @@ def test_wrong_model_or_checkpoint_fails_before_reading(qwen_dir, tmp_path):
         load_sharded(build_model(spec, "meta").to_empty(device="cpu"), open_source(tmp_path / "bad"))
     with pytest.raises(OnboardError, match="neither a model directory"):
         open_source(tmp_path)
+
+
+def test_source_as_a_build_path_fill(qwen_dir):
+    """`as_fill`: checkpoint tensors from the checkpoint, adapters and counters from the fallback fill."""
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import inject_lora
+
+    ref, _ = onboard_model(qwen_dir, dtype=torch.float32)
+    m = build_model(ref.spec, "meta")
+    inject_lora(m, LoRASpec(rank=2, targets=["attn.q_proj"]))
+    m.to_empty(device="cpu")
+    src = open_source(qwen_dir)
+    src.check({k: tuple(v.shape) for k, v in ref.state_dict().items() if not k.endswith("tokens_per_expert")})
+    asked = []
+
+    def fallback(name, shape, sl):
+        asked.append(name)
+        return torch.full([s.stop - s.start for s in sl], 0.5)
+
+    fill = src.as_fill(fallback)
+    with torch.no_grad():
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            t.copy_(fill(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape)))
+    want = ref.state_dict()
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in want.items() if not k.endswith("tokens_per_expert"))
+    assert asked and all(".lora_" in n or n.endswith("tokens_per_expert") for n in asked), asked
+    with pytest.raises(OnboardError, match="no fallback fill"):
+        src.as_fill()("layers.0.attn.q_proj.lora_A.weight", (2, 32), (slice(0, 2), slice(0, 32)))
+
+
+def test_fill_in_small_row_blocks_is_exact(dsv3_dir, monkeypatch):
+    """The load copies each shard in dim-0 blocks (RoPE-permuted rows and stacked experts split across blocks)."""
+    from moeadapt.onboard import sources
+
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 200)  # a few rows (or one expert) per block
+    ref, _ = onboard_model(dsv3_dir, dtype=torch.float32)
+    m = build_model(ref.spec, "meta").to_empty(device="cpu")
+    src = open_source(dsv3_dir)
+    load_sharded(m, src)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert len(src.loader.reads) > 2 * len(src.loader.index)  # many blocks were read

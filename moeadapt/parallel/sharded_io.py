@@ -100,12 +100,14 @@ def _agree(err: BaseException | None, what: str) -> None:
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, source, dims: ParallelDims | None = None) -> dict:
+def load_sharded(model: nn.Module, source, dims: ParallelDims | None = None,
+                 skip_prefixes: tuple[str, ...] = ()) -> dict:
     """Fill every local box of `model` (materialised or `to_empty`-ed, parallelized or not) from `source`
     (`moeadapt.onboard.sources.open_source(path)`). Checks names and shapes on every rank before reading;
-    LoRA adapters are left as they are, router token counters are zeroed. Returns
-    {"tensors", "bytes_read", "local_bytes"} for this rank."""
-    regs = model_regions(model, dims)
+    LoRA adapters are left as they are, router token counters are zeroed; tensors named with one of
+    `skip_prefixes` keep what they hold (a text checkpoint loaded into a vision-language model: the fresh
+    vision tower). Returns {"tensors", "bytes_read", "local_bytes"} for this rank."""
+    regs = {n: v for n, v in model_regions(model, dims).items() if not n.startswith(skip_prefixes)}
     err = None
     try:
         source.check({n: r.global_shape for n, (_, r) in regs.items()})
