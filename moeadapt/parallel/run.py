@@ -1,7 +1,7 @@
 """What the trainer needs from parallel/ when launched by torchrun: one object, one call per hook.
 
 Owns: `DistributedRun` — joins the process group, builds the meshes from `cfg.parallel`, parallelizes the
-model, reduces the logged loss, agrees on skipping a non-finite step, clips gradients over both meshes,
+model, reduces the logged loss and counts, agrees on skipping a non-finite step, clips gradients over both meshes,
 all-reduces router counts, saves / loads DCP checkpoints, and gathers the final model onto rank 0 as a
 plain (unsharded) model for the export. The trainer keeps the loop and talks to this object only through
 the methods `train.local.LocalRun` (the single-process run) has too.
@@ -42,6 +42,12 @@ class DistributedRun:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t) / self.world
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (token counts, eval loss sums). Collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""
