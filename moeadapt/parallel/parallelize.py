@@ -31,7 +31,8 @@ from .mesh import ParallelDims
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
-    """In place; call after materialising (and LoRA injection), before building the optimizer."""
+    """In place; call after LoRA injection and before building the optimizer: on the meta-built model (the
+    scale-true build, train/build.py: then `to_empty` + parallel.shards.fill_shards) or on a materialised one."""
     spec = dims.spec
     for m in model.modules():  # the global-batch aux loss counts every rank's tokens
         if isinstance(m, Router) and hasattr(m, "global_counts_reduce"):

@@ -17,7 +17,7 @@ from ..config import RunConfig
 from .checkpoint import load_distributed, save_distributed
 from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
-from .sharded_io import export_sharded, gather_adapters, load_sharded
+from .sharded_io import export_sharded, gather_adapters, load_init_from
 
 
 class DistributedRun:
@@ -44,6 +44,12 @@ class DistributedRun:
         dist.all_reduce(t)
         return float(t) / self.world
 
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (token counts, eval loss sums). Collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""
         ok = torch.tensor([1.0 if bool(torch.isfinite(loss)) else 0.0], device=self.device)
@@ -61,9 +67,7 @@ class DistributedRun:
 
     def load_init(self, model: nn.Module, path) -> dict:
         """`init_from` into the parallelized model: each rank reads only its shards. Collective."""
-        from ..onboard.sources import open_source
-
-        return load_sharded(model, open_source(path), self.dims)
+        return load_init_from(model, path, self.dims)
 
     def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
         """The trained model as sharded safetensors, each rank writing its own shards. Collective."""

@@ -128,6 +128,16 @@ def load_sharded(model: nn.Module, source, dims: ParallelDims | None = None,
             "local_bytes": sum(d.numel() * d.element_size() for *_, d in items)}
 
 
+def load_init_from(model: nn.Module, path, dims: ParallelDims | None = None) -> dict:
+    """`init_from` (any checkpoint `open_source` reads) into the built model's local shards. A text checkpoint
+    loaded into a vision-language model leaves the (freshly initialised) vision tower as it is."""
+    from ..onboard.sources import open_source, source_has
+
+    source = open_source(path)
+    fresh_vision = getattr(model, "vision", None) is not None and not source_has(source, "vision.")
+    return load_sharded(model, source, dims, skip_prefixes=("vision.",) if fresh_vision else ())
+
+
 # -- export ---------------------------------------------------------------------------------------------------
 class IdentityLayout:
     """Our names and shapes, unchanged (a moeadapt model directory)."""

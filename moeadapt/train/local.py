@@ -1,7 +1,8 @@
 """The single-process run: the same methods as `parallel.run.DistributedRun`, each the one-rank case.
 
 The trainer calls one of these objects at every point where a distributed run talks to other ranks
-(parallelize, loss mean, agreeing to skip a step, gradient clipping, router counts, checkpoints, export),
+(parallelize, loss mean, sums of logged counts, agreeing to skip a step, gradient clipping, router counts,
+checkpoints, export),
 so the loop itself has no single- / multi-process branches. Must not know about ranks or meshes.
 """
 
@@ -32,6 +33,9 @@ class LocalRun:
     def mean(self, value: float) -> float:
         return value
 
+    def sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
     def all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(loss))
 
@@ -45,7 +49,7 @@ class LocalRun:
         return load_checkpoint(path, model, opt, sched)
 
     def load_init(self, model: nn.Module, path) -> dict:
-        from .trainer import load_model
+        from .build import load_model
 
         return load_model(path, model)
 

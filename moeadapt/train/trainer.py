@@ -1,7 +1,8 @@
 """The training loop: one file a reader can follow from data to optimizer step.
 
-`train(cfg)` sets a run up (model built on meta and materialised, LoRA injected when cfg.lora is set,
-parallelized, `init_from` read shard by shard into it, AdamW + warmup/cosine, resume), evaluates, calls `fit`, evaluates again and
+`train(cfg)` sets a run up (model built on meta with LoRA when cfg.lora is set, parallelized on meta, each
+rank's shards allocated and filled from the seeded init, then `init_from` read shard by shard into them:
+build.py; AdamW + warmup/cosine, resume), evaluates, calls `fit`, evaluates again and
 writes the results: `model/` (full training) or `adapter/` (PEFT, LoRA runs), `metrics.jsonl`,
 `report.png`, `summary.json`. `fit` is the loop; `train_step` is one optimizer step (grad accumulation,
 bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, router-bias update).
@@ -36,12 +37,13 @@ from ..data.dataset import Sampler, build_datasets
 from ..data.multimodal import MultimodalDataset, MultimodalSampler, build_mm_datasets
 from ..data.tokenizer import get_tokenizer
 from ..io import atomic_write_text
-from ..lora import cast_frozen_, export_peft, inject_lora
-from ..models.model import HybridMoEModel, build_model, checkpoint_tensors, materialize
+from ..lora import export_peft
+from ..models.model import HybridMoEModel, checkpoint_tensors
 from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..models.vision import ImageBatch
 from ..ui import make_console
+from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
@@ -77,29 +79,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(model_dir: str | Path, model: HybridMoEModel) -> dict:
-    """Weights from a model directory (ours or Hugging Face: one file or indexed shards, FP8 dequantised) or a
-    full-training DCP checkpoint, tensor by tensor (the single-process case of `parallel.sharded_io.load_sharded`)."""
-    from ..onboard.sources import open_source, source_has
-    from ..parallel.sharded_io import load_sharded
-
-    source = open_source(model_dir)
-    # a text model's weights into a vision-language model: the vision tower keeps its fresh initialisation
-    skip = ("vision.",) if getattr(model, "vision", None) is not None and not source_has(source, "vision.") else ()
-    return load_sharded(model, source, skip_prefixes=skip)
-
-
-def prepare_model(cfg: RunConfig, device: torch.device) -> HybridMoEModel:
-    model = build_model(cfg.model, "meta")
-    materialize(model, device, seed=cfg.train.seed)
-    if cfg.lora is not None:
-        inject_lora(model, cfg.lora)
-        if device.type == "cuda":  # frozen BF16 backbone, fp32 adapters
-            cast_frozen_(model, torch.bfloat16)
-    model.set_backend(cfg.train.kernel_backend)
-    return model
-
-
 def _autocast(device: torch.device, dtype: str):
     if device.type == "cuda" and dtype in ("auto", "bf16"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -107,22 +86,30 @@ def _autocast(device: torch.device, dtype: str):
 
 
 @torch.no_grad()
-def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None) -> float:
+def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, run=None) -> float:
+    """Mean loss per target token over the first `n_batches` (default eval_batches) micro-batches of every
+    rank: rank r takes batches r, r + world, ... and the sums are added over ranks. Every rank runs the same
+    number of forwards (FSDP and EP forwards are collective): one past the end repeats batch 0 at weight 0.
+    A multimodal eval set is evaluated by `evaluate_vl` (train/vl.py)."""
     if isinstance(ds, MultimodalDataset):
         return evaluate_vl(model, ds, cfg.train.micro_batch_size, device, n_batches or cfg.train.eval_batches,
                            lambda: _autocast(device, cfg.train.dtype))["loss"]
+    world, rank = (run.world, run.rank) if run is not None else (1, 0)
     model.eval()
     bs = cfg.train.micro_batch_size
-    n = min(len(ds), (n_batches or cfg.train.eval_batches) * bs)
+    nb = min(-(-len(ds) // bs), (n_batches or cfg.train.eval_batches) * world)
     tot, cnt = 0.0, 0
-    for i in range(0, n, bs):
+    for b in range(rank, -(-nb // world) * world, world):
+        i = b * bs if b < nb else 0
         x, y = ds.inputs[i:i + bs].to(device), ds.labels[i:i + bs].to(device)
         with _autocast(device, cfg.train.dtype):
             out = model(x, y, return_logits=False)
-        k = int((y != -100).sum())
+        k = int((y != -100).sum()) if b < nb else 0
         if k:
             tot += float(out.loss) * k
             cnt += k
+    if run is not None:
+        tot, cnt = run.sum([tot, cnt])
     model.train()
     return tot / max(cnt, 1)
 
@@ -242,7 +229,7 @@ def train_step(lp: Loop) -> StepStats:
         for m in out.moe:  # counts stay on the device: read back only on log steps
             st.counts[m["layer"]] = st.counts.get(m["layer"], 0) + m["counts"].float()
             st.drops[m["layer"]] = st.drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
-        st.tokens += x.numel() * run.world
+        st.tokens += x.numel()  # this rank's; summed over ranks when logged
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
     if not bool(torch.isfinite(st.grad_norm)):  # the same global value on every rank
         _discard_step(lp)
@@ -313,11 +300,12 @@ def fit(lp: Loop, start: int) -> tuple[float, float]:
             tok_log += st.tokens
             progress.update(task, advance=1, info=f"loss {st.loss:.3f}")
             if (step + 1) % t.log_every == 0 or step == t.steps - 1 or step == start:
-                _log_train(lp, step + 1, st, tok_log / max(time.perf_counter() - t_log, 1e-9), progress)
+                tok_all = lp.run.sum([tok_log])[0]  # the tokens every rank processed, counted
+                _log_train(lp, step + 1, st, tok_all / max(time.perf_counter() - t_log, 1e-9), progress)
                 t_log, tok_log = time.perf_counter(), 0
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                 lp.logger.log({"kind": "eval", "step": step + 1,
-                               "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device)})
+                               "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)})
             if t.save_every and (step + 1) % t.save_every == 0:
                 _save(lp, ckpt_root, step + 1)
     lp.step = t.steps
@@ -332,6 +320,11 @@ def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progres
         rec["mfu"] = tps * lp.flops_per_token / peak / lp.run.world  # tps counts every rank; MFU is per GPU
     if device.type == "cuda":
         rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if lp.run.counts_reduce is not None and st.counts:  # every rank's tokens: the load of the whole step
+        for layer in sorted(st.counts):
+            lp.run.counts_reduce(st.counts[layer])
+        drops = lp.run.sum([float(st.drops[k]) for k in sorted(st.drops)])
+        st.drops = {k: v / lp.run.world for k, v in zip(sorted(st.drops), drops)}
     rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": float(st.drops[layer]),
                    # raw per-expert counts for `moeadapt simulate-routing` (small models only)
                    **({"counts": [int(x) for x in c.tolist()]} if c.numel() <= 1024 else {})}
@@ -415,7 +408,7 @@ def _final_eval(lp: Loop, step: int, when: str) -> tuple[float, dict | None]:
         loss, acc = r["loss"], {"accuracy": r["accuracy"], **r.get("by_question", {})}
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss, "eval_accuracy": r["accuracy"]})
     else:
-        loss = evaluate(lp.model, lp.eval_ds, cfg, device)
+        loss = evaluate(lp.model, lp.eval_ds, cfg, device, run=lp.run)
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss})
     if not lp.quiet:
         extra = "" if acc is None else "  answer accuracy " + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
@@ -466,14 +459,12 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                           f"first: {train_ds.skipped[0]}")
     else:
         train_ds, eval_ds = build_datasets(cfg.data, tok, t.seq_len, t.seed)
-    model = prepare_model(cfg, run.device)
-    if vl and run.is_main:
-        _save_fresh_vision_base(cfg, model, out_dir)
+    model = build_meta(cfg, run.device)  # counted on meta, before it is sharded
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fpt, n_total = flops_per_token(model, cfg), count_parameters(model, cfg.model)["total"]
-    run.parallelize(model)  # shards parameters: count them (above) before
-    if t.init_from:  # after parallelize: each rank reads only the shards it holds (the LoRA base included)
-        run.load_init(model, t.init_from)
+    materialize_shards(model, cfg, run)  # parallelize on meta, allocate and fill this rank's shards, init_from
+    if vl and run.is_main:
+        _save_fresh_vision_base(cfg, model, out_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
@@ -523,7 +514,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
 
     eval_after, acc_after = _final_eval(lp, t.steps, "after")
     lp.logger.close()
-    tps = lp.tokens_done / max(elapsed, 1e-9)
+    tps = run.sum([lp.tokens_done])[0] / max(elapsed, 1e-9)
     _export(lp, out_dir)
     if run.is_main:
         plot_report(lp.logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
