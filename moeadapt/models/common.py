@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.cp_comm import predecessor_tails
 from ..ops.moe import swiglu_pair
 
 
@@ -112,17 +113,27 @@ class SwiGLU(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]."""
+    """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C].
+
+    Under context parallelism (`cp`, an ops.cp_comm.CPLayout set by parallel/), x holds this rank's pieces of
+    the sequence and each piece starts from the previous piece's last k - 1 inputs instead of zeros."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.cp = None
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        T = x_BTC.shape[1]
-        y = F.conv1d(x_BTC.transpose(1, 2), self.weight.to(x_BTC.dtype), padding=self.kernel - 1,
-                     groups=x_BTC.shape[-1])
+        B, T, C = x_BTC.shape
+        w = self.weight.to(x_BTC.dtype)
+        if self.cp is not None and self.kernel > 1:
+            J = self.cp.pieces_per_rank
+            tails_JBNC = predecessor_tails(x_BTC, self.kernel - 1, self.cp)
+            x_JBTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2)
+            y = F.conv1d(x_JBTC.flatten(0, 1).transpose(1, 2), w, groups=C)  # [J*B, C, T/J]
+            return F.silu(y.transpose(1, 2).unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
+        y = F.conv1d(x_BTC.transpose(1, 2), w, padding=self.kernel - 1, groups=C)
         return F.silu(y[..., :T].transpose(1, 2))
 
     def reset_parameters(self) -> None:

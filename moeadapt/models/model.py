@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,6 +77,7 @@ class HybridMoEModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.cp = None  # an ops.cp_comm.CPLayout, set by `set_context_parallel`
 
     def set_backend(self, backend: str) -> None:
         """Kernel backend for every op ("auto", "reference", "triton")."""
@@ -108,14 +110,16 @@ class HybridMoEModel(nn.Module):
         see all their tokens in one grouped GEMM, while the loss is the mean of the M per-micro-batch means
         (what gradient accumulation over them would optimise)."""
         B, T = input_ids.shape
+        cp = self.cp  # under context parallelism input_ids / labels are this rank's pieces of each sequence
+        T_seq = T * cp.size if cp is not None else T
         if B % micro_batches:
             raise ValueError(f"batch of {B} rows does not split into micro_batches={micro_batches}")
-        if T > self.spec.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
+        if T_seq > self.spec.max_position_embeddings:
+            raise ValueError(f"sequence length {T_seq} exceeds max_position_embeddings="
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(torch.arange(T, device=input_ids.device), self.spec.qk_rope_head_dim,
-                                self.spec.rope_theta, self.spec.rope_scaling)
+        pos = cp.local_positions(T_seq, input_ids.device) if cp is not None else torch.arange(T, device=x.device)
+        cos, sin = rope_cos_sin(pos, self.spec.qk_rope_head_dim, self.spec.rope_theta, self.spec.rope_scaling)
         aux_total = x.new_zeros((), dtype=torch.float32)
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []
@@ -133,9 +137,27 @@ class HybridMoEModel(nn.Module):
             per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
                                       ignore_index=-100, reduction="none").view(micro_batches, -1)
             valid = (labels.reshape(micro_batches, -1) != -100).float()
-            loss = ((per_tok * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
+            count = valid.sum(1)
+            if cp is not None:  # the mean over every token of the sequence, whichever cp rank holds it
+                count = count.detach().clone()
+                dist.all_reduce(count, group=cp.group)
+            loss = ((per_tok * valid).sum(1) / count.clamp(min=1)).mean()
+            if cp is not None:  # this rank's share x cp: the mean over all ranks' losses is the global loss
+                loss = loss * cp.size
         aux_log = {k: float(v) for k, v in aux_log.items()}  # one device sync per aux loss, not per layer
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
+
+
+def set_context_parallel(model: nn.Module, layout) -> None:
+    """Split every sequence over the cp group of `layout` (an ops.cp_comm.CPLayout, or None to undo): the
+    model then takes each rank's pieces of the sequence (`layout.split(input_ids)`), KDA passes its state
+    and conv tails across ranks, DSA gathers the key side, and the loss is token-weighted over the group."""
+    if layout is not None and any(isinstance(m, GQAAttention) for m in model.modules()):
+        raise ValueError("context parallelism covers KDA and DSA layers; this model has GQA layers "
+                         "(an onboarded family): set parallel.cp: 1")
+    for m in model.modules():
+        if isinstance(m, (HybridMoEModel, KDAAttention, DSAAttention, CausalConv1d)):
+            m.cp = layout
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridMoEModel:
