@@ -253,6 +253,15 @@ class ParallelSpec(_Strict):
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp
 
+    def validate_seq_len(self, seq_len: int) -> None:
+        """Under cp every sequence is cut into 2 * cp equal pieces (rank r holds pieces r and 2cp-1-r)."""
+        n = 2 * self.cp
+        if self.cp > 1 and seq_len % n:
+            lo, hi = seq_len // n * n, -(-seq_len // n) * n
+            raise ValueError(f"train.seq_len={seq_len} does not split over cp={self.cp} into {n} equal pieces "
+                             f"(each cp rank holds a head and a tail piece); use a multiple of {n}, e.g. "
+                             f"{lo or n} or {hi}")
+
     def validate_for(self, model: ModelSpec, world_size: int | None = None) -> None:
         """Check the degrees against a model and (optionally) the launched world size."""
         e = model.n_routed_experts
@@ -284,4 +293,5 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         self.parallel.validate_for(self.model)
+        self.parallel.validate_seq_len(self.train.seq_len)
         return self

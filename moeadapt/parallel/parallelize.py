@@ -5,8 +5,8 @@ Owns: `parallelize_model` (order: slice experts and swap in the EP dispatcher ->
 dp_replicate > 1)), the gradient-norm clip that spans both meshes, and the router-count all-reduce.
 Mixed precision: bf16 parameters with fp32 gradient reduction on GPU; fp32 throughout on CPU.
 
-Gradient scale: every rank's loss is the mean over its own tokens and the global loss is the mean over
-ranks. FSDP divides dense gradients by the dense mesh size (= world). An expert gradient already sums the
+Gradient scale: every rank's loss is the mean over its own tokens (under cp: its token-weighted share of its
+sequences' loss x cp) and the global loss is the mean over ranks. FSDP divides dense gradients by the dense mesh size (= world). An expert gradient already sums the
 contributions of all ep ranks' tokens through the all-to-all, and FSDP divides it by its own mesh size
 (world / ep); the missing 1/ep is applied by EPDispatcher inside autograd (expert.py). (FSDP's
 `set_gradient_divide_factor` would do it too, but needs PREMUL_SUM, which gloo lacks, and double-divides
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..lora.layers import GroupedLoRALinear
+from ..models.model import set_context_parallel
 from ..models.moe import LatentMoE
 from ..models.router import Router
 from .activation import apply_activation_checkpointing
@@ -33,6 +34,8 @@ from .mesh import ParallelDims
 def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
     """In place; call after materialising (and LoRA injection), before building the optimizer."""
     spec = dims.spec
+    if spec.cp > 1:  # each rank holds pieces of every sequence; KDA / DSA exchange states and keys
+        set_context_parallel(model, dims.cp_layout())
     for m in model.modules():  # the global-batch aux loss counts every rank's tokens
         if isinstance(m, Router) and hasattr(m, "global_counts_reduce"):
             m.global_counts_reduce = counts_reduce
