@@ -94,7 +94,7 @@ def _autocast(device: torch.device, dtype: str):
 
 
 @torch.no_grad()
-def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None) -> float:
+def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, dr=None) -> float:
     model.eval()
     bs = cfg.train.micro_batch_size
     n = min(len(ds), (n_batches or cfg.train.eval_batches) * bs)
@@ -102,10 +102,10 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None) ->
     for i in range(0, n, bs):
         x, y = ds.inputs[i:i + bs].to(device), ds.labels[i:i + bs].to(device)
         with _autocast(device, cfg.train.dtype):
-            out = model(x, y, return_logits=False)
+            out = model(dr.local_part(x) if dr else x, dr.local_part(y) if dr else y, return_logits=False)
         k = int((y != -100).sum())
-        if k:
-            tot += float(out.loss) * k
+        if k:  # under cp each rank's loss is its share x cp: the mean over ranks is the rows' loss
+            tot += (dr.mean(float(out.loss)) if dr and dr.cp_layout else float(out.loss)) * k
             cnt += k
     model.train()
     return tot / max(cnt, 1)
@@ -162,7 +162,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    sampler = Sampler(train_ds, t.micro_batch_size, t.seed, rank=dr.rank if dr else 0, world=world)
+    sampler = Sampler(train_ds, t.micro_batch_size, t.seed, rank=dr.data_rank if dr else 0,
+                      world=dr.data_world if dr else 1)
     ckpt_root = out_dir / "checkpoints"
     start = 0
     if t.resume:
@@ -187,7 +188,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {device}, "
                       f"{len(train_ds)} train rows x {t.seq_len} tokens")
-    eval_before = evaluate(model, eval_ds, cfg, device)
+    eval_before = evaluate(model, eval_ds, cfg, device, dr=dr)
     logger.log({"kind": "eval", "step": start, "eval_loss": eval_before})
     if not quiet:
         console.print(f"eval loss before: {eval_before:.4f}")
@@ -210,6 +211,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
             for _ in range(n_fwd):
                 xs, ys = zip(*(sampler.next() for _ in range(per_fwd)))
                 x, y = torch.cat(xs).to(device), torch.cat(ys).to(device)
+                if dr:
+                    x, y = dr.local_part(x), dr.local_part(y)
                 with _autocast(device, t.dtype):
                     out = model(x, y, return_logits=False, micro_batches=per_fwd)
                     loss = out.loss + out.aux_loss
@@ -266,12 +269,12 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                     progress.console.print(f"step {step + 1:5d} loss {loss_sum:.4f} lr {rec['lr']:.2e} "
                                            f"gnorm {float(gnorm):.2f} tok/s {tps:,.0f}  load/mean {q}")
             if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
-                ev = evaluate(model, eval_ds, cfg, device)
+                ev = evaluate(model, eval_ds, cfg, device, dr=dr)
                 logger.log({"kind": "eval", "step": step + 1, "eval_loss": ev})
             if t.save_every and (step + 1) % t.save_every == 0:
                 (dr.save if dr else save_checkpoint)(ckpt_root, step + 1, model, opt, sched, sampler.state())
     elapsed = time.perf_counter() - t_start
-    eval_after = evaluate(model, eval_ds, cfg, device)
+    eval_after = evaluate(model, eval_ds, cfg, device, dr=dr)
     logger.log({"kind": "eval", "step": t.steps, "eval_loss": eval_after})
     logger.close()
     tps = tokens_done / max(elapsed, 1e-9)
