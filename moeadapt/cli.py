@@ -53,8 +53,8 @@ def _add_plan_parsers(sub) -> None:
     s.add_argument("--seq-len", type=int, default=None, help="fix the sequence length (default: search 2048 and 4096)")
     s.add_argument("--micro-batch", type=int, default=None, help="fix the micro-batch (default: search)")
     s.add_argument("--top", type=int, default=5)
-    s.add_argument("--cp", default="1", help="context-parallel degrees to search, e.g. 1,2,4,8 (default 1: "
-                   "parallel/ does not run cp>1 yet)")
+    s.add_argument("--cp", default=None, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: "
+                   "those of 1,2,4,8 that divide --gpus and --seq-len)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("simulate-routing", help="per-rank token loads and all-to-all volume under EP")
     s.add_argument("--experts", type=int, default=896)
@@ -76,7 +76,7 @@ def _run_plan_command(args) -> None:
     if args.cmd == "plan":
         api.plan(args.model, args.gpus, args.gpu_mem, lora=args.lora, lora_rank=args.lora_rank, seq_len=args.seq_len,
                  micro_batch=args.micro_batch, top=args.top, as_json=args.json,
-                 cps=tuple(int(c) for c in args.cp.split(",")))
+                 cps=tuple(int(c) for c in args.cp.split(",")) if args.cp else None)
     else:
         api.simulate_routing(args.experts, args.top_k, args.ep, args.tokens, args.dist, layer=args.layer,
                              latent=args.latent, bytes_per_value=args.bytes_per_value, png=args.png,

@@ -11,7 +11,7 @@ Forward: (1) every rank runs its pieces from zero: S_loc, M; (2) all ranks gathe
 and fold them in sequence order, S_in[p+1] = M[p] S_in[p] + S_loc[p] (zero where a document starts at the
 piece boundary); (3) every rank reruns its pieces from their S_in for the outputs.
 Backward mirrors it (`_FoldStates`): the autograd of step (3) gives each piece's dL/dS_in; ranks gather those
-(HV x K x V per piece) and run the reverse scan G[p] = d[p] + M[p]^T G[p+1]; a piece's carried-out state gets
+with the pieces' M (HV x K x (V + K) per piece) and run the reverse scan G[p] = d[p] + M[p]^T G[p+1]; a piece's carried-out state gets
 G[p+1] and its transition G[p+1] S_in[p]^T, and autograd of step (1) takes them into q, k, v, g, beta.
 Varlen: `cu_seqlens` gives the global document boundaries; a document may cross any piece boundary.
 """
@@ -27,38 +27,46 @@ __all__ = ["chunk_kda_cp"]
 
 
 class _FoldStates(torch.autograd.Function):
-    """(S_loc [J,B,HV,K,V], M [J,B,HV,K,K]) of this rank's pieces -> S_in [J,B,HV,K,V] of the same pieces."""
+    """(S_loc [J,B,HV,K,V], M [J,B,HV,K,K]) of this rank's pieces -> S_in [J,B,HV,K,V] of the same pieces.
+
+    Saves only this rank's M and S_in (2 pieces, not 2 * cp): the backward gathers every piece's M again
+    together with its dL/dS_in, one [HV, K, V + K] message per piece, the mirror of the forward."""
 
     @staticmethod
     def forward(ctx, S_loc, M, layout: CPLayout, fresh: tuple[bool, ...]):
         V = S_loc.shape[-1]
         g_RJ = _all_gather(torch.cat([S_loc, M], -1), layout)
         order = layout.piece_order()
-        S_all = [g_RJ[r, j, ..., :V] for r, j in order]
-        M_all = [g_RJ[r, j, ..., V:] for r, j in order]
         S_in = [torch.zeros_like(S_loc[0])]
-        for p in range(len(order) - 1):
-            S_in.append(torch.zeros_like(S_in[p]) if fresh[p + 1] else M_all[p] @ S_in[p] + S_all[p])
+        for p, (r, j) in enumerate(order[:-1]):  # S_in[p+1] = M[p] S_in[p] + S_loc[p]
+            nxt = g_RJ[r, j, ..., V:] @ S_in[p] + g_RJ[r, j, ..., :V]
+            S_in.append(torch.zeros_like(nxt) if fresh[p + 1] else nxt)
+        out = torch.stack([S_in[p] for p in layout.pieces()])
         ctx.layout, ctx.fresh = layout, fresh
-        ctx.save_for_backward(torch.stack(M_all), torch.stack(S_in))
-        return torch.stack([S_in[p] for p in layout.pieces()])
+        ctx.save_for_backward(M, out)
+        return out
 
     @staticmethod
     def backward(ctx, dS_in_J):
         layout, fresh = ctx.layout, ctx.fresh
-        M_all, S_in = ctx.saved_tensors
-        P = M_all.shape[0]
-        d_RJ = _all_gather(dS_in_J, layout)
-        d = [d_RJ[r, j] for r, j in layout.piece_order()]
-        G = [None] * P  # G[p]: the loss's total gradient with respect to S_in[p]
-        G[P - 1] = d[P - 1]
+        M_J, S_in_J = ctx.saved_tensors
+        V = dS_in_J.shape[-1]
+        g_RJ = _all_gather(torch.cat([dS_in_J, M_J], -1), layout)
+        order = layout.piece_order()
+        P = len(order)
+        # G[p]: the loss's total gradient with respect to S_in[p], by the reverse scan G[p] = d[p] + M[p]^T G[p+1]
+        G = [None] * P
+        r, j = order[P - 1]
+        G[P - 1] = g_RJ[r, j, ..., :V]
         for p in range(P - 2, -1, -1):
-            G[p] = d[p] if fresh[p + 1] else d[p] + M_all[p].transpose(-1, -2) @ G[p + 1]
+            r, j = order[p]
+            d = g_RJ[r, j, ..., :V]
+            G[p] = d if fresh[p + 1] else d + g_RJ[r, j, ..., V:].transpose(-1, -2) @ G[p + 1]
         dS, dM = [], []
-        for p in layout.pieces():
+        for j, p in enumerate(layout.pieces()):
             carried = p + 1 < P and not fresh[p + 1]
-            dS.append(G[p + 1] if carried else torch.zeros_like(d[p]))
-            dM.append(G[p + 1] @ S_in[p].transpose(-1, -2) if carried else torch.zeros_like(M_all[p]))
+            dS.append(G[p + 1] if carried else torch.zeros_like(S_in_J[j]))
+            dM.append(G[p + 1] @ S_in_J[j].transpose(-1, -2) if carried else torch.zeros_like(M_J[j]))
         return torch.stack(dS), torch.stack(dM), None, None
 
 
