@@ -103,16 +103,13 @@ def lightning_indexer(
     return lightning_indexer_reference(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
 
 
-def _check_attention(q, k, v, indices, backend: str = "reference") -> None:
+def _check_attention(q, k, v, indices) -> None:
     if q.dim() != 4:
         raise _shape_err("q", q, "[B, T, HQ, D]")
     B, T, HQ, D = q.shape
     if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D:
         raise _shape_err("k", k, f"[B, Tk, HK, D] with B, D = {(B, D)}")
     Tk, HK = k.shape[1], k.shape[2]
-    if Tk != T and backend == "triton":
-        raise ValueError(f"the Triton kernels need as many keys as queries (k has {Tk} rows, q {T}); a longer "
-                         f"key sequence (context parallelism) runs on backend='reference' for now")
     if HQ % HK != 0:
         raise ValueError(f"HQ = {HQ} query heads is not a multiple of HK = {HK} key heads")
     if v.dim() != 4 or tuple(v.shape[:3]) != (B, Tk, HK):
@@ -139,7 +136,7 @@ def sparse_attention(
 
     Args:
         q: [B, T, HQ, D]; k: [B, Tk, HK, D]; v: [B, Tk, HK, DV]; HQ a multiple of HK; Tk = T
-            except for queries of a longer key sequence (context parallelism, reference backend)
+            except for queries of a longer key sequence (context parallelism: indices index k's Tk rows)
             (MLA runs it in MQA form: HK = 1, D = kv_lora_rank + rope, DV = kv_lora_rank).
         indices: [B, T, K] shared by all KV heads, or [B, T, HK, K]; -1 = unused.
             All query heads of a KV group attend to that group's selected keys.
@@ -151,7 +148,7 @@ def sparse_attention(
         o [B, T, HQ, DV] in q's dtype; a query with no selected key gets 0.
         Differentiable in q, k, v (dk, dv scatter-added into the selected rows).
     """
-    _check_attention(q, k, v, indices, _backend(backend, q))
+    _check_attention(q, k, v, indices)
     if _backend(backend, q) == "triton":
         from .triton_sparse_attn import sparse_attention_triton
 
@@ -182,7 +179,7 @@ def indexer_kl_loss(
         keys, where p = sum over heads of the main softmax probabilities,
         L1-normalised. Gradients reach q_idx, k_idx and w_idx only.
     """
-    _check_attention(q, k, k[..., :1], indices, _backend(backend, q))
+    _check_attention(q, k, k[..., :1], indices)
     if indices.dim() != 3:
         raise _shape_err("indices", indices, "[B, T, K] (one selection per token)")
     _check_indexer(q_idx, k_idx, w_idx, 1, None, keys_may_differ=True)
