@@ -44,7 +44,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         for m in model.modules():
             if isinstance(m, LatentMoE):
                 m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
     for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
         if isinstance(m, GroupedLoRALinear):
             m.release_cat()
