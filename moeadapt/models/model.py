@@ -156,7 +156,7 @@ def set_context_parallel(model: nn.Module, layout) -> None:
         raise ValueError("context parallelism covers KDA and DSA layers; this model has GQA layers "
                          "(an onboarded family): set parallel.cp: 1")
     for m in model.modules():
-        if isinstance(m, (HybridMoEModel, KDAAttention, DSAAttention, CausalConv1d)):
+        if isinstance(m, (HybridMoEModel, KDAAttention, DSAAttention, CausalConv1d, Router)):
             m.cp = layout
 
 
