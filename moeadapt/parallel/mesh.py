@@ -118,7 +118,8 @@ class ParallelDims:
         """FSDP mesh of the non-expert parameters: sharded over dp_shard x cp (one flattened dim), HSDP
         (replicate, shard) when dp_replicate > 1."""
         if self.spec.cp > 1:
-            self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if "_dp_shard_cp" not in self.__dict__:  # flatten once; later calls reuse the same groups
+                self.__dict__["_dp_shard_cp"] = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             shard = "dp_shard_cp"
         else:
             shard = "dp_shard"

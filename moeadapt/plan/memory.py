@@ -60,6 +60,7 @@ class Plan:
     recompute: str  # none | selective | full
     micro_batch: int
     seq_len: int
+    offload: bool = False  # full recompute only: block inputs in host memory (parallel.offload_activations)
 
     @property
     def shard(self) -> int:
@@ -69,7 +70,8 @@ class Plan:
         """e.g. 'FSDP128(dp64xcp2) EP64 AC=full mb=1 seq=4096' (FSDP spans dp_shard * cp ranks)."""
         rep = f"{self.dp_replicate}xHSDP" if self.dp_replicate > 1 else "FSDP"
         split = f"(dp{self.dp_shard}xcp{self.cp})" if self.cp > 1 else ""
-        return f"{rep}{self.shard}{split} EP{self.ep} AC={self.recompute} mb={self.micro_batch} seq={self.seq_len}"
+        ac = self.recompute + ("+offload" if self.offload else "")
+        return f"{rep}{self.shard}{split} EP{self.ep} AC={ac} mb={self.micro_batch} seq={self.seq_len}"
 
 
 @dataclass(frozen=True)
@@ -527,6 +529,8 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
         kept = per
     elif plan.recompute == "selective":
         kept = [t * a.sel for a in accs]
+    elif plan.offload:  # full + offload: block inputs wait in host memory; one comes back per recompute
+        kept = [0.0] * spec.n_layers
     else:  # full: block inputs only, one block recomputed at a time
         kept = [t * spec.hidden_size * (4 if f32s else act_bytes)] * spec.n_layers
     f = BACKWARD_GRAD_FACTOR
@@ -543,7 +547,8 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
                 # selective: the cache is popped as the recompute consumes it, so block i holds what it saved
                 # so far (GEMM outputs included) + the GEMM outputs not recomputed yet + the transient
                 phases.append((f"recompute {i}", sum(kept[:i]) + (t * a.sel - s0 if plan.recompute == "selective"
-                                                                 else 0.0), n0 + t * a.work + dout, i))
+                                                                 else 0.0),
+                               n0 + t * a.work + dout * (2 if plan.offload else 1), i))  # + the input brought back
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
         phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))

@@ -55,3 +55,11 @@ def test_cp_errors_name_the_numbers(capsys):
     assert main(["plan", "--model", "small", "--gpus", "8", "--seq-len", "1000", "--cp", "8"]) != 0
     err = capsys.readouterr()
     assert "does not split over cp=8" in err.out + err.err and "Traceback" not in err.out + err.err
+
+
+def test_offload_leaves_no_block_input_on_the_gpu():
+    small = get_preset("small", max_position_embeddings=262144)
+    base = dict(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="full", micro_batch=1, seq_len=262144)
+    on, off = (memory_breakdown(small, Plan(offload=o, **base), LoRASpec(rank=16)) for o in (True, False))
+    assert off["activations"] >= 262144 * small.hidden_size * 2 * small.n_layers and on["activations"] == 0
+    assert on["total"] < off["total"] and "+offload" in Plan(offload=True, **base).label()

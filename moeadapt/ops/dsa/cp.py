@@ -61,7 +61,6 @@ def dsa_attention_cp(
     Every rank of the group must call it with the same shapes (it runs collectives).
     """
     HK, D = kv.shape[2], kv.shape[3]
-    DI = k_idx.shape[-1]
     T_global = q.shape[1] * layout.size
     if cu_seqlens is not None and (int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T_global):
         raise ValueError(f"cu_seqlens must hold the global boundaries, from 0 to the whole sequence's "
@@ -70,7 +69,6 @@ def dsa_attention_cp(
     keys_g = gather_sequence(keys, layout)
     kv_g = keys_g[..., : HK * D].unflatten(-1, (HK, D))
     k_idx_g = keys_g[..., HK * D:].to(k_idx.dtype)
-    assert k_idx_g.shape[-1] == DI
     q_pos = layout.local_positions(T_global, q.device)
     with torch.no_grad():
         indices = lightning_indexer(q_idx, k_idx_g.detach(), w_idx, topk, cu_seqlens, backend=backend,
