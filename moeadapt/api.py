@@ -330,13 +330,19 @@ def onboard(path: str | Path, validate: bool = False, write_config: str | Path |
 
 def plan(model: str, gpus: int, gpu_mem: str | float = "141GiB", lora: bool = False, lora_rank: int = 16,
          seq_len: int | None = None, micro_batch: int | None = None, top: int = 5, as_json: bool = False,
-         quiet: bool = False, cps: tuple[int, ...] = (1,)) -> dict:
+         quiet: bool = False, cps: tuple[int, ...] | None = None) -> dict:
     """Search parallel plans (EP / FSDP / CP / recompute / micro-batch) that fit `gpus` GPUs of `gpu_mem`,
-    ranked by estimated tokens/s/GPU. See moeadapt/plan/. `cps` defaults to (1,): context parallelism is
-    modelled but parallel/ does not run it yet, so only cp=1 plans are launchable today."""
+    ranked by estimated tokens/s/GPU. See moeadapt/plan/. `cps`: context-parallel degrees to search (default
+    every one of 1, 2, 4, 8 that divides `gpus`); a requested cp that does not divide the GPU count or cut
+    `seq_len` into 2 * cp pieces is an error."""
     from .config import LoRASpec
     from .plan import print_result, search
+    from .plan.search import check_cp
 
+    if cps is None:
+        cps = tuple(c for c in (1, 2, 4, 8) if gpus % c == 0 and (not seq_len or c == 1 or seq_len % (2 * c) == 0))
+    else:
+        check_cp(gpus, tuple(cps), [seq_len] if seq_len else None)
     spec = resolve_model(model)
     res = search(spec, gpus, gpu_mem, LoRASpec(rank=lora_rank) if lora else None,
                  seq_lens=[seq_len] if seq_len else None, micro_batches=[micro_batch] if micro_batch else None,

@@ -73,8 +73,8 @@ def _add_plan_parsers(sub) -> None:
     s.add_argument("--seq-len", type=POS_INT, default=None, help="fix the sequence length (default: search 2048 and 4096)")
     s.add_argument("--micro-batch", type=POS_INT, default=None, help="fix the micro-batch (default: search)")
     s.add_argument("--top", type=POS_INT, default=5)
-    s.add_argument("--cp", default="1", help="context-parallel degrees to search, e.g. 1,2,4,8 (default 1: "
-                   "parallel/ does not run cp>1 yet)")
+    s.add_argument("--cp", default=None, help="context-parallel degrees to search, e.g. 1,2,4,8 (default: "
+                   "those of 1,2,4,8 that divide --gpus and --seq-len)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("simulate-routing", help="per-rank token loads and all-to-all volume under EP")
     s.add_argument("--experts", type=POS_INT, default=896)

@@ -322,12 +322,31 @@ class ParallelSpec(_Strict):
     ep: int = Field(default=1, ge=1)
     cp: int = Field(default=1, ge=1)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    offload_activations: bool = Field(default=False, description="full recompute only: keep each block's "
+                                      "input in (pinned) host memory instead of on the GPU")
     reshard_after_forward: bool = True
     a2a_chunks: int = Field(default=1, ge=1)
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp
+
+    @model_validator(mode="after")
+    def _offload_needs_full(self) -> ParallelSpec:
+        if self.offload_activations and self.activation_checkpointing != "full":
+            raise ValueError(f"parallel.offload_activations offloads the block inputs that full recompute keeps; "
+                             f"set parallel.activation_checkpointing: full (got "
+                             f"{self.activation_checkpointing!r}) or offload_activations: false")
+        return self
+
+    def validate_seq_len(self, seq_len: int) -> None:
+        """Under cp every sequence is cut into 2 * cp equal pieces (rank r holds pieces r and 2cp-1-r)."""
+        n = 2 * self.cp
+        if self.cp > 1 and seq_len % n:
+            lo, hi = seq_len // n * n, -(-seq_len // n) * n
+            raise ValueError(f"train.seq_len={seq_len} does not split over cp={self.cp} into {n} equal pieces "
+                             f"(each cp rank holds a head and a tail piece); use a multiple of {n}, e.g. "
+                             f"{lo or n} or {hi}")
 
     def validate_for(self, model: ModelSpec, world_size: int | None = None) -> None:
         """Check the degrees against a model and (optionally) the launched world size."""
@@ -360,4 +379,5 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         self.parallel.validate_for(self.model)
+        self.parallel.validate_seq_len(self.train.seq_len)
         return self

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..ops.cp_comm import predecessor_tails
 from ..ops.kda.short_conv import causal_conv_silu
 from ..ops.moe import swiglu_pair
 
@@ -152,15 +154,28 @@ class SwiGLU(nn.Module):
 
 class CausalConv1d(nn.Module):
     """Depthwise causal conv over time (kernel k, no bias) followed by SiLU, on [B, T, C]: ops.kda.causal_conv_silu
-    (one Triton pass each way on CUDA, the torch conv1d composition on CPU or with backend "reference")."""
+    (one Triton pass each way on CUDA, the torch conv1d composition on CPU or with backend "reference").
+
+    Under context parallelism (`cp`, an ops.cp_comm.CPLayout set by parallel/), x holds this rank's pieces of
+    the sequence and each piece starts from the previous piece's last k - 1 inputs instead of zeros (the torch
+    conv1d composition over the pieces with their tails)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
         self.backend = "auto"
+        self.cp = None
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        if self.cp is not None and self.kernel > 1:
+            B, T, C = x_BTC.shape
+            w = self.weight.to(x_BTC.dtype)
+            J = self.cp.pieces_per_rank
+            tails_JBNC = predecessor_tails(x_BTC, self.kernel - 1, self.cp)
+            x_JBTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2)
+            y = F.conv1d(x_JBTC.flatten(0, 1).transpose(1, 2), w, groups=C)  # [J*B, C, T/J]
+            return F.silu(y.transpose(1, 2).unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
         return causal_conv_silu(x_BTC, self.weight, backend=self.backend)
 
     def reset_parameters(self) -> None:

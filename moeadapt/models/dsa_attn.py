@@ -7,6 +7,7 @@ rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per q
 in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
 only; then o <- o * sigmoid(x W_gate) per head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
+Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.dsa import indexer_kl_loss, lightning_indexer, sparse_attention
+from ..ops.dsa.cp import dsa_attention_cp
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
 
 
@@ -49,6 +51,7 @@ class DSAAttention(nn.Module):
         # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
         self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
+        self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
 
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.q_lora_rank:
@@ -87,14 +90,21 @@ class DSAAttention(nn.Module):
         v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
 
         q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
-        with torch.no_grad():
-            indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
-        o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale, backend=self.backend)
+        want_kl = self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled()
+        kl = None
+        if self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
+            o_lat, _, kl = dsa_attention_cp(q_full, k_full, q_idx, k_idx, w_idx, self.spec.index_topk, self.cp,
+                                            kvl, scale=self.softmax_scale, backend=self.backend, kl_loss=want_kl)
+        else:
+            with torch.no_grad():
+                indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
+            o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
+                                     backend=self.backend)
+            if want_kl:
+                kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
+                                     scale=self.softmax_scale, backend=self.backend)
         o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if self.w_gate is not None:
             o = o * torch.sigmoid(self.w_gate(x_BTD)).unsqueeze(-1).to(o.dtype)
-        aux = {}
-        if self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled():
-            aux["index_kl"] = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
-                                              scale=self.softmax_scale, backend=self.backend)
+        aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux

@@ -4,6 +4,7 @@ q, k, v projections -> causal depthwise conv (k=4) + SiLU -> L2-normalised q, k 
 beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
 g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection);
 output: per-head RMSNorm gated by sigmoid(x W_g_a W_g_b), then o_proj. Owns only its own parameters.
+Under context parallelism (`cp` set by parallel/) the state crosses ranks through ops/kda/cp.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.kda import chunk_kda
+from ..ops.kda.cp import chunk_kda_cp
 from .common import CausalConv1d, RMSNorm
 
 
@@ -39,6 +41,7 @@ class KDAAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=spec.norm_eps)
         self.o_proj = nn.Linear(H * K, d, bias=False)
         self.backend = "auto"
+        self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -54,8 +57,12 @@ class KDAAttention(nn.Module):
         v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
         g_raw = self.f_b(self.f_a(x_BTD)).view(B, T, H, K)
         beta_logits = self.b_proj(x_BTD).float()
-        o, _ = chunk_kda(q, k, v, g_raw, beta_logits, backend=self.backend, use_qk_l2norm=True,
-                         A_log=self.A_log, dt_bias=self.dt_bias, beta_is_logits=True)
+        opts = dict(backend=self.backend, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                    beta_is_logits=True)
+        if self.cp is not None:
+            o = chunk_kda_cp(q, k, v, g_raw, beta_logits, self.cp, **opts)
+        else:
+            o, _ = chunk_kda(q, k, v, g_raw, beta_logits, **opts)
         gate_logits = self.g_b(self.g_a(x_BTD)).view(B, T, H, K)
         o = self.o_norm(o.to(x_BTD.dtype), gate=gate_logits)  # norm(o) * sigmoid(gate) in one pass
         return self.o_proj(o.reshape(B, T, H * K)), {}

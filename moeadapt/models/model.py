@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
 from ..ops.loss import linear_cross_entropy
-from .common import RMSNorm, SwiGLU, rope_cos_sin
+from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
 from .gqa_attn import GQAAttention
 from .init import init_fill
@@ -82,6 +83,7 @@ class HybridMoEModel(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.backend = "auto"  # of the loss (ops.loss); set_backend sets it with the others
+        self.cp = None  # an ops.cp_comm.CPLayout, set by `set_context_parallel`
 
     def set_backend(self, backend: str) -> None:
         """Kernel backend for every op ("auto", "reference", "triton")."""
@@ -108,10 +110,12 @@ class HybridMoEModel(nn.Module):
         (what gradient accumulation over them would optimise). images: the batch's pictures, packed, in the order of
         their placeholder tokens in input_ids (row by row); a model with a vision tower only."""
         B, T = input_ids.shape
+        cp = self.cp  # under context parallelism input_ids / labels are this rank's pieces of each sequence
+        T_seq = T * cp.size if cp is not None else T
         if B % micro_batches:
             raise ValueError(f"batch of {B} rows does not split into micro_batches={micro_batches}")
-        if T > self.spec.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
+        if T_seq > self.spec.max_position_embeddings:
+            raise ValueError(f"sequence length {T_seq} exceeds max_position_embeddings="
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
         x = self.embed(input_ids)
         if self.vision is not None:
@@ -119,8 +123,8 @@ class HybridMoEModel(nn.Module):
         elif images is not None:
             raise ValueError(f"model {self.spec.name!r} has no vision tower but the batch holds images; "
                              "use a model with a `vision:` section (e.g. the tiny-vl preset)")
-        cos, sin = rope_cos_sin(torch.arange(T, device=input_ids.device), self.spec.qk_rope_head_dim,
-                                self.spec.rope_theta, self.spec.rope_scaling)
+        pos = cp.local_positions(T_seq, input_ids.device) if cp is not None else torch.arange(T, device=x.device)
+        cos, sin = rope_cos_sin(pos, self.spec.qk_rope_head_dim, self.spec.rope_theta, self.spec.rope_scaling)
         aux_total = x.new_zeros((), dtype=torch.float32)
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []
@@ -132,20 +136,27 @@ class HybridMoEModel(nn.Module):
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
         h = self.norm(x)
-        logits, loss = None, None
+        logits, loss, weight = None, None, None
+        if labels is not None:
+            # per-token loss weights: the mean of the M per-micro-batch means, each over every token of the
+            # sequence whichever cp rank holds it; under cp x cp.size, so that the mean over ranks' losses that
+            # the gradient reduction takes is the global loss
+            valid = (labels.reshape(micro_batches, -1) != -100).float()
+            count = valid.sum(1, keepdim=True)
+            if cp is not None:
+                count = count.detach().clone()
+                dist.all_reduce(count, group=cp.group)
+            weight = (valid / count.clamp(min=1) / micro_batches * (cp.size if cp is not None else 1)).reshape(-1)
         if labels is not None and not return_logits and type(self.lm_head) is nn.Linear:
             # the loss straight from h: ops.loss never holds the [tokens x vocab] logits whole (chunked on CUDA)
-            valid = (labels.reshape(micro_batches, -1) != -100).float()
-            weight = (valid / valid.sum(1, keepdim=True).clamp(min=1) / micro_batches).reshape(-1)
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.lm_head.weight, labels.reshape(-1),
                                         weight, backend=self.backend)
         else:
             logits = self.lm_head(h)
-        if labels is not None and loss is None:
-            per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
-                                      ignore_index=-100, reduction="none").view(micro_batches, -1)
-            valid = (labels.reshape(micro_batches, -1) != -100).float()
-            loss = ((per_tok * valid).sum(1) / valid.sum(1).clamp(min=1)).mean()
+            if labels is not None:
+                per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
+                                          ignore_index=-100, reduction="none")
+                loss = (per_tok * weight).sum()
         aux_log = {k: float(v) for k, v in aux_log.items()}  # one device sync per aux loss, not per layer
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
 
@@ -156,6 +167,18 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return out
+
+
+def set_context_parallel(model: nn.Module, layout) -> None:
+    """Split every sequence over the cp group of `layout` (an ops.cp_comm.CPLayout, or None to undo): the
+    model then takes each rank's pieces of the sequence (`layout.split(input_ids)`), KDA passes its state
+    and conv tails across ranks, DSA gathers the key side, and the loss is token-weighted over the group."""
+    if layout is not None and any(isinstance(m, GQAAttention) for m in model.modules()):
+        raise ValueError("context parallelism covers KDA and DSA layers; this model has GQA layers "
+                         "(an onboarded family): set parallel.cp: 1")
+    for m in model.modules():
+        if isinstance(m, (HybridMoEModel, KDAAttention, DSAAttention, CausalConv1d, Router)):
+            m.cp = layout
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridMoEModel:

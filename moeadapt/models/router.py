@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -102,6 +103,7 @@ class Router(nn.Module):
         # parallel/ may set this to an all-reduce over the data-parallel ranks, which makes `aux_loss` a
         # true global-batch loss (f_e from every rank's tokens); the model never talks to other ranks itself.
         self.global_counts_reduce = None
+        self.cp = None  # an ops.cp_comm.CPLayout under context parallelism (set by models.set_context_parallel)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.spec.initializer_range)
@@ -151,7 +153,11 @@ class Router(nn.Module):
             S = T // batch_size
             one_hot = torch.zeros(batch_size, S, E, device=x_TD.device, dtype=acc)
             one_hot.scatter_(2, ids_TK.view(batch_size, S, K), 1.0)
-            f_BE = one_hot.sum(1) / (S * K)
+            counts_BE, S_all = one_hot.sum(1), S
+            if self.cp is not None:  # a sequence's tokens are spread over the cp group: count them all
+                dist.all_reduce(counts_BE, group=self.cp.group)
+                S_all = S * self.cp.size
+            f_BE = counts_BE / (S_all * K)
             aux["seq_aux_loss"] = spec.seq_aux_loss_coef * E * (f_BE * probs_TE.view(batch_size, S, E).mean(1)).sum(-1).mean()
         if spec.z_loss_coef > 0:
             aux["z_loss"] = spec.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).pow(2).mean()

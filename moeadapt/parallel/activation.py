@@ -6,6 +6,8 @@ in non-reentrant `torch.utils.checkpoint`, which passes the block's `(x, info)` 
   selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels) and of
              collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, KDA
              intermediates) — `create_selective_checkpoint_contexts` with the policy below.
+  offload (with full): the kept block input goes to host memory (pinned on CUDA) and comes back for the
+             recompute, so device memory holds no per-block activation between forward and backward.
 A recompute must not count routed tokens twice: the router's `tokens_per_expert` buffer is restored
 after every recompute.
 Must not change what a block computes.
@@ -81,18 +83,45 @@ class _Null:
         return False
 
 
-def _checkpointed_forward(orig, mode: str, routers: list[Router], *args, **kwargs):
+class _ToHost(torch.autograd.Function):
+    """A host copy of x (pinned, asynchronous on CUDA); the gradient goes back to x's device."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.device = x.device
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+        out.copy_(x, non_blocking=x.is_cuda)  # stream-ordered: later kernels may reuse x's memory safely
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.device, non_blocking=True)
+
+
+def _checkpointed_forward(orig, mode: str, routers: list[Router], offload: bool, *args, **kwargs):
     def context_fn():
         fwd, rec = create_selective_checkpoint_contexts(_selective_policy) if mode == "selective" else (_Null(), _Null())
         return fwd, _KeepRouterCounts(routers, rec)
 
+    if offload:  # checkpoint keeps the host copy; forward and recompute run on a fresh device copy of it
+        x, *rest = args
+        device = x.device
+
+        def run(x_host, *a, **kw):
+            return orig(x_host.to(device, non_blocking=True), *a, **kw)
+
+        return checkpoint(run, _ToHost.apply(x), *rest, use_reentrant=False, context_fn=context_fn, **kwargs)
     return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every block of `model.layers` (before fully_shard, as torchtitan orders it)."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, offload: bool = False) -> None:
+    """Checkpoint every block of `model.layers` (before fully_shard, as torchtitan orders it); `offload` (full
+    only) keeps each block's input in host memory instead of on the device."""
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"activation_checkpointing={mode!r}; choose none, selective or full")
+    if offload and mode != "full":
+        raise ValueError(f"offload_activations offloads the block inputs that full recompute keeps; set "
+                         f"activation_checkpointing: full (got {mode!r}) or offload_activations: false")
     if mode == "none":
         return
     if mode == "selective":
@@ -101,5 +130,5 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         if getattr(block, "_moeadapt_ac", None):
             continue
         routers = [m for m in block.modules() if isinstance(m, Router)]
-        block.forward = functools.partial(_checkpointed_forward, block.forward, mode, routers)
+        block.forward = functools.partial(_checkpointed_forward, block.forward, mode, routers, offload)
         block._moeadapt_ac = mode

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import ModelSpec, ParallelSpec
+from ..ops.cp_comm import CPLayout
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -92,9 +93,37 @@ class ParallelDims:
     def ep_rank(self) -> int:
         return self.expert_mesh["ep"].get_local_rank()
 
+    @property
+    def cp(self) -> int:
+        return self.spec.cp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which batch rows this rank reads: the cp ranks of a group read the same rows (and split them in
+        time), so the data-parallel index is the rank's (dp_replicate, dp_shard) coordinate."""
+        return dist.get_rank() // self.spec.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.spec.dp_replicate * self.spec.dp_shard
+
+    def cp_layout(self) -> CPLayout | None:
+        """The causally balanced split of each sequence over this rank's cp group (None when cp = 1)."""
+        if self.spec.cp == 1:
+            return None
+        m = self.mesh["cp"]
+        return CPLayout(m.get_group(), m.get_local_rank(), self.spec.cp, balanced=True)
+
     def dense_fsdp_mesh(self) -> DeviceMesh:
-        """FSDP mesh of the non-expert parameters: HSDP (replicate, shard) when dp_replicate > 1."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.spec.dp_replicate > 1 else self.mesh["dp_shard"]
+        """FSDP mesh of the non-expert parameters: sharded over dp_shard x cp (one flattened dim), HSDP
+        (replicate, shard) when dp_replicate > 1."""
+        if self.spec.cp > 1:
+            if "_dp_shard_cp" not in self.__dict__:  # flatten once; later calls reuse the same groups
+                self.__dict__["_dp_shard_cp"] = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
+        else:
+            shard = "dp_shard"
+        return self.mesh["dp_replicate", shard] if self.spec.dp_replicate > 1 else self.mesh[shard]
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """FSDP mesh of the experts, orthogonal to EP."""
@@ -105,9 +134,9 @@ class ParallelDims:
 def check_spec(spec: ParallelSpec, model: ModelSpec, world_size: int) -> None:
     """Every degree check in one place (schema checks + what this implementation supports)."""
     spec.validate_for(model, world_size)
-    if spec.cp != 1:
-        raise ValueError(f"cp={spec.cp}: context parallelism is not implemented yet; set parallel.cp: 1 "
-                         f"(use dp_shard={spec.dp_shard * spec.cp} instead)")
+    if spec.cp > 1 and "gqa" in model.resolved_layer_types():
+        raise ValueError(f"cp={spec.cp}: context parallelism covers KDA and DSA layers, and this model has GQA "
+                         f"layers; set parallel.cp: 1 (use dp_shard={spec.dp_shard * spec.cp} instead)")
     if spec.ep > 1 and model.first_k_dense >= model.n_layers:
         raise ValueError(f"ep={spec.ep} but the model has no MoE layer (first_k_dense={model.first_k_dense} "
                          f">= n_layers={model.n_layers}); set ep: 1")

@@ -5,8 +5,8 @@ Owns: `parallelize_model` (order: slice experts and swap in the EP dispatcher ->
 dp_replicate > 1)), the gradient-norm clip that spans both meshes, and the router-count all-reduce.
 Mixed precision: bf16 parameters with fp32 gradient reduction on GPU; fp32 throughout on CPU.
 
-Gradient scale: every rank's loss is the mean over its own tokens and the global loss is the mean over
-ranks. FSDP divides dense gradients by the dense mesh size (= world). An expert gradient already sums the
+Gradient scale: every rank's loss is the mean over its own tokens (under cp: its token-weighted share of its
+sequences' loss x cp) and the global loss is the mean over ranks. FSDP divides dense gradients by the dense mesh size (= world). An expert gradient already sums the
 contributions of all ep ranks' tokens through the all-to-all, and FSDP divides it by its own mesh size
 (world / ep); the missing 1/ep is applied by EPDispatcher inside autograd (expert.py). (FSDP's
 `set_gradient_divide_factor` would do it too, but needs PREMUL_SUM, which gloo lacks, and double-divides
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..lora.layers import GroupedLoRALinear
+from ..models.model import set_context_parallel
 from ..models.moe import LatentMoE
 from ..models.router import Router
 from .activation import apply_activation_checkpointing
@@ -34,6 +35,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
     """In place; call after LoRA injection and before building the optimizer: on the meta-built model (the
     scale-true build, train/build.py: then `to_empty` + parallel.shards.fill_shards) or on a materialised one."""
     spec = dims.spec
+    if spec.cp > 1:  # each rank holds pieces of every sequence; KDA / DSA exchange states and keys
+        set_context_parallel(model, dims.cp_layout())
     for m in model.modules():  # the global-batch aux loss counts every rank's tokens
         if isinstance(m, Router) and hasattr(m, "global_counts_reduce"):
             m.global_counts_reduce = counts_reduce
@@ -42,7 +45,7 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         for m in model.modules():
             if isinstance(m, LatentMoE):
                 m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
     for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
         if isinstance(m, GroupedLoRALinear):
             m.release_cat()

@@ -31,6 +31,13 @@ class DistributedRun:
             raise ValueError(f"rank {self.rank}: {e}") from None
         self.dims: ParallelDims = build_parallel_dims(cfg.parallel, cfg.model, self.device)
         self.counts_reduce = counts_reduce
+        # the ranks of a cp group read the same rows and each keeps its pieces of them (`local_part`)
+        self.data_rank, self.data_world = self.dims.dp_rank, self.dims.dp_size
+        self.cp_layout = self.dims.cp_layout()
+
+    def local_part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's pieces (along time) of a [B, T] batch under context parallelism; t itself otherwise."""
+        return t if self.cp_layout is None else self.cp_layout.split(t)
 
     @property
     def is_main(self) -> bool:

@@ -10,8 +10,9 @@ Stated hardware (H200 SXM nodes of 8 GPUs; override with `Hardware(...)`):
   * FSDP collectives overlap with compute (prefetch): only the part beyond 85% of compute is exposed;
     the EP all-to-all sits on the critical path between router and experts: exposed in full, times the
     routing straggler factor (max/mean rank load, 1.3 by default; see `moeadapt simulate-routing`);
-  * context parallelism: DSA layers all-gather the kv latent and index keys, GQA layers their k/v, KDA layers
-    pass one fp32 [H, K, K] state per rank boundary serially (15 us latency per hop); exposed in full.
+  * context parallelism: DSA layers all-gather the kv latent + RoPE part and the index keys (and reduce-scatter
+    their gradient), GQA layers their k/v, KDA layers all-gather each piece's fp32 (final state, transition)
+    [H, K, V + K] (backward: [H, K, V]), 2 pieces per rank, 15 us latency per collective; exposed in full.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
     a2a_layer = t * spec.n_experts_per_tok * L * act_bytes * (ep - 1) / ep if ep > 1 else 0.0
     a2a = a2a_passes * n_moe * a2a_layer
     # context parallelism: DSA gathers the kv latent + index keys of the whole sequence, GQA its k/v (ring);
-    # KDA passes one [H, K, K] fp32 state per rank boundary, serially (latency-bound)
+    # KDA all-gathers (S_loc, M) of the 2 pieces per rank (ops/kda/cp.py): small, latency-bound
     cp_bytes, cp_lat = 0.0, 0.0
     if plan.cp > 1:
         s_all = plan.micro_batch * plan.seq_len * (plan.cp - 1) / plan.cp
@@ -70,8 +71,10 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
             elif kind == "gqa":
                 cp_bytes += passes * s_all * 2 * spec.gqa_n_kv_heads * spec.gqa_head_dim * act_bytes
             else:
-                cp_lat += passes * (plan.cp - 1) * (15e-6 + spec.kda_n_heads * spec.kda_head_dim ** 2 * 4
-                                                    * plan.micro_batch / (_bw(plan.cp, hw) * 1e9))
+                K = spec.kda_head_dim
+                state = 2 * plan.micro_batch * spec.kda_n_heads * K * 4 * (plan.cp - 1)  # 2 pieces per rank
+                cp_bytes += (passes - 1) * state * 2 * K + state * K  # forward(s): [K, V + K]; backward: [K, V]
+                cp_lat += passes * 15e-6
     # time per micro-batch
     act = pc.total - sum(pc.block_experts) + sum(pc.block_experts) * spec.n_experts_per_tok / max(1, spec.n_routed_experts)
     flops_per_tok = (4 if lora else 6) * act + (2 if plan.recompute == "full" else 0) * act

@@ -61,6 +61,7 @@ class Plan:
     recompute: str  # none | selective | full
     micro_batch: int
     seq_len: int
+    offload: bool = False  # full recompute only: block inputs in host memory (parallel.offload_activations)
 
     @property
     def shard(self) -> int:
@@ -70,7 +71,8 @@ class Plan:
         """e.g. 'FSDP128(dp64xcp2) EP64 AC=full mb=1 seq=4096' (FSDP spans dp_shard * cp ranks)."""
         rep = f"{self.dp_replicate}xHSDP" if self.dp_replicate > 1 else "FSDP"
         split = f"(dp{self.dp_shard}xcp{self.cp})" if self.cp > 1 else ""
-        return f"{rep}{self.shard}{split} EP{self.ep} AC={self.recompute} mb={self.micro_batch} seq={self.seq_len}"
+        ac = self.recompute + ("+offload" if self.offload else "")
+        return f"{rep}{self.shard}{split} EP{self.ep} AC={ac} mb={self.micro_batch} seq={self.seq_len}"
 
 
 @dataclass(frozen=True)
@@ -560,6 +562,8 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
         kept = per
     elif plan.recompute == "selective":
         kept = [t * a.sel for a in accs]
+    elif plan.offload:  # full + offload: block inputs wait in host memory; one comes back per recompute
+        kept = [0.0] * spec.n_layers
     else:  # full: block inputs only, one block recomputed at a time
         kept = [t * spec.hidden_size * (4 if f32s else act_bytes)] * spec.n_layers
     f = BACKWARD_GRAD_FACTOR
@@ -576,11 +580,35 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
                 # selective: the cache is popped as the recompute consumes it, so block i holds what it saved
                 # so far (GEMM outputs included) + the GEMM outputs not recomputed yet + the transient
                 phases.append((f"recompute {i}", sum(kept[:i]) + (t * a.sel - s0 if plan.recompute == "selective"
-                                                                 else 0.0), n0 + t * a.work + dout, i))
+                                                                 else 0.0),
+                               n0 + t * a.work + dout * (2 if plan.offload else 1), i))  # + the input brought back
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
         phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
     return {"layers": sum(kept), "phases": phases, "logits": logits, "tokens_per_gpu": t}
+
+
+def cp_buffer_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2) -> float:
+    """What context parallelism adds per GPU (ops/kda/cp.py, ops/dsa/cp.py); 0 at cp = 1.
+
+    One layer at a time (the larger of): a DSA layer's gathered key side of the whole sequence (kv latent +
+    RoPE part + index key per token, act_bytes) plus, in its backward, that buffer's fp32 gradient before the
+    reduce-scatter; a KDA layer's gathered fp32 (state, transition) of all 2 * cp pieces [H, K, V + K].
+    Kept: without recompute every DSA layer keeps the other ranks' share of its gathered key rows for the
+    backward, and every KDA layer its own 2 pieces' transition and incoming state."""
+    if plan.cp == 1:
+        return 0.0
+    types = spec.resolved_layer_types()
+    n_dsa, n_kda = types.count("dsa"), types.count("kda")
+    seq, mb = plan.micro_batch * plan.seq_len, plan.micro_batch
+    per_tok = spec.kv_lora_rank + spec.qk_rope_head_dim + spec.index_head_dim
+    H, K = spec.kda_n_heads, spec.kda_head_dim
+    dsa_transient = seq * per_tok * (act_bytes + 4) if n_dsa else 0.0
+    kda_transient = 2 * plan.cp * mb * H * K * 2 * K * 4 if n_kda else 0.0
+    kept = n_kda * 2 * mb * H * K * 2 * K * 4
+    if plan.recompute == "none":
+        kept += n_dsa * seq * (plan.cp - 1) / plan.cp * (spec.kv_lora_rank + spec.qk_rope_head_dim) * act_bytes
+    return float(max(dsa_transient, kda_transient) + kept)
 
 
 def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_bytes: int = 2,
@@ -634,10 +662,11 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
     if grads > best[0]:  # the optimizer step (all gradients, no activations) is the peak
         best = (grads, "optimizer step", grads, 0.0, 0.0)
     _, phase, grads_at_peak, kept, transient = best
-    sub = weights + grads_at_peak + optimizer + gathered + kept + transient + a2a
+    cp_buf = cp_buffer_bytes(spec, plan, act_bytes)
+    sub = weights + grads_at_peak + optimizer + gathered + kept + transient + a2a + cp_buf
     reserve = reserve_frac * sub + context_bytes
     out = {"weights": weights, "grads": grads_at_peak, "optimizer": optimizer, "fsdp_gather": gathered,
-           "activations": kept, "loss_or_recompute": transient, "a2a_buffers": a2a,
+           "activations": kept, "loss_or_recompute": transient, "a2a_buffers": a2a, "cp_buffers": cp_buf,
            "reserve": reserve}
     out["total"] = sum(out.values())
     out["params_total"], out["params_trainable"], out["tokens_per_gpu"] = total, trainable, t

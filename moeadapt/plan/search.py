@@ -71,6 +71,17 @@ def evaluate_plan(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, gpu_mem: f
     return Candidate(plan, mem, comm, fits, "" if fits else _why(mem, gpu_mem))
 
 
+def check_cp(gpus: int, cps: tuple[int, ...], seq_lens: list[int] | None) -> None:
+    """Requested cp degrees must multiply out with the GPU count and cut each sequence into 2*cp pieces."""
+    for cp in cps:
+        if cp < 1 or gpus % cp:
+            ok = ", ".join(str(d) for d in _divisors(gpus))
+            raise ValueError(f"cp={cp} does not divide --gpus {gpus}: dp_replicate x dp_shard x cp must multiply "
+                             f"out to the GPU count; choose cp in {{{ok}}}")
+        for seq in seq_lens or ():
+            ParallelSpec(cp=cp).validate_seq_len(seq)
+
+
 def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | None = None,
            seq_lens: list[int] | None = None, micro_batches: list[int] | None = None,
            recomputes: tuple[str, ...] = ("none", "selective", "full"), cps: tuple[int, ...] = (1, 2, 4, 8),
@@ -90,7 +101,7 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
                 ps = ParallelSpec(dp_replicate=gpus // shard, dp_shard=dp_shard, cp=cp, ep=ep)
                 ps.validate_for(spec, gpus)
                 for seq in seq_lens:
-                    if seq % cp or seq > spec.max_position_embeddings:
+                    if (cp > 1 and seq % (2 * cp)) or seq > spec.max_position_embeddings:  # 2*cp pieces
                         continue
                     for rc in recomputes:
                         for mb in micro_batches:

@@ -18,6 +18,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 class LocalRun:
     counts_reduce = None  # router counts are already this process's whole batch
     rank, world, is_main = 0, 1, True
+    data_rank, data_world, cp_layout = 0, 1, None  # one process reads every row and holds every position
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -29,6 +30,9 @@ class LocalRun:
 
             apply_activation_checkpointing(model, self.cfg.parallel.activation_checkpointing)
         return model
+
+    def local_part(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def mean(self, value: float) -> float:
         return value

@@ -88,13 +88,15 @@ def _autocast(device: torch.device, dtype: str):
 @torch.no_grad()
 def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, run=None) -> float:
     """Mean loss per target token over the first `n_batches` (default eval_batches) micro-batches of every
-    rank: rank r takes batches r, r + world, ... and the sums are added over ranks. Every rank runs the same
-    number of forwards (FSDP and EP forwards are collective): one past the end repeats batch 0 at weight 0.
-    A multimodal eval set is evaluated by `evaluate_vl` (train/vl.py)."""
+    data-parallel rank: rank r takes batches r, r + world, ... and the sums are added over ranks (the ranks of
+    a cp group take the same rows, each its pieces; their losses are shares x cp, so the sum over the group
+    counts each row cp times, as it counts its targets). Every rank runs the same number of forwards (FSDP and
+    EP forwards are collective): one past the end repeats batch 0 at weight 0. A multimodal eval set is
+    evaluated by `evaluate_vl` (train/vl.py)."""
     if isinstance(ds, MultimodalDataset):
         return evaluate_vl(model, ds, cfg.train.micro_batch_size, device, n_batches or cfg.train.eval_batches,
                            lambda: _autocast(device, cfg.train.dtype))["loss"]
-    world, rank = (run.world, run.rank) if run is not None else (1, 0)
+    world, rank = (run.data_world, run.data_rank) if run is not None else (1, 0)
     model.eval()
     bs = cfg.train.micro_batch_size
     nb = min(-(-len(ds) // bs), (n_batches or cfg.train.eval_batches) * world)
@@ -103,7 +105,7 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, ru
         i = b * bs if b < nb else 0
         x, y = ds.inputs[i:i + bs].to(device), ds.labels[i:i + bs].to(device)
         with _autocast(device, cfg.train.dtype):
-            out = model(x, y, return_logits=False)
+            out = model(run.local_part(x) if run else x, run.local_part(y) if run else y, return_logits=False)
         k = int((y != -100).sum()) if b < nb else 0
         if k:
             tot += float(out.loss) * k
@@ -213,7 +215,7 @@ def train_step(lp: Loop) -> StepStats:
         st.skipped = "no_targets"
         return st
     for xb, yb, images in batches:
-        x, y = xb.to(device), yb.to(device)
+        x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
         with _autocast(device, t.dtype):
             out = model(x, y, return_logits=False, micro_batches=per_fwd,
                         images=images.to(device) if images is not None else None)
@@ -468,7 +470,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-              (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.rank, world=run.world),
+              (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.data_rank,
+                                                     world=run.data_world),
               MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet)
     start = _resume(lp)
     lp.logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step

@@ -46,3 +46,42 @@ def test_selective_keeps_gemms_and_full_recomputes_them():
             assert torch.equal(grads[mode][n], g), f"{mode}: grad {n} differs"
         for a, b in zip(tokens[mode], tokens["none"]):
             assert torch.equal(a, b), f"{mode}: the recompute counted routed tokens again"
+
+
+def _host_copies(fn) -> int:
+    """How many block inputs `fn`'s graph sends to host memory (_ToHost nodes)."""
+    seen, todo, n = set(), [fn], 0
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        n += type(f).__name__ == "_ToHostBackward"
+        todo += [g for g, _ in f.next_functions]
+    return n
+
+
+def test_offloaded_full_recompute_is_exact():
+    from moeadapt.config import ParallelSpec
+    from moeadapt.parallel import apply_activation_checkpointing
+
+    spec = micro_spec()
+    x, y = batch(spec, 2, 40)
+    res = {}
+    for offload in (False, True):
+        model = build(spec, lora=False)  # (a frozen embedding's output needs no grad: no node to count)
+        apply_activation_checkpointing(model, "full", offload=offload)
+        out = model(x, y, return_logits=False)
+        loss = out.loss + out.aux_loss
+        res[offload] = (_host_copies(loss.grad_fn), float(loss.detach()))
+        loss.backward()
+        res[offload] += ({n: p.grad for n, p in model.named_parameters() if p.grad is not None},)
+    assert res[False][0] == 0 and res[True][0] == spec.n_layers  # one host copy per block input
+    assert res[True][1] == res[False][1]
+    for n, g in res[False][2].items():
+        assert torch.equal(res[True][2][n], g), f"offload: grad {n} differs"
+    with pytest.raises(ValueError, match="offload_activations offloads the block inputs.*full"):
+        apply_activation_checkpointing(build(spec, lora=False), "selective", offload=True)
+    with pytest.raises(ValueError, match="set parallel.activation_checkpointing: full"):
+        ParallelSpec(offload_activations=True)
+    assert ParallelSpec(offload_activations=True, activation_checkpointing="full").offload_activations

@@ -46,14 +46,20 @@ def _shape_err(name: str, t: torch.Tensor, expected: str) -> ValueError:
     return ValueError(f"{name} has shape {tuple(t.shape)}; expected {expected}")
 
 
-def _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens) -> None:
+def _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=None, keys_may_differ=False) -> None:
     if q_idx.dim() != 4:
         raise _shape_err("q_idx", q_idx, "[B, T, HI, DI]")
     B, T, HI, DI = q_idx.shape
-    if tuple(k_idx.shape) != (B, T, DI):
+    if q_positions is not None or keys_may_differ:  # queries of a longer key sequence (context parallelism)
+        if k_idx.dim() != 3 or k_idx.shape[0] != B or k_idx.shape[2] != DI:
+            raise _shape_err("k_idx", k_idx, f"[B, Tk, DI] with B, DI = {(B, DI)}")
+        if q_positions is not None and tuple(q_positions.shape) != (T,):
+            raise _shape_err("q_positions", q_positions, f"[Tq] = [{T}]")
+        T = k_idx.shape[1]
+    elif tuple(k_idx.shape) != (B, T, DI):
         raise _shape_err("k_idx", k_idx, f"[B, T, DI] = {(B, T, DI)}")
-    if tuple(w_idx.shape) != (B, T, HI):
-        raise _shape_err("w_idx", w_idx, f"[B, T, HI] = {(B, T, HI)}")
+    if tuple(w_idx.shape) != (B, q_idx.shape[1], HI):
+        raise _shape_err("w_idx", w_idx, f"[B, T, HI] = {(B, q_idx.shape[1], HI)}")
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk={topk!r} must be a positive int")
     if cu_seqlens is not None:
@@ -70,6 +76,7 @@ def lightning_indexer(
     topk: int,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    q_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Select the top-k causal keys of every query by the lightning indexer score.
 
@@ -79,30 +86,34 @@ def lightning_indexer(
         w_idx: [B, T, HI] per-head weights (already scaled by HI^-0.5 DI^-0.5).
         topk: keys kept per query; a query sees min(topk, keys visible to it).
         cu_seqlens: [N+1] int cumulative sequence lengths of a packed batch (B = 1).
+        q_positions: [Tq] int positions of the query rows among k_idx's Tk keys, when the
+            queries are a subset of a longer sequence (context parallelism: this rank's
+            queries, every rank's keys); cu_seqlens then describes the Tk keys. Default:
+            q_idx's rows are positions 0..T-1 of the keys.
     Returns:
         indices [B, T, topk] int32: ascending key positions, -1 padded. Score
         I[t,s] = sum_j w[t,j] relu(q_idx[t,j] . k_idx[s]) over s <= t in t's
         sequence; equal scores keep the lower index. No gradient.
     """
-    _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens)
+    _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions)
     if _backend(backend, q_idx) == "triton":
         from .triton_indexer import lightning_indexer_triton
 
-        return lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens)
-    return lightning_indexer_reference(q_idx, k_idx, w_idx, topk, cu_seqlens)
+        return lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
+    return lightning_indexer_reference(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
 
 
 def _check_attention(q, k, v, indices) -> None:
     if q.dim() != 4:
         raise _shape_err("q", q, "[B, T, HQ, D]")
     B, T, HQ, D = q.shape
-    if k.dim() != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise _shape_err("k", k, f"[B, T, HK, D] with B, T, D = {(B, T, D)}")
-    HK = k.shape[2]
+    if k.dim() != 4 or k.shape[0] != B or k.shape[3] != D:
+        raise _shape_err("k", k, f"[B, Tk, HK, D] with B, D = {(B, D)}")
+    Tk, HK = k.shape[1], k.shape[2]
     if HQ % HK != 0:
         raise ValueError(f"HQ = {HQ} query heads is not a multiple of HK = {HK} key heads")
-    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, HK):
-        raise _shape_err("v", v, f"[B, T, HK, DV] with B, T, HK = {(B, T, HK)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, Tk, HK):
+        raise _shape_err("v", v, f"[B, Tk, HK, DV] with B, Tk, HK = {(B, Tk, HK)}")
     if indices.dim() == 3:
         ok = tuple(indices.shape[:2]) == (B, T)
     else:
@@ -124,7 +135,8 @@ def sparse_attention(
     """Softmax attention of each query over its selected keys only.
 
     Args:
-        q: [B, T, HQ, D]; k: [B, T, HK, D]; v: [B, T, HK, DV]; HQ a multiple of HK
+        q: [B, T, HQ, D]; k: [B, Tk, HK, D]; v: [B, Tk, HK, DV]; HQ a multiple of HK; Tk = T
+            except for queries of a longer key sequence (context parallelism: indices index k's Tk rows)
             (MLA runs it in MQA form: HK = 1, D = kv_lora_rank + rope, DV = kv_lora_rank).
         indices: [B, T, K] shared by all KV heads, or [B, T, HK, K]; -1 = unused.
             All query heads of a KV group attend to that group's selected keys.
@@ -170,7 +182,9 @@ def indexer_kl_loss(
     _check_attention(q, k, k[..., :1], indices)
     if indices.dim() != 3:
         raise _shape_err("indices", indices, "[B, T, K] (one selection per token)")
-    _check_indexer(q_idx, k_idx, w_idx, 1, None)
+    _check_indexer(q_idx, k_idx, w_idx, 1, None, keys_may_differ=True)
+    if k_idx.shape[1] != k.shape[1]:
+        raise _shape_err("k_idx", k_idx, f"[B, Tk, DI] with Tk = {k.shape[1]} as in k")
     if tuple(q_idx.shape[:2]) != tuple(q.shape[:2]):
         raise _shape_err("q_idx", q_idx, f"[B, T, HI, DI] with B, T = {tuple(q.shape[:2])}")
     if _backend(backend, q) == "triton":

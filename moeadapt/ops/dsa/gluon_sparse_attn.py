@@ -229,7 +229,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.
         q.dtype == k.dtype == torch.bfloat16 and D == D1 + D2 and k.shape[2] == 1 and v.shape[-1] == DV
         and HQ % BLOCK_H == 0 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
         and k.stride(-1) == 1 and indices.shape[-1] <= 8192
-        and T * k.stride(1) < 2**31  # key row offsets are int32 inside one sequence
+        and max(T, k.shape[1]) * k.stride(1) < 2**31  # key row offsets are int32 inside one sequence
         # 16-byte cp.async: aligned bases, strides Triton specialises as multiples of 16 elements
         # (q is made contiguous: [.., 576] rows; a copy is aligned)
         and k.data_ptr() % 16 == 0 and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0

@@ -56,21 +56,26 @@ def lightning_indexer_reference(
     topk: int,
     cu_seqlens: torch.Tensor | None = None,
     block: int = 256,
+    q_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-k causal key indices per query, [B,T,topk] int32, ascending, -1 padded.
+    """Top-k causal key indices per query, [B,Tq,topk] int32, ascending, -1 padded.
 
-    q_idx [B,T,HI,DI], k_idx [B,T,DI], w_idx [B,T,HI]. Queries are processed in
-    blocks of ``block`` rows, so memory is O(block * HI * T), never O(T^2).
+    q_idx [B,Tq,HI,DI], k_idx [B,T,DI], w_idx [B,Tq,HI]. `q_positions` [Tq]: the
+    queries' positions among the T keys (context parallelism: local queries, gathered
+    keys); default arange(T) with Tq = T. Queries are processed in blocks of
+    ``block`` rows, so memory is O(block * HI * T), never O(T^2).
     """
-    B, T, _, _ = q_idx.shape
+    B, Tq, _, _ = q_idx.shape
+    T = k_idx.shape[1]
     dev = q_idx.device
-    starts_T = _seq_starts(T, cu_seqlens, dev)
-    out_BTK = torch.full((B, T, topk), -1, dtype=torch.int32, device=dev)
     key_pos = torch.arange(T, device=dev)
-    for t0 in range(0, T, block):
-        t1 = min(T, t0 + block)
+    q_pos = key_pos if q_positions is None else q_positions.to(device=dev, dtype=torch.long)
+    starts_T = _seq_starts(T, cu_seqlens, dev)[q_pos]
+    out_BTK = torch.full((B, Tq, topk), -1, dtype=torch.int32, device=dev)
+    for t0 in range(0, Tq, block):
+        t1 = min(Tq, t0 + block)
         scores_BQS = indexer_scores_reference(q_idx[:, t0:t1], k_idx, w_idx[:, t0:t1])
-        qpos = key_pos[t0:t1, None]
+        qpos = q_pos[t0:t1, None]
         visible_QS = (key_pos[None] <= qpos) & (key_pos[None] >= starts_T[t0:t1, None])
         scores_BQS = scores_BQS.masked_fill(~visible_QS, float("-inf"))
         # Stable sort on descending score: of equal scores the lower index stays first.

@@ -16,6 +16,7 @@ A persistent grid of P programs; program p handles query rows p, p + P, ...
    index wins ties), are written in ascending index order, then -1 padding.
 Rows with at most topk visible keys take all of them without scoring.
 Device memory is the [P, T] scratch (P = 4 programs per SM), never [T, T].
+Query rows may be a subset of the key sequence (context parallelism): row r sits at position QPOS[r].
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def _pick_bin(hist, krem, NB: tl.constexpr):
 
 @triton.jit
 def _indexer_kernel(
-    QI, KI, WI, STARTS, OUT, SCR,
+    QI, KI, WI, STARTS, QPOS, OUT, SCR,
     sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr,
-    T, NROWS, HI, TOPK, NPROG,
+    TQ, NROWS, HI, TOPK, NPROG,
     DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -67,8 +68,8 @@ def _indexer_kernel(
     scr = SCR + pid.to(tl.int64) * s_scr
     for r in range(pid, NROWS, NPROG):
         r64 = tl.cast(r, tl.int64)
-        b = r64 // T
-        t = (r64 % T).to(tl.int32)
+        b = r64 // TQ
+        t = tl.load(QPOS + r64 % TQ)  # the query's position among the keys
         start = tl.load(STARTS + t)
         n = t - start + 1
         out = OUT + r64 * so_r
@@ -150,34 +151,39 @@ def pad_head_dim(q_idx, k_idx):
 LI_CONFIG = {"BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4}
 
 
-def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None):
+def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None, q_positions=None):
     """Triton lightning indexer; same contract as `lightning_indexer_reference`."""
     cfg = cfg or LI_CONFIG
     block_s, progs_per_sm = cfg["BLOCK_S"], cfg["progs_per_sm"]
     q_idx, k_idx = pad_head_dim(q_idx, k_idx)
-    B, T, HI, DI = q_idx.shape
+    B, TQ, HI, DI = q_idx.shape
+    T = k_idx.shape[1]
     dev = q_idx.device
-    q = q_idx.reshape(B * T, HI, DI).contiguous()
+    q = q_idx.reshape(B * TQ, HI, DI).contiguous()
     k = k_idx if k_idx.stride(-1) == 1 else k_idx.contiguous()
-    w = w_idx.reshape(B * T, HI).contiguous()
+    w = w_idx.reshape(B * TQ, HI).contiguous()
+    if q_positions is None:
+        qpos = torch.arange(TQ, dtype=torch.int32, device=dev)
+    else:
+        qpos = q_positions.to(device=dev, dtype=torch.int32).contiguous()
     if cu_seqlens is None:
         starts = torch.zeros(T, dtype=torch.int32, device=dev)
     else:
         cu = cu_seqlens.to(device=dev, dtype=torch.long)
         seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)
         starts = cu[seq].to(torch.int32)
-    out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
+    out = torch.empty(B, TQ, topk, dtype=torch.int32, device=dev)
     if dev.type == "cuda":
         nprog = torch.cuda.get_device_properties(dev).multi_processor_count * progs_per_sm
     else:
         nprog = 4
-    nprog = max(1, min(nprog, B * T))
+    nprog = max(1, min(nprog, B * TQ))
     block_r = cfg.get("BLOCK_R", block_s)
     scratch = torch.empty(nprog, T, dtype=torch.int32, device=dev)
     _indexer_kernel[(nprog,)](
-        q, k, w, starts, out, scratch,
+        q, k, w, starts, qpos, out, scratch,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), out.stride(1), scratch.stride(0),
-        T, B * T, HI, topk, nprog,
+        TQ, B * TQ, HI, topk, nprog,
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s, BLOCK_R=block_r,
         IEEE=use_ieee(q), num_warps=cfg["num_warps"],
     )

@@ -165,7 +165,7 @@ class IndexerKLFunction(torch.autograd.Function):
         loss_r = torch.empty(B * T, device=q_idx.device, dtype=torch.float32)
         dq = torch.empty(B * T, bhi, DI, device=q_idx.device, dtype=torch.float32)
         dw = torch.empty(B * T, bhi, device=q_idx.device, dtype=torch.float32)
-        dk = torch.zeros(B, T, DI, device=q_idx.device, dtype=torch.float32)
+        dk = torch.zeros(B, k_idx.shape[1], DI, device=q_idx.device, dtype=torch.float32)  # Tk keys
         _kl_indexer_kernel[(B * T,)](
             qi, ki, wi, idx, p, loss_r, dq, dk, dw,
             qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), wi.stride(0), idx.stride(1), p.stride(1),

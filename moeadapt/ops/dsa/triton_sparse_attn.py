@@ -610,7 +610,7 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
         idx.stride(1), si_h, o.stride(1), o.stride(2), lse.stride(1),
         T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E,
         D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=cfg["BLOCK_K"],
-        V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+        V_FROM_K=vk, IEEE=use_ieee(q), I64=max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31,
         DENSE=bool(cfg.get("DENSE", False)) and walk["SKIP"],  # DENSE counts the valid slots of the read row
         **walk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -625,8 +625,9 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     do = do.contiguous()
     o = o.contiguous()  # same layout as do: the kernel reads both with do's strides
     dq = torch.empty_like(q)
-    dk = torch.zeros(B, T, HK, D, device=q.device, dtype=torch.float32)
-    dv = dk if vk else torch.zeros(B, T, HK, DV, device=q.device, dtype=torch.float32)
+    Tk = k.shape[1]  # keys may be a longer sequence than the queries (context parallelism)
+    dk = torch.zeros(B, Tk, HK, D, device=q.device, dtype=torch.float32)
+    dv = dk if vk else torch.zeros(B, Tk, HK, DV, device=q.device, dtype=torch.float32)
     if cfg.get("PDS", False):
         _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg)
         return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
@@ -647,7 +648,7 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
         )
         meta = dict(
             D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
-            V_FROM_K=vk, IEEE=use_ieee(q), I64=T * max(k.stride(1), v.stride(1), D) >= 2**31,
+            V_FROM_K=vk, IEEE=use_ieee(q), I64=max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31,
             **_walk_args(c, idx.shape[-1]), IDX_AHEAD=bool(c.get("IDX_AHEAD", False)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
@@ -698,7 +699,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
     if _POISON_PDS:  # tests: unwritten slots must never be read (CPU allocations often come back zeroed)
         pds.fill_(float("nan"))
-    i64 = T * max(k.stride(1), v.stride(1), D) >= 2**31
+    i64 = max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31
 
     bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
     # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes); GLUON_P1=False: Triton.

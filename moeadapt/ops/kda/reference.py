@@ -99,6 +99,21 @@ def naive_recurrent_kda(
     return o.to(out_dtype), (S if output_final_state else None)
 
 
+def state_transition_reference(k, g, beta):
+    """The K x K map a span of steps applies to its incoming state: M = A_T ... A_1 with
+    A_t = (I - beta_t k_t k_t^T) diag(exp(g_t)), per value head, so that the span's final state is
+    M S_in + (final state from zero). k [B,T,HV,K] (heads expanded), g [B,T,HV,K], beta [B,T,HV];
+    returns [B,HV,K,K]. A plain product of step matrices: the specification of the cp state exchange."""
+    B, T, HV, K = k.shape
+    eye = torch.eye(K, dtype=k.dtype, device=k.device)
+    M = eye.expand(B, HV, K, K)
+    for t in range(T):
+        kt = k[:, t]
+        A = (eye - beta[:, t, :, None, None] * kt[..., :, None] * kt[..., None, :]) * g[:, t].exp()[..., None, :]
+        M = A @ M
+    return M
+
+
 def _intra_chunk(q, k, G, beta):
     """Within-chunk products for [..., C, K] chunks with G the in-chunk cumulative gate.
 
