@@ -113,13 +113,13 @@ def load_model_dir(model: str | Path, adapter: str | Path | None = None, device:
     m = materialize(build_model(spec, "meta"), device)
     if Path(str(model)).is_dir():
         load_model(model, m)
-    else:  # a preset: the weights are random
+    if adapter is not None:
+        load_peft(m, adapter)
+    if not Path(str(model)).is_dir():  # a preset: the weights are random
         import sys
 
         print(f"warning: {model!r} is a preset with random weights (not a trained model): its output is noise; give "
               "a model directory written by `moeadapt train` (RUN/model) for real results", file=sys.stderr)
-    if adapter is not None:
-        load_peft(m, adapter)
     m.eval()
     return m
 

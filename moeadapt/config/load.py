@@ -44,6 +44,11 @@ def safe_load_yaml(text: str, where: str):
     """YAML -> Python objects (no tags that build objects); duplicate keys are an error naming `where`."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        loc = f"{where}, line {mark.line + 1} column {mark.column + 1}" if mark else where
+        what = "; ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{loc}: not valid YAML ({what})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
 

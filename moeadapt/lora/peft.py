@@ -236,6 +236,7 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
             if e is not None:
                 dst = dst[e]
         if dst.shape != t.shape:
-            raise ValueError(f"adapter tensor {key} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
+            raise ValueError(f"adapter {path}: tensor {key} has shape {tuple(t.shape)}, the model expects "
+                             f"{tuple(dst.shape)}; the adapter belongs to another base model - give that model")
         dst.copy_(t)
     return spec

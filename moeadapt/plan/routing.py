@@ -22,7 +22,12 @@ def expert_probs(dist: str, n_experts: int, layer: int | None = None, seed: int 
     if dist == "uniform":
         return np.full(n_experts, 1.0 / n_experts)
     if dist.startswith("zipf"):
-        s = float(dist.split(":", 1)[1]) if ":" in dist else 1.0
+        try:
+            s = float(dist.split(":", 1)[1]) if ":" in dist else 1.0
+        except ValueError:
+            raise ValueError(f"--dist {dist!r}: the Zipf exponent must be a number, e.g. zipf:1.0") from None
+        if not (s >= 0 and np.isfinite(s)):
+            raise ValueError(f"--dist {dist!r}: the Zipf exponent must be >= 0 and finite, e.g. zipf:1.0")
         p = 1.0 / np.arange(1, n_experts + 1) ** s
         np.random.default_rng(seed).shuffle(p)
         return p / p.sum()
@@ -30,8 +35,18 @@ def expert_probs(dist: str, n_experts: int, layer: int | None = None, seed: int 
     if not path.is_file():
         raise ValueError(f"--dist {dist!r} is neither 'uniform', 'zipf:S' nor a metrics.jsonl file")
     total = None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    lines = path.read_text(errors="replace").split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # a torn last line (the run was cut off mid-write)
+                break
+            raise ValueError(f"{path}:{i}: not a JSON record; give a metrics.jsonl written by `moeadapt train`") from None
+        if not isinstance(rec, dict):
+            continue
         for m in rec.get("moe", []) or []:
             if "counts" in m and (layer is None or m["layer"] == layer):
                 c = np.asarray(m["counts"], dtype=np.float64)

@@ -352,16 +352,18 @@ def _resume(lp: Loop) -> int:
             if not _weights_finite(lp):
                 raise ValueError("its weights hold NaN/Inf")
         except (ValueError, FileNotFoundError, OSError) as e:
-            failed.append(ck.name)
-            lp.say(f"[yellow]resume: {ck} does not load ({e}); trying the previous checkpoint")
+            failed.append(f"{ck.name}: {e}")
+            if ck is not candidates[-1]:
+                lp.say(f"[yellow]resume: {ck} does not load ({e}); trying the previous checkpoint")
             continue
         lp.sampler.load_state(sampler_state)
-        lp.say(f"resumed from {ck} at step {start}" + (f" (skipped {', '.join(failed)})" if failed else ""))
+        skipped = ", ".join(f.split(":")[0] for f in failed)
+        lp.say(f"resumed from {ck} at step {start}" + (f" (skipped {skipped}, which did not load)" if failed else ""))
         _apply_config_lr(lp, start)
         return start
     if failed:
-        raise TrainingError(f"resume: no checkpoint under {root} loads ({', '.join(failed)}); start a new "
-                            "train.output_dir, or move the broken checkpoints away and set train.resume=false")
+        raise TrainingError(f"resume: no checkpoint under {root} loads ({'; '.join(failed)}); fix that, start a "
+                            "new train.output_dir, or move the checkpoints away")
     lp.say(f"[yellow]resume: no checkpoint under {root}; starting from step 0")
     return 0
 

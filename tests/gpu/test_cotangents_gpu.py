@@ -41,5 +41,5 @@ def test_kda_sum_backward_at_the_crashing_shape():
     torch.autograd.backward((o, ht), (torch.ones_like(o), torch.ones_like(ht)))
     for name, a, x in zip("q k v g beta".split(), grads, (q, k, v, g, beta)):
         assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.float(), x.grad.float(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a.float(), x.grad.float(), rtol=2e-2, atol=1e-2, msg=name)  # atomics: order may differ
 
