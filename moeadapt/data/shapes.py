@@ -4,7 +4,7 @@ Each 56 x 56 picture (4 image tokens for a patch-14 tower) holds 1-3 shapes of o
 yellow) on a white background. Questions: colour, shape, count, and, for a single shape, left or right. The
 answer is one word, so the chance level of a model that ignores the image is 1/4, 1/3, 1/3 and 1/2 per question
 type (the `meta.question` field of each record). Generated deterministically (fixed seeds) on first use into
-$MOEADAPT_CACHE/shapes-v3 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
+$MOEADAPT_CACHE/shapes-v4 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
 usual chat-with-images format, so the normal JSONL path reads them.
 """
 
@@ -28,7 +28,7 @@ QUESTIONS = {  # short: on a CPU, every prompt byte is a token the tiny model pa
 CHANCE = {"colour": 1 / 4, "shape": 1 / 3, "count": 1 / 3, "position": 1 / 2}
 SIZE, CELL = 56, 28  # a 2 x 2 grid of cells (one image token each for a patch-14 tower), one shape at most per cell
 SPLITS = {"train": (2000, 1), "eval": (240, 2)}  # records, seed
-VERSION = "shapes-v3"
+VERSION = "shapes-v4"
 
 
 def _draw(d, kind: str, cx: int, cy: int, r: int, rgb) -> None:
@@ -74,8 +74,9 @@ def write_split(root: Path, split: str, n: int, seed: int) -> None:
             img, q, text, ans = make_sample(rng)
             rel = f"{split}/{i:05d}.png"
             img.save(root / rel)
-            rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": rel},
-                                                              {"type": "text", "text": text}]},
+            # question first, picture last: its tokens sit right before the answer (a tiny model reads them sooner)
+            rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                              {"type": "image", "image": rel}]},
                                 {"role": "assistant", "content": ans}], "meta": {"question": q}}
             f.write(json.dumps(rec) + "\n")
 
