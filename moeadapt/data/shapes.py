@@ -3,8 +3,8 @@
 Each 56 x 56 picture (4 image tokens for a patch-14 tower) holds 1-3 shapes of one kind (circle, square, triangle) and one colour (red, green, blue,
 yellow) on a white background. Questions: colour, shape, count, and, for a single shape, left or right. The
 answer is one word, so the chance level of a model that ignores the image is 1/4, 1/3, 1/3 and 1/2 per question
-type (the `meta.question` field of each record). Generated deterministically (fixed seeds) on first use into
-$MOEADAPT_CACHE/shapes-v4 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
+type (`meta.questions` lists each turn's). A record holds TURNS turns, each asking about its own picture. Generated deterministically (fixed seeds) on first use into
+$MOEADAPT_CACHE/shapes-v5 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
 usual chat-with-images format, so the normal JSONL path reads them.
 """
 
@@ -27,8 +27,9 @@ QUESTIONS = {  # short: on a CPU, every prompt byte is a token the tiny model pa
 }
 CHANCE = {"colour": 1 / 4, "shape": 1 / 3, "count": 1 / 3, "position": 1 / 2}
 SIZE, CELL = 56, 28  # a 2 x 2 grid of cells (one image token each for a patch-14 tower), one shape at most per cell
-SPLITS = {"train": (2000, 1), "eval": (240, 2)}  # records, seed
-VERSION = "shapes-v4"
+TURNS = 8  # question-answer turns per record, each about its own picture (more supervision per row)
+SPLITS = {"train": (400, 1), "eval": (30, 2)}  # records, seed
+VERSION = "shapes-v5"
 
 
 def _draw(d, kind: str, cx: int, cy: int, r: int, rgb) -> None:
@@ -66,19 +67,22 @@ def make_sample(rng: random.Random):
     return img, q, QUESTIONS[q], answer
 
 
-def write_split(root: Path, split: str, n: int, seed: int) -> None:
+def write_split(root: Path, split: str, n: int, seed: int, turns: int = TURNS) -> None:
+    """n records of `turns` user/assistant turns; each user turn asks about a new picture."""
     rng = random.Random(seed)
     (root / split).mkdir(parents=True, exist_ok=True)
     with (root / f"{split}.jsonl").open("w") as f:
         for i in range(n):
-            img, q, text, ans = make_sample(rng)
-            rel = f"{split}/{i:05d}.png"
-            img.save(root / rel)
-            # question first, picture last: its tokens sit right before the answer (a tiny model reads them sooner)
-            rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": text},
-                                                              {"type": "image", "image": rel}]},
-                                {"role": "assistant", "content": ans}], "meta": {"question": q}}
-            f.write(json.dumps(rec) + "\n")
+            msgs, kinds = [], []
+            for j in range(turns):
+                img, q, text, ans = make_sample(rng)
+                rel = f"{split}/{i:05d}_{j}.png"
+                img.save(root / rel)
+                # question first, picture last: its tokens sit right before the answer (read sooner by a tiny model)
+                msgs += [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": rel}]},
+                         {"role": "assistant", "content": ans}]
+                kinds.append(q)
+            f.write(json.dumps({"messages": msgs, "meta": {"questions": kinds}}) + "\n")
 
 
 def cache_root() -> Path:

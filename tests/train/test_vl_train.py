@@ -20,8 +20,8 @@ BASE = ROOT / "moeadapt" / "assets" / "tiny-base"
 
 
 def _data(tmp_path, n_train=24, n_eval=8):
-    shapes.write_split(tmp_path / "d", "train", n_train, 1)
-    shapes.write_split(tmp_path / "d", "eval", n_eval, 2)
+    shapes.write_split(tmp_path / "d", "train", n_train, 1, turns=1)
+    shapes.write_split(tmp_path / "d", "eval", n_eval, 2, turns=1)
     return tmp_path / "d" / "train.jsonl", tmp_path / "d" / "eval.jsonl"
 
 
@@ -51,7 +51,7 @@ def test_vl_finetune_eval_generate(tmp_path, capsys):
     assert main(["eval", "--model", str(base), "--adapter", str(r.output_dir / "adapter"), "--data", str(ev),
                  "--seq-len", "32", "--batches", "2"]) == 0
     assert "answer accuracy" in capsys.readouterr().out
-    img = tmp_path / "d" / "eval" / "00000.png"
+    img = tmp_path / "d" / "eval" / "00000_0.png"
     assert main(["generate", "--model", str(base), "--adapter", str(r.output_dir / "adapter"), "--image", str(img),
                  "--prompt", "Colour?", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
@@ -66,7 +66,7 @@ def test_vl_finetune_eval_generate(tmp_path, capsys):
 def test_bad_image_in_training_data_stops_before_training(tmp_path):
     train, ev = _data(tmp_path, 8, 4)
     lines = train.read_text().splitlines()
-    lines[2] = lines[2].replace("train/00002.png", "train/missing.png")
+    lines[2] = lines[2].replace("train/00002_0.png", "train/missing.png")
     train.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"train\.jsonl:3: image file .*missing\.png does not exist"):
         api.train(_cfg(tmp_path, train, ev), quiet=True)
