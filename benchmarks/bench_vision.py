@@ -9,11 +9,13 @@ same total length (image tokens replaced by text), so the difference is what the
 frozen base in bf16 (the trainer's GPU setup); the ViT's attention is PyTorch's flash varlen kernel.
 
     python benchmarks/bench_vision.py --out vision.json [--images 4] [--image-size 1024] [--micro-batch 1]
+    python benchmarks/bench_vision.py --smoke      # CPU: the same code path on tiny-vl with 56 x 56 images
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -40,7 +42,7 @@ def _rows(spec, args, device, with_images: bool, g):
     gh, gw = H // 14, W // 14
     n_img_tok = gh * gw // 4
     T = args.text_tokens + args.images * n_img_tok
-    x = torch.randint(0, 32000, (args.micro_batch, T + 1), device=device, generator=g)
+    x = torch.randint(0, min(32000, vs.image_token_id), (args.micro_batch, T + 1), device=device, generator=g)
     images = None
     if with_images:
         for r in range(args.micro_batch):
@@ -58,18 +60,21 @@ def bench(args, with_images: bool, model, spec, device) -> dict:
     x, y, images, T, n_img_tok = _rows(spec, args, device, with_images, g)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
             out = model(x, y, return_logits=False, images=images)
             loss = out.loss + out.aux_loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     dt = sorted(times)[len(times) // 2]
@@ -79,7 +84,8 @@ def bench(args, with_images: bool, model, spec, device) -> dict:
             "patches_per_row": args.images * n_img_tok * 4 if with_images else 0,
             "step_ms": dt * 1e3, "lm_tokens_per_s": toks / dt,
             "images_per_s": args.micro_batch * args.images / dt if with_images else 0.0,
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30, "loss": float(out.loss)}
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan"),
+            "loss": float(out.loss.detach())}
 
 
 def main() -> None:
@@ -93,15 +99,21 @@ def main() -> None:
     ap.add_argument("--vision-lora", action="store_true", help="LoRA on the tower's linears as well")
     ap.add_argument("--projector", default="frozen", choices=["frozen", "lora", "full"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script on tiny-vl (numbers meaningless)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_vision needs a CUDA GPU")
-    device = torch.device("cuda")
-    spec = get_preset("small", vision=VisionSpec(**KIMI_VL_TOWER), max_position_embeddings=65536)
+    if args.smoke:
+        args.images, args.image_size, args.text_tokens, args.steps, args.warmup = 2, 56, 16, 1, 0
+        device, spec = torch.device("cpu"), get_preset("tiny-vl")
+    elif not torch.cuda.is_available():
+        sys.exit("bench_vision needs a CUDA GPU (or --smoke on CPU)")
+    else:
+        device = torch.device("cuda")
+        spec = get_preset("small", vision=VisionSpec(**KIMI_VL_TOWER), max_position_embeddings=65536)
     model = materialize(build_model(spec, "meta"), device, seed=0)
     lora = LoRASpec(rank=16, alpha=32, vision_tower="lora" if args.vision_lora else "frozen", projector=args.projector)
     inject_lora(model, lora)
-    cast_frozen_(model, torch.bfloat16)
+    if device.type == "cuda":
+        cast_frozen_(model, torch.bfloat16)
     model.set_backend("auto")
     c = count_parameters(model, spec)["by_component"]
     tower = c.get("vision_tower", 0)

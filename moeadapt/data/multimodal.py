@@ -34,8 +34,9 @@ class ImageError(ValueError):
 
 
 def resize_for_budget(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(H, W): multiples of `factor`, aspect ratio kept as far as rounding allows, min_pixels <= H*W <= max_pixels
-    (unless one factor x factor tile already exceeds max_pixels)."""
+    """(H, W): multiples of `factor`, aspect ratio kept as far as rounding allows, min_pixels <= H*W <= max_pixels.
+    Where both cannot hold (a budget narrower than one rounding step), max_pixels wins; a side never goes below
+    one tile of `factor` pixels."""
     if min(h, w) < 1:
         raise ValueError(f"image of {h} x {w} pixels is empty")
     if max(h, w) / min(h, w) > 50:

@@ -3,8 +3,8 @@
 Each 56 x 56 picture (4 image tokens for a patch-14 tower) holds 1-3 shapes of one kind (circle, square, triangle) and one colour (red, green, blue,
 yellow) on a white background. Questions: colour, shape, count, and, for a single shape, left or right. The
 answer is one word, so the chance level of a model that ignores the image is 1/4, 1/3, 1/3 and 1/2 per question
-type (the `meta.question` field of each record). Generated deterministically (fixed seeds) on first use into
-$MOEADAPT_CACHE/shapes-v2 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
+type (`meta.questions` lists each turn's). A record holds TURNS turns, each asking about its own picture. Generated deterministically (fixed seeds) on first use into
+$MOEADAPT_CACHE/shapes-v5 (default ~/.cache/moeadapt) as PNG files plus `train.jsonl` / `eval.jsonl` in the
 usual chat-with-images format, so the normal JSONL path reads them.
 """
 
@@ -26,9 +26,10 @@ QUESTIONS = {  # short: on a CPU, every prompt byte is a token the tiny model pa
     "position": "Left or right?",
 }
 CHANCE = {"colour": 1 / 4, "shape": 1 / 3, "count": 1 / 3, "position": 1 / 2}
-SIZE, CELL = 56, 18  # a 3 x 3 grid of cells, one shape at most per cell
-SPLITS = {"train": (2000, 1), "eval": (240, 2)}  # records, seed
-VERSION = "shapes-v2"
+SIZE, CELL = 56, 28  # a 2 x 2 grid of cells (one image token each for a patch-14 tower), one shape at most per cell
+TURNS = 8  # question-answer turns per record, each about its own picture (more supervision per row)
+SPLITS = {"train": (400, 1), "eval": (30, 2)}  # records, seed
+VERSION = "shapes-v5"
 
 
 def _draw(d, kind: str, cx: int, cy: int, r: int, rgb) -> None:
@@ -48,36 +49,40 @@ def make_sample(rng: random.Random):
     q = rng.choice(list(QUESTIONS))
     n = 1 if q == "position" else rng.randint(1, 3)
     colour, kind = rng.choice(list(COLOURS)), rng.choice(KINDS)
-    cells = [(c, r) for r in range(3) for c in range(3)]
+    cells = [(c, r) for r in range(2) for c in range(2)]
     if q == "position":
         side = rng.choice(("left", "right"))
-        cells = [(0 if side == "left" else 2, rng.randrange(3))]
+        cells = [(0 if side == "left" else 1, rng.randrange(2))]
     else:
         cells = rng.sample(cells, n)
     img = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
     d = ImageDraw.Draw(img)
     for c, r in cells:
-        rad = rng.randint(5, 7)
-        cx = 1 + c * CELL + CELL // 2 + rng.randint(-1, 1)
-        cy = 1 + r * CELL + CELL // 2 + rng.randint(-1, 1)
+        rad = rng.randint(8, 11)
+        cx = c * CELL + CELL // 2 + rng.randint(-2, 2)
+        cy = r * CELL + CELL // 2 + rng.randint(-2, 2)
         _draw(d, kind, cx, cy, rad, COLOURS[colour])
     answer = {"colour": colour, "shape": kind, "count": str(n),
               "position": "left" if cells[0][0] == 0 else "right"}[q]
     return img, q, QUESTIONS[q], answer
 
 
-def write_split(root: Path, split: str, n: int, seed: int) -> None:
+def write_split(root: Path, split: str, n: int, seed: int, turns: int = TURNS) -> None:
+    """n records of `turns` user/assistant turns; each user turn asks about a new picture."""
     rng = random.Random(seed)
     (root / split).mkdir(parents=True, exist_ok=True)
     with (root / f"{split}.jsonl").open("w") as f:
         for i in range(n):
-            img, q, text, ans = make_sample(rng)
-            rel = f"{split}/{i:05d}.png"
-            img.save(root / rel)
-            rec = {"messages": [{"role": "user", "content": [{"type": "image", "image": rel},
-                                                              {"type": "text", "text": text}]},
-                                {"role": "assistant", "content": ans}], "meta": {"question": q}}
-            f.write(json.dumps(rec) + "\n")
+            msgs, kinds = [], []
+            for j in range(turns):
+                img, q, text, ans = make_sample(rng)
+                rel = f"{split}/{i:05d}_{j}.png"
+                img.save(root / rel)
+                # question first, picture last: its tokens sit right before the answer (read sooner by a tiny model)
+                msgs += [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image", "image": rel}]},
+                         {"role": "assistant", "content": ans}]
+                kinds.append(q)
+            f.write(json.dumps({"messages": msgs, "meta": {"questions": kinds}}) + "\n")
 
 
 def cache_root() -> Path:

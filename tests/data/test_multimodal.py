@@ -39,18 +39,26 @@ def _hf(*imgs, q="Describe.", a="two cats"):
 
 def test_resize_for_budget_bounds(seed):
     rng = random.Random(seed)
-    for _ in range(300):
+    for _ in range(400):
         h, w = rng.randint(5, 3000), rng.randint(5, 3000)
         if max(h, w) / min(h, w) > 50:
             continue
         lo = rng.choice([28 * 28, 56 * 56, 112 * 112])
         hi = lo * rng.choice([1, 4, 16, 64])
         H, W = resize_for_budget(h, w, 28, lo, hi)
-        assert H % 28 == 0 and W % 28 == 0 and H >= 28 and W >= 28
-        assert H * W <= max(hi, 28 * 28 * max(1, round(max(h, w) / min(h, w)))), (h, w, H, W, lo, hi)
-        assert H * W >= lo or H * W > hi / 4, (h, w, H, W)
-        assert abs(H / W - h / w) / (h / w) < 0.5 or min(H, W) == 28  # aspect kept up to rounding
+        what = (h, w, lo, hi, H, W)
+        assert H % 28 == 0 and W % 28 == 0 and H >= 28 and W >= 28, what
+        rounded = max(28, round(h / 28) * 28) * max(28, round(w / 28) * 28)
+        if rounded > hi:  # scaled down: within max_pixels (max wins over min) unless a side hit one tile
+            assert H * W <= hi or min(H, W) == 28, what
+        elif rounded < lo:  # scaled up
+            assert H * W >= lo, what
+        else:  # only rounded to the tile
+            assert (H, W) == (max(28, round(h / 28) * 28), max(28, round(w / 28) * 28)), what
+        if min(H, W) >= 4 * 28:
+            assert abs((H / W) / (h / w) - 1) < 0.35, what  # aspect kept up to rounding
     assert resize_for_budget(100, 100, 28, 28 * 28, 10**9) == (112, 112)
+    assert resize_for_budget(1024, 1024, 28, 28 * 28, 1024 * 1024) == (1008, 1008)
     with pytest.raises(ValueError, match="aspect ratio above 50"):
         resize_for_budget(10, 1000, 28, 1, 10**9)
 
