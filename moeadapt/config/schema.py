@@ -80,6 +80,9 @@ class ModelSpec(_Strict):
     index_loss_coef: float = Field(default=0.0, ge=0)
     index_norm_eps: float = Field(default=1e-5, gt=0, description="epsilon of the indexer key LayerNorm "
                                   "(DeepSeek-V3.2 checkpoints: 1e-6)")
+    index_shared_layers: list[int] = Field(default_factory=list, description="DSA layers without an indexer of "
+                                           "their own: they reuse the top-k of the nearest earlier DSA layer that "
+                                           "has one (GLM-5's 'shared' indexer layers)")
     mla_rope: bool = Field(default=True, description="rotate the qk_rope_head_dim channels of the MLA query and "
                            "shared key; False = NoPE MLA (Kimi Linear): those channels are used unrotated")
     mla_norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the MLA q / kv latent RMSNorms; "
@@ -151,6 +154,15 @@ class ModelSpec(_Strict):
                     f"topk_group={self.topk_group} groups of {e // self.n_group} experts cannot supply "
                     f"n_experts_per_tok={k} experts; raise topk_group"
                 )
+        if self.index_shared_layers:
+            types = self.resolved_layer_types()
+            bad = [i for i in self.index_shared_layers if not 0 <= i < self.n_layers or types[i] != "dsa"]
+            if bad:
+                raise ValueError(f"index_shared_layers {bad} are not DSA layers; list only 'dsa' layers")
+            first = next(i for i, t in enumerate(types) if t == "dsa")
+            if first in self.index_shared_layers:
+                raise ValueError(f"index_shared_layers holds layer {first}, the first DSA layer: it has no earlier "
+                                 "indexer to share; remove it")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.qk_rope_head_dim > self.index_head_dim:

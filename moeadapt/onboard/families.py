@@ -6,7 +6,8 @@ layers to skip, FP8 block size). Must not touch tensors.
 
 Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in dense mode: index_topk =
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
-indexer = our DSA layer), kimi_linear (KDA + MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
+indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
+shared-indexer layers), kimi_linear (KDA + MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
 type), and our own format (config.json with a "moeadapt" key).
 """
 
@@ -44,6 +45,7 @@ class Family:
     spec: ModelSpec
     raw: dict
     rope_interleave: bool = False  # MLA q_pe / k_pe rows laid out in interleaved pairs (DeepSeek)
+    index_rope_interleave: bool = False  # the indexer's q / k rope rows interleaved as well (GLM-5)
     mtp_layers: int = 0  # extra multi-token-prediction layers after the last one (skipped, with a notice)
     fp8_block: tuple[int, int] | None = None  # block-quantised FP8 weights (weight_scale_inv)
     dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
@@ -195,11 +197,18 @@ def _deepseek(r: _Reader, fam: Family) -> dict:
     fam.mtp_layers = int(r.get("num_nextn_predict_layers", "num_mtp_layers", default=0) or 0)
     _mlp_types(r, kw)
     kw.update(layer_types=["dsa"] * n, attn_output_gate=False)
-    if r.model_type == "deepseek_v32":
+    if r.model_type in ("deepseek_v32", "glm_moe_dsa"):
         r.expect("layer_types", lambda v: set(v) <= {"indexed_attention"}, "every layer is MLA + indexer")
         kw.update(index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
                   index_topk=r.need("index_topk"), index_norm_eps=1e-6)  # indexer.k_norm: LayerNorm(eps=1e-6)
         fam.hf_class = "DeepseekV32ForCausalLM"
+    if r.model_type == "glm_moe_dsa":  # GLM-5: V3.2's layout, interleaved indexer RoPE, shared-indexer layers
+        kinds = r.get("indexer_types") or ["full"] * n
+        if set(kinds) - {"full", "shared"}:
+            r.unsupported.append(f"indexer_types {sorted(set(kinds) - {'full', 'shared'})} (full or shared)")
+        kw["index_shared_layers"] = [i for i, k in enumerate(kinds) if k == "shared"]
+        fam.index_rope_interleave = True
+        fam.hf_class = "GlmMoeDsaForCausalLM"
     else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
         fam.dense_mla = True
         kw.update(index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"], index_topk=kw["max_position_embeddings"])
@@ -262,7 +271,7 @@ def _qwen3_moe(r: _Reader, fam: Family) -> dict:
     return kw
 
 
-_FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek,
+_FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
 
 

@@ -42,10 +42,14 @@ class Rule:
         return t.reshape(src_shape)
 
 
-def _rope_rows(heads: int, head: int, nope: int, rope: int) -> torch.Tensor:
-    """Row order taking interleaved rope pairs (x0,x1),(x2,x3).. to half-split (x0,x2,..,x1,x3,..) per head."""
+def _rope_rows(heads: int, head: int, nope: int, rope: int, rope_first: bool = False) -> torch.Tensor:
+    """Row order taking interleaved rope pairs (x0,x1),(x2,x3).. to half-split (x0,x2,..,x1,x3,..) per head;
+    a head is [nope | rope], or [rope | the other head - rope channels] with rope_first."""
     within = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-    per = torch.cat([torch.arange(nope), nope + within])
+    if rope_first:
+        per = torch.cat([within, rope + torch.arange(head - rope)])
+    else:
+        per = torch.cat([torch.arange(nope), nope + within])
     return torch.cat([h * head + per for h in range(heads)])
 
 
@@ -149,6 +153,13 @@ def _build_rules(fam: Family) -> list[Rule]:
         if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe",):
             r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
                 "zeros"
+        if fam.index_rope_interleave and rel in ("attn.wq_idx.weight", "attn.wk_idx.weight",
+                                                 "attn.k_idx_norm.weight", "attn.k_idx_norm.bias"):
+            # the indexer's rope channels come first ([rope | pass]); the key LayerNorm's weight and bias follow
+            # the key's channels (LayerNorm commutes with a channel permutation), scores are invariant to it
+            DI, rope = spec.index_head_dim, spec.qk_rope_head_dim
+            heads = spec.index_n_heads if rel == "attn.wq_idx.weight" else 1
+            r.row_perm = _rope_rows(heads, DI, 0, rope, rope_first=True)
         if fam.rope_interleave:
             H, nope, rope = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
             if rel in ("attn.wq_b.weight", "attn.wq.weight"):

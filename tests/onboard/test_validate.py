@@ -13,7 +13,7 @@ from moeadapt.onboard import names as names_mod
 from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -26,7 +26,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
     fam = read_family_dir(d)
-    if model_type == "deepseek_v32":  # the indexer really selects: every document but the shortest exceeds top-k
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):  # the indexer really selects: every document but the shortest exceeds top-k
         assert sorted(v["lengths"])[1] > fam.spec.index_topk
 
 
@@ -94,4 +94,19 @@ def test_indexer_ties_are_aligned_but_a_wrong_indexer_fails(tmp_path):
     assert v["passed"], v["where"]
     assert v["tie_aligned"][1] > 0
     v = validate_checkpoint(d, fam, tamper=_perturb(0, "attn.wk_idx.weight"))
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+
+
+def test_glm5_shared_indexer_layers_and_interleaved_indexer_rope(tmp_path):
+    """GLM-5 (glm_moe_dsa): 'shared' layers reuse the previous indexer's top-k (no indexer of their own), and
+    the indexer's RoPE rows are interleaved: mapping them as half-split makes the validation fail."""
+    import dataclasses
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("glm_moe_dsa", tmp_path / "ckpt", seed)
+    fam = read_family_dir(d)
+    shared = fam.spec.index_shared_layers
+    assert shared and shared[-1] == fam.spec.n_layers - 1
+    v = validate_checkpoint(d, dataclasses.replace(fam, index_rope_interleave=False))
     assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
