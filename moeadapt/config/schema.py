@@ -53,7 +53,7 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     n_layers: int = Field(gt=0)
-    layer_types: list[Literal["kda", "dsa", "gqa"]] | None = None
+    layer_types: list[Literal["kda", "dsa", "gqa", "gdn"]] | None = None
     dsa_every: int = Field(default=4, ge=1)
     max_position_embeddings: int = Field(default=4096, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -95,6 +95,16 @@ class ModelSpec(_Strict):
     gqa_n_kv_heads: int = Field(default=2, gt=0)
     gqa_head_dim: int = Field(default=32, gt=0)
     gqa_qk_norm: bool = True
+    gqa_output_gate: bool = Field(default=False, description="q_proj also gives a per-channel gate per head "
+                                  "([q_h | gate_h]); the attention output is multiplied by sigmoid(gate) (Qwen3-Next)")
+    gqa_rope_dim: int | None = Field(default=None, gt=0, description="partial RoPE: rotate only the first "
+                                     "gqa_rope_dim channels of each head; None = the whole head")
+
+    # Gated DeltaNet ("gdn" layers, Qwen3-Next): KDA with one decay per head and grouped value heads
+    gdn_n_key_heads: int = Field(default=2, gt=0)
+    gdn_n_value_heads: int = Field(default=4, gt=0)
+    gdn_key_head_dim: int = Field(default=32, gt=0)
+    gdn_value_head_dim: int = Field(default=32, gt=0)
 
     # FFN / MoE
     first_k_dense: int = Field(default=1, ge=0)
@@ -104,6 +114,8 @@ class ModelSpec(_Strict):
     n_shared_experts: int = Field(default=1, ge=0)
     moe_intermediate_size: int = Field(default=64, gt=0)
     shared_intermediate_size: int | None = Field(default=None, gt=0, description="per shared expert; None = moe_intermediate_size")
+    shared_expert_gate: bool = Field(default=False, description="multiply the shared expert's output by "
+                                     "sigmoid(x W_g), one scalar per token (Qwen3-Next)")
     latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
     latent_norm: bool = True
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
@@ -135,6 +147,12 @@ class ModelSpec(_Strict):
                                  "choose a divisor of n_heads")
             if self.gqa_head_dim % 2:
                 raise ValueError(f"gqa_head_dim={self.gqa_head_dim} must be even (RoPE rotates pairs)")
+            rd = self.gqa_rope_dim
+            if rd is not None and (rd % 2 or rd > self.gqa_head_dim):
+                raise ValueError(f"gqa_rope_dim={rd} must be even and at most gqa_head_dim={self.gqa_head_dim}")
+        if self.layer_types is not None and "gdn" in self.layer_types and self.gdn_n_value_heads % self.gdn_n_key_heads:
+            raise ValueError(f"gdn_n_key_heads={self.gdn_n_key_heads} does not divide gdn_n_value_heads="
+                             f"{self.gdn_n_value_heads}; value heads are grouped over the key heads")
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
         if self.first_k_dense < self.n_layers:

@@ -1,7 +1,8 @@
 """HybridMoEModel: embeddings -> N blocks -> RMSNorm -> LM head (DESIGN.md §3).
 
 Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types
-(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py),
+(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py; or Gated DeltaNet, "gdn",
+for Qwen3-Next: gdn_attn.py),
 ffn is a dense SwiGLU for the first `first_k_dense` layers and LatentMoE after.
 Buildable on the meta device (`build_model(spec, device="meta")`) and materialised later with
 `materialize(model, device)`. Never imports parallel/: parallelism is applied to a built model.
@@ -18,6 +19,7 @@ from torch import nn
 from ..config import ModelSpec
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
+from .gdn_attn import GatedDeltaNet
 from .gqa_attn import GQAAttention
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear, LatentMoE
@@ -31,7 +33,7 @@ class Block(nn.Module):
         self.attn_type = spec.resolved_layer_types()[layer_id]
         self.attn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.attn = DSAAttention(spec, layer_id) if self.attn_type == "dsa" else \
-            {"kda": KDAAttention, "gqa": GQAAttention}[self.attn_type](spec)
+            {"kda": KDAAttention, "gqa": GQAAttention, "gdn": GatedDeltaNet}[self.attn_type](spec)
         self.ffn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.is_moe = spec.is_moe_layer(layer_id)
         self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)
@@ -101,7 +103,7 @@ class HybridMoEModel(nn.Module):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
-            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, Router)):
+            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, GatedDeltaNet, Router)):
                 m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

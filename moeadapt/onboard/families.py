@@ -51,6 +51,7 @@ class Family:
     dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
     notes: list[str] = field(default_factory=list)  # semantic differences worth a line in the report
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
+    norm_offset: float = 0.0  # RMSNorm weights stored as weight - offset (Qwen3-Next's 1 + weight norms)
     layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
 
 
@@ -209,7 +210,7 @@ def _deepseek(r: _Reader, fam: Family) -> dict:
         kw["index_shared_layers"] = [i for i, k in enumerate(kinds) if k == "shared"]
         fam.index_rope_interleave = True
         fam.hf_class = "GlmMoeDsaForCausalLM"
-    else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
+    elif r.model_type != "deepseek_v32":  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
         fam.dense_mla = True
         kw.update(index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"], index_topk=kw["max_position_embeddings"])
         fam.hf_class = "DeepseekV3ForCausalLM"
@@ -271,8 +272,35 @@ def _qwen3_moe(r: _Reader, fam: Family) -> dict:
     return kw
 
 
+def _qwen3_next(r: _Reader, fam: Family) -> dict:
+    """Qwen3-Next / Qwen3.5-MoE text: Gated DeltaNet ("gdn") layers and gated full attention with partial RoPE
+    ("gqa"), a softmax-routed MoE with a sigmoid-gated shared expert. Its RMSNorms (all but the DeltaNet output
+    norm) scale by 1 + weight: the name map adds the 1 (names.py)."""
+    kw = _qwen3_moe(r, fam)
+    types = r.need("layer_types")
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if bad:
+        r.unsupported.append(f"layer_types {bad} (linear_attention or full_attention)")
+    params = r.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", r.get("partial_rotary_factor", default=1.0)))
+    hd = kw["gqa_head_dim"]
+    kw.update(
+        layer_types=["gdn" if t == "linear_attention" else "gqa" for t in types],
+        gqa_output_gate=True, gqa_rope_dim=int(hd * factor) if factor != 1.0 else None,
+        gdn_n_key_heads=r.need("linear_num_key_heads"), gdn_n_value_heads=r.need("linear_num_value_heads"),
+        gdn_key_head_dim=r.need("linear_key_head_dim"), gdn_value_head_dim=r.need("linear_value_head_dim"),
+        kda_conv_size=r.get("linear_conv_kernel_dim", default=4),
+    )
+    sh = r.get("shared_expert_intermediate_size", default=0)
+    if sh:
+        kw.update(n_shared_experts=1, shared_intermediate_size=sh, shared_expert_gate=True)
+    fam.norm_offset = 1.0
+    fam.hf_class = "Qwen3NextForCausalLM"
+    return kw
+
+
 _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
-             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
+             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next}
 
 
 # Config fields of architectures we do not implement -> what they are (for the unknown-family message)

@@ -30,15 +30,20 @@ class Rule:
     row_perm: torch.Tensor | None = None  # ours[i] = ckpt[row_perm[i]] along dim 0 (never on stacked rules)
     absent_ok: str = ""  # why the checkpoint has no such tensor ("" = it must be there)
     init: str = "keep"  # for absent tensors: "zeros" or "keep" (the model's own init)
+    offset: float = 0.0  # ours = ckpt + offset (RMSNorms stored as weight - 1, applied as 1 + weight)
 
     def to_ours(self, t: torch.Tensor) -> torch.Tensor:
         if self.row_perm is not None:
             t = t.index_select(0, self.row_perm)
+        if self.offset:
+            t = t + self.offset
         return t.reshape(self.shape[1:] if self.stacked else self.shape)
 
     def from_ours(self, t: torch.Tensor, src_shape: tuple[int, ...]) -> torch.Tensor:
         if self.row_perm is not None:
             t = t.index_select(0, torch.argsort(self.row_perm))
+        if self.offset:
+            t = t - self.offset
         return t.reshape(src_shape)
 
 
@@ -88,8 +93,16 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
         "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
     }
-    if ours == "attn.q_norm.weight" and fam.model_type == "qwen3_moe":
+    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next"):
         return p + "self_attn.q_norm.weight"
+    if mt == "qwen3_next":
+        if fam.spec.resolved_layer_types()[i] == "gdn" and ours.startswith("attn."):
+            return p + "linear_attn." + ours[len("attn."):]
+        if ours.startswith("ffn.shared."):  # Qwen3-Next: one shared expert, singular name, with a gate
+            return p + "mlp.shared_expert." + {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[
+                ours.split(".")[2]] + ".weight"
+        if ours == "ffn.shared_gate.weight":
+            return p + "mlp.shared_expert_gate.weight"
     if ours in fixed:
         return p + fixed[ours]
     if ours.startswith("ffn.experts.w"):
@@ -140,7 +153,7 @@ def _build_rules(fam: Family) -> list[Rule]:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
                 src = "model.embed_tokens.weight"
-            rules.append(Rule(name, [src], shape))
+            rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
         src = _hf_layer(fam, int(i), rel)
@@ -150,7 +163,10 @@ def _build_rules(fam: Family) -> list[Rule]:
         if rel.startswith("attn.") and rel.split(".")[1] in _IDX and fam.dense_mla:
             r.absent_ok = "indexer of a DSA layer in dense mode (index_topk >= max_position_embeddings): unused"
             r.init = "zeros"
-        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe",):
+        if fam.norm_offset and rel in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
+                                       "attn.k_norm.weight"):
+            r.offset = fam.norm_offset
+        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", "qwen3_next"):
             r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
                 "zeros"
         if fam.index_rope_interleave and rel in ("attn.wq_idx.weight", "attn.wk_idx.weight",

@@ -54,6 +54,17 @@ def _random_cfg(model_type: str, rnd: random.Random):
         return transformers.Qwen3MoeConfig(num_attention_heads=H, num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
                                            num_experts=c([4, 8]), norm_topk_prob=c([True, False]),
                                            mlp_only_layers=c([[], [0]]), **common)
+    if model_type == "qwen3_next":  # Gated DeltaNet : gated full attention, partial RoPE, gated shared expert
+        kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
+        HK = c([1, 2])
+        common.update(num_hidden_layers=len(kinds))
+        return transformers.Qwen3NextConfig(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]), num_experts=c([4, 8]),
+            norm_topk_prob=c([True, False]), layer_types=kinds, linear_num_key_heads=HK,
+            linear_num_value_heads=HK * c([1, 2]), linear_key_head_dim=c([8, 16]), linear_value_head_dim=c([8, 16]),
+            shared_expert_intermediate_size=c([16, 24]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5])},
+            **common)
     mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
                qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
     mla["num_key_value_heads"] = mla["num_attention_heads"]

@@ -13,7 +13,7 @@ from moeadapt.onboard import names as names_mod
 from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -21,7 +21,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     seed = fresh_seed()
     print(f"{model_type}: checkpoint seed {seed} (MOEADAPT_TEST_SEED={seed} replays it)")
     d = random_checkpoint(model_type, tmp_path / "ckpt", seed)
-    v = onboard(d, validate=True, seq_len=24 if model_type == "kimi_linear" else None, seed=seed)["validation"]
+    v = onboard(d, validate=True, seq_len=24 if model_type in ("kimi_linear", "qwen3_next") else None, seed=seed)["validation"]
     print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "per_layer")})
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
@@ -110,3 +110,21 @@ def test_glm5_shared_indexer_layers_and_interleaved_indexer_rope(tmp_path):
     assert shared and shared[-1] == fam.spec.n_layers - 1
     v = validate_checkpoint(d, dataclasses.replace(fam, index_rope_interleave=False))
     assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+
+
+def test_qwen3_next_features_each_matter(tmp_path):
+    """Qwen3-Next: the 1 + weight RMSNorms, the sigmoid-gated shared expert and partial RoPE are each needed."""
+    import dataclasses
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("qwen3_next", tmp_path / "ckpt", seed)
+    fam = read_family_dir(d)
+    s = fam.spec
+    assert "gdn" in s.resolved_layer_types() and s.gqa_output_gate and s.shared_expert_gate and s.gqa_rope_dim
+    v = validate_checkpoint(d, dataclasses.replace(fam, norm_offset=0.0), seq_len=16)
+    assert not v["passed"] and v["first_bad_layer"] == 0
+    gqa = s.resolved_layer_types().index("gqa")
+    no_partial = dataclasses.replace(fam, spec=s.model_copy(update={"gqa_rope_dim": None}))
+    v = validate_checkpoint(d, no_partial, seq_len=16)
+    assert not v["passed"] and v["first_bad_layer"] == gqa, v["where"]
