@@ -95,6 +95,8 @@ class ModelSpec(_Strict):
     gqa_n_kv_heads: int = Field(default=2, gt=0)
     gqa_head_dim: int = Field(default=32, gt=0)
     gqa_qk_norm: bool = True
+    gqa_qk_norm_full: bool = Field(default=False, description="the q / k RMSNorm spans all heads' channels "
+                                   "together (MiniMax-M2) instead of each head")
     gqa_output_gate: bool = Field(default=False, description="q_proj also gives a per-channel gate per head "
                                   "([q_h | gate_h]); the attention output is multiplied by sigmoid(gate) (Qwen3-Next)")
     gqa_rope_dim: int | None = Field(default=None, gt=0, description="partial RoPE: rotate only the first "

@@ -30,8 +30,9 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(d, HK * Dh, bias=False)
         self.v_proj = nn.Linear(d, HK * Dh, bias=False)
         self.o_proj = nn.Linear(H * Dh, d, bias=False)
-        self.q_norm = RMSNorm(Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
-        self.k_norm = RMSNorm(Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
+        self.norm_full = spec.gqa_qk_norm_full  # one RMSNorm over all heads' channels instead of per head
+        self.q_norm = RMSNorm(H * Dh if self.norm_full else Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
+        self.k_norm = RMSNorm(HK * Dh if self.norm_full else Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
         self.backend = "auto"  # SDPA picks its kernel; kept so set_backend() treats every layer alike
 
     def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
@@ -44,7 +45,10 @@ class GQAAttention(nn.Module):
             q_BTHK = self.q_proj(x_BTD).view(B, T, H, Dh)
         k_BTHK = self.k_proj(x_BTD).view(B, T, HK, Dh)
         v_BTHK = self.v_proj(x_BTD).view(B, T, HK, Dh)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_full:
+            q_BTHK = self.q_norm(q_BTHK.reshape(B, T, H * Dh)).view(B, T, H, Dh)
+            k_BTHK = self.k_norm(k_BTHK.reshape(B, T, HK * Dh)).view(B, T, HK, Dh)
+        elif self.q_norm is not None:
             q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
         rd = self.rope_dim
         cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), rd, self.theta, self.rope_scaling)

@@ -7,8 +7,9 @@ layers to skip, FP8 block size). Must not touch tensors.
 Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in dense mode: index_topk =
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
 indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
-shared-indexer layers), kimi_linear (KDA + MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
-type), and our own format (config.json with a "moeadapt" key).
+shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
+type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), and our own format
+(config.json with a "moeadapt" key).
 """
 
 from __future__ import annotations
@@ -299,8 +300,36 @@ def _qwen3_next(r: _Reader, fam: Family) -> dict:
     return kw
 
 
+def _minimax_m2(r: _Reader, fam: Family) -> dict:
+    """MiniMax-M2: GQA with one q / k RMSNorm over all heads and partial RoPE; every layer a sigmoid-routed MoE
+    (selection bias, top-k normalised, no shared expert)."""
+    _silu(r)
+    kw = _common(r)
+    n = kw["n_layers"]
+    H = r.need("num_attention_heads")
+    hd = r.get("head_dim", default=kw["hidden_size"] // H)
+    params = r.get("rope_parameters") or {}
+    rd = r.get("rotary_dim")
+    factor = params.get("partial_rotary_factor", rd / hd if rd else 1.0)
+    r.expect("router_jitter_noise", lambda v: not v, "router jitter noise is not implemented")
+    inter = r.need("intermediate_size")
+    kw.update(
+        layer_types=["gqa"] * n, n_heads=H, gqa_n_kv_heads=r.need("num_key_value_heads"), gqa_head_dim=hd,
+        gqa_qk_norm=bool(r.get("use_qk_norm", default=True)), gqa_qk_norm_full=True,
+        gqa_rope_dim=int(hd * factor) if factor != 1.0 else None, first_k_dense=0, intermediate_size=inter,
+        n_routed_experts=r.need("num_local_experts"), n_experts_per_tok=r.need("num_experts_per_tok"),
+        n_shared_experts=0, moe_intermediate_size=inter, latent_dim=None, score_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=1.0, bias_update_rate=1e-3,
+        aux_loss_coef=float(r.get("router_aux_loss_coef", default=0.0)),
+        qk_rope_head_dim=min(16, hd - hd % 2), index_head_dim=max(16, hd), index_topk=kw["max_position_embeddings"],
+    )
+    fam.hf_class = "MiniMaxM2ForCausalLM"
+    return kw
+
+
 _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
-             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next}
+             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next,
+             "minimax_m2": _minimax_m2}
 
 
 # Config fields of architectures we do not implement -> what they are (for the unknown-family message)

@@ -62,7 +62,7 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
     p = f"model.layers.{i}."
     mt = fam.model_type
-    moe = "block_sparse_moe." if mt == "kimi_linear" else "mlp."
+    moe = "block_sparse_moe." if mt in ("kimi_linear", "minimax_m2") else "mlp."
     fixed = {
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
         # MLA (DSA layer)
@@ -93,8 +93,10 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
         "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
     }
-    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next"):
+    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next", "minimax_m2"):
         return p + "self_attn.q_norm.weight"
+    if ours == "ffn.router.expert_bias" and mt == "minimax_m2":
+        return p + moe + "e_score_correction_bias"
     if mt == "qwen3_next":
         if fam.spec.resolved_layer_types()[i] == "gdn" and ours.startswith("attn."):
             return p + "linear_attn." + ours[len("attn."):]
@@ -107,7 +109,7 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         return p + fixed[ours]
     if ours.startswith("ffn.experts.w"):
         w = ours.split(".")[2]
-        proj = ({"w1": "w1", "w3": "w3", "w2": "w2"} if mt == "kimi_linear"
+        proj = ({"w1": "w1", "w3": "w3", "w2": "w2"} if mt in ("kimi_linear", "minimax_m2")
                 else {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})[w]
         return [f"{p}{moe}experts.{e}.{proj}.weight" for e in range(fam.spec.n_routed_experts)]
     return None

@@ -54,6 +54,14 @@ def _random_cfg(model_type: str, rnd: random.Random):
         return transformers.Qwen3MoeConfig(num_attention_heads=H, num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
                                            num_experts=c([4, 8]), norm_topk_prob=c([True, False]),
                                            mlp_only_layers=c([[], [0]]), **common)
+    if model_type == "minimax_m2":  # q / k RMSNorm over all heads, partial RoPE, sigmoid router with a bias
+        common.update(intermediate_size=common["moe_intermediate_size"])
+        common.pop("moe_intermediate_size")
+        return transformers.MiniMaxM2Config(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
+            num_local_experts=c([4, 8]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.5, 1.0])},
+            **common)
     if model_type == "qwen3_next":  # Gated DeltaNet : gated full attention, partial RoPE, gated shared expert
         kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
         HK = c([1, 2])

@@ -13,7 +13,7 @@ from moeadapt.onboard import names as names_mod
 from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next", "minimax_m2"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
