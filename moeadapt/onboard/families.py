@@ -427,5 +427,6 @@ def truncated(fam: Family, n_layers: int) -> Family:
         return fam
     d = s.model_dump()
     d.update(n_layers=n_layers, layer_types=s.resolved_layer_types()[:n_layers],
-             first_k_dense=min(s.first_k_dense, n_layers))
+             first_k_dense=min(s.first_k_dense, n_layers),
+             index_shared_layers=[i for i in s.index_shared_layers if i < n_layers])
     return replace(fam, spec=ModelSpec(**d), layer_limit=n_layers, notes=list(fam.notes))

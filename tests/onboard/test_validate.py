@@ -110,6 +110,8 @@ def test_glm5_shared_indexer_layers_and_interleaved_indexer_rope(tmp_path):
     assert shared and shared[-1] == fam.spec.n_layers - 1
     v = validate_checkpoint(d, dataclasses.replace(fam, index_rope_interleave=False))
     assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+    v = validate_checkpoint(d, fam, layers=2)  # the truncated models keep the shared layers below N
+    assert v["passed"] and v["layers"] == 2, v["where"]
 
 
 def test_qwen3_next_features_each_matter(tmp_path):
