@@ -52,8 +52,11 @@ class GQAAttention(nn.Module):
             q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
         rd = self.rope_dim
         cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), rd, self.theta, self.rope_scaling)
-        q_BTHK = torch.cat([apply_rope(q_BTHK[..., :rd], cos, sin), q_BTHK[..., rd:]], dim=-1)
-        k_BTHK = torch.cat([apply_rope(k_BTHK[..., :rd], cos, sin), k_BTHK[..., rd:]], dim=-1)
+        if rd == Dh:
+            q_BTHK, k_BTHK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTHK, cos, sin)
+        else:  # partial RoPE: the first rd channels rotate, the rest pass through
+            q_BTHK = torch.cat([apply_rope(q_BTHK[..., :rd], cos, sin), q_BTHK[..., rd:]], dim=-1)
+            k_BTHK = torch.cat([apply_rope(k_BTHK[..., :rd], cos, sin), k_BTHK[..., rd:]], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHK))
         if HK != H:
             k, v = k.repeat_interleave(H // HK, dim=1), v.repeat_interleave(H // HK, dim=1)
