@@ -309,14 +309,14 @@ def demo(output_dir: str | Path = "runs/demo", rebuild_base: bool = False, quiet
 
 def onboard(path: str | Path, validate: bool = False, write_config: str | Path | None = None,
             allow_unmapped: bool = False, quiet: bool = False, layers: int | None = None,
-            seq_len: int | None = None, seed: int = 0) -> dict:
+            seq_len: int | None = None, seed: int = 0, tolerance: float | None = None) -> dict:
     """Map a checkpoint directory (HF families or ours) onto our model: spec, tensor-name check, op mapping;
     optionally validate the checkpoint's weights (the first `layers` blocks) against transformers and write a run
     YAML. See moeadapt/onboard/."""
     from . import onboard as ob
 
     res = ob.onboard(path, validate=validate, allow_unmapped=allow_unmapped, layers=layers, seq_len=seq_len,
-                     seed=seed)
+                     seed=seed, tolerance=tolerance)
     if write_config:
         res["config_written"] = ob.write_run_config(res["fam"], path, write_config)
     if not quiet:

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seq-len", type=int, default=None, help="longest validation document (default: index_topk + 24 "
                    "with an indexer, else 40)")
     s.add_argument("--seed", type=int, default=0, help="seed of the validation input")
+    s.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-4; per layer "
+                   "relative to max(1, max |h|)). fp32 rounding grows with depth: deep checkpoints may need --layers")
     s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
     s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
     _add_plan_parsers(sub)
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             api.demo(args.output_dir, args.rebuild_base)
         elif args.cmd == "onboard":
             r = api.onboard(args.path, args.validate, args.write_config, args.allow_unmapped, layers=args.layers,
-                            seq_len=args.seq_len, seed=args.seed)
+                            seq_len=args.seq_len, seed=args.seed, tolerance=args.tolerance)
             if r.get("config_written"):
                 console.print(f"run config written to {r['config_written']}")
         elif args.cmd in ("plan", "simulate-routing"):

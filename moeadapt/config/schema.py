@@ -85,7 +85,7 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     n_layers: int = Field(gt=0)
-    layer_types: list[Literal["kda", "dsa", "gqa"]] | None = None
+    layer_types: list[Literal["kda", "dsa", "gqa", "gdn"]] | None = None
     dsa_every: int = Field(default=4, ge=1)
     max_position_embeddings: int = Field(default=4096, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -112,6 +112,9 @@ class ModelSpec(_Strict):
     index_loss_coef: float = Field(default=0.0, ge=0)
     index_norm_eps: float = Field(default=1e-5, gt=0, description="epsilon of the indexer key LayerNorm "
                                   "(DeepSeek-V3.2 checkpoints: 1e-6)")
+    index_shared_layers: list[int] = Field(default_factory=list, description="DSA layers without an indexer of "
+                                           "their own: they reuse the top-k of the nearest earlier DSA layer that "
+                                           "has one (GLM-5's 'shared' indexer layers)")
     mla_rope: bool = Field(default=True, description="rotate the qk_rope_head_dim channels of the MLA query and "
                            "shared key; False = NoPE MLA (Kimi Linear): those channels are used unrotated")
     mla_norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the MLA q / kv latent RMSNorms; "
@@ -124,6 +127,18 @@ class ModelSpec(_Strict):
     gqa_n_kv_heads: int = Field(default=2, gt=0)
     gqa_head_dim: int = Field(default=32, gt=0)
     gqa_qk_norm: bool = True
+    gqa_qk_norm_full: bool = Field(default=False, description="the q / k RMSNorm spans all heads' channels "
+                                   "together (MiniMax-M2) instead of each head")
+    gqa_output_gate: bool = Field(default=False, description="q_proj also gives a per-channel gate per head "
+                                  "([q_h | gate_h]); the attention output is multiplied by sigmoid(gate) (Qwen3-Next)")
+    gqa_rope_dim: int | None = Field(default=None, gt=0, description="partial RoPE: rotate only the first "
+                                     "gqa_rope_dim channels of each head; None = the whole head")
+
+    # Gated DeltaNet ("gdn" layers, Qwen3-Next): KDA with one decay per head and grouped value heads
+    gdn_n_key_heads: int = Field(default=2, gt=0)
+    gdn_n_value_heads: int = Field(default=4, gt=0)
+    gdn_key_head_dim: int = Field(default=32, gt=0)
+    gdn_value_head_dim: int = Field(default=32, gt=0)
 
     # FFN / MoE
     first_k_dense: int = Field(default=1, ge=0)
@@ -133,6 +148,8 @@ class ModelSpec(_Strict):
     n_shared_experts: int = Field(default=1, ge=0)
     moe_intermediate_size: int = Field(default=64, gt=0)
     shared_intermediate_size: int | None = Field(default=None, gt=0, description="per shared expert; None = moe_intermediate_size")
+    shared_expert_gate: bool = Field(default=False, description="multiply the shared expert's output by "
+                                     "sigmoid(x W_g), one scalar per token (Qwen3-Next)")
     latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
     latent_norm: bool = True
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
@@ -165,6 +182,12 @@ class ModelSpec(_Strict):
                                  "choose a divisor of n_heads")
             if self.gqa_head_dim % 2:
                 raise ValueError(f"gqa_head_dim={self.gqa_head_dim} must be even (RoPE rotates pairs)")
+            rd = self.gqa_rope_dim
+            if rd is not None and (rd % 2 or rd > self.gqa_head_dim):
+                raise ValueError(f"gqa_rope_dim={rd} must be even and at most gqa_head_dim={self.gqa_head_dim}")
+        if self.layer_types is not None and "gdn" in self.layer_types and self.gdn_n_value_heads % self.gdn_n_key_heads:
+            raise ValueError(f"gdn_n_key_heads={self.gdn_n_key_heads} does not divide gdn_n_value_heads="
+                             f"{self.gdn_n_value_heads}; value heads are grouped over the key heads")
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
         if self.first_k_dense < self.n_layers:
@@ -184,6 +207,15 @@ class ModelSpec(_Strict):
                     f"topk_group={self.topk_group} groups of {e // self.n_group} experts cannot supply "
                     f"n_experts_per_tok={k} experts; raise topk_group"
                 )
+        if self.index_shared_layers:
+            types = self.resolved_layer_types()
+            bad = [i for i in self.index_shared_layers if not 0 <= i < self.n_layers or types[i] != "dsa"]
+            if bad:
+                raise ValueError(f"index_shared_layers {bad} are not DSA layers; list only 'dsa' layers")
+            first = next(i for i, t in enumerate(types) if t == "dsa")
+            if first in self.index_shared_layers:
+                raise ValueError(f"index_shared_layers holds layer {first}, the first DSA layer: it has no earlier "
+                                 "indexer to share; remove it")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.qk_rope_head_dim > self.index_head_dim:

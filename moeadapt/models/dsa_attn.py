@@ -22,8 +22,14 @@ from .common import RMSNorm, apply_rope, rope_softmax_mscale
 
 
 class DSAAttention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
+        # a layer in spec.index_shared_layers has no indexer: it reuses the nearest earlier indexer's top-k
+        self.index_from = None
+        if layer_id in spec.index_shared_layers:
+            types = spec.resolved_layer_types()
+            self.index_from = max(i for i in range(layer_id) if types[i] == "dsa" and i not in spec.index_shared_layers)
         d = spec.hidden_size
         self.spec = spec
         H, nope, rope, vd = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
@@ -44,10 +50,11 @@ class DSAAttention(nn.Module):
         # lightning indexer
         HI, DI = spec.index_n_heads, spec.index_head_dim
         self.HI, self.DI = HI, DI
-        self.wq_idx = nn.Linear(q_in, HI * DI, bias=False)
-        self.wk_idx = nn.Linear(d, DI, bias=False)
-        self.k_idx_norm = nn.LayerNorm(DI, eps=spec.index_norm_eps)
-        self.w_idx = nn.Linear(d, HI, bias=False)
+        if self.index_from is None:
+            self.wq_idx = nn.Linear(q_in, HI * DI, bias=False)
+            self.wk_idx = nn.Linear(d, DI, bias=False)
+            self.k_idx_norm = nn.LayerNorm(DI, eps=spec.index_norm_eps)
+            self.w_idx = nn.Linear(d, HI, bias=False)
         # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
         self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
@@ -69,7 +76,11 @@ class DSAAttention(nn.Module):
         w_idx = (self.w_idx(x_BTD) * (self.HI ** -0.5 * self.DI ** -0.5)).to(q_idx.dtype)
         return q_idx, k_idx, w_idx
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: dict | None = None,
+                chunk: int = 0, **_) -> tuple[torch.Tensor, dict]:
+        """shared: the forward's {(layer, micro-batch chunk): top-k indices} of the layers with an indexer, read
+        by the index_shared_layers (keyed by layer, so a recompute under activation checkpointing reads the
+        same selection)."""
         B, T, _ = x_BTD.shape
         H, nope, r, kvl = self.n_heads, self.nope, self.rope, self.kvl
         q, q_lat = self._queries(x_BTD)
@@ -89,20 +100,33 @@ class DSAAttention(nn.Module):
         k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
         v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
 
-        q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
-        want_kl = self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled()
+        want_kl = (self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled()
+                   and self.index_from is None)
         kl = None
-        if self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
-            o_lat, _, kl = dsa_attention_cp(q_full, k_full, q_idx, k_idx, w_idx, self.spec.index_topk, self.cp,
-                                            kvl, scale=self.softmax_scale, backend=self.backend, kl_loss=want_kl)
+        if self.index_from is not None:
+            if self.cp is not None:
+                raise ValueError(f"DSA layer {self.layer_id} reuses layer {self.index_from}'s top-k, which context "
+                                 "parallelism does not cover yet; set parallel.cp: 1")
+            if shared is None or (self.index_from, chunk) not in shared:
+                raise RuntimeError(f"DSA layer {self.layer_id} reuses layer {self.index_from}'s top-k; run it "
+                                   "inside the model's forward, which passes the selections along")
+            indices = shared[(self.index_from, chunk)]
+            o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale, backend=self.backend)
         else:
-            with torch.no_grad():
-                indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
-            o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
-                                     backend=self.backend)
-            if want_kl:
-                kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
-                                     scale=self.softmax_scale, backend=self.backend)
+            q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
+            if self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
+                o_lat, _, kl = dsa_attention_cp(q_full, k_full, q_idx, k_idx, w_idx, self.spec.index_topk, self.cp,
+                                                kvl, scale=self.softmax_scale, backend=self.backend, kl_loss=want_kl)
+            else:
+                with torch.no_grad():
+                    indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
+                if shared is not None:
+                    shared[(self.layer_id, chunk)] = indices
+                o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
+                                         backend=self.backend)
+                if want_kl:
+                    kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
+                                         scale=self.softmax_scale, backend=self.backend)
         o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if self.w_gate is not None:
             o = o * torch.sigmoid(self.w_gate(x_BTD)).unsqueeze(-1).to(o.dtype)

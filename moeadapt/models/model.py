@@ -1,7 +1,8 @@
 """HybridMoEModel: embeddings -> N blocks -> RMSNorm -> LM head (DESIGN.md §3).
 
 Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types
-(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py),
+(or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py; or Gated DeltaNet, "gdn",
+for Qwen3-Next: gdn_attn.py),
 ffn is a dense SwiGLU for the first `first_k_dense` layers and LatentMoE after.
 Buildable on the meta device (`build_model(spec, device="meta")`) and materialised later with
 `materialize(model, device)`. Never imports parallel/: parallelism is applied to a built model.
@@ -20,6 +21,7 @@ from ..config import ModelSpec
 from ..ops.loss import linear_cross_entropy
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
+from .gdn_attn import GatedDeltaNet
 from .gqa_attn import GQAAttention
 from .init import init_fill
 from .kda_attn import KDAAttention
@@ -34,20 +36,23 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.attn_type = spec.resolved_layer_types()[layer_id]
         self.attn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.attn = {"kda": KDAAttention, "dsa": DSAAttention, "gqa": GQAAttention}[self.attn_type](spec)
+        self.attn = DSAAttention(spec, layer_id) if self.attn_type == "dsa" else \
+            {"kda": KDAAttention, "gqa": GQAAttention, "gdn": GatedDeltaNet}[self.attn_type](spec)
         self.ffn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.is_moe = spec.is_moe_layer(layer_id)
         self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                micro_batches: int = 1) -> tuple[torch.Tensor, dict]:
+                micro_batches: int = 1, shared: dict | None = None) -> tuple[torch.Tensor, dict]:
         """micro_batches > 1: x holds several micro-batches along B; attention (and its aux losses) runs per
-        micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts)."""
+        micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts). `shared`: the
+        forward's DSA top-k selections, for layers that reuse an earlier layer's (spec.index_shared_layers)."""
         h = self.attn_norm(x)
         if micro_batches == 1:
-            a, attn_aux = self.attn(h, cos=cos, sin=sin)
+            a, attn_aux = self.attn(h, cos=cos, sin=sin, shared=shared)
         else:
-            parts = [self.attn(c, cos=cos, sin=sin) for c in h.chunk(micro_batches, dim=0)]
+            parts = [self.attn(c, cos=cos, sin=sin, shared=shared, chunk=j)
+                     for j, c in enumerate(h.chunk(micro_batches, dim=0))]
             a = torch.cat([p[0] for p in parts], dim=0)
             attn_aux = {k: sum(p[1][k] for p in parts) / micro_batches for k in parts[0][1]}
         x = x + a
@@ -128,8 +133,9 @@ class HybridMoEModel(nn.Module):
         aux_total = x.new_zeros((), dtype=torch.float32)
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []
+        shared: dict = {}  # DSA top-k selections by (layer, micro-batch), for spec.index_shared_layers
         for layer in self.layers:
-            x, info = layer(x, cos, sin, micro_batches)
+            x, info = layer(x, cos, sin, micro_batches, shared)
             for k, v in info["aux"].items():
                 aux_total = aux_total + v.float()
                 aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()
@@ -173,9 +179,9 @@ def set_context_parallel(model: nn.Module, layout) -> None:
     """Split every sequence over the cp group of `layout` (an ops.cp_comm.CPLayout, or None to undo): the
     model then takes each rank's pieces of the sequence (`layout.split(input_ids)`), KDA passes its state
     and conv tails across ranks, DSA gathers the key side, and the loss is token-weighted over the group."""
-    if layout is not None and any(isinstance(m, GQAAttention) for m in model.modules()):
-        raise ValueError("context parallelism covers KDA and DSA layers; this model has GQA layers "
-                         "(an onboarded family): set parallel.cp: 1")
+    if layout is not None and any(isinstance(m, (GQAAttention, GatedDeltaNet)) for m in model.modules()):
+        raise ValueError("context parallelism covers KDA and DSA layers; this model has GQA / Gated DeltaNet "
+                         "layers (an onboarded family): set parallel.cp: 1")
     for m in model.modules():
         if isinstance(m, (HybridMoEModel, KDAAttention, DSAAttention, CausalConv1d, Router)):
             m.cp = layout

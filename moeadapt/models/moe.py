@@ -155,6 +155,7 @@ class LatentMoE(nn.Module):
         self.experts = GroupedExperts(spec.n_routed_experts, L, spec.moe_intermediate_size)
         n_sh = spec.n_shared_experts
         self.shared = SwiGLU(d, n_sh * (spec.shared_intermediate_size or spec.moe_intermediate_size)) if n_sh else None
+        self.shared_gate = nn.Linear(d, 1, bias=False) if n_sh and spec.shared_expert_gate else None
         self.dispatcher = LocalDispatcher(dropless=spec.capacity_factor is None)
         self.backend = "auto"
 
@@ -171,6 +172,9 @@ class LatentMoE(nn.Module):
                                backend=self.backend)
         out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
         if self.shared is not None:
-            out_TD = out_TD + self.shared(x_TD)
+            sh_TD = self.shared(x_TD)
+            if self.shared_gate is not None:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
+                sh_TD = sh_TD * torch.sigmoid(self.shared_gate(x_TD))
+            out_TD = out_TD + sh_TD
         stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
         return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}

@@ -47,7 +47,7 @@ def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
 
 
 def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = False, device: str = "auto",
-            layers: int | None = None, seq_len: int | None = None, seed: int = 0) -> dict:
+            layers: int | None = None, seq_len: int | None = None, seed: int = 0, tolerance: float | None = None) -> dict:
     """Map a checkpoint directory: spec, name-map check, op mapping; with `validate`, the checkpoint's own weights
     (the first `layers` blocks, default all) run in transformers and in moeadapt and are compared (validate.py)."""
     fam = read_family_dir(path, allow_unmapped)
@@ -58,7 +58,8 @@ def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = Fal
     if validate:
         from .validate import validate_checkpoint
 
-        out["validation"] = validate_checkpoint(path, fam, layers=layers, seq_len=seq_len, seed=seed)
+        out["validation"] = validate_checkpoint(path, fam, layers=layers, seq_len=seq_len, seed=seed,
+                                                **({"tol": tolerance} if tolerance else {}))
     return out
 
 

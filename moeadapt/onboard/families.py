@@ -6,8 +6,10 @@ layers to skip, FP8 block size). Must not touch tensors.
 
 Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in dense mode: index_topk =
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
-indexer = our DSA layer), kimi_linear (KDA + MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
-type), and our own format (config.json with a "moeadapt" key).
+indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
+shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
+type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), and our own format
+(config.json with a "moeadapt" key).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ class Family:
     spec: ModelSpec
     raw: dict
     rope_interleave: bool = False  # MLA q_pe / k_pe rows laid out in interleaved pairs (DeepSeek)
+    index_rope_interleave: bool = False  # the indexer's q / k rope rows interleaved as well (GLM-5)
     mtp_layers: int = 0  # extra multi-token-prediction layers after the last one (skipped, with a notice)
     fp8_block: tuple[int, int] | None = None  # block-quantised FP8 weights (weight_scale_inv)
     dense_mla: bool = False  # MLA without an indexer: DSA in dense mode, indexer not in the checkpoint
     notes: list[str] = field(default_factory=list)  # semantic differences worth a line in the report
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
+    norm_offset: float = 0.0  # RMSNorm weights stored as weight - offset (Qwen3-Next's 1 + weight norms)
     layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
 
 
@@ -195,12 +199,19 @@ def _deepseek(r: _Reader, fam: Family) -> dict:
     fam.mtp_layers = int(r.get("num_nextn_predict_layers", "num_mtp_layers", default=0) or 0)
     _mlp_types(r, kw)
     kw.update(layer_types=["dsa"] * n, attn_output_gate=False)
-    if r.model_type == "deepseek_v32":
+    if r.model_type in ("deepseek_v32", "glm_moe_dsa"):
         r.expect("layer_types", lambda v: set(v) <= {"indexed_attention"}, "every layer is MLA + indexer")
         kw.update(index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
                   index_topk=r.need("index_topk"), index_norm_eps=1e-6)  # indexer.k_norm: LayerNorm(eps=1e-6)
         fam.hf_class = "DeepseekV32ForCausalLM"
-    else:  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
+    if r.model_type == "glm_moe_dsa":  # GLM-5: V3.2's layout, interleaved indexer RoPE, shared-indexer layers
+        kinds = r.get("indexer_types") or ["full"] * n
+        if set(kinds) - {"full", "shared"}:
+            r.unsupported.append(f"indexer_types {sorted(set(kinds) - {'full', 'shared'})} (full or shared)")
+        kw["index_shared_layers"] = [i for i, k in enumerate(kinds) if k == "shared"]
+        fam.index_rope_interleave = True
+        fam.hf_class = "GlmMoeDsaForCausalLM"
+    elif r.model_type != "deepseek_v32":  # MLA without indexer: the sparse attention selects every causal key (dense), indexer minimal + unused
         fam.dense_mla = True
         kw.update(index_n_heads=1, index_head_dim=kw["qk_rope_head_dim"], index_topk=kw["max_position_embeddings"])
         fam.hf_class = "DeepseekV3ForCausalLM"
@@ -262,8 +273,63 @@ def _qwen3_moe(r: _Reader, fam: Family) -> dict:
     return kw
 
 
-_FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek,
-             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe}
+def _qwen3_next(r: _Reader, fam: Family) -> dict:
+    """Qwen3-Next / Qwen3.5-MoE text: Gated DeltaNet ("gdn") layers and gated full attention with partial RoPE
+    ("gqa"), a softmax-routed MoE with a sigmoid-gated shared expert. Its RMSNorms (all but the DeltaNet output
+    norm) scale by 1 + weight: the name map adds the 1 (names.py)."""
+    kw = _qwen3_moe(r, fam)
+    types = r.need("layer_types")
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if bad:
+        r.unsupported.append(f"layer_types {bad} (linear_attention or full_attention)")
+    params = r.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", r.get("partial_rotary_factor", default=1.0)))
+    hd = kw["gqa_head_dim"]
+    kw.update(
+        layer_types=["gdn" if t == "linear_attention" else "gqa" for t in types],
+        gqa_output_gate=True, gqa_rope_dim=int(hd * factor) if factor != 1.0 else None,
+        gdn_n_key_heads=r.need("linear_num_key_heads"), gdn_n_value_heads=r.need("linear_num_value_heads"),
+        gdn_key_head_dim=r.need("linear_key_head_dim"), gdn_value_head_dim=r.need("linear_value_head_dim"),
+        kda_conv_size=r.get("linear_conv_kernel_dim", default=4),
+    )
+    sh = r.get("shared_expert_intermediate_size", default=0)
+    if sh:
+        kw.update(n_shared_experts=1, shared_intermediate_size=sh, shared_expert_gate=True)
+    fam.norm_offset = 1.0
+    fam.hf_class = "Qwen3NextForCausalLM"
+    return kw
+
+
+def _minimax_m2(r: _Reader, fam: Family) -> dict:
+    """MiniMax-M2: GQA with one q / k RMSNorm over all heads and partial RoPE; every layer a sigmoid-routed MoE
+    (selection bias, top-k normalised, no shared expert)."""
+    _silu(r)
+    kw = _common(r)
+    n = kw["n_layers"]
+    H = r.need("num_attention_heads")
+    hd = r.get("head_dim", default=kw["hidden_size"] // H)
+    params = r.get("rope_parameters") or {}
+    rd = r.get("rotary_dim")
+    factor = params.get("partial_rotary_factor", rd / hd if rd else 1.0)
+    r.expect("router_jitter_noise", lambda v: not v, "router jitter noise is not implemented")
+    inter = r.need("intermediate_size")
+    kw.update(
+        layer_types=["gqa"] * n, n_heads=H, gqa_n_kv_heads=r.need("num_key_value_heads"), gqa_head_dim=hd,
+        gqa_qk_norm=bool(r.get("use_qk_norm", default=True)), gqa_qk_norm_full=True,
+        gqa_rope_dim=int(hd * factor) if factor != 1.0 else None, first_k_dense=0, intermediate_size=inter,
+        n_routed_experts=r.need("num_local_experts"), n_experts_per_tok=r.need("num_experts_per_tok"),
+        n_shared_experts=0, moe_intermediate_size=inter, latent_dim=None, score_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=1.0, bias_update_rate=1e-3,
+        aux_loss_coef=float(r.get("router_aux_loss_coef", default=0.0)),
+        qk_rope_head_dim=min(16, hd - hd % 2), index_head_dim=max(16, hd), index_topk=kw["max_position_embeddings"],
+    )
+    fam.hf_class = "MiniMaxM2ForCausalLM"
+    return kw
+
+
+_FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
+             "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next,
+             "minimax_m2": _minimax_m2}
 
 
 # Config fields of architectures we do not implement -> what they are (for the unknown-family message)
@@ -361,5 +427,6 @@ def truncated(fam: Family, n_layers: int) -> Family:
         return fam
     d = s.model_dump()
     d.update(n_layers=n_layers, layer_types=s.resolved_layer_types()[:n_layers],
-             first_k_dense=min(s.first_k_dense, n_layers))
+             first_k_dense=min(s.first_k_dense, n_layers),
+             index_shared_layers=[i for i in s.index_shared_layers if i < n_layers])
     return replace(fam, spec=ModelSpec(**d), layer_limit=n_layers, notes=list(fam.notes))

@@ -30,22 +30,31 @@ class Rule:
     row_perm: torch.Tensor | None = None  # ours[i] = ckpt[row_perm[i]] along dim 0 (never on stacked rules)
     absent_ok: str = ""  # why the checkpoint has no such tensor ("" = it must be there)
     init: str = "keep"  # for absent tensors: "zeros" or "keep" (the model's own init)
+    offset: float = 0.0  # ours = ckpt + offset (RMSNorms stored as weight - 1, applied as 1 + weight)
 
     def to_ours(self, t: torch.Tensor) -> torch.Tensor:
         if self.row_perm is not None:
             t = t.index_select(0, self.row_perm)
+        if self.offset:
+            t = t + self.offset
         return t.reshape(self.shape[1:] if self.stacked else self.shape)
 
     def from_ours(self, t: torch.Tensor, src_shape: tuple[int, ...]) -> torch.Tensor:
         if self.row_perm is not None:
             t = t.index_select(0, torch.argsort(self.row_perm))
+        if self.offset:
+            t = t - self.offset
         return t.reshape(src_shape)
 
 
-def _rope_rows(heads: int, head: int, nope: int, rope: int) -> torch.Tensor:
-    """Row order taking interleaved rope pairs (x0,x1),(x2,x3).. to half-split (x0,x2,..,x1,x3,..) per head."""
+def _rope_rows(heads: int, head: int, nope: int, rope: int, rope_first: bool = False) -> torch.Tensor:
+    """Row order taking interleaved rope pairs (x0,x1),(x2,x3).. to half-split (x0,x2,..,x1,x3,..) per head;
+    a head is [nope | rope], or [rope | the other head - rope channels] with rope_first."""
     within = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-    per = torch.cat([torch.arange(nope), nope + within])
+    if rope_first:
+        per = torch.cat([within, rope + torch.arange(head - rope)])
+    else:
+        per = torch.cat([torch.arange(nope), nope + within])
     return torch.cat([h * head + per for h in range(heads)])
 
 
@@ -53,7 +62,7 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
     p = f"model.layers.{i}."
     mt = fam.model_type
-    moe = "block_sparse_moe." if mt == "kimi_linear" else "mlp."
+    moe = "block_sparse_moe." if mt in ("kimi_linear", "minimax_m2") else "mlp."
     fixed = {
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
         # MLA (DSA layer)
@@ -84,13 +93,23 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
         "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
     }
-    if ours == "attn.q_norm.weight" and fam.model_type == "qwen3_moe":
+    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next", "minimax_m2"):
         return p + "self_attn.q_norm.weight"
+    if ours == "ffn.router.expert_bias" and mt == "minimax_m2":
+        return p + moe + "e_score_correction_bias"
+    if mt == "qwen3_next":
+        if fam.spec.resolved_layer_types()[i] == "gdn" and ours.startswith("attn."):
+            return p + "linear_attn." + ours[len("attn."):]
+        if ours.startswith("ffn.shared."):  # Qwen3-Next: one shared expert, singular name, with a gate
+            return p + "mlp.shared_expert." + {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[
+                ours.split(".")[2]] + ".weight"
+        if ours == "ffn.shared_gate.weight":
+            return p + "mlp.shared_expert_gate.weight"
     if ours in fixed:
         return p + fixed[ours]
     if ours.startswith("ffn.experts.w"):
         w = ours.split(".")[2]
-        proj = ({"w1": "w1", "w3": "w3", "w2": "w2"} if mt == "kimi_linear"
+        proj = ({"w1": "w1", "w3": "w3", "w2": "w2"} if mt in ("kimi_linear", "minimax_m2")
                 else {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})[w]
         return [f"{p}{moe}experts.{e}.{proj}.weight" for e in range(fam.spec.n_routed_experts)]
     return None
@@ -136,7 +155,7 @@ def _build_rules(fam: Family) -> list[Rule]:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
                 src = "model.embed_tokens.weight"
-            rules.append(Rule(name, [src], shape))
+            rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
         src = _hf_layer(fam, int(i), rel)
@@ -146,9 +165,19 @@ def _build_rules(fam: Family) -> list[Rule]:
         if rel.startswith("attn.") and rel.split(".")[1] in _IDX and fam.dense_mla:
             r.absent_ok = "indexer of a DSA layer in dense mode (index_topk >= max_position_embeddings): unused"
             r.init = "zeros"
-        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe",):
+        if fam.norm_offset and rel in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
+                                       "attn.k_norm.weight"):
+            r.offset = fam.norm_offset
+        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", "qwen3_next"):
             r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
                 "zeros"
+        if fam.index_rope_interleave and rel in ("attn.wq_idx.weight", "attn.wk_idx.weight",
+                                                 "attn.k_idx_norm.weight", "attn.k_idx_norm.bias"):
+            # the indexer's rope channels come first ([rope | pass]); the key LayerNorm's weight and bias follow
+            # the key's channels (LayerNorm commutes with a channel permutation), scores are invariant to it
+            DI, rope = spec.index_head_dim, spec.qk_rope_head_dim
+            heads = spec.index_n_heads if rel == "attn.wq_idx.weight" else 1
+            r.row_perm = _rope_rows(heads, DI, 0, rope, rope_first=True)
         if fam.rope_interleave:
             H, nope, rope = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
             if rel in ("attn.wq_b.weight", "attn.wq.weight"):

@@ -34,6 +34,8 @@ def op_mapping(spec: ModelSpec, device: str = "auto") -> list[dict]:
         fallback = [f"reference: {why}"] if not ok and (t != "gqa" or moe) else []
         if t == "kda":
             attn, be = "chunk_kda", backend
+        elif t == "gdn":
+            attn, be = "chunk_kda (Gated DeltaNet: one decay per head, grouped value heads)", backend
         elif t == "dsa":
             attn, be = "lightning_indexer + sparse_attention (MQA on the kv latent)", backend
             if spec.index_topk >= spec.max_position_embeddings:

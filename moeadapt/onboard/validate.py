@@ -88,7 +88,8 @@ class _IndexerTies:
     and shows as a divergence at that layer."""
 
     def __init__(self, ours: nn.Module, hf: nn.Module, n: int):
-        self.ours = {i: b.attn for i, b in enumerate(_blocks(ours, n)) if b.attn_type == "dsa"}
+        self.ours = {i: b.attn for i, b in enumerate(_blocks(ours, n))
+                     if b.attn_type == "dsa" and b.attn.index_from is None}  # layers with an indexer of their own
         self.hf = {}
         for name, m in hf.named_modules():
             parts = name.split(".")

@@ -54,6 +54,25 @@ def _random_cfg(model_type: str, rnd: random.Random):
         return transformers.Qwen3MoeConfig(num_attention_heads=H, num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
                                            num_experts=c([4, 8]), norm_topk_prob=c([True, False]),
                                            mlp_only_layers=c([[], [0]]), **common)
+    if model_type == "minimax_m2":  # q / k RMSNorm over all heads, partial RoPE, sigmoid router with a bias
+        common.update(intermediate_size=common["moe_intermediate_size"])
+        common.pop("moe_intermediate_size")
+        return transformers.MiniMaxM2Config(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]),
+            num_local_experts=c([4, 8]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.5, 1.0])},
+            **common)
+    if model_type == "qwen3_next":  # Gated DeltaNet : gated full attention, partial RoPE, gated shared expert
+        kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
+        HK = c([1, 2])
+        common.update(num_hidden_layers=len(kinds))
+        return transformers.Qwen3NextConfig(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]), num_experts=c([4, 8]),
+            norm_topk_prob=c([True, False]), layer_types=kinds, linear_num_key_heads=HK,
+            linear_num_value_heads=HK * c([1, 2]), linear_key_head_dim=c([8, 16]), linear_value_head_dim=c([8, 16]),
+            shared_expert_intermediate_size=c([16, 24]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5])},
+            **common)
     mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
                qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
     mla["num_key_value_heads"] = mla["num_attention_heads"]
@@ -70,7 +89,7 @@ def _random_cfg(model_type: str, rnd: random.Random):
             mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense), routed_scaling_factor=c([1.0, 2.5]),
             model_max_length=128, **{k: v for k, v in common.items() if k != "max_position_embeddings"})
     E, groups = c([4, 8]), c([1, 2])
-    q_ranks = [16, 24] if model_type == "deepseek_v32" else [None, 16, 24]  # V3.2's indexer reads the q latent
+    q_ranks = [16, 24] if model_type in ("deepseek_v32", "glm_moe_dsa") else [None, 16, 24]  # indexer reads q latent
     kw = dict(**mla, q_lora_rank=c(q_ranks), n_routed_experts=E, n_shared_experts=1,
               n_group=groups, topk_group=1 if groups == 1 else c([1, 2]), first_k_dense_replace=c([0, 1]),
               routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), num_nextn_predict_layers=0,
@@ -80,6 +99,12 @@ def _random_cfg(model_type: str, rnd: random.Random):
         # all 32 ReLUs are 0
         return transformers.DeepseekV32Config(index_n_heads=32, index_head_dim=c([16, 32]),
                                               index_topk=c([8, 12, 16]), **kw)
+    if model_type == "glm_moe_dsa":  # every other layer reuses the previous indexer's top-k ("shared")
+        n = kw["num_hidden_layers"] = c([3, 4])
+        kinds = ["full"] + [c(["full", "shared"]) for _ in range(n - 2)] + ["shared"]
+        return transformers.GlmMoeDsaConfig(index_n_heads=c([4, 32]), index_head_dim=c([16, 32]),
+                                            index_topk=c([8, 12, 16]), indexer_types=kinds,
+                                            head_dim=mla["qk_rope_head_dim"], **kw)
     return transformers.DeepseekV3Config(**kw)
 
 

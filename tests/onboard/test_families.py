@@ -81,3 +81,14 @@ def test_resolve_model_accepts_hf_dir(qwen_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ConfigError, match="moeadapt onboard"):
         resolve_model(str(bad))
+
+
+def test_index_shared_layers_are_checked():
+    from moeadapt.config import ModelSpec
+
+    base = dict(vocab_size=64, hidden_size=32, n_layers=4, layer_types=["kda", "dsa", "kda", "dsa"])
+    assert ModelSpec(**base, index_shared_layers=[3]).index_shared_layers == [3]
+    with pytest.raises(ValueError, match=r"index_shared_layers \[2\] are not DSA layers"):
+        ModelSpec(**base, index_shared_layers=[2])
+    with pytest.raises(ValueError, match="layer 1, the first DSA layer"):
+        ModelSpec(**base, index_shared_layers=[1])

@@ -13,7 +13,7 @@ from moeadapt.onboard import names as names_mod
 from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next", "minimax_m2"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -21,12 +21,12 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     seed = fresh_seed()
     print(f"{model_type}: checkpoint seed {seed} (MOEADAPT_TEST_SEED={seed} replays it)")
     d = random_checkpoint(model_type, tmp_path / "ckpt", seed)
-    v = onboard(d, validate=True, seq_len=24 if model_type == "kimi_linear" else None, seed=seed)["validation"]
+    v = onboard(d, validate=True, seq_len=24 if model_type in ("kimi_linear", "qwen3_next") else None, seed=seed)["validation"]
     print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "per_layer")})
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
     fam = read_family_dir(d)
-    if model_type == "deepseek_v32":  # the indexer really selects: every document but the shortest exceeds top-k
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):  # the indexer really selects: every document but the shortest exceeds top-k
         assert sorted(v["lengths"])[1] > fam.spec.index_topk
 
 
@@ -95,3 +95,38 @@ def test_indexer_ties_are_aligned_but_a_wrong_indexer_fails(tmp_path):
     assert v["tie_aligned"][1] > 0
     v = validate_checkpoint(d, fam, tamper=_perturb(0, "attn.wk_idx.weight"))
     assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+
+
+def test_glm5_shared_indexer_layers_and_interleaved_indexer_rope(tmp_path):
+    """GLM-5 (glm_moe_dsa): 'shared' layers reuse the previous indexer's top-k (no indexer of their own), and
+    the indexer's RoPE rows are interleaved: mapping them as half-split makes the validation fail."""
+    import dataclasses
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("glm_moe_dsa", tmp_path / "ckpt", seed)
+    fam = read_family_dir(d)
+    shared = fam.spec.index_shared_layers
+    assert shared and shared[-1] == fam.spec.n_layers - 1
+    v = validate_checkpoint(d, dataclasses.replace(fam, index_rope_interleave=False))
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+    v = validate_checkpoint(d, fam, layers=2)  # the truncated models keep the shared layers below N
+    assert v["passed"] and v["layers"] == 2, v["where"]
+
+
+def test_qwen3_next_features_each_matter(tmp_path):
+    """Qwen3-Next: the 1 + weight RMSNorms, the sigmoid-gated shared expert and partial RoPE are each needed."""
+    import dataclasses
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("qwen3_next", tmp_path / "ckpt", seed)
+    fam = read_family_dir(d)
+    s = fam.spec
+    assert "gdn" in s.resolved_layer_types() and s.gqa_output_gate and s.shared_expert_gate and s.gqa_rope_dim
+    v = validate_checkpoint(d, dataclasses.replace(fam, norm_offset=0.0), seq_len=16)
+    assert not v["passed"] and v["first_bad_layer"] == 0
+    gqa = s.resolved_layer_types().index("gqa")
+    no_partial = dataclasses.replace(fam, spec=s.model_copy(update={"gqa_rope_dim": None}))
+    v = validate_checkpoint(d, no_partial, seq_len=16)
+    assert not v["passed"] and v["first_bad_layer"] == gqa, v["where"]

@@ -1,0 +1,87 @@
+"""GatedDeltaNet ("gdn" layers): the Gated DeltaNet linear attention of Qwen3-Next / Qwen3.5, served by the KDA op.
+
+Gated DeltaNet is KDA with one decay per head: the per-step state update S <- exp(g_t) S + beta_t k_t (v_t -
+S^T k_t)^T with g_t a scalar per value head, so `moeadapt.ops.kda.chunk_kda` runs it with the gate broadcast over
+the key channels (and grouped value heads: HV a multiple of the HK query/key heads). Layout as the checkpoints
+hold it: one fused projection per token for q, k, v and the output gate z (grouped per key head:
+[q_h | k_h | v of the head's value group | z of the group]), one for beta / the decay input (b, a), one causal
+depthwise conv (+ SiLU) over the concatenated q, k, v channels, decay g = -exp(A_log) * softplus(a + dt_bias),
+L2-normalised q and k (inside the op), then a per-head RMSNorm of the output gated by SiLU(z), then out_proj.
+Owns only its own parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelSpec
+from ..ops.kda import chunk_kda
+from .common import CausalConv1d, _acc
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim, times weight, times SiLU(gate) (the gate in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def init_rules(self) -> dict:
+        from .init import Rule
+
+        return {"weight": Rule("const", 1.0)}
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = _acc(x)
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+        return (_acc(y) * F.silu(_acc(gate))).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d = spec.hidden_size
+        HK, HV, Dk, Dv = spec.gdn_n_key_heads, spec.gdn_n_value_heads, spec.gdn_key_head_dim, spec.gdn_value_head_dim
+        self.HK, self.HV, self.Dk, self.Dv = HK, HV, Dk, Dv
+        self.in_proj_qkvz = nn.Linear(d, 2 * HK * Dk + 2 * HV * Dv, bias=False)
+        self.in_proj_ba = nn.Linear(d, 2 * HV, bias=False)
+        self.conv1d = CausalConv1d(2 * HK * Dk + HV * Dv, spec.kda_conv_size)
+        self.dt_bias = nn.Parameter(torch.empty(HV))
+        self.A_log = nn.Parameter(torch.empty(HV))
+        self.norm = GatedRMSNorm(Dv, spec.norm_eps)
+        self.out_proj = nn.Linear(HV * Dv, d, bias=False)
+        self.backend = "auto"
+
+    def init_rules(self) -> dict:
+        """models/init.py's rules for the decay parameters (KDA's, one per value head)."""
+        from .init import Rule
+
+        return {"A_log": Rule("log_uniform", 1.0, 16.0), "dt_bias": Rule("inv_softplus", 1e-3, 1e-1)}
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.ones_(self.norm.weight)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+        B, T, _ = x_BTD.shape
+        HK, HV, Dk, Dv = self.HK, self.HV, self.Dk, self.Dv
+        r = HV // HK
+        qkvz = self.in_proj_qkvz(x_BTD).view(B, T, HK, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x_BTD).view(B, T, HK, 2 * r), [r, r], dim=-1)
+        mixed = self.conv1d(torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1))
+        q, k, v = torch.split(mixed, [HK * Dk, HK * Dk, HV * Dv], dim=-1)
+        q, k, v = q.view(B, T, HK, Dk), k.view(B, T, HK, Dk), v.reshape(B, T, HV, Dv)
+        g_raw = a.reshape(B, T, HV, 1).expand(B, T, HV, Dk)  # one decay per head, broadcast over the key channels
+        o, _ = chunk_kda(q, k, v, g_raw, b.reshape(B, T, HV).float(), backend=self.backend, use_qk_l2norm=True,
+                         A_log=self.A_log, dt_bias=self.dt_bias[:, None].expand(HV, Dk), beta_is_logits=True)
+        o = self.norm(o.to(x_BTD.dtype), z.reshape(B, T, HV, Dv))
+        return self.out_proj(o.reshape(B, T, HV * Dv)), {}
