@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
 from ..ops.kda.short_conv import causal_conv_silu
@@ -68,7 +69,9 @@ class RMSNorm(nn.Module):
         out = x.dtype
         if self.autocast_output and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
             out = torch.get_autocast_dtype(x.device.type)
-        if self.compiled and x.is_cuda:
+        if self.compiled and x.is_cuda and _get_current_dispatch_mode() is None:
+            # (inside a TorchDispatchMode - selective activation checkpointing's - the eager ops run instead:
+            # the mode must see each op, which a compiled kernel hides)
             return _rms_norm_cuda(x, self.weight, self.eps, out, gate)
         return rms_norm(x, self.weight, self.eps, out, gate)
 

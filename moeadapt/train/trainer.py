@@ -65,10 +65,11 @@ class TrainResult:
     eval_before: float
     eval_after: float
     final_loss: float
-    tokens_per_s: float
+    tokens_per_s: float  # wall clock over the whole loop (first steps' kernel compiles and evals included)
     steps: int
     accuracy_before: dict | None = None  # vision-language runs: evaluate_vl's answer accuracy (overall, by question)
     accuracy_after: dict | None = None
+    tokens_per_s_steady: float | None = None  # train steps only, after the first STEADY_SKIP (the speed)
 
 
 def pick_device(name: str) -> torch.device:
@@ -265,13 +266,32 @@ def _save(lp: Loop, ckpt_root: Path, step: int) -> None:
 _SKIP_WHY = {"nonfinite_loss": "loss is NaN/Inf", "nonfinite_grad": "gradient norm is NaN/Inf"}
 
 
-def fit(lp: Loop, start: int) -> tuple[float, float]:
+# Steps left out of the steady-state speed: the first ones compile and autotune kernels (Triton, torch.compile).
+STEADY_SKIP = 2
+
+
+@dataclass
+class Speed:
+    """Train-step time and tokens after the first STEADY_SKIP steps, evals and checkpoint writes left out."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
+
+
+def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     """Train from step `start` to cfg.train.steps (logging, periodic eval and checkpoints).
-    Returns (last train loss, elapsed seconds)."""
+    Returns (last train loss, elapsed seconds, steady-state speed)."""
     t = lp.cfg.train
     ckpt_root = Path(t.output_dir) / "checkpoints"
     bad, last_loss, t0 = 0, float("nan"), time.perf_counter()
     t_log, tok_log = t0, 0
+    speed, t_step = Speed(), t0
+    cuda = lp.run.device.type == "cuda"
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=lp.quiet)
     lp.model.train()
@@ -300,18 +320,28 @@ def fit(lp: Loop, start: int) -> tuple[float, float]:
             bad, last_loss = 0, st.loss
             lp.tokens_done += st.tokens
             tok_log += st.tokens
+            do_eval = bool(t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps)
+            do_save = bool(t.save_every and (step + 1) % t.save_every == 0)
+            if step - start >= STEADY_SKIP:
+                if cuda and (do_eval or do_save):  # the step's queued GPU work belongs to the step
+                    torch.cuda.synchronize(lp.run.device)
+                speed.seconds += time.perf_counter() - t_step
+                speed.tokens += st.tokens
+                speed.steps += 1
             progress.update(task, advance=1, info=f"loss {st.loss:.3f}")
             if (step + 1) % t.log_every == 0 or step == t.steps - 1 or step == start:
                 tok_all = lp.run.sum([tok_log])[0]  # the tokens every rank processed, counted
                 _log_train(lp, step + 1, st, tok_all / max(time.perf_counter() - t_log, 1e-9), progress)
                 t_log, tok_log = time.perf_counter(), 0
-            if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+            if do_eval:
                 lp.logger.log({"kind": "eval", "step": step + 1,
                                "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)})
-            if t.save_every and (step + 1) % t.save_every == 0:
+            if do_save:
                 _save(lp, ckpt_root, step + 1)
+            t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
     lp.step = t.steps
-    return last_loss, time.perf_counter() - t0
+    speed.tokens = int(lp.run.sum([speed.tokens])[0])  # every rank's tokens
+    return last_loss, time.perf_counter() - t0, speed
 
 
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
@@ -470,7 +500,9 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     if vl and run.is_main:
         _save_fresh_vision_base(cfg, model, out_dir)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    # fused=True on CUDA: one kernel over all parameters per step (vs foreach's several passes)
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
+                            fused=run.device.type == "cuda")
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
               (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.data_rank,
                                                      world=run.data_world),
@@ -515,7 +547,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                       f"{n_rows} train rows x {t.seq_len} tokens")
     eval_before, acc_before = _final_eval(lp, start, "before")
 
-    last_loss, elapsed = fit(lp, start)
+    last_loss, elapsed, speed = fit(lp, start)
 
     eval_after, acc_after = _final_eval(lp, t.steps, "after")
     lp.logger.close()
@@ -524,13 +556,20 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
     if run.is_main:
         plot_report(lp.logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
         summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
-                   "tokens_per_s": tps, "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
+                   # wall clock over the loop (first steps' compiles and periodic evals included)
+                   "tokens_per_s": tps,
+                   # the training speed: train steps only, after the first STEADY_SKIP (None if too few steps)
+                   "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
+                   "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:
-        console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {tps:,.0f} tokens/s; "
-                      f"results in {out_dir}/")
-    return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps, acc_before, acc_after)
+        steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}), "
+                  if speed.tokens_per_s else "")
+        console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {steady}{tps:,.0f} tokens/s "
+                      f"wall clock (compiles and evals included); results in {out_dir}/")
+    return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps, acc_before, acc_after,
+                       speed.tokens_per_s)

@@ -114,3 +114,35 @@ def test_bad_shapes_raise_one_message():
         causal_conv_silu(torch.randn(2, 5, 8), torch.randn(6, 1, 4))
     with pytest.raises(ValueError, match="backend must be one of"):
         causal_conv_silu(torch.randn(2, 5, 8), torch.randn(8, 1, 4), backend="cuda")
+
+
+@needs_triton
+def test_selective_checkpoint_sees_the_op(seed):
+    """Under selective activation checkpointing the policy is asked about moeadapt::causal_conv_silu_fwd itself
+    (one op, recomputed), and the gradients equal the un-checkpointed ones."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from moeadapt.parallel.activation import _selective_policy
+
+    seen = []
+
+    def policy(ctx, op, *a, **k):
+        seen.append(op)
+        return _selective_policy(ctx, op, *a, **k)
+
+    x = torch.randn(2, 13, 24, requires_grad=True)
+    w = torch.randn(24, 1, 4, requires_grad=True)
+    proj = torch.randn(24, 24, requires_grad=True)
+
+    def f(x, w, proj):
+        return causal_conv_silu(x @ proj, w, backend="triton").square().sum()
+
+    f(x, w, proj).backward()
+    ref = [t.grad.clone() for t in (x, w, proj)]
+    for t in (x, w, proj):
+        t.grad = None
+    checkpoint(f, x, w, proj, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(policy)).backward()
+    assert torch.ops.moeadapt.causal_conv_silu_fwd.default in seen
+    for t, r in zip((x, w, proj), ref):
+        assert _rel(t.grad, r) < 1e-6

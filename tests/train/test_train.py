@@ -106,3 +106,27 @@ def test_merge_microbatches_matches_accumulation(tmp_path):
     assert la.keys() == lb.keys()
     for s in la:
         assert lb[s] == pytest.approx(la[s], rel=1e-4), s
+
+
+def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypatch):
+    """summary.json reports the steady-state tokens/s (train steps after the first STEADY_SKIP) next to the wall
+    clock figure; an eval made 0.4 s slower must lower the wall-clock figure and not the steady one."""
+    import time
+
+    from moeadapt.train import trainer
+
+    slow = trainer.evaluate
+
+    def slow_eval(*a, **k):
+        time.sleep(0.4)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(trainer, "evaluate", slow_eval)
+    r = api.train(cfg(tmp_path, steps=8, eval_every=2), quiet=True)
+    s = json.loads((r.output_dir / "summary.json").read_text())
+    assert s["steady_steps"] == 8 - trainer.STEADY_SKIP
+    assert s["tokens_per_s_steady"] == r.tokens_per_s_steady
+    # the 3 periodic evals (1.2 s of sleep) fall inside the loop's wall clock, not inside the steady steps
+    assert s["tokens_per_s_steady"] > 1.5 * s["tokens_per_s"]
+    short = api.train(cfg(tmp_path / "short", steps=trainer.STEADY_SKIP), quiet=True)
+    assert short.tokens_per_s_steady is None
