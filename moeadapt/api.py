@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import yaml
 
-from .config import RunConfig, build_run_config, load_run_config, resolve_model
+from .config import RunConfig, build_run_config, load_run_config
 from .config.load import ConfigError
 from .data.dataset import PackedDataset, pack, read_jsonl
 from .data.tokenizer import get_tokenizer
@@ -17,6 +17,7 @@ from .io import save_model_dir
 from .lora import export_peft, inject_lora, load_peft, merge_lora
 from .models.model import HybridMoEModel, build_model, materialize
 from .models.stats import count_parameters
+from .onboard import model_spec_from_dir, resolve_model
 from .ui import make_console
 
 ASSETS = Path(__file__).parent / "assets"
@@ -27,8 +28,8 @@ def _cfg(config: str | Path | dict | RunConfig, overrides: dict[str, Any] | None
     if isinstance(config, RunConfig):
         return config
     if isinstance(config, dict):
-        return build_run_config(config)
-    return load_run_config(config, overrides)
+        return build_run_config(config, from_dir=model_spec_from_dir)
+    return load_run_config(config, overrides, from_dir=model_spec_from_dir)
 
 
 def _save_resolved(cfg: RunConfig) -> None:
@@ -120,7 +121,7 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = build_run_config(yaml.safe_load(cfg_file.read_text()), str(cfg_file))
+    cfg = build_run_config(yaml.safe_load(cfg_file.read_text()), str(cfg_file), from_dir=model_spec_from_dir)
     if cfg.lora is None:
         raise ConfigError(f"{run_dir} is a full-training run; it has no adapter to export")
     m = materialize(build_model(cfg.model, "meta"), "cpu")
