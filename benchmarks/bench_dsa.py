@@ -2,8 +2,13 @@
 backward (SFAG), the whole layer fwd+bwd; ours (Triton) vs the PyTorch composition a
 user would write vs dense causal SDPA.
 
-    python benchmarks/bench_dsa.py --out results.json [--T 8192 32768 131072] [--H 64 128] [--sweep]
-    python benchmarks/bench_dsa.py --check --T 32768 --H 64 128   # old vs new SFA / SFAG kernels, one table
+    python benchmarks/bench_dsa.py --out results.json [--T 8192 32768 131072] [--H 64 128] [--no-baselines]
+    python benchmarks/bench_dsa.py --check --T 32768 --H 64 128   # SFA / SFAG launch variants, one table
+    python benchmarks/bench_dsa.py --check --fwd-only --T 32768 --H 64 128   # SFA only: Triton vs Gluon
+    python benchmarks/bench_dsa.py --sweep [fwd bwd li]   # time candidate launch configs at T = 16384, H = 128
+
+Every variant is passed to the op as an argument (fwd_cfg / bwd_cfg / gluon of triton_sparse_attn, cfg of
+the indexer); nothing here changes the op's defaults.
 
 MQA/MLA form: B = 1, HK = 1, D = 576 (512 latent + 64 rope), DV = 512 (v = kv[..., :512]),
 topk = 2048, indexer HI = 64, DI = 128, bf16. Imports only torch/triton and moeadapt.ops.
@@ -102,33 +107,28 @@ def try_run(name, fn, log):
     return None
 
 
-# Sweep at T=16384, H=128, random causal indices (half the slots -1), H200, Triton 3.6:
-# run 1: fwd (64,32,8,2) 210 TFLOP/s, (32,32,8,2) mma.sync 94, (64,16,8,2) 129;
-# run 2: fwd (64,64,8,1) 212, (64,64,8,2) 306, (64,32,8,3) 188; bwd (64,16,8,2) 102,
-#        bwd (64,32,8,1) illegal address (Triton 3.6). TFLOP/s count every slot.
-# run 3: fwd (64,64,8,2) 313, (64,64,8,3) 270, (64,128,8,1) 221; bwd (64,16,8,3) 100;
-#        LI (BLOCK_S, BLOCK_R, progs/SM, warps) (128,1024,4,4) 200, (64,1024,4,4) 163,
-#        (128,2048,2,8) 155, (64,64,4,4) 69.
+# Sweep at T = 16384, H = 128, random causal indices (half the slots -1), H200, Triton 3.6, TFLOP/s over every
+# slot: fwd (BLOCK_H, BLOCK_K, warps, stages) (64,64,8,2) 313, (64,64,8,3) 270, (64,128,8,1) 221, (64,32,8,2)
+# 210, (32,32,8,2) mma.sync 94; LI (BLOCK_S, BLOCK_R, progs/SM, warps) (128,1024,4,4) 200, (64,1024,4,4) 163,
+# (128,2048,2,8) 155, (64,64,4,4) 69.
 FWD_CANDIDATES = [
     dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2),
     dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_H=64, BLOCK_K=128, num_warps=8, num_stages=1),
+    dict(tsa.FWD_CONFIG),  # + SKIP, REVERSE, DENSE (the default)
 ]
-LI_CANDIDATES = [  # run 1, old kernel (heads as MMA M, select tiles = BLOCK_S): best 41 TFLOP/s
+LI_CANDIDATES = [
     dict(BLOCK_S=64, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
     dict(BLOCK_S=128, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
     dict(BLOCK_S=128, BLOCK_R=2048, progs_per_sm=2, num_warps=8),
     dict(BLOCK_S=64, BLOCK_R=64, progs_per_sm=4, num_warps=4),
 ]
-BWD_CANDIDATES = [  # run 1: #0 99 TFLOP/s, (32,16,8,1 mma.sync, dk=dS^T q) 71, split dq | dkv 90 / 69
-    dict(BLOCK_H=64, BLOCK_K=16, num_warps=8, num_stages=2, FUSED=True, DKV_T=True),
-    dict(tsa.BWD_CONFIG),  # P/dS path (see --check)
-]
-FWD_CANDIDATES.append(dict(tsa.FWD_CONFIG))  # + SKIP, REVERSE, DENSE
+BWD_CANDIDATES = [dict(tsa.BWD_CONFIG)]  # more P/dS launch shapes: --check
 
 
 def sweep(log, ops, T=16384, H=128):
-    """Time the candidate launch configs once and keep the fastest (module-level configs)."""
+    """Time the candidate launch configs once and report the fastest of each op (the defaults stay as they are:
+    a winner goes into the op's constants by an edit, with its measurement)."""
     torch.manual_seed(0)
     q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, T, 1, D, device="cuda", dtype=torch.bfloat16)
@@ -168,89 +168,45 @@ def sweep(log, ops, T=16384, H=128):
             log(f"  sweep LI {cfg}: {ms:.2f} ms {li_fl / ms / 1e9:.0f} TFLOP/s")
             if "li" not in best or ms < best["li"][0]:
                 best["li"] = (ms, cfg)
-    for name, conf in (("li", ti.LI_CONFIG), ("fwd", tsa.FWD_CONFIG), ("bwd", tsa.BWD_CONFIG)):
-        if name in best:
-            conf.clear()
-            conf.update(best[name][1])
-    log(f"best fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} li {ti.LI_CONFIG}")
+    log(f"fastest: {({k: v[1] for k, v in best.items()})}; defaults fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} "
+        f"li {ti.LI_CONFIG}")
     return {k: v[1] for k, v in best.items()}
 
 
-def probe_bwd(log, T=16384, H=128):
-    """Where SFAG time goes: fused vs plain stores instead of atomics vs dq part alone vs dk/dv part alone."""
-    torch.manual_seed(0)
-    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, T, 1, D, device="cuda", dtype=torch.bfloat16)
-    idx = torch.sort(torch.randint(0, T, (1, T, TOPK), device="cuda"), -1).values.int()
-    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)
-    o, lse = tsa.sfa_forward(q, kv, kv[..., :DV], idx, D**-0.5)
-    do = torch.randn_like(o)
-    out = {}
-    for name, extra in [("fused", {}), ("stores_not_atomics", {"STORE_ONLY": True}),
-                        ("dq_part_only", {"ONLY": "dq"}), ("dkdv_part_only", {"ONLY": "dkv"})]:
-        cfg = {**tsa.BWD_CONFIG_OLD, **extra}  # the fused kernel's parts (the split one has them separate)
-        ms = try_run(name, lambda cfg=cfg: timeit(
-            lambda: tsa.sfa_backward(q, kv, kv[..., :DV], idx, o, lse, do, D**-0.5, cfg), reps=2), log)
-        out[name] = ms
-        log(f"  probe SFAG {name}: {ms} ms")
-    return out
-
-
-# ------------------------------------------------------------ --check: old vs new kernels
-_PDS = dict(PDS=True, SKIP=True, REVERSE=True, PDS_BYTES=2**30)
-CHECK_FWD = {  # name -> SFA config
-    "old": dict(tsa.FWD_CONFIG_OLD),
-    "skip_rev": {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True},
+# ------------------------------------------------------------ --check: launch variants in one process
+# forward: name -> Triton config ("full_walk" is the error reference: every key block, masked)
+CHECK_FWD = {
+    "full_walk": {**tsa.FWD_CONFIG, "SKIP": False, "REVERSE": False, "DENSE": False},
+    "skip_rev": {**tsa.FWD_CONFIG, "DENSE": False},
 }
-# Session 3 forward variants: of FLAT (1-D grid), DEFER_L, FMA, DENSE, AHEAD 1 / 2, EXACT, WS, BLOCK_K 32 with
-# 3 stages and 16 warps, only DENSE gained (+1.5%, now the default); the others were removed from the kernel
-# (RESULTS.md, DSA, session 3; code in commit 54a2241). The launch-shape variants stay.
-_SR = {**tsa.FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True}
-CHECK_FWD_S3 = {
-    "dense": {**_SR, "DENSE": True},
-    "w16": {**_SR, "num_warps": 16}, "w16_k32s3": {**_SR, "num_warps": 16, "BLOCK_K": 32, "num_stages": 3},
+CHECK_FWD_MORE = {  # --fwd-only: the default walk and the launch shapes that lost (16 warps; BLOCK_K 32, 3 stages)
+    "dense": dict(tsa.FWD_CONFIG),
+    "w16": {**tsa.FWD_CONFIG, "DENSE": False, "num_warps": 16},
+    "w16_k32s3": {**tsa.FWD_CONFIG, "DENSE": False, "num_warps": 16, "BLOCK_K": 32, "num_stages": 3},
 }
-# Session 6: the warp-specialised Gluon forward (moeadapt/ops/dsa/gluon_sparse_attn.py; MLA shape, sm_90), the
-# default where it applies. Its first schedule (whole K buffers released) lost 3% to the split release (call 2).
-CHECK_FWD_S6 = {"gluon_ws": {"GLUON": True}}
-_PDS1 = dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=2)
-_APPLY = dict(BLOCK_H=128, BLOCK_K=64, BLOCK_C=128, num_warps=8, num_stages=3)
-CHECK_BWD = {  # name -> SFAG config; "old" is the reference for the error column
-    "old": dict(tsa.BWD_CONFIG_OLD),
-    "pds": dict(tsa.BWD_CONFIG),  # the new default
-    "pds_apply_h64": {**_PDS, "PDS_CFG": _PDS1, "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
-    "pds_w8": {**_PDS, "PDS_CFG": {**_PDS1, "num_warps": 8}, "APPLY_CFG": _APPLY},
-    # session 6: pass 2's P/dS loads masked per slot (the default until call 3; EXTENT is now); each pass alone
-    "pds_slotmask": {**tsa.BWD_CONFIG, "EXTENT": False},
-    # call 4: 128-channel chunks at every head block (the default takes 64 at 64-head blocks); 64 at every one.
-    # A chunk-major pass-2 grid (dk/dv atomics of one phase in 1/NC of the buffer) was no faster (225.0 / 153.9
-    # vs 220.7 / 152.4 ms) and was removed.
-    "pds_c128": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C_H64": 128}},
-    "pds_c64": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "BLOCK_C": 64}},
-    # calls 7-8: pass-2 launch shapes re-swept (EXTENT changed what pass 2 waits on). Call 7, from 8 warps: 4 warps
-    # won (now the default); stages 2 / 4 and key block 32 did not (RESULTS.md). Call 8, from 4 warps:
-    **{f"p2_{n}": {**tsa.BWD_CONFIG, "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], **o}} for n, o in (
+GLUON_FWD = "gluon_ws"  # the warp-specialised Gluon forward (MLA shape, sm_90), the default where it applies
+_APPLY = tsa.BWD_CONFIG["APPLY_CFG"]
+# backward: name -> (P/dS config, Gluon pass 1); the first is the error reference
+CHECK_BWD = {
+    "pds": (dict(tsa.BWD_CONFIG), True),  # the default
+    "pds_triton_p1": (dict(tsa.BWD_CONFIG), False),  # pass 1 by the Triton kernel
+    # 128-channel chunks at every head block (the default takes 64 at 64-head blocks); 64 at every one
+    "pds_c128": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "BLOCK_C_H64": 128}}, True),
+    "pds_c64": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "BLOCK_C": 64}}, True),
+    # pass-2 launch shapes around the default (4 warps, 3 stages, 128-head blocks)
+    **{f"p2_{n}": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, **o}}, True) for n, o in (
         ("w8", {"num_warps": 8}), ("s2", {"num_stages": 2}), ("s4", {"num_stages": 4}), ("h64", {"BLOCK_H": 64}))},
-    "pds_triton_p1": {**tsa.BWD_CONFIG, "GLUON_P1": False},  # pass 1 by the Triton kernel (default until call 5)
-    "pds_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1},
-    "pds_triton_pass1_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 1, "GLUON_P1": False},
-    "pds_pass2_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2},
-    # call 6: pass 2 with plain stores in place of the dk/dv atomics (wrong result): how much the atomics cost
-    "pds_pass2_store_only": {**tsa.BWD_CONFIG, "ONLY_PASS": 2,
-                             "APPLY_CFG": {**tsa.BWD_CONFIG["APPLY_CFG"], "STORE_ONLY": True}},
-    # hedge: 178 KB / 131 KB of shared memory (the ones above need 217 KB / 197 KB under Triton 3.9)
-    "pds_k16": {**_PDS, "PDS_CFG": {**_PDS1, "BLOCK_K": 16, "num_stages": 4},
-                "APPLY_CFG": {**_APPLY, "BLOCK_H": 64}},
+    # 178 KB / 131 KB of shared memory (the defaults need 217 KB / 197 KB under Triton 3.9)
+    "pds_k16": ({**tsa.BWD_CONFIG, "PDS_CFG": {**tsa.BWD_CONFIG["PDS_CFG"], "BLOCK_K": 16, "num_stages": 4},
+                 "APPLY_CFG": {**_APPLY, "BLOCK_H": 64, "num_warps": 8}}, False),
 }
-# not in the check (compiled for sm_90 by Triton 3.9 they spill 1000-1700 B/thread):
-# "split": tsa.BWD_CONFIG_SPLIT
 
 
 def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
-    """One GPU call: old vs new SFA and SFAG at T (LI indices), each variant checked
-    against the old kernel's output; prints a table and the fastest configs."""
+    """SFA and SFAG launch variants at T (LI indices) in one process, each checked against the first one's
+    output; prints a table and the fastest of each."""
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_S3 if fwd_only else {}), **CHECK_FWD_S6}
+    fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_MORE if fwd_only else {}), GLUON_FWD: None}
     bwd_cfgs = {} if fwd_only else CHECK_BWD
     torch.manual_seed(0)
     q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
@@ -277,10 +233,10 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
         v = kv[..., :DV]
         fl_f, fl_b = 2 * np_ * H * (D + DV), 2 * np_ * H * (3 * D + 2 * DV)
         row = {"H": H}
-        o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["old"])
+        o_ref, lse_ref = tsa.sfa_forward(q, kv, v, idx, scale, CHECK_FWD["full_walk"])
         for name, cfg in fwd_cfgs.items():
             def f(cfg=cfg):
-                if cfg.get("GLUON"):
+                if cfg is None:
                     return gws.sfa_forward_ws(q, kv, idx, scale)
                 return tsa.sfa_forward(q, kv, v, idx, scale, cfg)
             ms = try_run(f"fwd {name}", lambda f=f: timeit(f, reps=reps), log)
@@ -293,19 +249,19 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
             del o, lse
         do = torch.randn_like(o_ref)
 
-        def b(cfg):
-            return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cfg)
+        def b(cg):
+            return tsa.sfa_backward(q, kv, v, idx, o_ref, lse_ref, do, scale, cg[0], cg[1])
         dq_ref = dk_ref = None
-        for name, cfg in bwd_cfgs.items():
-            ms = try_run(f"bwd {name}", lambda cfg=cfg: timeit(lambda: b(cfg), reps=reps), log)
+        for name, cg in bwd_cfgs.items():
+            ms = try_run(f"bwd {name}", lambda cg=cg: timeit(lambda: b(cg), reps=reps), log)
             if ms is None:
                 continue
-            dq, dk, _ = b(cfg)
+            dq, dk, _ = b(cg)
             if dq_ref is None:
-                dq_ref, dk_ref = dq, dk  # "old" (first) is the reference
+                dq_ref, dk_ref = dq, dk  # the first is the reference
             err = max(rel(dq, dq_ref), rel(dk, dk_ref))
             row[f"bwd_{name}"] = (ms, fl_b / ms / 1e9, err)
-            log(f"  T={T} H={H} SFAG {name}: {ms:.2f} ms {fl_b / ms / 1e9:.0f} TF/s, rel err vs old {err:.2g}")
+            log(f"  T={T} H={H} SFAG {name}: {ms:.2f} ms {fl_b / ms / 1e9:.0f} TF/s, rel err vs first {err:.2g}")
             if tsa._fallen_back:  # a pass did not fit in shared memory: this row timed the fallback
                 log(f"    ({name} ran the shared-memory fallback: {tsa._fallen_back})")
                 row[f"bwd_{name}"] += ("fallback",)
@@ -428,11 +384,10 @@ def main():
     ap.add_argument("--sweep", nargs="*", default=None, help="ops to sweep: fwd bwd li (none given: all)")
     ap.add_argument("--out", default="bench_dsa.json")
     ap.add_argument("--budget_s", type=float, default=400.0)
-    ap.add_argument("--probe", action="store_true", help="split SFAG time into its parts and exit")
     ap.add_argument("--check", action="store_true",
-                    help="old vs new SFA/SFAG kernel variants at the first --T (default 32768), each --H; then exit")
+                    help="SFA/SFAG launch variants at the first --T (default 32768), each --H; then exit")
     ap.add_argument("--fwd-only", action="store_true",
-                    help="with --check: only SFA, with the session-3 forward variants (CHECK_FWD_S3)")
+                    help="with --check: only SFA, with more forward launch shapes (CHECK_FWD_MORE)")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
     a = ap.parse_args()
@@ -452,11 +407,6 @@ def main():
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")
-        return
-    if a.probe:
-        res["probe"] = probe_bwd(log)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
         return
     if a.sweep is not None:
         ops = set(a.sweep or ["fwd", "bwd", "li"])

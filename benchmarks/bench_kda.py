@@ -1,11 +1,11 @@
 """Benchmark KDA: our Triton variants vs fla.ops.kda.chunk_kda (fla-core) vs our PyTorch reference.
 
-Usage (GPU): python3 -u benchmarks/bench_kda.py [--shapes 1,16384,16,128 ...] [--ours dot,chunk,token]
-             [--fla-shapes N] [--time-limit S] [--profile] [--no-ref]
+Usage (GPU): python3 -u benchmarks/bench_kda.py [--shapes 1,16384,16,128 ...] [--ours token,tf32x3]
+             [--fla-shapes N] [--time-limit S] [--profile] [--no-ref] [--sweep]
 
-Our variants (triton_kda.CONFIG): dot = diagonal 16x16 blocks by reference-row tensor-core dots where the
-in-block decay allows (the default), dot3 = the same with tf32x3 dots, chunk = diagonal blocks always
-elementwise inside the per-chunk kernels, token = token-parallel diagonal kernels.
+Our variants are launch parameters passed to the op (`chunk_kda(..., launch=triton_kda.KDALaunch)`): token =
+the defaults (triton_kda.LAUNCH), tf32x3 = the intra-chunk dots in tf32x3. --sweep times launch knobs on the
+first shape and reports the fastest (the defaults change only by an edit of triton_kda.py).
 Order, so that a time limit cuts the least important numbers: (1) ours, every variant and shape, timed;
 (2) numerics at small shapes vs the float64 reference (ours, and fla with --ref-fla; dense bf16, and
 varlen + in-kernel gate + beta logits + grouped value heads); (3) fla per shape (first --fla-shapes shapes): numerics vs each
@@ -26,6 +26,7 @@ Imports nothing from moeadapt beyond moeadapt.ops.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -42,12 +43,9 @@ from moeadapt.ops.kda import (
 
 SHAPES = [(1, 16384, 16, 128), (1, 65536, 16, 128), (8, 4096, 32, 128), (2, 8192, 64, 128)]
 FLA_REF_MS = {(1, 16384, 16, 128): 5.8, (1, 65536, 16, 128): 22.6, (8, 4096, 32, 128): 19.8, (2, 8192, 64, 128): 20.0}
-BASE_CONFIG = dict(triton_kda.CONFIG)
 VARIANTS = {
-    "dot": dict(diag="dot"),
-    "dot3": dict(diag="dot", dot_prec="tf32x3"),
-    "chunk": dict(diag="chunk"),
-    "token": dict(diag="token"),
+    "token": {},
+    "tf32x3": dict(dot_prec="tf32x3"),
 }
 T_START = time.time()
 DEV = "cuda"
@@ -73,27 +71,27 @@ def flops_fwd(B, T, H, D, C=64):
     return B * T * H * (6 * C * D + 4 * C * D + 6 * D * D)
 
 
-def set_backend(backend):
-    """'triton:<variant>' sets triton_kda.CONFIG to that variant (VARIANTS) and returns 'triton'."""
+def set_backend(backend, launch=None):
+    """(backend, launch keywords of chunk_kda): 'triton:<variant>' is backend 'triton' with that variant's launch
+    parameters (VARIANTS, over triton_kda.LAUNCH); `launch` (a KDALaunch) overrides."""
     if backend.startswith("triton:"):
-        triton_kda.CONFIG.clear()
-        triton_kda.CONFIG.update(BASE_CONFIG, **VARIANTS[backend.split(":")[1]])
-        return "triton"
-    return backend
+        launch = launch or dataclasses.replace(triton_kda.LAUNCH, **VARIANTS[backend.split(":")[1]])
+        backend = "triton"
+    return backend, ({"launch": launch} if launch is not None else {})
 
 
-def runner(backend, args, need_grad):
-    backend = set_backend(backend)
+def runner(backend, args, need_grad, launch=None):
+    backend, lk = set_backend(backend, launch)
     q, k, v, g, beta, h0 = args
     xs = [x.detach().requires_grad_(need_grad) for x in (q, k, v, g, beta, h0)]
     do = torch.randn_like(v)
 
     def fwd():
         with torch.no_grad():
-            return chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend)
+            return chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend, **lk)
 
     def fwdbwd():
-        o, ht = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend)
+        o, ht = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend=backend, **lk)
         torch.autograd.backward([o, ht], [do, torch.ones_like(ht)])
         for x in xs:
             x.grad = None
@@ -104,14 +102,14 @@ def runner(backend, args, need_grad):
 def outputs_and_grads(backend, args, cu_seqlens=None, double=False, seed=123, **kw):
     """o, final state and the gradients of every input (q, k, v, g, beta, h0, then any tensor in kw) for
     fixed float32 cotangents (seeded), so that backends and dtypes see the same cotangents."""
-    backend = set_backend(backend)
+    backend, lk = set_backend(backend)
     names = [n for n in kw if torch.is_tensor(kw[n])]
     xs = [x.detach().clone().requires_grad_() for x in list(args) + [kw[n] for n in names]]
     if double:
         xs = [x.detach().double().requires_grad_() for x in xs]
     extra = dict(zip(names, xs[6:]))
     o, ht = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu_seqlens,
-                      backend=backend, **{n: v for n, v in kw.items() if not torch.is_tensor(v)}, **extra)
+                      backend=backend, **lk, **{n: v for n, v in kw.items() if not torch.is_tensor(v)}, **extra)
     gen = torch.Generator(device=o.device).manual_seed(seed)
     do = torch.randn(o.shape, device=o.device, generator=gen).to(o.dtype)
     dht = torch.randn(ht.shape, device=o.device, generator=gen).to(ht.dtype)
@@ -242,10 +240,9 @@ def kernel_times(fn, label):
 
 
 def sweep(shape):
-    """Try launch variants on one shape; keep the fastest fwd+bwd in triton_kda.CONFIG."""
+    """Try launch variants on one shape and report the fastest fwd+bwd (passed as launch=, nothing is changed)."""
     args = make(*shape)
-    base = dict(triton_kda.CONFIG)
-    variants = [  # launch knobs of the default (dot) variant's kernels
+    variants = [  # launch knobs around the defaults
         {},
         dict(intra_warps=4),
         dict(intra_BK=16),
@@ -265,10 +262,8 @@ def sweep(shape):
     ]
     best = (float("inf"), {})
     for var in variants:
-        triton_kda.CONFIG.clear()
-        triton_kda.CONFIG.update(base, **var)
         try:
-            fwd, fwdbwd, _, _ = runner("triton", args, True)
+            fwd, fwdbwd, _, _ = runner("triton", args, True, dataclasses.replace(triton_kda.LAUNCH, **var))
             tf = bench(fwd)
             tb = bench(fwdbwd)
         except Exception as e:  # a variant that fails to compile must not stop the run
@@ -277,10 +272,7 @@ def sweep(shape):
         print(f"  [{elapsed():.0f} s] sweep {var}: fwd {tf:.3f} ms  fwd+bwd {tb:.3f} ms", flush=True)
         if tb < best[0]:
             best = (tb, var)
-    triton_kda.CONFIG.clear()
-    triton_kda.CONFIG.update(base, **best[1])
-    BASE_CONFIG.update(best[1])  # the variants start from it
-    print(f"  sweep best: {best[1]} -> CONFIG {triton_kda.CONFIG}")
+    print(f"  sweep best: {best[1]} over the defaults {triton_kda.LAUNCH}")
 
 
 def elapsed():
@@ -328,7 +320,7 @@ def time_backend(backend, shape, args, profile):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D ...")
-    p.add_argument("--ours", default="dot,chunk,token", help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--ours", default="token", help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--no-ref", action="store_true", help="skip the float64 reference checks and reference timing")
     p.add_argument("--no-fla", action="store_true")
     p.add_argument("--ref-fla", action="store_true",

@@ -10,13 +10,13 @@ Variants (all bf16, fwd+bwd):
                    torch._grouped_mm per expert MLP, fp32 score multiply + deterministic scatter_add)
   loop             per-expert Python loop (argsort dispatch, one matmul per expert and projection)
   gemm-floor       torch._grouped_mm alone on pre-permuted inputs (gate/up and down GEMMs, fwd+bwd)
-  lora-<be>        frozen base + grouped LoRA r=16 on gate/up and down: lora-triton (old fused Triton
-                   GEMM), lora-torch (old: three torch._grouped_mm), lora-fused (LoRA folded into the
-                   base torch._grouped_mm through a persistent [W | Bᵀ] buffer, fused_lora.py, dx="cat",
-                   K-grouped torch dA/dB), lora-fused-split (dx="split"), lora-fused-twg (Triton dA/dB),
-                   lora-fused-fold (twg + fold_io: no permuted copy z, the gate/up LoRA-in pass gathers
-                   token rows itself; no SwiGLU output, the down LoRA-in pass forms it; SwiGLU backward
-                   fused into the down dx epilogue)
+  lora-<be>        frozen base + grouped LoRA r=16 on gate/up and down: lora-triton (the Triton grouped LoRA
+                   kernel), lora-torch (three torch._grouped_mm), lora-fused (LoRA folded into the base
+                   torch._grouped_mm through a persistent [W | Bᵀ] buffer, fused_lora.py, dx="cat"),
+                   lora-fused-fold (+ folded input passes: no permuted copy z, the gate/up LoRA-in pass
+                   gathers token rows itself; no SwiGLU output, the down LoRA-in pass forms it; SwiGLU
+                   backward fused into the down dx epilogue), lora-lean (lean_lora.py: gate/up GEMM at
+                   native width, the rank terms in the gather / SwiGLU passes); "-split": dx="split"
   frozen           the same layer with a frozen base and no LoRA (dx only), the LoRA baseline
 Every variant permutes with num_routed = T*K (dropless routing), so none of them syncs with the host.
 Scopes: "layer" (everything above) and "experts" (permute → experts → unpermute on a fixed latent).
@@ -52,22 +52,16 @@ from moeadapt.ops.moe import (  # noqa: E402
     unpermute,
 )
 
-# lora variant -> (grouped_lora backend, fused_lora.CONFIG or None)
+# lora variant -> (path, the fused backward's dx mode): the arguments experts_ours passes to the ops
 LORA_VARIANTS = {
-    "lora-triton": ("triton", None),
-    "lora-torch": ("torch", None),
-    "lora-fused": ("fused", dict(dx="cat", wgrad="torch", fold_io=False)),
-    "lora-fused-split": ("fused", dict(dx="split", wgrad="torch", fold_io=False)),
-    "lora-fused-twg": ("fused", dict(dx="cat", wgrad="triton", fold_io=False)),
-    "lora-fused-fold": ("fused", dict(dx="cat", wgrad="triton", fold_io=True)),
-    # session 3: dx="split" (base dx GEMM at the native width + a thin dy·Bᵀ pass) with Triton dA/dB
-    "lora-fused-twg-split": ("fused", dict(dx="split", wgrad="triton", fold_io=False)),
-    "lora-fused-fold-split": ("fused", dict(dx="split", wgrad="triton", fold_io=True)),
-    # session 3: lean_lora.py (gate/up base GEMM at native width, LoRA terms in the gather / SwiGLU passes)
-    "lora-lean": ("lean", dict(dx="cat", wgrad="triton", fold_io=False)),
-    "lora-lean-split": ("lean", dict(dx="split", wgrad="triton", fold_io=False)),
-    # session 4 also timed lora-lean-fd (down_lora_bwd) and lora-lean-cp (swiglu_lora_bwd_cp), removed after
-    # measurement (RESULTS.md, MoE, session 4; the code is in commit f665fda)
+    "lora-triton": ("triton", "cat"),
+    "lora-torch": ("torch", "cat"),
+    "lora-fused": ("fused", "cat"),
+    "lora-fused-split": ("fused", "split"),
+    "lora-fused-fold": ("fold", "cat"),
+    "lora-fused-fold-split": ("fold", "split"),
+    "lora-lean": ("lean", "cat"),
+    "lora-lean-split": ("lean", "split"),
 }
 
 DEV = "cuda"
@@ -115,8 +109,9 @@ def swiglu_unfused(gu_NF2):
 
 
 # ---------------------------------------------------------------- expert blocks (z_TL → y_TL)
-def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu, cats=None):
-    """cats: persistent [W | Bᵀ] buffers {"gu", "d"} for lora="fused" (the base weight is their view)."""
+def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, act=swiglu, cats=None, dx="cat"):
+    """lora: None, a grouped_lora backend, "fold" (fused with folded input passes) or "lean"; cats: persistent
+    [W | Bᵀ] buffers {"gu", "d"} for the fused paths (the base weight is their view); dx: their backward GEMM."""
     T = z_TL.shape[0]
     if lora == "lean":
         ri, counts = permutation(ids_TK, E, num_routed=ids_TK.numel())
@@ -124,17 +119,17 @@ def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, a
         Fh, cd = P["w_d_EOI"].shape[2], cats["d"]
         o = lean_lora.lean_lora_experts(z_TL, ri, ids_TK.shape[1], offs, P["w_gu_EOI"], P["A_gu"], P["B_gu"],
                                         scaling, cd[:, :, :Fh].transpose(1, 2), P["A_d"], P["B_d"], scaling,
-                                        wcat_d=cd)
+                                        wcat_d=cd, dx=dx)
         return unpermute(o, ri, w_TK, T)
-    if lora == "fused" and fused_lora.CONFIG["fold_io"]:  # folded input passes: no permuted copy, no SwiGLU pass
+    if lora == "fold":  # folded input passes: no permuted copy, no SwiGLU pass
         ri, counts = permutation(ids_TK, E, num_routed=ids_TK.numel())
         offs = offsets_from_counts(counts)
         L, Fh = z_TL.shape[1], P["w_d_EOI"].shape[2]
         cgu, cd = cats["gu"], cats["d"]
         gu = fused_lora.grouped_lora_fused_gather(z_TL, ri, ids_TK.shape[1], P["A_gu"], P["B_gu"], offs, scaling,
-                                                  w_EIO=cgu[:, :, :L].transpose(1, 2), w_cat=cgu)
+                                                  w_EIO=cgu[:, :, :L].transpose(1, 2), w_cat=cgu, dx=dx)
         o = fused_lora.grouped_lora_fused_swiglu(gu, None, P["A_d"], P["B_d"], offs, scaling,
-                                                 w_EIO=cd[:, :, :Fh].transpose(1, 2), w_cat=cd)
+                                                 w_EIO=cd[:, :, :Fh].transpose(1, 2), w_cat=cd, dx=dx)
         return unpermute(o, ri, w_TK, T)
     xs, ri, counts = permute(z_TL, ids_TK, E, num_routed=ids_TK.numel())
     offs = offsets_from_counts(counts)
@@ -146,9 +141,9 @@ def experts_ours(z_TL, ids_TK, w_TK, P, E, mm_backend, lora=None, scaling=2.0, a
         L, Fh = xs.shape[1], P["w_d_EOI"].shape[2]
         cgu, cd = cats["gu"], cats["d"]
         a = act(grouped_lora(xs, P["A_gu"], P["B_gu"], offs, scaling, w_EIO=cgu[:, :, :L].transpose(1, 2),
-                             backend="fused", w_cat=cgu))
+                             backend="fused", w_cat=cgu, dx=dx))
         o = grouped_lora(a, P["A_d"], P["B_d"], offs, scaling, w_EIO=cd[:, :, :Fh].transpose(1, 2),
-                         backend="fused", w_cat=cd)
+                         backend="fused", w_cat=cd, dx=dx)
     else:
         a = act(grouped_lora(xs, P["A_gu"], P["B_gu"], offs, scaling, w_EIO=wgu, backend=lora))
         o = grouped_lora(a, P["A_d"], P["B_d"], offs, scaling, w_EIO=wd, backend=lora)
@@ -260,8 +255,7 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
         with torch.no_grad():
             y_t = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="torch").float()
             for name in ("lora-fused", "lora-fused-fold"):
-                fused_lora.CONFIG.update(LORA_VARIANTS[name][1])
-                y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="fused", cats=cats).float()
+                y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora=LORA_VARIANTS[name][0], cats=cats).float()
                 log(dict(info, check=f"{name} vs lora-torch (experts fwd)",
                          rel_err=float((y_f - y_t).norm() / y_t.norm())))
             y_f = experts_ours(z0, ids_TK, w_TK, P, E, "auto", lora="lean", cats=cats).float()
@@ -269,7 +263,6 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
                      rel_err=float((y_f - y_t).norm() / y_t.norm())))
     except Exception as exc:
         print(f"# lora check FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
 
     def train_params(frozen):
         for k, v in P.items():
@@ -304,18 +297,13 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
         variants = {}
 
     def lora_fn(name):
-        be, cfg = LORA_VARIANTS[name]
-
-        def fn(z, i, w):
-            if cfg is not None:
-                fused_lora.CONFIG.update(cfg)  # read again in backward, which runs before the next call
-            return experts_ours(z, i, w, P, E, "auto", lora=be, cats=cats)
-        return fn
+        path, dx = LORA_VARIANTS[name]
+        return lambda z, i, w: experts_ours(z, i, w, P, E, "auto", lora=path, cats=cats, dx=dx)
 
     lora_variants = {"frozen": lambda z, i, w: experts_ours(z, i, w, P, E, "auto")}
     lora_variants.update({name: lora_fn(name) for name in LORA_VARIANTS})
     if profile:  # where the time goes, per kernel, for our full-training and LoRA steps
-        picks = lora_select or ["lora-fused-twg", "lora-fused-fold", "lora-lean"]  # --lora-variants when given
+        picks = lora_select or ["lora-fused", "lora-fused-fold", "lora-lean"]  # --lora-variants when given
         for name, ex, frozen in ([("ours-torch", variants.get("ours-torch"), False),
                                   ("frozen", lora_variants["frozen"], True)]
                                  + [(n, lora_variants[n], True) for n in picks]):
@@ -352,7 +340,6 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
                              tflops=round(fl / ms / 1e9, 1), peak_gib=round(mem, 2),
                              **({"ms_rounds": [round(m, 3) for m in ms_all]} if rounds > 1 else {})))
             log(rows[-1])
-    fused_lora.CONFIG.update(LORA_VARIANTS["lora-fused"][1])
     for scope in ("experts", "layer"):  # the target: LoRA adds at most 25% over the frozen layer
         base = next(r["ms"] for r in rows if r["scope"] == scope and r["variant"] == "frozen")
         over = {r["variant"]: round(100 * (r["ms"] / base - 1), 1) for r in rows
@@ -386,48 +373,6 @@ def run_case(E, K, zipf_s, T, D, L, Fh, R, loop, log, profile=False, lora_only=F
     return rows
 
 
-def sweep(T, L, Fh, log, E=64, K=8):
-    """Triton tile configs for the wide expert GEMMs (uniform routing), against torch._grouped_mm."""
-    from moeadapt.ops.moe import triton_grouped_mm as tg
-
-    N = T * K
-    offs = offsets_from_counts(torch.full((E,), N // E, device=DEV, dtype=torch.int64))
-    x = torch.randn(N, L, device=DEV, dtype=BF16)
-    dy = torch.randn(N, 2 * Fh, device=DEV, dtype=BF16)
-    w = (torch.randn(E, 2 * Fh, L, device=DEV) * L**-0.5).to(BF16).transpose(1, 2)  # [E, I, O] view
-    fl = 2 * N * L * 2 * Fh
-    cases = {
-        "fwd x@W": (lambda: tg.grouped_mm_fwd(x, w, offs), lambda: torch._grouped_mm(x, w, offs=offs)),
-        "dx dy@W^T": (lambda: tg.grouped_mm_fwd(dy, w.transpose(1, 2), offs),
-                      lambda: torch._grouped_mm(dy, w.transpose(1, 2), offs=offs)),
-        "dW x^T@dy": (lambda: tg.grouped_wgrad(x, dy, offs, w),
-                      lambda: torch._grouped_mm(x.t(), dy, offs=offs)),
-    }
-    fwd_cfgs = [dict(BN=128, BK=64, num_warps=8, num_stages=3), dict(BN=256, BK=64, num_warps=8, num_stages=3),
-                dict(BN=128, BK=64, num_warps=4, num_stages=4), dict(BN=128, BK=64, num_warps=8, num_stages=4)]
-    wg_cfgs = [dict(BI=128, BO=128, BK=64, num_warps=8, num_stages=3),
-               dict(BI=128, BO=256, BK=64, num_warps=8, num_stages=3),
-               dict(BI=128, BO=128, BK=32, num_warps=4, num_stages=4)]
-    default_fwd, default_wg = dict(tg.FWD_WIDE_16BIT), dict(tg.WGRAD_WIDE)
-    for name, (ours, theirs) in cases.items():
-        for cfg in (wg_cfgs if name.startswith("dW") else fwd_cfgs):
-            (tg.WGRAD_WIDE if name.startswith("dW") else tg.FWD_WIDE_16BIT).update(cfg)
-            try:
-                ms = triton.testing.do_bench(ours, warmup=10, rep=40)
-            except Exception as exc:
-                ms = float("nan")
-                print(f"# sweep FAILED {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            log(dict(sweep=name, E=E, N=N, cfg=cfg, ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1)))
-        tg.FWD_WIDE_16BIT.update(default_fwd)
-        tg.WGRAD_WIDE.update(default_wg)
-        try:
-            ms = triton.testing.do_bench(theirs, warmup=10, rep=40)
-        except Exception as exc:
-            ms = float("nan")
-            print(f"# sweep FAILED torch {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        log(dict(sweep=name, E=E, N=N, cfg="torch._grouped_mm", ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1)))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes, no loop baseline")
@@ -435,25 +380,14 @@ def main():
     ap.add_argument("--routings", default="0,1.2", help="Zipf exponents, 0 = uniform")
     ap.add_argument("--no-loop", action="store_true", help="skip the per-expert Python loop baseline")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel profile of the first case")
-    ap.add_argument("--sweep", action="store_true", help="time Triton GEMM tile configs at E=64, K=8 first")
     ap.add_argument("--lora-only", action="store_true",
                     help="frozen vs each LoRA variant only (uniform routing unless --routings says otherwise)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=1, help="time the LoRA variants this many times, interleaved; "
                     "report each one's median (the H200 here showed ±2-point and occasional 2x outliers)")
     ap.add_argument("--lora-variants", default=None, help="comma list of LoRA variants to time (frozen always)")
-    ap.add_argument("--fold-tiles", default=None,
-                    help="JSON from tune_fold.py: tiles of the fold_io passes (lean_* keys: lean_lora's)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     args = ap.parse_args()
-    if args.fold_tiles:
-        from moeadapt.ops.moe import fused_lora
-
-        with open(args.fold_tiles) as f:
-            tiles = json.load(f)
-        fused_lora.FOLD_TILES.update({k: v for k, v in tiles.items() if not k.startswith("lean_")})
-        lean_lora.LEAN_TILES.update({k[5:]: v for k, v in tiles.items() if k.startswith("lean_")})
-        print(f"# fold tiles {fused_lora.FOLD_TILES}, lean tiles {lean_lora.LEAN_TILES}", flush=True)
     if args.lora_only and args.routings == ap.get_default("routings"):
         args.routings = "0"
     T, D, L, Fh, R = (2048, 1024, 256, 256, 16) if args.quick else (16384, 4096, 1024, 1024, 16)
@@ -468,8 +402,6 @@ def main():
 
     log(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())))
-    if args.sweep:
-        sweep(T, L, Fh, log)
     t_start = time.time()
     first = True
     for zipf_s in (float(z) for z in args.routings.split(",")):

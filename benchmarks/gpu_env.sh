@@ -1,5 +1,5 @@
-# Sourced by the GPU call scripts (benchmarks/gpu_call*.sh, run_pending_gpu.sh), run from the repo root on the
-# device machine: installs the carried wheels (.whl/: fla-core and pydantic, which the GPU image lacks) into
+# Sourced (`. benchmarks/gpu_env.sh`) at the start of a device command (benchmarks/README.md), from the repo root on
+# the device machine: installs the carried wheels (.whl/: fla-core and pydantic, which the GPU image lacks) into
 # /tmp/site, sets the environment (compiled Triton, not the interpreter tests/conftest.py defaults to; fla's
 # autotune cache from .fla_cache/ when carried) and defines `step CAP NAME CMD...`: run CMD under a time cap,
 # logging to $OUT/NAME.log and printing its tail.

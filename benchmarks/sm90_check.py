@@ -13,6 +13,7 @@ so the kernels are real JITFunctions) compiles each distinct launch ahead of tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json  # noqa: E402
 import os
 import subprocess  # noqa: E402
@@ -158,7 +159,10 @@ def run_kda(a):
     g = (-torch.rand(B, T, H, D)).requires_grad_()
     beta = torch.rand(B, T, H).to(dt).requires_grad_()
     h0 = torch.zeros(B, H, D, D).requires_grad_()
-    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
+    from moeadapt.ops.kda.triton_kda import LAUNCH
+
+    launch = dataclasses.replace(LAUNCH, fuse_wu=a.fuse_wu)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton", launch=launch)
     (o.float().sum() + ht.sum()).backward()
 
 
@@ -169,15 +173,11 @@ def main():
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--diag", default=None)
+    p.add_argument("--fuse-wu", action="store_true", help="kda: w / u inside _fwd_intra (KDALaunch.fuse_wu)")
     a, rest = p.parse_known_args()
     a.pytest_args = rest  # op=pytest: everything else goes to pytest
     if rest and a.op != "pytest":
         p.error(f"unrecognised arguments: {rest}")
-    if a.diag:
-        from moeadapt.ops.kda import triton_kda
-
-        triton_kda.CONFIG["diag"] = a.diag
     if os.environ.get("_SM90_RECORD"):
         if a.op == "pytest":
             import pytest

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import yaml
 
-from .config import RunConfig, build_run_config, load_run_config, resolve_model
+from .config import RunConfig, build_run_config, load_run_config
 from .config.load import ConfigError
 from .data.dataset import PackedDataset, check_targets, pack, read_jsonl
 from .data.tokenizer import get_tokenizer
@@ -17,6 +17,7 @@ from .io import save_model_dir
 from .lora import export_peft, inject_lora, load_peft, merge_lora
 from .models.model import HybridMoEModel, build_model, materialize
 from .models.stats import count_parameters
+from .onboard import model_spec_from_dir, resolve_model
 from .ui import make_console
 
 ASSETS = Path(__file__).parent / "assets"
@@ -27,8 +28,8 @@ def _cfg(config: str | Path | dict | RunConfig, overrides: dict[str, Any] | None
     if isinstance(config, RunConfig):
         return config
     if isinstance(config, dict):
-        return build_run_config(config)
-    return load_run_config(config, overrides)
+        return build_run_config(config, from_dir=model_spec_from_dir)
+    return load_run_config(config, overrides, from_dir=model_spec_from_dir)
 
 
 def _check_launch(cfg: RunConfig) -> None:
@@ -66,13 +67,14 @@ def train(config, overrides: dict[str, Any] | None = None, quiet: bool = False):
                           "set train.resume=true to continue that run, or choose a new output_dir (a fresh start "
                           "there would overwrite them)")
     if cfg.train.init_from:
-        from .config.load import model_spec_from_dir
+        from .onboard.sources import is_dcp_dir
 
         if not Path(cfg.train.init_from).is_dir():
             raise ConfigError(f"train.init_from {cfg.train.init_from} is not a directory; give a model directory "
                               "(config.json + model.safetensors), e.g. RUN/model")
         try:
-            model_spec_from_dir(cfg.train.init_from)
+            if not is_dcp_dir(cfg.train.init_from):  # a DCP checkpoint's names and shapes are checked when read
+                model_spec_from_dir(cfg.train.init_from)
         except ConfigError as e:
             raise ConfigError(f"train.init_from: {e}") from None
     _save_resolved(cfg)
@@ -222,7 +224,8 @@ def export_adapter(run_dir: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     from .config.load import safe_load_yaml
 
-    cfg = build_run_config(safe_load_yaml(cfg_file.read_text(), str(cfg_file)), str(cfg_file))
+    cfg = build_run_config(safe_load_yaml(cfg_file.read_text(), str(cfg_file)), str(cfg_file),
+                           from_dir=model_spec_from_dir)
     if cfg.lora is None:
         raise ConfigError(f"{run_dir} is a full-training run; it has no adapter to export")
     m = materialize(build_model(cfg.model, "meta"), "cpu")

@@ -1,11 +1,13 @@
 """YAML loading and model resolution, with errors a user can act on.
 
-Owns: turning a YAML file / preset name / model directory into validated specs.
+Owns: turning a YAML file / preset name / mapping into validated specs. Imports nothing of moeadapt outside
+config/: a model directory (ours or a Hugging Face checkpoint) is read by onboard/ — callers pass
+`from_dir=moeadapt.onboard.model_spec_from_dir` (moeadapt.api does).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,46 +101,22 @@ def format_validation_error(err: ValidationError, where: str) -> str:
     return "\n".join(lines)
 
 
-def model_spec_from_dir(path: str | Path) -> ModelSpec:
-    """A model directory: ours (config.json holding our ModelSpec) or a Hugging Face checkpoint of a family
-    `moeadapt onboard` maps (deepseek_v3, deepseek_v32, kimi_k2, kimi_linear, qwen3_moe)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
-            raise ConfigError(f"{path} is a run directory; point at its trained model, {path / 'model'}")
-        if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
-            raise ConfigError(f"{path} is a LoRA run directory; give its base model and --adapter {path / 'adapter'}")
-        raise ConfigError(f"{path} has no config.json; give a preset name ({', '.join(preset_names())}) "
-                          "or a model directory")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON ({e}); re-export the model") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{cfg_file} holds a {type(cfg).__name__}, not a JSON object; re-export the model")
-    if "moeadapt" not in cfg:  # a Hugging Face checkpoint: map it through onboarding (lazy: onboard imports torch)
-        from ..onboard.families import OnboardError, read_family
-
-        try:
-            return read_family(cfg, name=path.name).spec
-        except OnboardError as e:
-            raise ConfigError(f"{cfg_file}: {e}; inspect it with `moeadapt onboard {path}`") from None
-    try:
-        return ModelSpec(**cfg["moeadapt"])
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, str(cfg_file))) from None
+FromDir = Callable[[str], ModelSpec]  # a model directory -> its ModelSpec (onboard.model_spec_from_dir)
 
 
-def resolve_model(value: str | dict | ModelSpec) -> ModelSpec:
-    """A preset name, a model directory, a ModelSpec mapping (optionally with `preset:` + overrides)."""
+def resolve_model(value: str | dict | ModelSpec, from_dir: FromDir | None = None) -> ModelSpec:
+    """A preset name, a model directory (read by `from_dir`), a ModelSpec mapping (optionally with `preset:` +
+    overrides)."""
     if isinstance(value, ModelSpec):
         return value
     if isinstance(value, str):
         if value in preset_names():
             return get_preset(value)
         if Path(value).is_dir():
-            return model_spec_from_dir(value)
+            if from_dir is None:
+                raise ConfigError(f"model {value!r} is a directory; read it with moeadapt.onboard.resolve_model "
+                                  "(or pass from_dir=moeadapt.onboard.model_spec_from_dir)")
+            return from_dir(value)
         if Path(value).exists():
             raise ConfigError(f"model {value!r} is a file; give a model directory (config.json + model.safetensors) "
                               f"or a preset ({', '.join(preset_names())})")
@@ -159,14 +137,15 @@ def resolve_model(value: str | dict | ModelSpec) -> ModelSpec:
     raise ConfigError(f"model must be a preset name, a directory or a mapping, got {type(value).__name__}")
 
 
-def build_run_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
+def build_run_config(raw: dict[str, Any], where: str = "config", from_dir: FromDir | None = None) -> RunConfig:
+    """A RunConfig from a parsed mapping; `from_dir` reads a `model:` that names a directory."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping with keys model/lora/train/data/parallel")
     if "model" not in raw:
         raise ConfigError(f"{where}: missing 'model' (a preset name such as 'tiny', a directory, or a mapping)")
     raw = dict(raw)
     try:
-        raw["model"] = resolve_model(raw["model"])
+        raw["model"] = resolve_model(raw["model"], from_dir)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     if raw.get("lora") is True:
@@ -177,7 +156,9 @@ def build_run_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
         raise ConfigError(format_validation_error(e, where)) from None
 
 
-def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None,
+                    from_dir: FromDir | None = None) -> RunConfig:
+    """A RunConfig from a YAML file with dotted `overrides`; `from_dir` as in build_run_config."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config {path} is a directory; give a YAML file (examples/*.yaml)")
@@ -192,4 +173,4 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping with keys model/lora/train/data/parallel")
     apply_overrides(raw, overrides or {}, str(path))
-    return build_run_config(raw, str(path))
+    return build_run_config(raw, str(path), from_dir)

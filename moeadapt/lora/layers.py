@@ -12,8 +12,8 @@ is stored once (+R'/in, 1.6% at in=1024, r=16) and base + adapter run as one gro
 `weight`, `lora_A`, `lora_B` stay separate parameters (checkpoints and PEFT export see them as before).
 The view is re-established after `.to()` / `to_empty()` (`_apply`); when something else owns the weight
 (FSDP's sharded / gathered copies, a different compute dtype), forward falls back to the unfused path.
-With `fused_lora.CONFIG["fold_io"]` on, `forward_gather` / `forward_swiglu` (called by GroupedExperts /
-LocalDispatcher when every layer involved has `fold_cat`) also fold the permute gather (w1, w3) and the
+`forward_gather` / `forward_swiglu` (called by GroupedExperts / LocalDispatcher where ops/moe/path.py picks
+the fused GEMM and every layer involved has a `fold_cat`) also fold the permute gather (w1, w3) and the
 SwiGLU product (w2) into the LoRA-in pass.
 """
 
@@ -134,9 +134,9 @@ class GroupedLoRALinear(GroupedLinear):
         return wc if wc.dtype == dtype else None
 
     def fold_cat(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The [W | Bᵀ] buffer when this layer can take a folded input pass (fused_lora.CONFIG["fold_io"]
-        on, no dropout, frozen base that is still the buffer's view in `dtype`), else None."""
-        if not fused_lora.CONFIG["fold_io"] or not isinstance(self.dropout, nn.Identity):
+        """The [W | Bᵀ] buffer when this layer can take a folded input pass (no dropout, backend "auto" or
+        "fused", frozen base that is still the buffer's view in `dtype`), else None."""
+        if not isinstance(self.dropout, nn.Identity):
             return None
         if self.backend not in ("auto", "fused") or self.weight.requires_grad:
             return None

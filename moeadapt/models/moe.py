@@ -14,8 +14,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from ..ops.moe import (
-    auto_lora_backend,
-    fused_lora,
+    expert_lora_path,
     grouped_mm,
     lean_lora,
     offsets_from_counts,
@@ -41,48 +40,68 @@ class GroupedLinear(nn.Module):
         return grouped_mm(x_NI, self.weight.transpose(1, 2).to(x_NI.dtype), offsets_E, backend=self.backend)
 
 
+EXPERT_LORA_PATHS = ("auto", "fold", "layers")
+
+
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: w2(silu(w1 x) * w3 x) per expert, over expert-sorted rows."""
+    """SwiGLU experts: w2(silu(w1 x) * w3 x) per expert, over expert-sorted rows.
+
+    `lora_path` (LoRA'd experts only) limits the fused passes `expert_lora_path` may pick: "auto" (lean_lora
+    where it runs, else the folded input passes of fused_lora, else each projection through grouped_lora),
+    "fold" (never lean), "layers" (never lean nor folded: each projection on its own)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
+        self.n_experts = n_experts
         self.w1 = GroupedLinear(n_experts, dim, hidden)
         self.w3 = GroupedLinear(n_experts, dim, hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.backend = "auto"  # the SwiGLU between them (the linears keep their own, e.g. a grouped-LoRA kernel)
+        self.lora_path = "auto"
 
     def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
 
     def _down(self, g_NF, u_NF, offsets_E):
-        if _folds(self.w2, g_NF):  # LoRA'd w2 with fold_io: SwiGLU inside its LoRA-in pass
+        if self._folds((self.w2,), g_NF, g_NF.shape[0]):  # LoRA'd w2: SwiGLU inside its LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
         return self.w2(swiglu_pair(g_NF, u_NF, backend=self.backend), offsets_E)
 
-    def can_gather(self, z_TL: torch.Tensor, n_rows: int) -> bool:
-        """True when w1 and w3 both read token-major rows (n_rows routed copies of z) through the
-        permutation themselves."""
-        return _folds(self.w1, z_TL, n_rows) and _folds(self.w3, z_TL, n_rows)
+    def path(self, z_TL: torch.Tensor, n_rows: int) -> str:
+        """How the dispatcher runs the experts over n_rows routed copies of z: "lean" (forward_lean), "gather"
+        (forward_gather: w1 / w3 read z through the permutation) or "permute" (forward on permuted rows)."""
+        if self.lora_path not in EXPERT_LORA_PATHS:
+            raise ValueError(f"GroupedExperts.lora_path={self.lora_path!r} is not one of {EXPERT_LORA_PATHS}")
+        ws = (self.w1, self.w3, self.w2)
+        if self.lora_path == "auto" and self._lean_layers(z_TL):
+            if expert_lora_path(n_rows / self.n_experts, cuda=z_TL.is_cuda, fused_buffer=True, lean_layers=True,
+                                backend=_forced(ws)) == "lean":
+                return "lean"
+        return "gather" if self._folds(ws[:2], z_TL, n_rows) else "permute"
 
-    def lean_ok(self, z_TL: torch.Tensor, n_rows: int) -> bool:
-        """True when the LoRA'd experts can run through ops/moe/lean_lora.py (fused_lora.CONFIG["lean"]): w1, w3
-        and w2 all grouped LoRA layers with a frozen base in z's dtype, no dropout, w1 / w3 with one rank and
-        scaling, w2 owning its [W | Bᵀ] buffer, and where "auto" would run the fused GEMM (CUDA, at least
-        FUSED_MIN_ROWS rows per expert) or the layers ask for backend "fused"."""
-        if not fused_lora.CONFIG.get("lean", False):
-            return False
+    def _lean_layers(self, z_TL: torch.Tensor) -> bool:
+        """The layer facts lean_lora needs: w1, w3, w2 all grouped LoRA layers with a frozen base in z's dtype,
+        no dropout, backend "auto" or "fused", w1 / w3 with one rank and scaling, w2 owning its [W | Bᵀ] buffer."""
         w1, w3, w2 = self.w1, self.w3, self.w2
         if not all(hasattr(w, "lora_A") and isinstance(w.dropout, nn.Identity) for w in (w1, w3, w2)):
             return False
         if any(w.weight.requires_grad or w.weight.dtype != z_TL.dtype or w.backend not in ("auto", "fused")
                for w in (w1, w3, w2)):
             return False
-        if w1.rank != w3.rank or w1.scaling != w3.scaling or w2.cat_weight(z_TL.dtype) is None:
+        return w1.rank == w3.rank and w1.scaling == w3.scaling and w2.cat_weight(z_TL.dtype) is not None
+
+    def _folds(self, layers, x: torch.Tensor, n_rows: int) -> bool:
+        """Grouped LoRA layers that take fused_lora's folded input passes: each owns a usable [W | Bᵀ] buffer
+        (lora/layers.py `fold_cat`) and expert_lora_path picks the fused GEMM for them."""
+        if self.lora_path == "layers":
             return False
-        return all(_runs_fused(w, z_TL, n_rows) for w in (w1, w3, w2))
+        if not all(getattr(w, "fold_cat", None) is not None and w.fold_cat(x.dtype) is not None for w in layers):
+            return False
+        return all(expert_lora_path(n_rows / self.n_experts, cuda=x.is_cuda, fused_buffer=True,
+                                    backend=_forced((w,))) == "fused" for w in layers)
 
     def forward_lean(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
-        """The experts over z[row_index // K] via lean_lora (needs lean_ok): no permuted copy, gate/up GEMMs
+        """The experts over z[row_index // K] via lean_lora (path "lean"): no permuted copy, gate/up GEMMs
         at native width, the rank terms in the gather / SwiGLU passes."""
         w1, w3, w2 = self.w1, self.w3, self.w2
         A = torch.cat([w1.lora_A, w3.lora_A], 2)  # the adapters in their own dtype: lean_lora casts them
@@ -92,28 +111,15 @@ class GroupedExperts(nn.Module):
             wcat_d=w2.cat_weight(z_TL.dtype))
 
     def forward_gather(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
-        """forward(z[row_index // K]) without materialising the permuted rows (needs can_gather)."""
+        """forward(z[row_index // K]) without materialising the permuted rows (path "gather")."""
         g_NF = self.w1.forward_gather(z_TL, row_index_N, K, offsets_E)
         u_NF = self.w3.forward_gather(z_TL, row_index_N, K, offsets_E)
         return self._down(g_NF, u_NF, offsets_E)
 
 
-def _folds(layer, x: torch.Tensor, n_rows: int | None = None) -> bool:
-    """A grouped LoRA layer (lora/layers.py) whose folded input passes apply (fused_lora.CONFIG["fold_io"]):
-    with backend "fused" always; with "auto" where grouped_lora's auto would pick the fused GEMM (CUDA, at
-    least FUSED_MIN_ROWS rows per expert; fewer rows run the Triton LoRA kernel, faster there)."""
-    fold_cat = getattr(layer, "fold_cat", None)
-    if fold_cat is None or fold_cat(x.dtype) is None:
-        return False
-    return _runs_fused(layer, x, x.shape[0] if n_rows is None else n_rows)
-
-
-def _runs_fused(layer, x: torch.Tensor, n_rows: int) -> bool:
-    """The grouped LoRA layer's backend asks for the fused GEMM, or is "auto" where grouped_lora's auto picks
-    it (ops/moe auto_lora_backend: CUDA, the layer's own [W | Bᵀ] buffer, >= FUSED_MIN_ROWS rows per expert)."""
-    if layer.backend == "fused":
-        return True
-    return x.is_cuda and auto_lora_backend(n_rows / layer.n_experts, fused_buffer=True) == "fused"
+def _forced(layers) -> str | None:
+    """"fused" when every layer asks for backend "fused", else None (expert_lora_path's auto)."""
+    return "fused" if all(w.backend == "fused" for w in layers) else None
 
 
 class LocalDispatcher:
@@ -126,12 +132,8 @@ class LocalDispatcher:
 
     def __call__(self, experts: GroupedExperts, z_TL, ids_TK, w_TK, n_experts: int, backend: str = "auto"):
         num_routed = ids_TK.numel() if self.dropless else None
-        if experts.lean_ok(z_TL, ids_TK.numel()):  # LoRA'd experts, lean_lora.py
-            over_z = experts.forward_lean
-        elif experts.can_gather(z_TL, ids_TK.numel()):  # LoRA'd w1/w3 with fold_io
-            over_z = experts.forward_gather
-        else:
-            over_z = None
+        path = experts.path(z_TL, ids_TK.numel())
+        over_z = {"lean": experts.forward_lean, "gather": experts.forward_gather}.get(path)
         if over_z is not None:  # the experts read z through the permutation: no permuted copy
             row_index_N, counts_E = permutation(ids_TK, n_experts, backend=backend, num_routed=num_routed)
             y_NL = over_z(z_TL, row_index_N, ids_TK.shape[1], offsets_from_counts(counts_E))

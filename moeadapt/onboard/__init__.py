@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError, ModelSpec, preset_names
+from ..config import resolve_model as _resolve_model
 from ..ui import make_console
 from .families import Family, OnboardError, family_names, read_family
 from .loader import StreamingLoader, checkpoint_index, dequant_fp8, load_into_model
@@ -21,8 +23,8 @@ from .opmap import op_mapping, print_op_mapping
 
 __all__ = [
     "Family", "OnboardError", "Rule", "StreamingLoader", "build_rules", "checkpoint_index", "dequant_fp8",
-    "family_names", "load_into_model", "load_weights", "onboard", "onboard_model", "op_mapping", "peft_maps",
-    "peft_name_map",
+    "family_names", "load_into_model", "load_weights", "model_spec_from_dir", "onboard", "onboard_model",
+    "op_mapping", "peft_maps", "peft_name_map", "resolve_model",
     "print_op_mapping", "read_family", "read_family_dir", "reverse_module_map", "reverse_row_perms",
 ]
 
@@ -35,15 +37,40 @@ PEFT_FUSED_FFN_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
 def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
+    """The Family of a model directory: the one reader of its config.json (ours or a Hugging Face one)."""
     path = Path(path)
     f = path / "config.json"
     if not f.is_file():
         raise OnboardError(f"{path} has no config.json; give a Hugging Face model directory")
     try:
         cfg = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise OnboardError(f"{f} is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OnboardError(f"{f} is not valid JSON ({e}); re-export the model") from None
+    if not isinstance(cfg, dict):
+        raise OnboardError(f"{f} holds a {type(cfg).__name__}, not a JSON object; re-export the model")
     return read_family(cfg, name=path.name, allow_unmapped=allow_unmapped)
+
+
+def model_spec_from_dir(path: str | Path) -> ModelSpec:
+    """The ModelSpec of a model directory (ours or a Hugging Face family `moeadapt onboard` maps), with
+    ConfigError messages for a `model:` entry of a run config."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
+            raise ConfigError(f"{path} is a run directory; point at its trained model, {path / 'model'}")
+        if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
+            raise ConfigError(f"{path} is a LoRA run directory; give its base model and --adapter {path / 'adapter'}")
+        raise ConfigError(f"{path} has no config.json; give a preset name ({', '.join(preset_names())}) "
+                          "or a model directory")
+    try:
+        return read_family_dir(path).spec
+    except OnboardError as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}; inspect it with `moeadapt onboard {path}`") from None
+
+
+def resolve_model(value: str | dict | ModelSpec) -> ModelSpec:
+    """config.resolve_model with model directories read by model_spec_from_dir."""
+    return _resolve_model(value, from_dir=model_spec_from_dir)
 
 
 def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = False, device: str = "auto",

@@ -177,6 +177,13 @@ class _BoxPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+def is_dcp_dir(p: str | Path) -> bool:
+    """A torch.distributed.checkpoint directory (ours: metadata.json; stock DCP: a pickled .metadata)."""
+    from ..parallel.safe_dcp import METADATA_FILE, PICKLED_METADATA_FILE
+
+    return (Path(p) / METADATA_FILE).is_file() or (Path(p) / PICKLED_METADATA_FILE).is_file()
+
+
 def source_has(source, prefix: str) -> bool:
     """Whether the checkpoint behind `source` holds any tensor whose (our) name starts with `prefix`."""
     if isinstance(source, SafetensorsSource):
@@ -185,12 +192,13 @@ def source_has(source, prefix: str) -> bool:
 
 
 def open_source(path: str | Path, allow_unmapped: bool = False) -> SafetensorsSource | DCPSource:
-    """The source for an `init_from` directory: DCP (has `.metadata`) or safetensors (has config.json)."""
+    """The source for an `init_from` directory: DCP (has `metadata.json`; a pickled `.metadata` alone is
+    refused by the reader, never read) or safetensors (has config.json)."""
     p = Path(path)
-    if (p / ".metadata").is_file():
+    if is_dcp_dir(p):
         return DCPSource(p)
     if (p / "config.json").is_file():
         return SafetensorsSource(p, allow_unmapped)
     raise OnboardError(f"init_from {p} is neither a model directory (config.json + safetensors) nor a DCP "
-                       "checkpoint (.metadata); give a Hugging Face / `moeadapt train` model directory or a "
+                       "checkpoint (metadata.json); give a Hugging Face / `moeadapt train` model directory or a "
                        "full-training checkpoints/step_N directory")

@@ -107,17 +107,22 @@ def measure_step(spec: ModelSpec, seq_len: int, micro_batch: int, recompute: str
 def set_kernel_backends(model, tokens: int, expert_lora: str | None = None) -> None:
     """The op choice CUDA's "auto" makes, forced on a CPU model (Triton ops need TRITON_INTERPRET=1): Triton
     attention kernels and MoE permute / combine, torch._grouped_mm for plain expert GEMMs, and for grouped LoRA
-    layers `expert_lora` or what `auto_lora_backend` picks for tokens x top-k / E rows per expert."""
+    layers `expert_lora` or what ops/moe `expert_lora_path` picks for tokens x top-k / E rows per expert.
+    expert_lora "lean" runs the layers "fused" with lean_lora where it applies; "fused" the fused GEMM (with
+    its folded input passes) and never lean (the planner's `expert_lora` means the same)."""
     from ..lora.layers import GroupedLoRALinear
-    from ..models.moe import GroupedLinear
-    from ..ops.moe import auto_lora_backend
+    from ..models.moe import GroupedExperts, GroupedLinear
+    from ..ops.moe import expert_lora_path
 
     model.set_backend("triton")
     spec = model.spec
     rows = tokens * spec.n_experts_per_tok / max(spec.n_routed_experts, 1)
     for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.lora_path = "fold" if expert_lora == "fused" else "auto"
         if isinstance(m, GroupedLoRALinear):
-            m.backend = expert_lora or auto_lora_backend(rows, fused_buffer=m.cat_weight(m.weight.dtype) is not None)
+            forced = {"lean": "fused"}.get(expert_lora, expert_lora)
+            m.backend = forced or expert_lora_path(rows, cuda=True, fused_buffer=m.cat_weight(m.weight.dtype) is not None)
         elif isinstance(m, GroupedLinear):
             m.backend = "torch"
 

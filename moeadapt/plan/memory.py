@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
-from ..ops.moe import auto_lora_backend, fused_lora
+from ..ops.moe import expert_lora_path
 
 GiB = 1024**3
 # Backward of one block: its saved activations plus the gradients of those activations that are alive together
@@ -259,8 +259,9 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                expert_lora: str | None = None, fused_buffer: bool = True) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
     block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`. Kernel path: `expert_lora` forces the
-    grouped LoRA backend ("fused" | "triton" | "torch"); None = what ops/moe "auto" picks on CUDA for these rows
-    per expert (`fused_buffer`: the layer owns its [W | Bᵀ] buffer, i.e. no FSDP)."""
+    grouped LoRA backend ("lean" | "fused" | "triton" | "torch"; "fused" never lean); None = what ops/moe
+    `expert_lora_path` picks on CUDA for these rows per expert (`fused_buffer`: the layer owns its [W | Bᵀ]
+    buffer, i.e. no FSDP)."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
     # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
@@ -451,7 +452,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             if name in targets and not full:
                 acc.gemm(f"experts.{w} lora padded bmm outs", Kt * pad * (rank + outs[w]), "f")
     else:
-        # ops/moe "auto" on CUDA (auto_lora_backend): the frozen / trained base is torch._grouped_mm (an aten
+        # ops/moe "auto" on CUDA (expert_lora_path): the frozen / trained base is torch._grouped_mm (an aten
         # GEMM: selective keeps its output; it saves its input only when the weight trains). A LoRA target runs
         #   fused  (one device, >= FUSED_MIN_ROWS rows per expert): [x | s x A] is written into a new buffer
         #          xcat (J = in + rank rounded up to 8) and base + adapter are one torch._grouped_mm; xcat is what
@@ -462,10 +463,12 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         #   torch: three torch._grouped_mm (x A, (x A) B, base): x shared, x A kept; selective keeps all 3 outs
         ins = {"w1": L, "w3": L, "w2": F}
         outs = {"w1": F, "w3": F, "w2": L}
-        be = expert_lora or auto_lora_backend((tokens or seq) * Kt / E, fused_buffer)
+        # expert_lora "fused" models the fused GEMM itself (no lean), as plan/accuracy.py runs it
+        be = expert_lora_path((tokens or seq) * Kt / E, cuda=True, fused_buffer=fused_buffer, backend=expert_lora,
+                              lean_layers=not full and expert_lora != "fused"
+                              and all("ffn.experts." + w in targets for w in ("w1", "w3", "w2")))
         x_shared = False  # w1 and w3 read the same permuted rows: saved once by whichever non-fused layer keeps it
-        lean = (not full and all("ffn.experts." + w in targets for w in ("w1", "w3", "w2"))
-                and (be == "lean" or (be == "fused" and fused_lora.CONFIG.get("lean", False))))
+        lean = be == "lean"
         #   lean   (ops/moe/lean_lora.py, where fused would run and w1, w3, w2 all carry LoRA): the permuted rows x
         #          once, h = s x [A1 | A3] (2 rank wide, padded to 8), w1 / w3 outputs (the SwiGLU inputs, below),
         #          acat = [a | s a A2] (w2's input), and w2's GEMM output under selective
@@ -474,7 +477,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("experts h = s x [A1 | A3] (lean)", Kt * ((2 * rank + 7) // 8 * 8))
             acc.keep("experts.w2 acat [a | s a A] (lean)", Kt * (F + (rank + 7) // 8 * 8))
             # selective keeps the three torch._grouped_mm outputs inside lean's autograd Functions (w1 / w3 in
-            # the gather Function, w2 in the SwiGLU one); H200 2026-11-29 call 10: without the w1 / w3 ones the
+            # the gather Function, w2 in the SwiGLU one); measured on the H200: without the w1 / w3 ones the
             # selective + LoRA row missed by -13.6% (3.0 GiB = 8192 tokens x 15 layers x 8 x 2 x 768 x 2 B)
             acc.gemm("experts.w1, w3 grouped mm outs (lean)", Kt * 2 * F)
             acc.gemm("experts.w2 grouped mm out (lean)", Kt * L)

@@ -418,7 +418,7 @@ def _save_fresh_vision_base(cfg: RunConfig, model: HybridMoEModel, out_dir: Path
     """A LoRA run of a vision-language model whose tower was initialised here (init_from is a text model, or
     unset) writes that base to out_dir/base before training: the adapter needs the exact frozen tower it was
     trained against, and no other file holds it. Adapter tensors (B = 0 still) are left out."""
-    from ..config import model_spec_from_dir
+    from ..onboard import model_spec_from_dir
 
     if cfg.lora is None or (cfg.train.init_from and model_spec_from_dir(cfg.train.init_from).vision is not None):
         return None

@@ -66,3 +66,28 @@ def test_direct_spec_errors():
         ModelSpec(vocab_size=10, hidden_size=8, n_layers=1, qk_rope_head_dim=5)
     assert LoRASpec(rank=4, alpha=8).scaling == 2.0
     assert TrainSpec().steps > 0
+
+
+def test_config_imports_nothing_of_moeadapt_outside_config():
+    """config/ is the root of the imports: a model directory is read by onboard/ through `from_dir`."""
+    import ast
+    from pathlib import Path
+
+    import moeadapt.config
+
+    for f in Path(moeadapt.config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1, f"{f.name} imports {'.' * node.level}{node.module or ''}"
+            if isinstance(node, ast.ImportFrom) and not node.level or isinstance(node, ast.Import):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n and n.split(".")[0] == "moeadapt" for n in names), f"{f.name} imports {names}"
+
+
+def test_model_directory_needs_a_reader(tmp_path):
+    from moeadapt.config import resolve_model
+
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match="is a directory; read it with moeadapt.onboard.resolve_model"):
+        resolve_model(str(tmp_path / "m"))
+    assert resolve_model(str(tmp_path / "m"), from_dir=lambda p: get_preset("tiny")) == get_preset("tiny")

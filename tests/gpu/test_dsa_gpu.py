@@ -68,20 +68,20 @@ def _rand_indices(T, topk, g):
     return torch.where(dup, -1, idx).int()
 
 
-@pytest.mark.parametrize("dtype,H,D,DV,shared,pds_bytes", [
-    (torch.float32, 8, 96, 64, False, None),
-    (torch.bfloat16, 16, 576, 512, True, None),
-    (torch.bfloat16, 128, 576, 512, True, None),  # on sm_90: the Gluon forward and backward pass 1
-    (torch.bfloat16, 64, 576, 512, True, None),
+@pytest.mark.parametrize("dtype,H,D,DV,shared,pds_bytes,gluon", [
+    (torch.float32, 8, 96, 64, False, None, True),
+    (torch.bfloat16, 16, 576, 512, True, None, True),
+    (torch.bfloat16, 128, 576, 512, True, None, True),  # on sm_90: the Gluon forward and backward pass 1
+    (torch.bfloat16, 128, 576, 512, True, None, False),  # the same shape on the Triton kernels
+    (torch.bfloat16, 64, 576, 512, True, None, True),
     # the P/dS backward over several row chunks (256 rows, rounded to whole waves: 132 on an
     # H200, last chunk partial): same compiled kernels, ROW0 / NROWS vary
-    (torch.bfloat16, 128, 576, 512, True, 256 * 128 * 128 * 2 * 2),
+    (torch.bfloat16, 128, 576, 512, True, 256 * 128 * 128 * 2 * 2, True),
 ])
-def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, monkeypatch):
-    if pds_bytes is not None:
-        from moeadapt.ops.dsa import triton_sparse_attn as tsa
+def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, gluon):
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
-        monkeypatch.setattr(tsa, "BWD_CONFIG", {**tsa.BWD_CONFIG, "PDS_BYTES": pds_bytes})
+    bwd_cfg = None if pds_bytes is None else {**tsa.BWD_CONFIG, "PDS_BYTES": pds_bytes}
     g = torch.Generator(device="cuda").manual_seed(SEED)
     T, topk = 600, 128
     q = torch.randn(1, T, H, D, device="cuda", generator=g).to(dtype)
@@ -90,10 +90,8 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, monkeypatch):
     do = torch.randn(1, T, H, DV, device="cuda", generator=g).to(dtype)
     idx = _rand_indices(T, topk, g)
     if dtype == torch.bfloat16 and shared and H % 64 == 0 and torch.cuda.get_device_capability() == (9, 0):
-        from moeadapt.ops.dsa import triton_sparse_attn as tsa
-
-        # this case runs the Gluon forward and backward pass 1 (unless MOEADAPT_SFA_GLUON=0)
-        assert (tsa._gluon_module(q, kv, kv[..., :DV], idx) is not None) == (os.environ.get("MOEADAPT_SFA_GLUON") != "0")
+        # this case runs the Gluon forward and backward pass 1 (unless gluon=False)
+        assert (tsa._gluon_module(q, kv, kv[..., :DV], idx, gluon) is not None) == gluon
     res = []
     # bf16: the reference's own dk (gather backward accumulates in bf16) is off by ~2%,
     # so both are compared with the reference run in fp32 on the same inputs
@@ -101,7 +99,10 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, monkeypatch):
     for backend, dt in runs:
         qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, kv, v0))
         v = kk[..., :DV] if shared else vv
-        o = sparse_attention(qq, kk, v, idx, backend=backend)
+        if backend == "triton":
+            o = tsa.sparse_attention_triton(qq, kk, v, idx, gluon=gluon, bwd_cfg=bwd_cfg)
+        else:
+            o = sparse_attention(qq, kk, v, idx, backend=backend)
         grads = torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do.to(dt))
         res.append((o, *grads))
     for a, b in zip(*res):

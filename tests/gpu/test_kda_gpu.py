@@ -43,7 +43,7 @@ def inputs(B, T, H, HV, D, dtype, N):
     return [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
 
 
-CASES = [  # B, T, H, HV, D, dtype, cu, decay multiplier (20: in-block decay ranges above diag_max)
+CASES = [  # B, T, H, HV, D, dtype, cu, decay multiplier (20: strong decay within every 16-row sub-chunk)
     (2, 1000, 4, 4, 128, torch.bfloat16, None, 1.0),
     (1, 777, 2, 4, 64, torch.float32, [0, 100, 164, 600, 777], 1.0),
     (1, 2048, 2, 2, 128, torch.float32, None, 1.0),
@@ -52,13 +52,14 @@ CASES = [  # B, T, H, HV, D, dtype, cu, decay multiplier (20: in-block decay ran
 
 
 @pytest.mark.parametrize("B, T, H, HV, D, dtype, cu, decay", CASES)
-@pytest.mark.parametrize("diag", ["dot", "chunk", "token"])
-def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, decay, diag, monkeypatch):
-    """diag: "dot" (default: diagonal blocks by dots where the in-block decay allows, else elementwise),
-    "chunk" (always elementwise; same compiled kernels as "dot"), "token" (token-parallel kernels)."""
-    from moeadapt.ops.kda import triton_kda
+@pytest.mark.parametrize("fuse_wu", [False, True])
+def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, decay, fuse_wu):
+    """The Triton kernels (launch defaults, and with w / u inside _fwd_intra) against the float64 reference."""
+    import dataclasses
 
-    monkeypatch.setitem(triton_kda.CONFIG, "diag", diag)
+    from moeadapt.ops.kda.triton_kda import LAUNCH
+
+    launch = dataclasses.replace(LAUNCH, fuse_wu=fuse_wu)
     cu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
     N = B if cu is None else cu.numel() - 1
     args = inputs(B, T, H, HV, D, dtype, N)
@@ -73,13 +74,15 @@ def test_triton_vs_reference_gpu(seed, B, T, H, HV, D, dtype, cu, decay, diag, m
         if backend == "reference":
             xs = [x.detach().double().requires_grad_() for x in xs]
         q, k, v, g, beta, h0 = xs
-        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+        kw = {"launch": launch} if backend == "triton" else {}
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend,
+                          **kw)
         do, dht = do32.to(o.dtype), dht32.to(ht.dtype)
         ((o * do).sum() + (ht * dht).sum()).backward()
         outs[backend] = [o, ht] + [x.grad for x in xs]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # a wrong term gives O(1)
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errs = {n: rel(a, b) for n, a, b in zip(names, outs["triton"], outs["reference"])}
-    print(f"\nKDA {diag} B={B} T={T} H={H} HV={HV} D={D} {dtype} cu={cu is not None} decay x{decay}: "
+    print(f"\nKDA fuse_wu={fuse_wu} B={B} T={T} H={H} HV={HV} D={D} {dtype} cu={cu is not None} decay x{decay}: "
           + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
     assert all(e < tol for e in errs.values()), errs

@@ -23,7 +23,8 @@ def test_lean_experts_match_fold_in_the_model(monkeypatch):
     from moeadapt.config import LoRASpec, get_preset
     from moeadapt.lora import cast_frozen_, inject_lora
     from moeadapt.models.model import build_model, materialize
-    from moeadapt.ops.moe import fused_lora, lean_lora
+    from moeadapt.models.moe import GroupedExperts
+    from moeadapt.ops.moe import lean_lora
 
     spec = get_preset("tiny")
     torch.manual_seed(0)
@@ -55,8 +56,10 @@ def test_lean_experts_match_fold_in_the_model(monkeypatch):
                                             if p.requires_grad and "experts" in n]
 
     res = {}
-    for lean in (True, False):
-        monkeypatch.setitem(fused_lora.CONFIG, "lean", lean)
+    for lean in (True, False):  # GroupedExperts.lora_path "auto" (lean where it runs) or "fold" (never lean)
+        for mod in model.modules():
+            if isinstance(mod, GroupedExperts):
+                mod.lora_path = "auto" if lean else "fold"
         res[lean] = run(model, True)
     truth = run(ref, False)
     assert calls["lean"] > 0 and len(truth) == len(res[True]) > 1

@@ -1,6 +1,6 @@
 """One training step of the `small` preset with the Triton kernels against the reference backend (GPU only).
 
-Run in fp32 (no autocast): in bf16 (run 2026-11-29 on an H200) the losses agreed to 2% but a share of tokens
+Run in fp32 (no autocast): in bf16 on an H200 the losses agreed to 2% but a share of tokens
 flipped their discrete top-k expert choice between backends, which moved the MoE weight gradients by 15-20%;
 the same model in fp32 on CPU (tests/models/test_backends.py) agrees to 1e-6.
 """

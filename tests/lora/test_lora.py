@@ -147,12 +147,16 @@ def _count_calls(monkeypatch, module, **names):
     return calls
 
 
-def _logits_and_grads_per_setting(m, x, monkeypatch, config, key):
-    """{False: [...], True: [...]}: logits and every trainable gradient of one backward of mean(logits²), with
-    config[key] set to each value in turn."""
+def _logits_and_grads_per_path(m, x, paths):
+    """{path: [...]}: logits and every trainable gradient of one backward of mean(logits²), with every
+    GroupedExperts' lora_path set to each of `paths` in turn."""
+    from moeadapt.models.moe import GroupedExperts
+
     res = {}
-    for on in (False, True):
-        monkeypatch.setitem(config, key, on)
+    for on in paths:
+        for mod in m.modules():
+            if isinstance(mod, GroupedExperts):
+                mod.lora_path = on
         m.zero_grad(set_to_none=True)
         logits = m(x).logits
         (logits.float().square().mean()).backward()
@@ -162,7 +166,7 @@ def _logits_and_grads_per_setting(m, x, monkeypatch, config, key):
 
 @pytest.mark.parametrize("backend", ["fused", "auto"])
 def test_fold_io_model_matches(seed, monkeypatch, backend):
-    """fused_lora.CONFIG["fold_io"]: the whole model (permute gather folded into the w1/w3 LoRA-in pass,
+    """GroupedExperts.lora_path "fold" vs "layers": the whole model (permute gather folded into the w1/w3 LoRA-in pass,
     SwiGLU into w2's) gives the unfolded model's logits and every adapter gradient, and the folds run with
     backend "fused"; "auto" folds only where it would pick the fused GEMM (CUDA, >= FUSED_MIN_ROWS rows per
     expert), so not here."""
@@ -175,23 +179,22 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
     x = torch.randint(0, 256, (2, 11))
     calls = _count_calls(monkeypatch, fused_lora, gather="grouped_lora_fused_gather",
                          swiglu="grouped_lora_fused_swiglu")
-    monkeypatch.setitem(fused_lora.CONFIG, "lean", False)  # lean (default) takes precedence over the folds
-    res = _logits_and_grads_per_setting(m, x, monkeypatch, fused_lora.CONFIG, "fold_io")
+    res = _logits_and_grads_per_path(m, x, ("layers", "fold"))  # "auto" would take lean first
     n_moe = len(grouped) // 3  # w1, w3, w2 per MoE layer
     if backend == "fused":
         assert calls["gather"] == 2 * n_moe and calls["swiglu"] == n_moe, calls
     else:
         assert calls == {"gather": 0, "swiglu": 0}, calls
-    for a, b in zip(res[False], res[True]):
+    for a, b in zip(res["layers"], res["fold"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["fused", "auto"])
 def test_lean_model_matches(seed, monkeypatch, backend):
-    """fused_lora.CONFIG["lean"]: the whole model with its LoRA'd experts through lean_lora.py (w1 / w3 GEMMs at
+    """GroupedExperts.lora_path "auto" vs "layers": the whole model with its LoRA'd experts through lean_lora.py (w1 / w3 GEMMs at
     native width, their rank terms in the gather / SwiGLU passes) gives the plain model's logits and every adapter
     gradient; it runs with backend "fused" and, with "auto", only where the fused GEMM would (CUDA), so not here."""
-    from moeadapt.ops.moe import fused_lora, lean_lora
+    from moeadapt.ops.moe import lean_lora
 
     m, _ = model_with_lora(seed)
     grouped = [mod for mod in m.modules() if isinstance(mod, GroupedLoRALinear)]
@@ -200,9 +203,8 @@ def test_lean_model_matches(seed, monkeypatch, backend):
         torch.nn.init.normal_(mod.lora_B, std=0.1)  # nonzero B: the rank terms matter
     x = torch.randint(0, 256, (2, 11))
     calls = _count_calls(monkeypatch, lean_lora, lean="lean_lora_experts")
-    monkeypatch.setitem(fused_lora.CONFIG, "fold_io", False)
-    res = _logits_and_grads_per_setting(m, x, monkeypatch, fused_lora.CONFIG, "lean")
+    res = _logits_and_grads_per_path(m, x, ("layers", "auto"))
     n_moe = len(grouped) // 3
     assert calls["lean"] == (n_moe if backend == "fused" else 0), calls
-    for a, b in zip(res[False], res[True]):
+    for a, b in zip(res["layers"], res["auto"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

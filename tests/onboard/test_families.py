@@ -5,9 +5,9 @@ import json
 import pytest
 import transformers
 
-from moeadapt.config import ConfigError, resolve_model
+from moeadapt.config import ConfigError
 from moeadapt.models import build_model, count_parameters
-from moeadapt.onboard import OnboardError, read_family
+from moeadapt.onboard import OnboardError, read_family, resolve_model
 
 
 def test_unknown_model_type_lists_families():

@@ -190,8 +190,7 @@ def test_mtp_layers_are_skipped_with_a_reason(tmp_path):
 
 
 def test_load_weights_into_a_built_model(qwen_dir):
-    from moeadapt.config import resolve_model
-    from moeadapt.onboard import load_weights
+    from moeadapt.onboard import load_weights, resolve_model
 
     m = materialize(build_model(resolve_model(str(qwen_dir)), "meta"), "cpu", dtype=torch.float32)
     load_weights(qwen_dir, m)
@@ -218,6 +217,7 @@ def test_finetune_from_hf_directory(tmp_path):
 
     from moeadapt import api
     from moeadapt.config import build_run_config
+    from moeadapt.onboard import model_spec_from_dir
 
     qwen_dir = save_tiny("qwen3_moe", tmp_path / "qwen", vocab_size=264)  # the byte tokenizer's vocabulary
 
@@ -225,7 +225,7 @@ def test_finetune_from_hf_directory(tmp_path):
         "model": str(qwen_dir), "lora": {"rank": 4, "targets": ["attn.q_proj", "experts.w1"]},
         "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1,
                   "init_from": str(qwen_dir), "output_dir": str(tmp_path / "ft")},
-        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}}, from_dir=model_spec_from_dir)
     r = api.train(cfg, quiet=True)
     assert (r.output_dir / "adapter" / "adapter_model.safetensors").is_file()
     import math

@@ -318,11 +318,12 @@ def test_triton_tiny_head_dims(gen, D, DV, DI):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
 
 
-# Kernel variants (launch options of triton_sparse_attn), each checked against float64 on
-# small blocks so that the loops run several key blocks, the causal ramp leaves whole
-# blocks of -1 and the last block is partial.
+# Launch configurations of triton_sparse_attn (its fwd_cfg / bwd_cfg arguments), each checked against float64
+# on small blocks so that the loops run several key blocks, the causal ramp leaves whole blocks of -1 and the
+# last block is partial.
 _FWD_VARIANTS = {
-    "old": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
+    # every key block of the row (the walk for topk > MAX_SKIP_TOPK)
+    "full_walk": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1},
     "skip_rev": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True},
     # unmasked full blocks on dense rows (the default walk)
     "dense": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
@@ -330,46 +331,36 @@ _FWD_VARIANTS = {
 }
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
-    "fused_skip": {**_BWD_SUB, "FUSED": True, "DKV_T": True},
-    "split_ahead": {"FUSED": False, "DQ_CFG": {**_BWD_SUB, "IDX_AHEAD": True},
-                    "DKV_CFG": {**_BWD_SUB, "DKV_T": False, "IDX_AHEAD": True}},
-    "split_dkvt": {"FUSED": False, "DQ_CFG": _BWD_SUB, "DKV_CFG": {**_BWD_SUB, "DKV_T": True}},
-    # P/dS path; PDS_BYTES small enough that the rows go in several chunks (last one partial)
-    "pds": {"PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
+    # PDS_BYTES small enough that the rows go in several chunks (last one partial)
+    "pds": {"SKIP": True, "REVERSE": True, "PDS_BYTES": 4 * 4 * 40 * 2 * 13,
             "PDS_CFG": {**_BWD_SUB, "IDX_AHEAD": True}, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16}},
-    "pds_c32": {"PDS": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
+    # every key block (no SKIP): pass 1 writes every slot
+    "pds_c32": {"PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
     # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked)
-    "pds_hmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
-                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
-    # pass 2's key block larger than pass 1's: with SKIP, pass 1 leaves slots past its last block unwritten
-    # (the H200's NaN of 2026-11-29; the buffer is NaN-poisoned in this test so such a read fails)
-    "pds_kmix": {"PDS": True, "SKIP": True, "PDS_CFG": _BWD_SUB,
-                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
-    # the same, pass 2 masking its P/dS loads by pass 1's written extent instead of per-slot validity
-    "pds_kmix_extent": {"PDS": True, "SKIP": True, "EXTENT": True, "PDS_CFG": _BWD_SUB,
-                        "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
+    "pds_hmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
+    # pass 2's key block larger than pass 1's: with SKIP, pass 1 leaves slots past its last block unwritten;
+    # pass 2 must bound its loads by pass 1's extent (the buffer is NaN-poisoned here, so a read beyond fails)
+    "pds_kmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
 }
 
 
 @triton_only
-@pytest.mark.parametrize("fwd,bwd", [("old", "fused_skip"), ("skip_rev", "split_ahead"), ("dense", "pds"),
-                                     ("skip_rev", "split_dkvt"), ("skip_rev", "pds"), ("old", "pds_c32"),
-                                     ("dense", "pds_hmix"), ("old", "pds_kmix"), ("dense", "pds_kmix_extent")])
+@pytest.mark.parametrize("fwd,bwd", [("full_walk", "pds"), ("dense", "pds"), ("skip_rev", "pds"),
+                                     ("full_walk", "pds_c32"), ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"),
+                                     ("dense", "pds_kmix")])
 @pytest.mark.parametrize("layout", ["gqa_per_head", "mla"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
-    monkeypatch.setattr(tsa, "FWD_CONFIG", _FWD_VARIANTS[fwd])
-    monkeypatch.setattr(tsa, "BWD_CONFIG", _BWD_VARIANTS[bwd])
     monkeypatch.setattr(tsa, "_POISON_PDS", True)
     T, topk = 45, 40  # t < topk for most rows: trailing blocks entirely -1
     HQ, HK, D, DV, per_head = (4, 2, 40, 24, True) if layout == "gqa_per_head" else (4, 1, 48, 32, False)
     if bwd == "pds_hmix":
         HQ = 20 * HK
     q, k, v, idx = _attn_inputs(gen, 1, T, HQ, HK, D, DV, topk, per_head, dtype=torch.float32)
-    q = q * 3.0  # sharper softmax: the lazy rescale's branch is taken mid-row
+    q = q * 3.0  # sharper softmax: the running row maximum grows mid-row
     idx[0, 7] = -1  # a query with no key
-    if fwd in ("lean", "ahead1", "ahead2_exact"):  # every other row dense (valid slots first): DENSE's unmasked full blocks, then the tail
+    if fwd == "dense":  # every other row dense (valid slots first): DENSE's unmasked full blocks, then the tail
         key = torch.where(idx < 0, T, idx).sort(-1).values
         idx[:, ::2] = torch.where(key == T, -1, key)[:, ::2]
     do = _rand(gen, 1, T, HQ, DV, dtype=torch.float32)
@@ -378,7 +369,11 @@ def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     for backend in ("triton", "reference"):
         qq, kk, vv = (x.clone().to(DEV).requires_grad_(True) for x in (q, k, v))
         vin = kk[..., :DV] if shared else vv
-        o = sparse_attention(qq, kk, vin, idx.to(DEV), scale=0.25, backend=backend)
+        if backend == "triton":
+            o = tsa.sparse_attention_triton(qq, kk, vin, idx.to(DEV), scale=0.25, fwd_cfg=_FWD_VARIANTS[fwd],
+                                            bwd_cfg=_BWD_VARIANTS[bwd])
+        else:
+            o = sparse_attention(qq, kk, vin, idx.to(DEV), scale=0.25, backend=backend)
         outs.append((o, *torch.autograd.grad(o, (qq, kk) if shared else (qq, kk, vv), do.to(DEV))))
     assert torch.all(outs[0][0][0, 7] == 0)
     for a, b in zip(*outs):
@@ -394,8 +389,7 @@ def test_triton_pds_backward_falls_back_when_shared_memory_is_short(gen, monkeyp
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
     small = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
-    monkeypatch.setattr(tsa, "BWD_CONFIG", {"PDS": True, "SKIP": True, "PDS_CFG": {**small, "BLOCK_K": 32},
-                                            "APPLY_CFG": {**small, "BLOCK_C": 32}})
+    bwd_cfg = {"SKIP": True, "PDS_CFG": {**small, "BLOCK_K": 32}, "APPLY_CFG": {**small, "BLOCK_C": 32}}
     monkeypatch.setattr(tsa, "PDS_FALLBACK", small)
     monkeypatch.setattr(tsa, "APPLY_FALLBACK", {**small, "BLOCK_C": 16})
     monkeypatch.setattr(tsa, "_fallen_back", {})
@@ -414,11 +408,12 @@ def test_triton_pds_backward_falls_back_when_shared_memory_is_short(gen, monkeyp
     outs = []
     for backend in ("triton", "reference"):
         qq, kk = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
-        o = sparse_attention(qq, kk, kk[..., :DV], idx, backend=backend)
         if backend == "triton":
+            o = tsa.sparse_attention_triton(qq, kk, kk[..., :DV], idx, bwd_cfg=bwd_cfg)
             with pytest.warns(UserWarning, match="does not fit"):
                 outs.append(torch.autograd.grad(o, (qq, kk), do))
         else:
+            o = sparse_attention(qq, kk, kk[..., :DV], idx, backend=backend)
             outs.append(torch.autograd.grad(o, (qq, kk), do))
     assert len(tsa._fallen_back) == 2
     for a, b in zip(*outs):

@@ -43,7 +43,7 @@ def test_gluon_kernels_compile_for_sm90():
     assert r["bwd_p1"]["wgmma"] >= 2 * (36 + 32)  # each consumer: S = Q K^T and dP = dO V^T
 
 
-def test_gluon_forward_dispatch_on_cpu(monkeypatch):
+def test_gluon_forward_dispatch_on_cpu():
     from moeadapt.ops.dsa import gluon_sparse_attn as gws
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
@@ -52,5 +52,4 @@ def test_gluon_forward_dispatch_on_cpu(monkeypatch):
     idx = torch.zeros(1, 4, 8, dtype=torch.int32)
     assert not gws.supported(q, kv, kv[..., :512], idx)  # not CUDA
     assert tsa._gluon_module(q, kv, kv[..., :512], idx) is None
-    monkeypatch.setenv("MOEADAPT_SFA_GLUON", "0")
-    assert tsa._gluon_module(q, kv, kv[..., :512], idx) is None
+    assert tsa._gluon_module(q, kv, kv[..., :512], idx, gluon=False) is None

@@ -5,6 +5,7 @@ Inputs are fresh random each run; every test prints its seed (shown by pytest on
 so a failure can be replayed with KDA_SEED=<seed>.
 """
 
+import dataclasses
 import os
 import random
 
@@ -196,13 +197,9 @@ TRITON_CASES = [  # B, T, H, HV, K, V, cu_seqlens, fused
 
 @needs_triton
 @pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_matches_reference(seed, case, diag="dot", decay=1.0, g_scale=None):
-    """diag="dot" (the default path: diagonal blocks by dots where the in-block decay allows, else
-    elementwise), "chunk" (always elementwise) or "token" (token-parallel kernels)."""
+def test_triton_matches_reference(seed, case, launch=None, decay=1.0, g_scale=None):
+    """The Triton kernels (launch: a triton_kda.KDALaunch, None = the defaults) against the float64 reference."""
     B, T, H, HV, K, V, cu, fused = case
-    from moeadapt.ops.kda import triton_kda
-
-    old, triton_kda.CONFIG["diag"] = triton_kda.CONFIG["diag"], diag
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
     N = B if cu is None else cu.numel() - 1
@@ -211,12 +208,9 @@ def test_triton_matches_reference(seed, case, diag="dot", decay=1.0, g_scale=Non
         inp["g"] = (inp["g"].detach() * g_scale).requires_grad_()
     inp = {n: x.detach().to(dev).requires_grad_() for n, x in inp.items()}
     kw = dict(use_qk_l2norm=True, beta_is_logits=True) if fused else {}
-    try:
-        o1, h1, g1, do, dht = run_with_grads(
-            lambda **a: chunk_kda(**a, backend="triton"), inp, cu_seqlens=cu, **kw
-        )
-    finally:
-        triton_kda.CONFIG["diag"] = old
+    o1, h1, g1, do, dht = run_with_grads(
+        lambda **a: chunk_kda(**a, backend="triton", launch=launch), inp, cu_seqlens=cu, **kw
+    )
     inp64 = {n: x.detach().double().requires_grad_() for n, x in inp.items()}
     o2, h2, g2, _, _ = run_with_grads(chunk_kda_reference, inp64, cu_seqlens=cu, do=do.double(), dht=dht.double(), **kw)
     assert o1.dtype == torch.float32 and h1.dtype == torch.float32
@@ -226,7 +220,7 @@ def test_triton_matches_reference(seed, case, diag="dot", decay=1.0, g_scale=Non
     for name in g1:
         # the fused gate's per-head parameters sum their gradient over every token and channel, with cancelling
         # signs, so their error relative to max |ref| has a long tail: K = 128, decay 8: 6.5e-7..4e-5 over 12 seeds,
-        # 1.01e-4 once in CI (KDA_SEED=1266604984, 2026-11-29); 5e-4 for those (a wrong term gives > 1e-2)
+        # 1.01e-4 once in CI (KDA_SEED=1266604984); 5e-4 for those (a wrong term gives > 1e-2)
         assert_close(f"d{name}", g1[name], g2[name], 5e-4 if name in ("A_log", "dt_bias") else 1e-4)
 
 
@@ -249,52 +243,50 @@ def test_triton_strong_decay_and_no_final_state(seed):
 @needs_triton
 @pytest.mark.parametrize(
     "case, decay",
-    [((1, 40, 1, 2, 16, 16, [0, 17, 40], True), 1.0), ((1, 36, 2, 2, 16, 16, None, False), 30.0)],
+    [((1, 40, 1, 2, 16, 16, [0, 17, 40], True), 1.0), ((1, 36, 2, 2, 16, 16, None, False), 30.0),
+     ((2, 70, 2, 2, 16, 16, None, False), 1.0), ((1, 100, 1, 1, 32, 16, [0, 64, 65, 100], True), 1.0)],
 )
-def test_triton_token_parallel_diag(seed, case, decay):
-    """The token-parallel kernels for the diagonal 16x16 blocks (CONFIG["diag"] = "token")."""
-    test_triton_matches_reference(seed, case, diag="token", decay=decay)
+def test_triton_odd_lengths_and_strong_decay(seed, case, decay):
+    """The token-parallel diagonal blocks and the off-diagonal dots at odd lengths, varlen and strong decay."""
+    test_triton_matches_reference(seed, case, decay=decay)
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "case, decay",
-    [((2, 70, 2, 2, 16, 16, None, False), 1.0), ((1, 100, 1, 1, 32, 16, [0, 64, 65, 100], True), 1.0),
-     ((1, 36, 2, 2, 16, 16, None, False), 30.0)],
-)
-def test_triton_chunk_diag(seed, case, decay):
-    """The always-elementwise diagonal blocks (CONFIG["diag"] = "chunk", the fallback of "dot")."""
-    test_triton_matches_reference(seed, case, diag="chunk", decay=decay)
-
-
-@needs_triton
-def test_triton_dot_diag_mixed_decay(seed):
-    """diag="dot" with weak decay on some channels / chunks and strong on others, so that K-blocks and
-    chunks take the dot path and the elementwise fallback in one call (K=64: two forward K-blocks)."""
+def test_triton_mixed_decay(seed):
+    """Weak decay on some channels / chunks and strong on others in one call (K=64: two forward K-blocks)."""
     T, K = 150, 64
     scale = torch.ones(1, T, 1, K, dtype=torch.float32)
-    scale[:, :, :, K // 2:] = 40.0  # second half of the channels: sub-chunk ranges far above diag_max
+    scale[:, :, :, K // 2:] = 40.0  # second half of the channels: strong decay within every sub-chunk
     scale[:, 64:128] = 1.0  # the second chunk: weak everywhere
-    test_triton_matches_reference(seed, (1, T, 1, 1, K, 16, None, False), diag="dot", decay=1.0, g_scale=scale)
+    test_triton_matches_reference(seed, (1, T, 1, 1, K, 16, None, False), decay=1.0, g_scale=scale)
 
 
 @needs_triton
 @pytest.mark.parametrize("case", [TRITON_CASES[1], TRITON_CASES[4]])
-def test_triton_fused_wu(seed, case, monkeypatch):
-    """w / u inside _fwd_intra (CONFIG["fuse_wu"] = True) instead of the separate _fwd_wu kernel."""
-    from moeadapt.ops.kda import triton_kda
+def test_triton_fused_wu(seed, case):
+    """w / u inside _fwd_intra (KDALaunch.fuse_wu) instead of the separate _fwd_wu kernel."""
+    from moeadapt.ops.kda.triton_kda import LAUNCH
 
-    monkeypatch.setitem(triton_kda.CONFIG, "fuse_wu", True)
-    test_triton_matches_reference(seed, case)
+    test_triton_matches_reference(seed, case, launch=dataclasses.replace(LAUNCH, fuse_wu=True))
 
 
 @needs_triton
 @pytest.mark.parametrize("split", [False, True])
-def test_triton_k128(seed, split, monkeypatch):
-    """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, decay ranges on both sides of
-    diag_max; the state recurrences with K whole or as two 64-row blocks."""
-    from moeadapt.ops.kda import triton_kda
+def test_triton_k128(seed, split):
+    """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, strong decay; the state
+    recurrences with K whole or as two 64-row blocks."""
+    from moeadapt.ops.kda.triton_kda import LAUNCH
 
-    monkeypatch.setitem(triton_kda.CONFIG, "h_split", split)
-    monkeypatch.setitem(triton_kda.CONFIG, "dh_split", split)
-    test_triton_matches_reference(seed, (1, 150, 1, 2, 128, 64, [0, 20, 150], True), diag="dot", decay=8.0)
+    launch = dataclasses.replace(LAUNCH, h_split=split, dh_split=split)
+    test_triton_matches_reference(seed, (1, 150, 1, 2, 128, 64, [0, 20, 150], True), launch=launch, decay=8.0)
+
+
+def test_launch_is_checked():
+    """launch= is a triton_kda.KDALaunch and only for the Triton backend."""
+    inp = make_inputs(1, 16, 1, 1, 16, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="launch= configures the Triton kernels"):
+        chunk_kda(**inp, backend="reference", launch=object())
+    from moeadapt.ops.kda.triton_kda import chunk_kda_triton
+
+    with pytest.raises(TypeError, match="launch must be a KDALaunch"):
+        chunk_kda_triton(*(inp[n] for n in ("q", "k", "v", "g", "beta")), launch={"BH": 8})

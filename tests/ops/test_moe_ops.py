@@ -311,18 +311,17 @@ def test_tile_map_follows_offsets_changes(gen):
 
 
 # ------------------------------------------------------------------ fused grouped LoRA (fused_lora.py)
-@pytest.mark.parametrize("dx,wgrad", [("cat", "torch"), ("split", "triton"), ("cat", "triton"), ("split", "torch")])
+@pytest.mark.parametrize("dx,triton_passes", [("cat", False), ("split", True), ("cat", True), ("split", False)])
 @pytest.mark.parametrize("R", [4, 16])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_grouped_lora_fused(gen, monkeypatch, dx, wgrad, R, persistent):
-    """The fused backend (same code on CPU: torch._grouped_mm + the Triton passes interpreted) against
-    float64 loops: y and the gradients of x, A and B, frozen base."""
+def test_grouped_lora_fused(gen, monkeypatch, dx, triton_passes, R, persistent):
+    """The fused backend (same code on CPU: torch._grouped_mm + the Triton passes and K-grouped dA / dB kernel
+    interpreted, or their torch forms) against float64 loops: y and the gradients of x, A and B, frozen base."""
     from moeadapt.ops.moe import fused_lora
 
-    if not INTERPRET and (wgrad == "triton"):
+    if not INTERPRET and triton_passes:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
-    monkeypatch.setitem(fused_lora.CONFIG, "wgrad", wgrad)
+    monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on)
     E, I, O, scaling = 6, 40, 24, 2.0
     counts = _counts(gen, E, 50)
     counts[1] = 0  # an empty expert
@@ -335,7 +334,7 @@ def test_grouped_lora_fused(gen, monkeypatch, dx, wgrad, R, persistent):
     w_cat = fused_lora.make_cat_buffer(w_EOI, R) if persistent else None
     w_EIO = w_cat[:, :, :I].transpose(1, 2) if persistent else w_EOI.transpose(1, 2)
     x, A, B = _leaf(x_NI), _leaf(A_EIR), _leaf(B_ERO)
-    y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_EIO, backend="fused", w_cat=w_cat)
+    y = grouped_lora(x, A, B, offsets, scaling, w_EIO=w_EIO, backend="fused", w_cat=w_cat, dx=dx)
     _check_lora_against_loops(y, (x, A, B), x_NI, A_EIR, B_ERO, offsets, scaling, w_EOI, dy_NO)
     assert A.grad[1].abs().max() == 0 and B.grad[1].abs().max() == 0  # the empty expert
     if persistent:  # the base columns were not touched
@@ -415,7 +414,6 @@ def test_fold_gather_lora(gen, monkeypatch, dx, R, triton_passes):
 
     if triton_passes and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on and INTERPRET)
     T, K, E, I, O, scaling = 37, 3, 6, 40, 24, 2.0
     ids_TK = _routing(gen, T, K, E, drop=0.2, empty=(1,))
@@ -428,7 +426,7 @@ def test_fold_gather_lora(gen, monkeypatch, dx, R, triton_passes):
     w_cat = fused_lora.make_cat_buffer(w_EOI, R)
     z, A, B = _leaf(z_TI), _leaf(A_EIR), _leaf(B_ERO)
     y = fused_lora.grouped_lora_fused_gather(z, row_index, K, A, B, offsets, scaling,
-                                             w_EIO=w_cat[:, :, :I].transpose(1, 2), w_cat=w_cat)
+                                             w_EIO=w_cat[:, :, :I].transpose(1, 2), w_cat=w_cat, dx=dx)
     z64, A64, B64 = _leaf(z_TI, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
     x64, idx64, _ = _permute_loop(z64, ids_TK, E)
     assert torch.equal(idx64, row_index)
@@ -453,7 +451,6 @@ def test_fold_swiglu_lora(gen, monkeypatch, dx, R, packed, triton_passes):
 
     if triton_passes and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=triton_passes: on and INTERPRET)
     E, Fh, O, scaling = 5, 40, 24, 0.5
     counts = _counts(gen, E, 45)
@@ -468,10 +465,10 @@ def test_fold_swiglu_lora(gen, monkeypatch, dx, R, packed, triton_passes):
     A, B = _leaf(A_EIR), _leaf(B_ERO)
     if packed:
         gu = _leaf(gu_NF2)
-        y = fused_lora.grouped_lora_fused_swiglu(gu, None, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat)
+        y = fused_lora.grouped_lora_fused_swiglu(gu, None, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat, dx=dx)
     else:
         g, u = _leaf(gu_NF2[:, :Fh]), _leaf(gu_NF2[:, Fh:])
-        y = fused_lora.grouped_lora_fused_swiglu(g, u, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat)
+        y = fused_lora.grouped_lora_fused_swiglu(g, u, A, B, offsets, scaling, w_EIO=w_EIO, w_cat=w_cat, dx=dx)
     gu64, A64, B64 = _leaf(gu_NF2, torch.float64), _leaf(A_EIR, torch.float64), _leaf(B_ERO, torch.float64)
     h64 = torch.nn.functional.silu(gu64[:, :Fh]) * gu64[:, Fh:]
     y_ref = _fold_lora_ref(h64, A64, B64, w_EOI, offsets, scaling)
@@ -549,7 +546,6 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
 
     if triton_passes and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setitem(fused_lora.CONFIG, "dx", dx)
     on = triton_passes and INTERPRET
     monkeypatch.setattr(fused_lora, "_use_triton", lambda t, on=on: on)
     monkeypatch.setattr(lean_lora, "_use_triton", lambda t, on=on: on)
@@ -576,7 +572,7 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
         B_arg = (bg, bu)
     w_arg = (w_gu[:, :Fh].contiguous(), w_gu[:, Fh:].contiguous()) if pair else w_gu  # pair: the model's w1, w3
     y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
-                                    wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d)
+                                    wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d, dx=dx)
     z64, a64, bg64, bu64, ad64, bd64 = (_leaf(t, torch.float64) for t in (z_TI, A, B_g, B_u, A_d, B_d))
     y_ref, idx64 = _lean_ref(z64, ids_TK, E, w_gu, a64, bg64, bu64, s, w_d, ad64, bd64, s_d, shared)
     assert torch.equal(idx64, row_index)
@@ -613,3 +609,16 @@ def test_tile_map_kernel_matches_torch(gen, E, BM):
     assert torch.equal(got_e, want_e)
     used = want_e >= 0
     assert torch.equal(got_r[used], want_r[used])
+
+
+def test_fused_dx_mode_is_checked(gen):
+    from moeadapt.ops.moe import fused_lora
+
+    E, I, O, R = 2, 8, 8, 4
+    offsets = offsets_from_counts(torch.tensor([3, 2]))
+    x, A, B = torch.randn(5, I, generator=gen), torch.randn(E, I, R, generator=gen), torch.randn(E, R, O, generator=gen)
+    w = torch.randn(E, I, O, generator=gen)
+    with pytest.raises(ValueError, match="dx='dot' is not one of"):
+        grouped_lora(x, A, B, offsets, 1.0, w_EIO=w, backend="fused", dx="dot")
+    with pytest.raises(ValueError, match="dx='dot' is not one of"):
+        fused_lora.grouped_lora_fused_swiglu(torch.randn(5, 2 * I), None, A, B, offsets, 1.0, w_EIO=w, dx="dot")

@@ -1,5 +1,6 @@
-"""Predicted vs measured peak memory of real training steps on CPU (live-storage accounting): every row of the
-benchmarks/RESULTS.md "Planner" accuracy table, on fresh random weights and tokens (a new seed each run)."""
+"""Predicted vs measured peak memory of real training steps on CPU (live-storage accounting): micro, tiny and
+gqa models with every recompute mode, with and without LoRA, on fresh random weights and tokens (a new seed
+each run)."""
 
 import random
 

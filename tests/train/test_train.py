@@ -5,6 +5,7 @@ import torch
 
 from moeadapt import api
 from moeadapt.config import build_run_config
+from moeadapt.onboard import model_spec_from_dir
 from moeadapt.train.metrics import load_quantiles, read_metrics
 from moeadapt.train.trainer import TrainingError
 from tests.conftest import micro_spec
@@ -56,7 +57,8 @@ def test_lora_finetune_from_base(tmp_path):
     c = build_run_config({"model": str(base), "lora": {"rank": 4, "targets": ["attn.q_proj", "experts.w1"]},
                           "train": dict(steps=3, micro_batch_size=2, seq_len=32, init_from=str(base),
                                         output_dir=str(tmp_path / "ft"), eval_batches=1),
-                          "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+                          "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}},
+                         from_dir=model_spec_from_dir)
     r = api.train(c, quiet=True)
     assert (r.output_dir / "adapter" / "adapter_model.safetensors").is_file()
     out = api.generate(base, "Lily has", adapter=r.output_dir / "adapter", max_new_tokens=5)

@@ -131,6 +131,8 @@ def sparse_attention(
     indices: torch.Tensor,
     scale: float | None = None,
     backend: str = "auto",
+    *,
+    gluon: bool = True,
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected keys only.
 
@@ -144,6 +146,8 @@ def sparse_attention(
         For MLA pass ``kv = cat([kv_latent, k_rope], -1)`` as k and the view
         ``kv[..., :DV]`` as v: the Triton kernels then read each row once and
         scatter dk and dv with one atomic (a separate v tensor also works).
+        gluon: with the Triton backend, run the forward and backward pass 1 by the warp-specialised Gluon
+            kernels where they apply (sm_90, bf16, the MLA shape); False keeps the Triton kernels.
     Returns:
         o [B, T, HQ, DV] in q's dtype; a query with no selected key gets 0.
         Differentiable in q, k, v (dk, dv scatter-added into the selected rows).
@@ -152,7 +156,7 @@ def sparse_attention(
     if _backend(backend, q) == "triton":
         from .triton_sparse_attn import sparse_attention_triton
 
-        return sparse_attention_triton(q, k, v, indices, scale)
+        return sparse_attention_triton(q, k, v, indices, scale, gluon=gluon)
     return sparse_attention_reference(q, k, v, indices, scale)
 
 

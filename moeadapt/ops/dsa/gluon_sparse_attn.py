@@ -6,8 +6,8 @@ one KV head, D = 576 (512 latent + 64 rope), DV = 512 with ``v = kv[..., :512]``
 `supported()` says when they apply; everything else (and every CPU run) uses the Triton kernels.
 The backward pass 1 is described at `_sfa_bwd_p1_ws_kernel`; the forward below.
 
-Why a second kernel: the Triton forward reaches ~295 TFLOP/s and is stuck at the register limit
-(RESULTS.md, DSA). Its 8 warps split every product along N, so both warp groups read all of Q for
+Why a second kernel: the Triton forward reaches ~295 TFLOP/s on the H200 and is stuck at the register
+limit. Its 8 warps split every product along N, so both warp groups read all of Q for
 S = Q K^T (N = 32 per group), and the gathers, softmax and MMAs of one program run one after the other.
 Here one CTA (one query row, 64 heads) has three warp groups:
 
@@ -22,7 +22,7 @@ Here one CTA (one query row, 64 heads) has three warp groups:
 The buffers are released by halves of the channels: consumer c frees half c of its own block right after
 its first P V product and half c of the other block (with the rope part, which holds that block's P) after
 its second. The producer refills the halves in that order, and a consumer starts S on its own half while
-the other half is still in flight (3% faster than releasing whole buffers, RESULTS.md).
+the other half is still in flight (3% faster than releasing whole buffers on the H200).
 
 Keys past the row's last valid slot are never walked (the causal ramp t < topk); -1 slots are
 gathered as zero rows and masked to -inf in S. lse is saved in natural log, as the Triton kernel does.
@@ -334,7 +334,7 @@ def _sfa_bwd_p1_ws_kernel(Q, K, IDX, O, DO, LSE, P_, DS_, sq_t, sq_h, sk_b, sk_t
     (row, 64 heads): a producer gathers 32-key K blocks into two buffers (Q and dO stay in shared memory: 72 + 64
     + 2 x 36 KB); consumer c takes blocks c, c + 2, ... with no exchange: S = Q K^T, dP = dO V^T (N = 32 wgmmas),
     frees the buffer, then P = exp2(S - lse) and dS = P (dP - delta) * scale go to global memory in bf16.
-    1.23-1.29x the Triton pass 1 at T = 32768 (RESULTS.md); holding dO in registers with 64-key blocks spilled."""
+    1.23-1.29x the Triton pass 1 at T = 32768 on the H200; holding dO in registers with 64-key blocks spilled."""
     pid = gl.program_id(0)
     local = (NROWS - 1 - pid // NHB).to(gl.int64)  # full rows first
     row = ROW0 + local
@@ -385,8 +385,8 @@ def pds_pass1_ws(q, k, idx, o, do, lse, p_buf, ds_buf, scale, row0, n):
 def compile_sm90(name: str):
     """Compile "fwd" or "bwd_p1" ahead of time for sm_90 (no GPU needed) with the signature a launch at the
     issue's shapes gets: bf16 / int32 / fp32 pointers, 16-byte alignment and the strides supported() requires
-    divisible by 16 (the 16-byte cp.async copies need them), topk = 2048. Used by tests/ops/test_dsa_gluon.py
-    and benchmarks/dsa_resources.py; the interpreter cannot run Gluon, so call it with TRITON_INTERPRET unset."""
+    divisible by 16 (the 16-byte cp.async copies need them), topk = 2048. Used by tests/ops/test_dsa_gluon.py;
+    the interpreter cannot run Gluon, so call it with TRITON_INTERPRET unset."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 

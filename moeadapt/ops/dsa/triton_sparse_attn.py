@@ -11,36 +11,25 @@ The qk dimension is split into a power-of-two main part D1 and a tail D2
 (576 = 512 + 64), so nothing is padded to 1024. Default walk (FWD_CONFIG): SKIP the
 all-(-1) key blocks of the causal ramp, REVERSE (full rows first), DENSE (a row whose
 valid slots come first, as the indexer writes them, runs its full key blocks without
-masks, then the masked tail). Other forward variants (a 1-D grid, deferred row sums, the scale
-folded into exp2, index loads ahead, unmasked channels, a lazy rescale, warp specialisation) were
-measured slower or equal on the H200 and removed (RESULTS.md, DSA; code in commit 54a2241).
+masks, then the masked tail); SKIP (and so DENSE) is off for topk > MAX_SKIP_TOPK.
 
 On sm_90 with bf16 MLA shapes the forward and backward pass 1 run the warp-specialised Gluon kernels of
-gluon_sparse_attn.py instead (same contract; MOEADAPT_SFA_GLUON=0 keeps everything here).
+gluon_sparse_attn.py instead (same contract; `gluon=False` keeps everything here).
 
-Backward (default, PDS=True): two passes per chunk of rows. Pass 1
-(`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes P from lse and
-dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK],
-at most PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`)
-runs per (query, head block, 128-channel chunk; 64 at 64-head blocks): dq[:, c] = dS K_sel[:, c] and
-dk[sel, c] += dS^T q[:, c] (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv; it reads the P/dS slots
-pass 1 wrote (EXTENT: a scalar bound per row). No product
-is computed twice and every accumulator is small ([BLOCK_H, 128] fp32), where the fused
-kernel below spills its [64, 576] dq accumulator. dq is deterministic; dk/dv (atomics) are
-not (summation order). The kernels of the first version stay selectable: BWD_CONFIG_OLD, BWD_CONFIG_SPLIT.
+Backward: two passes per chunk of rows. Pass 1 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes
+P from lse and dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK], at most
+PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`) runs per (query, head block,
+128-channel chunk; 64 at 64-head blocks): dq[:, c] = dS K_sel[:, c] and dk[sel, c] += dS^T q[:, c]
+(+ P^T dO[:, c] for dv), fp32 atomics for dk/dv; it reads the P/dS slots pass 1 wrote (a scalar bound per
+row). No product is computed twice and every accumulator is small ([BLOCK_H, 128] fp32). dq is
+deterministic; dk/dv (atomics) are not (summation order). When v is the leading DV = D1 channels of k
+(MLA's shared latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's buffer; dv
+is then returned as None, which leaves the shared base's gradient unchanged.
 
-Fused backward (BWD_CONFIG_OLD): the same walk recomputes P from lse, forms dP = dO V^T and
-dS = P (dP - delta) (delta = rowsum(dO * O) computed in-kernel), accumulates dq
-in registers and scatter-adds dk = dS^T q and dv = P^T dO into fp32 buffers with
-atomics (one vectorised fp32 atomic per selected key row element per query and
-head block). DKV_T (default) computes them transposed, dk^T = q^T dS, so q and
-dO stay MMA operands in the shared-memory buffers already loaded (the plain form
-needs second copies: 315 KB of shared memory at BLOCK_H = 64). FUSED=False runs a
-dq pass and a dk/dv pass instead (measured slower). A key-major pass (inverse
-index, no atomics) was not written: per key it gives M = 1 products. When v is the leading DV = D1 channels of k (MLA's shared
-latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's
-buffer; dv is then returned as None, which leaves the shared base's gradient
-unchanged.
+The launch configurations (FWD_CONFIG, BWD_CONFIG) are read-only constants; the forward and backward take a
+changed copy as an argument (`sparse_attention_triton(..., fwd_cfg=, bwd_cfg=)`). Measured on the H200 with
+benchmarks/bench_dsa.py; variants that lost there (forward flags, a fused one-pass backward, split dq /
+dk-dv passes, a per-slot validity mask in pass 2) were removed.
 """
 
 from __future__ import annotations
@@ -73,12 +62,9 @@ def _mm(a, b, IEEE: tl.constexpr, acc=None):
 
 
 @triton.jit
-def _scatter_add(ptr, val, mask, STORE_ONLY: tl.constexpr):
-    """fp32 atomic add; STORE_ONLY (timing experiments only, wrong result) writes instead."""
-    if STORE_ONLY:
-        tl.store(ptr, val, mask=mask)
-    else:
-        tl.atomic_add(ptr, val, mask=mask, sem="relaxed")
+def _scatter_add(ptr, val, mask):
+    """fp32 atomic add into the dk / dv buffers."""
+    tl.atomic_add(ptr, val, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -242,112 +228,6 @@ def _sfa_fwd_kernel(
     tl.store(LSE + row * sl_t + heads, lse, mask=mask_h)
 
 
-@triton.jit
-def _sfa_bwd_kernel(
-    Q, K, V, IDX, O, DO, LSE, DQ, DK, DV_,
-    sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t,
-    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
-    T, G, TOPK, D, DV, NHB, qk_scale, scale,
-    D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr, DKV_T: tl.constexpr,
-    DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, STORE_ONLY: tl.constexpr,
-    SKIP: tl.constexpr = False, REVERSE: tl.constexpr = False, TOPK_P2: tl.constexpr = 16,
-    IDX_AHEAD: tl.constexpr = False,
-):
-    row = _row_of_program(tl.num_programs(0), REVERSE)
-    g = tl.program_id(1) // NHB
-    h0 = (tl.program_id(1) % NHB) * BLOCK_H
-    b = row // T
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < G
-    heads = g * G + offs_h
-    offs_d1 = tl.arange(0, D1)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-    q_base = Q + row * sq_t + heads[:, None] * sq_h
-    q1 = tl.load(q_base + offs_d1[None, :], mask=mask_h[:, None], other=0.0)
-    dq1 = tl.zeros([BLOCK_H, D1], tl.float32)
-    if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        mask_d2 = offs_d2 < D
-        q2 = tl.load(q_base + offs_d2[None, :], mask=mask_h[:, None] & mask_d2[None, :], other=0.0)
-        dq2 = tl.zeros([BLOCK_H, D2], tl.float32)
-    do = tl.load(DO + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
-                 mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
-    o = tl.load(O + row * so_t + heads[:, None] * so_h + offs_dv[None, :],
-                mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O), per head
-    lse2 = tl.load(LSE + row * sl_t + heads, mask=mask_h, other=0.0) * 1.4426950408889634
-    kb_base = K + b * sk_b + g * sk_h
-    vb_base = V + b * sv_b + g * sv_h
-    dkb_base = DK + b * sdk_b + g * sdk_h
-    dvb_base = DV_ + b * sdv_b + g * sdv_h
-    idx_row = IDX + row * si_t + g * si_h
-    span = _slot_span(idx_row, TOPK, SKIP, TOPK_P2)
-    idx_next = _idx_block(idx_row, 0, TOPK, BLOCK_K)  # used only with IDX_AHEAD
-    for k0 in range(0, span, BLOCK_K):
-        idx, idx_next = _idx_walk(idx_row, k0, idx_next, TOPK, BLOCK_K, IDX_AHEAD)
-        valid, rows = _key_rows(idx, I64)
-        k1 = tl.load(kb_base + rows[:, None] * sk_t + offs_d1[None, :], mask=valid[:, None], other=0.0)
-        s = _mm(q1, tl.trans(k1), IEEE)
-        if D2 > 0:
-            k2 = tl.load(kb_base + rows[:, None] * sk_t + offs_d2[None, :],
-                         mask=valid[:, None] & mask_d2[None, :], other=0.0)
-            s += _mm(q2, tl.trans(k2), IEEE)
-        p = tl.exp2(s * qk_scale - lse2[:, None])
-        p = tl.where(valid[None, :] & mask_h[:, None], p, 0.0)
-        if V_FROM_K:
-            v = k1
-        else:
-            v = tl.load(vb_base + rows[:, None] * sv_t + offs_dv[None, :],
-                        mask=valid[:, None] & mask_dv[None, :], other=0.0)
-        dp = _mm(do, tl.trans(v), IEEE)
-        dsc = (p * (dp - delta[:, None]) * scale).to(k1.dtype)  # dL/d(q.k), scale folded in
-        if DO_DQ:
-            dq1 = _mm(dsc, k1, IEEE, dq1)
-            if D2 > 0:
-                dq2 = _mm(dsc, k2, IEEE, dq2)
-        if not DO_DKV:
-            pass
-        elif DKV_T:
-            # dk^T = q^T dS, dv^T = dO^T P: q and dO stay the A operand of the MMA
-            # (transposed views of the buffers already used above, no second copy)
-            dvt = _mm(tl.trans(do), p.to(do.dtype), IEEE)
-            if V_FROM_K:
-                dk1t = _mm(tl.trans(q1), dsc, IEEE, dvt)
-            else:
-                _scatter_add(dvb_base + rows[None, :] * sdv_t + offs_dv[:, None], dvt,
-                             valid[None, :] & mask_dv[:, None], STORE_ONLY)
-                dk1t = _mm(tl.trans(q1), dsc, IEEE)
-            _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d1[:, None], dk1t,
-                         valid[None, :], STORE_ONLY)
-            if D2 > 0:
-                dk2t = _mm(tl.trans(q2), dsc, IEEE)
-                _scatter_add(dkb_base + rows[None, :] * sdk_t + offs_d2[:, None], dk2t,
-                             valid[None, :] & mask_d2[:, None], STORE_ONLY)
-        else:
-            dv = _mm(tl.trans(p.to(do.dtype)), do, IEEE)
-            if V_FROM_K:  # dk and dv land in the same rows: one accumulator, one atomic
-                dk1 = _mm(tl.trans(dsc), q1, IEEE, dv)
-            else:
-                _scatter_add(dvb_base + rows[:, None] * sdv_t + offs_dv[None, :], dv,
-                             valid[:, None] & mask_dv[None, :], STORE_ONLY)
-                dk1 = _mm(tl.trans(dsc), q1, IEEE)
-            _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d1[None, :], dk1,
-                         valid[:, None], STORE_ONLY)
-            if D2 > 0:
-                dk2 = _mm(tl.trans(dsc), q2, IEEE)
-                _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_d2[None, :], dk2,
-                             valid[:, None] & mask_d2[None, :], STORE_ONLY)
-    if DO_DQ:
-        dq_base = DQ + row * sq_t + heads[:, None] * sq_h
-        tl.store(dq_base + offs_d1[None, :], dq1.to(DQ.dtype.element_ty), mask=mask_h[:, None])
-        if D2 > 0:
-            tl.store(dq_base + offs_d2[None, :], dq2.to(DQ.dtype.element_ty),
-                     mask=mask_h[:, None] & mask_d2[None, :])
-
-
 @triton.jit(do_not_specialize=["ROW0", "NROWS"])
 def _sfa_bwd_pds_kernel(
     Q, K, V, IDX, O, DO, LSE, P_, DS_,
@@ -427,7 +307,7 @@ def _sfa_bwd_from_pds_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
-    EXTENT_BK: tl.constexpr = 0, STORE_ONLY: tl.constexpr = False,
+    EXTENT_BK: tl.constexpr,
 ):
     """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
     dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
@@ -468,11 +348,10 @@ def _sfa_bwd_from_pds_kernel(
         idx, idx_next = _idx_walk(idx_row, k0, idx_next, TOPK, BLOCK_K, IDX_AHEAD)
         valid, rows = _key_rows(idx, I64)
         # only slots pass 1 wrote: with SKIP it stops at its own BLOCK_K multiple past the row's last
-        # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries
-        if EXTENT_BK > 0:  # the slots pass 1 wrote: [0, its last block's end), a scalar bound per row
-            ld_mask = mask_h[:, None] & (offs_k < tl.minimum(TOPK, tl.cdiv(span, EXTENT_BK) * EXTENT_BK))[None, :]
-        else:
-            ld_mask = mask_h[:, None] & valid[None, :]
+        # valid slot, so a larger BLOCK_K here would read unwritten (garbage, possibly NaN) entries; the
+        # bound [0, its last block's end) is a scalar per row (a per-slot validity mask tied every load to
+        # the index load and was 15-21% slower)
+        ld_mask = mask_h[:, None] & (offs_k < tl.minimum(TOPK, tl.cdiv(span, EXTENT_BK) * EXTENT_BK))[None, :]
         p = tl.load(p_base + offs_k[None, :], mask=ld_mask, other=0.0)
         ds = tl.load(ds_base + offs_k[None, :], mask=ld_mask, other=0.0)
         kc = tl.load(kb_base + rows[:, None] * sk_t + offs_c[None, :], mask=valid[:, None] & mask_ck[None, :],
@@ -482,55 +361,33 @@ def _sfa_bwd_from_pds_kernel(
             dkv = _mm(tl.trans(p), doc, IEEE)
             dkv = _mm(tl.trans(ds), qc, IEEE, dkv)
             _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dkv,
-                         valid[:, None] & mask_ck[None, :], STORE_ONLY)
+                         valid[:, None] & mask_ck[None, :])
         else:
             dk = _mm(tl.trans(ds), qc, IEEE)
             _scatter_add(dkb_base + rows[:, None] * sdk_t + offs_c[None, :], dk,
-                         valid[:, None] & mask_ck[None, :], STORE_ONLY)
+                         valid[:, None] & mask_ck[None, :])
             dv = _mm(tl.trans(p), doc, IEEE)
             _scatter_add(dvb_base + rows[:, None] * sdv_t + offs_c[None, :], dv,
-                         valid[:, None] & mask_cv[None, :], STORE_ONLY)
+                         valid[:, None] & mask_cv[None, :])
     tl.store(DQ + row * sq_t + heads[:, None] * sq_h + offs_c[None, :], dq.to(DQ.dtype.element_ty),
              mask=mask_h[:, None] & mask_ck[None, :])
 
 
-# Launch configuration, from the sweep in benchmarks/bench_dsa.py on an H200 (RESULTS.md).
-# Backward BLOCK_K=32 with num_stages=1 hit an illegal address under Triton 3.6 on the H200
-# (not under the interpreter); BLOCK_K=16, num_stages=2 is the fastest fused config that ran clean.
-# Pass options (all default off = the kernels as first measured):
-#   SKIP: walk only up to the row's last valid slot (the causal ramp t < topk has fewer keys);
-#   REVERSE: launch the last (full) rows first so the short ones fill the tail;
-#   IDX_AHEAD (backward): load the next block's indices one iteration early (for
-#   num_stages=1, where Triton does not pipeline the index -> row gather chain);
-_POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
-FWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}
-BWD_CONFIG_OLD = {"BLOCK_H": 64, "BLOCK_K": 16, "num_warps": 8, "num_stages": 2, "FUSED": True, "DKV_T": True}
-# Untimed on the GPU when written: bench_dsa.py --check times these against the *_OLD ones.
-# Compiled for sm_90 on the CPU (Triton 3.9, cuobjdump resource usage): the P/dS passes
-# below use no local memory (144-248 registers); the old fused backward spills 1176 B per
-# thread and the split dq / dk-dv passes 1000-1700 B (a dk/dv pass with keys as the MMA's M
-# dimension, tried too, needs 270 KB of shared memory: removed).
-# H200, session 3 calls 2-3 (RESULTS.md): DENSE (unmasked full key blocks on rows whose valid slots come
-# first, as LI writes them) 294-297 TFLOP/s at T = 32768 vs 291-295 for SKIP + REVERSE alone.
-FWD_CONFIG = {**FWD_CONFIG_OLD, "SKIP": True, "REVERSE": True, "DENSE": True}
+# Launch configuration, from the sweeps of benchmarks/bench_dsa.py on an H200 (read-only: pass a changed copy).
+# Forward: BLOCK_H 64 query heads as the MMA's M (wgmma), 64-key blocks, 8 warps, 2 stages; DENSE took it from
+# 291-295 to 294-297 TFLOP/s at T = 32768 (the Gluon kernel replaces it where it applies).
+FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SKIP": True, "REVERSE": True,
+              "DENSE": True}
+# Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
+# 128-channel chunk (64 at 64-head blocks: 576 = 9 x 64, -8% at HQ = 64; at 128-head blocks they lose 20%).
+# Pass 2 with BLOCK_H = 128 (64 when G = 64): half the atomics and K reads of 64; 4 warps 197.9 / 108.9 ms vs
+# 205.0 / 133.6 with 8 (T = 32768, HQ = 128 / 64; at 128 heads it spills 248 B and is still the fastest).
 BWD_CONFIG = {
-    # P/dS path: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time), pass 2
-    # reads them back per 128-channel chunk: dq = dS K, dk/dv += dS^T q + P^T dO
-    "PDS": True, "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
-    # pass 2 masks its P/dS loads by pass 1's written extent: 220.7 / 152.7 ms vs 266.8 / 175.0 ms with a
-    # per-slot validity mask (T = 32768, HQ = 128 / 64, H200, session 6 call 3)
-    "EXTENT": True,
+    "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
-    # BLOCK_H = 128 (drops to 64 when G = 64): half the atomics and K reads of BLOCK_H = 64. 4 warps: 197.9 / 108.9 ms
-    # vs 205.0 / 133.6 with 8 (T = 32768, HQ = 128 / 64, H200, session 6 call 7; at 128 heads it spills 248 B)
     "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 4, "num_stages": 3},
 }
-BWD_CONFIG_SPLIT = {  # a dq pass and a dk/dv pass, each recomputing P and dS (spills: see above)
-    "FUSED": False,
-    "DQ_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2, "SKIP": True, "REVERSE": True},
-    "DKV_CFG": {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 1, "DKV_T": True,
-                "SKIP": True, "REVERSE": True, "IDX_AHEAD": True},
-}
+_POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
 MAX_SKIP_TOPK = 8192  # SKIP reads the index row into registers: cap its length
 
 
@@ -580,10 +437,10 @@ def _walk_args(cfg, topk):
     return dict(SKIP=skip, REVERSE=bool(cfg.get("REVERSE", False)), TOPK_P2=tp2 if skip else 16)
 
 
-def _gluon_module(q, k, v, indices):
-    """gluon_sparse_attn (the warp-specialised forward and backward pass 1) when it applies: sm_90, bf16, the MLA
-    shape (D = 576, v = k[..., :512], one KV head, heads a multiple of 64). MOEADAPT_SFA_GLUON=0 turns it off."""
-    if not q.is_cuda or os.environ.get("MOEADAPT_SFA_GLUON", "1") == "0":
+def _gluon_module(q, k, v, indices, gluon: bool = True):
+    """gluon_sparse_attn (the warp-specialised forward and backward pass 1) when it applies: `gluon`, sm_90, bf16,
+    the MLA shape (D = 576, v = k[..., :512], one KV head, heads a multiple of 64)."""
+    if not gluon or not q.is_cuda:
         return None
     try:
         from . import gluon_sparse_attn
@@ -592,10 +449,10 @@ def _gluon_module(q, k, v, indices):
     return gluon_sparse_attn if gluon_sparse_attn.supported(q, k, v, indices) else None
 
 
-def sfa_forward(q, k, v, indices, scale, cfg=None):
-    """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200, T = 32768: 380-398 vs
-    288-297 TFLOP/s for this one, RESULTS.md), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
-    if cfg is None and (gws := _gluon_module(q, k, v, indices)) is not None:
+def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True):
+    """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200, T = 32768: 388-398 vs
+    294-297 TFLOP/s for this one), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
+    if cfg is None and (gws := _gluon_module(q, k, v, indices, gluon)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
     cfg = cfg or FWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
@@ -618,7 +475,9 @@ def sfa_forward(q, k, v, indices, scale, cfg=None):
     return o, lse
 
 
-def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
+def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None, gluon: bool = True):
+    """dq, dk, dv (None when v = k[..., :DV]) by the two-pass P/dS backward; cfg: BWD_CONFIG or a changed copy;
+    gluon: pass 1 by the Gluon kernel where it applies."""
     cfg = cfg or BWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
     q, k, v, vk = _prep(q, k, v, d1)
@@ -628,34 +487,7 @@ def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None):
     Tk = k.shape[1]  # keys may be a longer sequence than the queries (context parallelism)
     dk = torch.zeros(B, Tk, HK, D, device=q.device, dtype=torch.float32)
     dv = dk if vk else torch.zeros(B, Tk, HK, DV, device=q.device, dtype=torch.float32)
-    if cfg.get("PDS", False):
-        _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg)
-        return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
-    # FUSED: one pass gives dq and dk/dv; else a dq pass and a dk/dv pass (each
-    # recomputes P and dP, but neither holds both accumulators in registers)
-    passes = [(True, True, cfg)] if cfg.get("FUSED", True) else [
-        (True, False, cfg.get("DQ_CFG", cfg)), (False, True, cfg.get("DKV_CFG", cfg))]
-    if "ONLY" in cfg:  # timing experiments: run just the dq or just the dk/dv part
-        sub = cfg if cfg.get("FUSED", True) else cfg.get("DQ_CFG" if cfg["ONLY"] == "dq" else "DKV_CFG", cfg)
-        passes = [(cfg["ONLY"] == "dq", cfg["ONLY"] == "dkv", {**sub, "STORE_ONLY": cfg.get("STORE_ONLY", False)})]
-    for do_dq, do_dkv, c in passes:
-        bh, nhb, grid = _launch_args(c, G, HK, B, T)
-        common = (
-            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1),
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            T, G, idx.shape[-1], D, DV, nhb, scale * LOG2E, scale,
-        )
-        meta = dict(
-            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
-            V_FROM_K=vk, IEEE=use_ieee(q), I64=max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31,
-            **_walk_args(c, idx.shape[-1]), IDX_AHEAD=bool(c.get("IDX_AHEAD", False)),
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
-        _sfa_bwd_kernel[grid](
-            q, k, v, idx, o, do, lse, dq, dk, dv, *common,
-            DKV_T=c.get("DKV_T", True), DO_DQ=do_dq, DO_DKV=do_dkv, STORE_ONLY=c.get("STORE_ONLY", False), **meta,
-        )
+    _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg, gluon)
     return dq, dk.to(k.dtype), (None if vk else dv.to(v.dtype))
 
 
@@ -684,7 +516,7 @@ def _with_fallback(run, c, fallback, name):
         return run(fallback)
 
 
-def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg):
+def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg, gluon):
     """P/dS backward: pass 1 stores P and dS for a chunk of rows (at most PDS_BYTES),
     pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics)."""
     topk = idx.shape[-1]
@@ -702,9 +534,9 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     i64 = max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31
 
     bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
-    # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes); GLUON_P1=False: Triton.
-    # It always stops at the row's last valid slot, so pass 2 must too (SKIP) for EXTENT's bound to hold.
-    gws = _gluon_module(q, k, v, idx) if cfg.get("GLUON_P1", True) and walk["SKIP"] else None
+    # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes; 1.23-1.29x the Triton
+    # pass 1). It always stops at the row's last valid slot, so pass 2 must too (SKIP) for the extent to hold.
+    gws = _gluon_module(q, k, v, idx, gluon) if walk["SKIP"] else None
 
     def pass1(c, row0, n):
         bk1[0] = c["BLOCK_K"]
@@ -722,8 +554,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
 
     def pass2(c, row0, n):
         bh, nhb, _ = _launch_args(c, G, HK, B, T)
-        # 64-head blocks: 64-channel chunks (576 = 9 x 64, no half-empty last chunk): 140.2 vs 152.4 ms at HQ = 64;
-        # at 128-head blocks they lose (263.9 vs 220.7 ms at HQ = 128; T = 32768, H200, session 6 call 4)
+        # 64-head blocks: 64-channel chunks (576 = 9 x 64, no half-empty last chunk); 128 at 128-head blocks
         bc = c.get("BLOCK_C_H64", c["BLOCK_C"]) if bh <= 64 else c["BLOCK_C"]
         nc = triton.cdiv(max(D, DV), bc)
         _launch(
@@ -735,44 +566,43 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
             T, G, topk, D, DV, nhb, nc, row0, n,
             BLOCK_C=bc, BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
             IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
-            # EXTENT: mask P/dS loads by pass 1's written extent (a scalar per row) instead of per-slot validity
-            EXTENT_BK=(bk1[0] if walk["SKIP"] else 1) if cfg.get("EXTENT") else 0,
-            STORE_ONLY=bool(c.get("STORE_ONLY", False)),  # timing experiments: plain stores, wrong dk/dv
+            EXTENT_BK=bk1[0] if walk["SKIP"] else 1,  # P/dS loads masked by pass 1's written extent
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
 
-    only = cfg.get("ONLY_PASS")  # timing experiments: run one pass (wrong gradients)
     for row0 in range(0, rows_total, nrows):
         n = min(nrows, rows_total - row0)
-        if only != 2 and gws is not None:
+        if gws is not None:
             gws.pds_pass1_ws(q, k, idx, o, do, lse, pds[0], pds[1], scale, row0, n)
             bk1[0] = gws.P1_BK.value
-        elif only != 2:
+        else:
             _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
-        if only != 1:
-            _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
+        _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
-        o, lse = sfa_forward(q, k, v, indices, scale)
+    def forward(ctx, q, k, v, indices, scale, gluon, fwd_cfg, bwd_cfg):
+        o, lse = sfa_forward(q, k, v, indices, scale, fwd_cfg, gluon)
         ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale = scale
+        ctx.scale, ctx.gluon, ctx.bwd_cfg = scale, gluon, bwd_cfg
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, indices, o, lse = ctx.saved_tensors
-        dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, ctx.scale, ctx.bwd_cfg, ctx.gluon)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def sparse_attention_triton(q, k, v, indices, scale=None):
-    """Triton SFA/SFAG; same contract as `sparse_attention_reference`."""
+def sparse_attention_triton(q, k, v, indices, scale=None, *, gluon: bool = True, fwd_cfg: dict | None = None,
+                            bwd_cfg: dict | None = None):
+    """Triton SFA/SFAG; same contract as `sparse_attention_reference`. gluon: the Gluon kernels where they apply
+    (sm_90, bf16 MLA shapes); fwd_cfg / bwd_cfg: launch configurations (None: FWD_CONFIG / BWD_CONFIG; an
+    explicit fwd_cfg runs the Triton forward)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
     if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
         q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
-    return SparseAttentionFunction.apply(q, k, v, indices, scale)
+    return SparseAttentionFunction.apply(q, k, v, indices, scale, bool(gluon), fwd_cfg, bwd_cfg)

@@ -7,9 +7,14 @@ torch/triton (fla optionally, for backend="fla").
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .reference import chunk_kda_reference, naive_recurrent_kda
+
+if TYPE_CHECKING:
+    from .triton_kda import KDALaunch
 
 __all__ = ["chunk_kda", "chunk_kda_reference", "naive_recurrent_kda"]
 
@@ -69,6 +74,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     beta_is_logits: bool = False,
+    launch: KDALaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (64) form.
 
@@ -94,6 +100,8 @@ def chunk_kda(
             g = -exp(A_log[h]) * softplus(g + dt_bias[h]).
         dt_bias: [HV*K] or [HV,K] bias of the gate (only with A_log).
         beta_is_logits: beta holds logits; sigmoid is applied inside.
+        launch: the Triton kernels' launch parameters (triton_kda.KDALaunch; None: triton_kda.LAUNCH, the
+            measured defaults); only with backend "triton" / "auto" on CUDA.
 
     Returns:
         o [B,T,HV,V] in v's dtype, and the final state [N,HV,K,V] (float32) or None.
@@ -103,14 +111,16 @@ def chunk_kda(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if backend == "auto":
         backend = "triton" if q.is_cuda else "reference"
+    if launch is not None and backend != "triton":
+        raise ValueError(f"launch= configures the Triton kernels; backend {backend!r} does not run them.")
     if backend == "reference":
         return chunk_kda_reference(*args, **opts)
     if backend == "recurrent":
         return naive_recurrent_kda(*args, **opts)
     if backend == "triton":
-        from .triton_kda import chunk_kda_triton
+        from .triton_kda import LAUNCH, chunk_kda_triton
 
-        return chunk_kda_triton(*args, **opts)
+        return chunk_kda_triton(*args, **opts, launch=launch or LAUNCH)
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except ImportError as e:

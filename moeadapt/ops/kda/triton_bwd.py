@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _chunk_span, _load_g, _row, _state_setup, _store_state, _tok_setup
+from .triton_fwd import _chunk_span, _load_g, _state_setup, _store_state, _tok_setup
 
 
 @triton.jit
@@ -159,16 +159,14 @@ def _bwd_wy(
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dmax,
+    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
     H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
-    DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr,
+    USE_GATE: tl.constexpr,
 ):
-    """Per (chunk, head, K-block): the intra-chunk pair terms of Aqk and Akk added to dq, dk,
-    dg, dbeta, then dg = reverse cumsum of dG within the chunk. With DIAG_IN_KERNEL the diagonal
-    16x16 blocks are done here too by the reference-row dots when every sub-chunk's decay range in
-    this K-block is <= dmax (as in `_fwd_intra`); the other K-blocks got theirs from `_bwd_diag_chunk`
-    (run before, adding into dq, dk, dg and db), kept out of this kernel for its register count."""
+    """Per (chunk, head, K-block): the off-diagonal intra-chunk pair terms of Aqk and Akk added to dq, dk,
+    dg, dbeta (the diagonal 16x16 blocks' were added by the token-parallel `_bwd_diag`, run before), then
+    dg = reverse cumsum of dG within the chunk."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -194,30 +192,26 @@ def _bwd_intra(
     G3 = tl.reshape(b_G, (NS, BC, BK))
     r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
     r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-    ext = 0
-    if DIAG_IN_KERNEL:
-        ext = tl.where(tl.max(tl.max(r_first - r_last, axis=1), axis=0) <= dmax, BC, 0)
     rq = tl.zeros([BT, BK], dtype=tl.float32)
     rk = tl.zeros([BT, BK], dtype=tl.float32)
     cq = tl.zeros([BT, BK], dtype=tl.float32)
     ckk = tl.zeros([BT, BK], dtype=tl.float32)
-    # row side r_i += sum_j dA_ij k_j e^(G_i - G_j), split at r_a = G_first of row sub-chunk a; with
-    # ext = BC the columns of sub-chunk a itself are included (dA is zero above the diagonal)
-    for a in tl.static_range(0, NS):
-        if a > 0 or DIAG_IN_KERNEL:
-            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-            colf = tl.exp(tl.where((rows < a * BC + ext)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
-            ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
-            rq += ef * tl.dot(b_dAqk, colf, input_precision=DPREC)
-            rk += ef * tl.dot(b_dAkk, colf, input_precision=DPREC)
-    # column side c_j += sum_i dA_ij X_i e^(G_i - G_j), split at r_b = G_last of column sub-chunk b
-    for b in tl.static_range(0, NS):
-        if b < NS - 1 or DIAG_IN_KERNEL:
-            r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
-            ex = tl.exp(tl.where((rows >= (b + 1) * BC - ext)[:, None], b_G - r_b[None, :], float("-inf")))
-            ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
-            cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=DPREC)
-            ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=DPREC)
+    # row side r_i += sum_j dA_ij k_j e^(G_i - G_j) over the columns left of row sub-chunk a, split at
+    # r_a = G_first of that sub-chunk
+    for a in tl.static_range(1, NS):
+        r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+        colf = tl.exp(tl.where((rows < a * BC)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
+        ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
+        rq += ef * tl.dot(b_dAqk, colf, input_precision=DPREC)
+        rk += ef * tl.dot(b_dAkk, colf, input_precision=DPREC)
+    # column side c_j += sum_i dA_ij X_i e^(G_i - G_j) over the rows below column sub-chunk b, split at
+    # r_b = G_last of that sub-chunk
+    for b in tl.static_range(0, NS - 1):
+        r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
+        ex = tl.exp(tl.where((rows >= (b + 1) * BC)[:, None], b_G - r_b[None, :], float("-inf")))
+        ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
+        cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=DPREC)
+        ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=DPREC)
     b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
     b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
     dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)
@@ -232,78 +226,7 @@ def _bwd_intra(
     tl.store(dk + o_g, b_dk, mask=rmask[:, None])
     tl.store(dg + o_g, b_dg, mask=rmask[:, None])
     b_db = tl.sum(b_k * rk, axis=1)
-    if DIAG_IN_KERNEL:  # plus the partial of `_bwd_diag_chunk` (zero where it had nothing to do)
-        b_db += tl.load(db + i_k * T_total * HV + tok * HV + i_hv, mask=rmask, other=0.0)
     tl.store(db + i_k * T_total * HV + tok * HV + i_hv, b_db, mask=rmask)
-
-
-@triton.jit
-def _bwd_diag_chunk(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dmax,
-    H, HV, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-):
-    """Per (chunk, head, K-block), only where `_bwd_intra` does not take the dot path (some sub-chunk's
-    decay range in this K-block > dmax; all K-blocks when dmax < 0): the diagonal 16x16 pair terms,
-    elementwise one column j at a time (every exponent <= 0), added into dq, dk, dg; the dbeta partial
-    goes to db (which the caller zeroed)."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    NS: tl.constexpr = BT // BC
-    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
-    L = tl.minimum(eos - t0, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < L
-    tok = t0 + rows
-    ii = tl.arange(0, BC)
-    ck = i_k * BK + tl.arange(0, BK)
-    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-    b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
-    G3 = tl.reshape(b_G, (NS, BC, BK))
-    r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # same test as in _bwd_intra
-    r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-    if tl.max(tl.max(r_first - r_last, axis=1), axis=0) > dmax:
-        o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-        b_dAqk = tl.load(dAqk + o_A, mask=rmask[:, None], other=0.0)
-        b_dAkk = tl.load(dAkk + o_A, mask=rmask[:, None], other=0.0)
-        b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_kb = b_k * b_beta[:, None]
-        # row side  r[a,i] += D[a,i,j] k_j e^(G_i - G_j);  col side c[a,j] = sum_i D[a,i,j] X_i e^(G_i - G_j)
-        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-        Dqk = tl.sum(tl.where(eye_s, tl.reshape(b_dAqk, (NS, BC, NS, BC)), 0.0), axis=2)
-        Dkk = tl.sum(tl.where(eye_s, tl.reshape(b_dAkk, (NS, BC, NS, BC)), 0.0), axis=2)
-        q3 = tl.reshape(b_q, (NS, BC, BK))
-        k3 = tl.reshape(b_k, (NS, BC, BK))
-        kb3 = tl.reshape(b_kb, (NS, BC, BK))
-        rq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-        rk3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-        cq3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-        ck3 = tl.zeros([NS, BC, BK], dtype=tl.float32)
-        for j in range(BC):
-            colj = (ii == j)[None, None, :]
-            dq_j = tl.sum(tl.where(colj, Dqk, 0.0), axis=2)[:, :, None]  # [NS, BC(i), 1]
-            dk_j = tl.sum(tl.where(colj, Dkk, 0.0), axis=2)[:, :, None]
-            Gj = _row(G3, j, BC)
-            Ej = tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
-            kE = _row(k3, j, BC)[:, None, :] * Ej
-            rq3 += dq_j * kE
-            rk3 += dk_j * kE
-            rowj = (ii == j)[None, :, None]
-            cq3 += tl.where(rowj, tl.sum(dq_j * q3 * Ej, axis=1)[:, None, :], 0.0)
-            ck3 += tl.where(rowj, tl.sum(dk_j * kb3 * Ej, axis=1)[:, None, :], 0.0)
-        rq = tl.reshape(rq3, (BT, BK))
-        rk = tl.reshape(rk3, (BT, BK))
-        cq = tl.reshape(cq3, (BT, BK))
-        ckk = tl.reshape(ck3, (BT, BK))
-        tl.store(dq + o_g, tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq, mask=rmask[:, None])
-        b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
-        tl.store(dk + o_g, b_dk, mask=rmask[:, None])
-        dG = b_q * rq + b_k * (b_beta[:, None] * rk - cq - ckk)
-        tl.store(dg + o_g, tl.load(dg + o_g, mask=rmask[:, None], other=0.0) + dG, mask=rmask[:, None])
-        tl.store(db + i_k * T_total * HV + tok * HV + i_hv, tl.sum(b_k * rk, axis=1), mask=rmask)
 
 
 @triton.jit

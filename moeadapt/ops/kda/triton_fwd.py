@@ -21,40 +21,15 @@ def _load_g(g, o_g, mask, A_log, dt_bias, i_hv, ck, K: tl.constexpr, USE_GATE: t
 
 
 @triton.jit
-def _row(x3, j, BC: tl.constexpr):
-    """Row j of every sub-chunk: [NS, BC, BK] -> [NS, BK]."""
-    return tl.sum(tl.where((tl.arange(0, BC) == j)[None, :, None], x3, 0.0), axis=1)
-
-
-@triton.jit
-def _diag_fwd(q3, k3, G3, NS: tl.constexpr, BC: tl.constexpr):
-    """Diagonal sub-chunk blocks [NS, BC, BC]: Dkk[a,i,j] = sum_c k_i k_j e^(G_i-G_j), Dqk likewise
-    with q_i, for j <= i (one column j at a time keeps the live set at [NS, BC, BK])."""
-    ii = tl.arange(0, BC)
-    Dkk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    Dqk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    for j in range(BC):
-        kj = _row(k3, j, BC)
-        Gj = _row(G3, j, BC)
-        kE = kj[:, None, :] * tl.exp(tl.where((ii >= j)[None, :, None], G3 - Gj[:, None, :], float("-inf")))
-        col = (ii == j)[None, None, :]
-        Dkk += tl.where(col, tl.sum(k3 * kE, axis=2)[:, :, None], 0.0)
-        Dqk += tl.where(col, tl.sum(q3 * kE, axis=2)[:, :, None], 0.0)
-    return Dkk, Dqk
-
-
-@triton.jit
 def _fwd_intra(
-    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias, dmax,
+    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DPREC: tl.constexpr, DIAG_IN_KERNEL: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
+    DPREC: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
 ):
     """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those).
-    With DIAG_IN_KERNEL the diagonal 16x16 blocks are computed here: per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is <= dmax, by the same
-    reference-row dots as the off-diagonal blocks (column factors e^(r_a - G_j) <= e^dmax, no overflow
-    for dmax < 80); otherwise (or with dmax < 0) their sums were computed elementwise by `_fwd_diag_chunk`
-    (kept out of this kernel for its register count) and are read back from the Ti / Aqk buffers."""
+    The off-diagonal 16x16 blocks by reference-row dots; the diagonal ones were written by the token-parallel
+    `_fwd_diag` (Akk with beta into the Ti buffer, Aqk) and are read back here."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     NS: tl.constexpr = BT // BC
@@ -68,7 +43,6 @@ def _fwd_intra(
     b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     ii = tl.arange(0, BC)
-    fb = tl.full([], 0, tl.int32)  # some K-block's diagonal blocks came from _fwd_diag_chunk
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
@@ -84,36 +58,19 @@ def _fwd_intra(
         e_row = tl.exp(b_G - r_row)
         kr = b_k * e_row
         qr = b_q * e_row
-        ext = 0
-        if DIAG_IN_KERNEL:  # dots also cover sub-chunk a's own columns when its decay range is <= dmax
-            r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-            safe = tl.max(tl.max(r_first - r_last, axis=1), axis=0) <= dmax
-            ext = tl.where(safe, BC, 0)
-        for a in tl.static_range(0, NS):
-            if a > 0 or DIAG_IN_KERNEL:
-                r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-                cm = (rows < a * BC + ext)[:, None]
-                colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
-                sel = (blk == a)[:, None]
-                b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
-                b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
-        if DIAG_IN_KERNEL:
-            fb = tl.maximum(fb, (ext == 0).to(tl.int32))
+        for a in tl.static_range(1, NS):
+            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
+            cm = (rows < a * BC)[:, None]
+            colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
+            sel = (blk == a)[:, None]
+            b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
+            b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
     o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
     dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
-    if DIAG_IN_KERNEL:  # (entries j > i of the diagonal blocks hold bounded garbage: masked here)
-        b_Aqk = tl.where(rows[:, None] >= rows[None, :], b_Aqk, 0.0)
-        if fb > 0:  # diagonal-block sums of the K-blocks over dmax, from _fwd_diag_chunk
-            b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
-        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
-        b_Akk = tl.where(rows[:, None] > rows[None, :], b_Akk, 0.0)
-        if fb > 0:  # (Akk without beta)
-            b_Akk += tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
-        b_Akk = b_Akk * b_beta[:, None]
-    else:  # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
-        b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
-        b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
-        tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
+    # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
+    b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
+    b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
+    tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
     # Ti = (I + Akk)^-1: block-diagonal part by (I-N)(I+N^2)(I+N^4)(I+N^8) (N^16 = 0 in a
     # 16-block), then the block-lower part by (I+E)^-1 = (I-E)(I+E^2) with E = Xd Lo.
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -195,50 +152,6 @@ def _fwd_wu(
               A_log, dt_bias, H, HV, K, BT, PREC, USE_GATE)
     else:
         _wu_v(b_Ti, v, b_beta, u, tok, rmask, (i_b - K // BK) * BV + tl.arange(0, BV), i_hv, HV, V, PREC)
-
-
-@triton.jit
-def _fwd_diag_chunk(
-    g, q, k, Aqk, Ti, cu, cidx, A_log, dt_bias, dmax,
-    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-):
-    """Per (chunk, head), before `_fwd_intra`: for the K-blocks where some sub-chunk's decay range exceeds
-    dmax (the same test, on the same BK blocks, as `_fwd_intra`), the diagonal 16x16 blocks elementwise
-    (every exponent <= 0); their sum goes to the diagonal blocks of Ti (Akk, no beta) and Aqk, written
-    only when at least one K-block needed it."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    NS: tl.constexpr = BT // BC
-    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < eos - t0
-    blk = rows // BC
-    tok = t0 + rows
-    ii = tl.arange(0, BC)
-    d_kk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    d_qk = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    fb = tl.full([], 0, tl.int32)
-    for kb in range(0, K, BK):
-        ck = kb + tl.arange(0, BK)
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
-        G3 = tl.reshape(b_G, (NS, BC, BK))
-        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)
-        r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-        if tl.max(tl.max(r_first - r_last, axis=1), axis=0) > dmax:
-            o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-            b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-            b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-            dkk, dqk = _diag_fwd(tl.reshape(b_q, (NS, BC, BK)), tl.reshape(b_k, (NS, BC, BK)), G3, NS, BC)
-            d_kk += dkk
-            d_qk += dqk
-            fb = tl.maximum(fb, 1)
-    if fb > 0:
-        eye_s = (tl.arange(0, NS)[:, None] == tl.arange(0, NS)[None, :])[:, None, :, None]
-        o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-        dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
-        tl.store(Ti + o_A, tl.reshape(tl.where(eye_s, d_kk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
-        tl.store(Aqk + o_A, tl.reshape(tl.where(eye_s, d_qk[:, :, None, :], 0.0), (BT, BT)), mask=dmask)
 
 
 @triton.jit

@@ -7,58 +7,75 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Ti = (I + Akk)^-1,  w = Ti (beta k e^G),  u = Ti (beta v)
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
 Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
-<= 1) and use tensor-core dots. Diagonal blocks (CONFIG["diag"]):
-  "dot" (default): per K-block, when every sub-chunk's in-block decay range max_c (G_first - G_last) is
-    <= CONFIG["diag_max"] (60), the same dots with r = the sub-chunk's first row (forward, backward row
-    side) or last row (backward column side): one factor is then >= 1 but <= e^60, no overflow, and the
-    entries above the diagonal (bounded garbage or zero dA) are masked. K-blocks over the bound take the
-    elementwise path (every exponent <= 0) in `_fwd_diag_chunk` / `_bwd_diag_chunk`, which test the same
-    condition, skip the other blocks, and hand their sums to `_fwd_intra` / `_bwd_intra`.
-  "chunk": that elementwise path for every K-block (same compiled kernels, diag_max = -1).
-  "token": token-parallel `_fwd_diag` / `_bwd_diag` on a stored in-chunk cumsum (`_fwd_gcum`).
+<= 1) and use tensor-core dots; the diagonal blocks run token-parallel (`_fwd_diag` / `_bwd_diag`, one
+program per token and BH heads) on a stored in-chunk cumsum (`_fwd_gcum`), every exponent <= 0. (Diagonal
+blocks inside the per-chunk kernels, elementwise or by reference-row dots, were 1.9-2x / 10-14% slower on the
+H200, benchmarks/bench_kda.py.)
 
 Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
 `_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; inside `_fwd_intra` with
-CONFIG["fuse_wu"]), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
+KDALaunch.fuse_wu), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
 each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per chunk and dd),
 `_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra` (intra-chunk pair
-terms, dg = reverse cumsum). The gate (A_log, dt_bias) is fused wherever g is read.
-`benchmarks/kda_sm90_resources.py` compiles them for sm_90 without a GPU and prints registers / spills.
+terms, dg = reverse cumsum). The gate (A_log, dt_bias) is fused wherever g is read. The forward keeps the
+per-chunk states h and d for the backward (recomputing them was slower). Launch parameters: `KDALaunch`
+(the defaults, LAUNCH, are the ones measured); `python benchmarks/sm90_check.py kda` compiles every launch
+for sm_90 without a GPU and prints registers / spills.
 Sequences are always handled in varlen form (dense batches become B sequences of T).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import triton
 
-from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_diag_chunk, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_diag, _fwd_diag_chunk, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
+from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
+from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 
 BT = 64
 BC = 16
-# Launch parameters (the benchmark may override them to compare variants).
-CONFIG = dict(
-    intra_BK=32, intra_warps=8, h_BV="auto", h_warps=8, o_BV=64, o_warps=8, dh_warps=8,
-    dv_warps=8, dv_BV=16, local_BK=32, local_BK2=16, local_BV=64, local_warps=8, intra2_warps=8,
-    save_h=True,  # keep the per-chunk states h and d from forward (T/64*K*V per head) instead of recomputing
-    # diagonal 16x16 blocks: "dot" (inside the per-chunk kernels, by reference-row dots when the in-block
-    # decay range is <= diag_max, else elementwise), "chunk" (inside, always elementwise: the old path),
-    # or "token" (token-parallel kernels). H200, 2026-11-29 (RESULTS.md "## KDA", call 4): fwd+bwd of
-    # 1,16384,16,128 token 7.70 ms, dot 8.52 ms, chunk 14.3 ms; token is faster on all four bench shapes
-    diag="token", diag_max=60.0,
+
+
+@dataclasses.dataclass(frozen=True)
+class KDALaunch:
+    """Launch parameters of the KDA kernels (block sizes, warps, pipelining). Frozen: pass a changed copy
+    (`dataclasses.replace(LAUNCH, ...)`) to chunk_kda(..., launch=) to try another one."""
+
+    intra_BK: int = 32
+    intra_warps: int = 8
+    h_BV: int | str = "auto"  # V-block of the state recurrences ("auto": see _state_bv)
+    h_warps: int = 8
+    o_BV: int = 64
+    o_warps: int = 8
+    dh_warps: int = 8
+    dv_warps: int = 8
+    dv_BV: int = 16
+    local_BK: int = 32
+    local_BK2: int = 16
+    local_BV: int = 64
+    local_warps: int = 8
+    intra2_warps: int = 8
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
-    dot_prec="tf32",
+    dot_prec: str = "tf32"
     # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
     # has no spill; _bwd_dh spills more split than whole)
-    h_split=True, dh_split=False,
-    stages=3, fp32_stages=1,  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
-    fuse_wu=False, wu_warps=8, wu_BK=64, wu_BV=64,  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
-    BH=16, diag_warps=4,  # heads per program and warps of the token-parallel kernels
-)
+    h_split: bool = True
+    dh_split: bool = False
+    stages: int = 3  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
+    fp32_stages: int = 1  # float32 tiles pipelined 3 deep overflow sm_90 shared memory at K = V = 128
+    fuse_wu: bool = False  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
+    wu_warps: int = 8
+    wu_BK: int = 64
+    wu_BV: int = 64
+    BH: int = 16  # heads per program of the token-parallel diagonal kernels
+    diag_warps: int = 4
+
+
+LAUNCH = KDALaunch()
 
 
 def _prep_varlen(B, T, cu_seqlens, device):
@@ -86,35 +103,28 @@ def _prep_lens(bounds, cu, device):
     return cu, cidx, coff, len(pairs)
 
 
-def _cfg(K, V, dtype, HV=16):
+def _cfg(K, V, dtype, HV, launch: KDALaunch) -> dict:
     if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
         raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
-    c = dict(CONFIG)
-    for key in ("o_BV", "local_BV", "dv_BV"):
+    c = dataclasses.asdict(launch)
+    for key in ("o_BV", "local_BV", "dv_BV", "wu_BV"):
         c[key] = min(c[key], V)
-    c["local_BK"] = min(c["local_BK"], K)
-    c["intra_BK"] = min(c["intra_BK"], K)
-    c["wu_BK"] = min(c["wu_BK"], K)
+    for key in ("local_BK", "intra_BK", "wu_BK", "local_BK2"):
+        c[key] = min(c[key], K)
     c["KH"] = K // 2 if c["h_split"] and K > 64 else K
     c["KHB"] = K // 2 if c["dh_split"] and K > 64 else K
-    c["wu_BV"] = min(c["wu_BV"], V)
-    c["local_BK2"] = min(c["local_BK2"], K)
-    c["local_BV"] = min(c["local_BV"], V)
     c["BV"] = c["local_BV"]
     c["PREC"] = "ieee" if dtype == torch.float32 else "tf32"
     c["DPREC"] = "ieee" if dtype == torch.float32 else c["dot_prec"]
     # float32 tiles pipelined 3 deep overflow sm_90 shared memory (_bwd_dh needs 278528 B > 232448 at K=V=128)
     c["stages"] = c["fp32_stages"] if dtype == torch.float32 else c["stages"]
-    if c["diag"] not in ("dot", "chunk", "token"):
-        raise ValueError(f"CONFIG['diag'] must be 'dot', 'chunk' or 'token', got {c['diag']!r}.")
-    c["dmax"] = float(c["diag_max"]) if c["diag"] == "dot" else -1.0
     c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
     return c
 
 
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias):
+    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         dev = q.device
@@ -125,30 +135,23 @@ class ChunkKDAFunction(torch.autograd.Function):
                torch.zeros(HV * K, device=dev)) if gate else beta
         cu, cidx, coff, NC = _prep_varlen(B, T, cu_seqlens, dev)
         N = cu.numel() - 1
-        cfg = _cfg(K, V, q.dtype, HV)
+        cfg = _cfg(K, V, q.dtype, HV, launch)
         Tt = B * T
         Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
         Ti = torch.empty_like(Aqk)
         w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
         u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
         gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
-        in_kernel = cfg["diag"] != "token"
-        if not in_kernel:
-            Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-            _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-                q, k, Gc, beta, Aqk, Ti, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-            )
-            del Gc
-        else:  # diagonal blocks of the K-blocks that cannot take the dot path in _fwd_intra
-            _fwd_diag_chunk[(NC, HV)](
-                g, q, k, Aqk, Ti, cu, cidx, A32, b32, cfg["dmax"],
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
-            )
+        Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+        _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+            q, k, Gc, beta, Aqk, Ti, cu, cidx,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
+        )
+        del Gc
         _fwd_intra[(NC, HV)](
-            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32, cfg["dmax"],
+            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
             H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+            USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
         )
         if not cfg["fuse_wu"]:
             _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
@@ -162,11 +165,11 @@ class ChunkKDAFunction(torch.autograd.Function):
             qg, h, vn, Aqk, o, cu, cidx, scale,
             H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["o_warps"],
         )
-        keep = cfg["save_h"]
         ctx.save_for_backward(
             q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff,
-            h if keep else None, vn if keep else None, A32 if gate else None, b32 if gate else None,
+            h, vn, A32 if gate else None, b32 if gate else None,
         )
+        ctx.launch = launch
         ctx.dt_bias_shape = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
         ctx.A_dtype = A_log.dtype if gate else None
         ctx.meta = (B, T, H, HV, K, V, NC, N, scale)
@@ -180,13 +183,11 @@ class ChunkKDAFunction(torch.autograd.Function):
             A32 = b32 = beta
         B, T, H, HV, K, V, NC, N, scale = ctx.meta
         dev = q.device
-        cfg = _cfg(K, V, q.dtype, HV)
+        cfg = _cfg(K, V, q.dtype, HV, ctx.launch)
         Tt = B * T
         # cotangents may arrive expanded (stride 0, from `.sum()`) or strided: the kernels index them densely
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        if h is None:
-            h, vn, _ = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, False)
         dh = torch.empty_like(h)
         dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
@@ -206,8 +207,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
         db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
         db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
-        in_kernel = cfg["diag"] != "token"
-        db2 = (torch.zeros if in_kernel else torch.empty)(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
         _bwd_dv[(NC, HV)](
             v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
             HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
@@ -217,25 +217,19 @@ class ChunkKDAFunction(torch.autograd.Function):
             H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
             num_stages=cfg["stages"], num_warps=cfg["local_warps"],
         )
-        if in_kernel:  # diagonal blocks of the K-blocks that cannot take the dot path in _bwd_intra
-            _bwd_diag_chunk[(NC, HV, K // BK2)](
-                q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, cfg["dmax"],
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
-            )
-        else:
-            Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-            db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
-            _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-                q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-            )
-            del Gc
-            db0 += db3
+        Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+        db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
+        _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+            q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
+        )
+        del Gc
+        db0 += db3
         dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
         _bwd_intra[(NC, HV, K // BK2)](
-            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, cfg["dmax"],
+            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
             H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            DIAG_IN_KERNEL=in_kernel, USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
+            USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
         )
         dA_log = ddt = None
         if gate:
@@ -250,7 +244,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         shp = lambda x, n: x.view(B, T, n, -1)  # noqa: E731
         return (
             shp(dq, H).to(q.dtype), shp(dk, H).to(k.dtype), shp(dv, HV).to(v.dtype), shp(dg, HV).to(g.dtype),
-            dbeta.view(B, T, HV).to(beta.dtype), None, dh0, None, None, dA_log, ddt,
+            dbeta.view(B, T, HV).to(beta.dtype), None, dh0, None, None, dA_log, ddt, None,
         )
 
 
@@ -287,10 +281,12 @@ def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_st
 
 def chunk_kda_triton(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False,
+    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False, launch: KDALaunch = LAUNCH,
 ):
     """Triton KDA; same contract as `moeadapt.ops.kda.chunk_kda`. The gate (A_log, dt_bias) is fused
     into the kernels; L2 norm of q/k and sigmoid of beta are applied in PyTorch before them."""
+    if not isinstance(launch, KDALaunch):
+        raise TypeError(f"launch must be a KDALaunch (dataclasses.replace(LAUNCH, ...)), got {type(launch).__name__}")
     from .reference import l2norm
 
     K = q.shape[-1]
@@ -301,6 +297,7 @@ def chunk_kda_triton(
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     h0 = None if initial_state is None else initial_state.float().contiguous()  # kernels index it densely
     o, ht = ChunkKDAFunction.apply(
-        q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias if A_log is not None else None
+        q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias if A_log is not None else None,
+        launch,
     )
     return o, ht

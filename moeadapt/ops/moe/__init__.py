@@ -11,8 +11,8 @@ Backends: "reference" (plain PyTorch, autograd; the spec and the CPU path), "tri
 (triton_permute.py / triton_grouped_mm.py; on CPU only under TRITON_INTERPRET=1), "torch"
 (torch._grouped_mm for the matmuls, reference for permutation), "fused" (grouped_lora only:
 the LoRA folded into the base torch._grouped_mm through a concatenated weight buffer, fused_lora.py;
-runs on CPU too) and "auto": on CUDA the fastest measured (benchmarks/RESULTS.md "## MoE"),
-elsewhere "reference".
+runs on CPU too) and "auto": on CUDA the fastest measured on the H200 (benchmarks/bench_moe.py), elsewhere
+"reference". Which grouped-LoRA path the experts take is decided in one place, path.py `expert_lora_path`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from .path import FUSED_MIN_ROWS, LORA_BACKENDS, TRITON_LORA_MAX_ROWS, expert_lora_path
 from .reference import (
     grouped_lora_reference,
     grouped_mm_reference,
@@ -29,38 +30,22 @@ from .reference import (
     unpermute_reference,
 )
 
-__all__ = ["permute", "permutation", "unpermute", "grouped_mm", "grouped_lora", "offsets_from_counts", "swiglu",
-           "swiglu_pair"]
+__all__ = ["FUSED_MIN_ROWS", "LORA_BACKENDS", "TRITON_LORA_MAX_ROWS", "expert_lora_path", "grouped_lora",
+           "grouped_mm", "offsets_from_counts", "permutation", "permute", "swiglu", "swiglu_pair", "unpermute"]
 
 _BACKENDS = ("auto", "reference", "triton", "torch", "fused")
-FUSED_MIN_ROWS = 512  # "auto" grouped LoRA: fused base+LoRA GEMM from this many rows per expert, else Triton
-TRITON_LORA_MAX_ROWS = 1536  # "auto" grouped LoRA without the fused buffer: Triton below this many rows, else torch
-
-
-def auto_lora_backend(rows_per_expert: float, fused_buffer: bool) -> str:
-    """The backend "auto" gives grouped_lora on CUDA: "fused" when the layer owns its [W | Bᵀ] buffer
-    (GroupedLoRALinear on one device; not under FSDP, whose sharded / gathered weight is no view of it)
-    and has at least FUSED_MIN_ROWS rows per expert, else "triton" below TRITON_LORA_MAX_ROWS, else "torch".
-    The planner (plan/memory.py) models the saved set of the backend this returns."""
-    if fused_buffer and rows_per_expert >= FUSED_MIN_ROWS:
-        return "fused"
-    return "triton" if rows_per_expert < TRITON_LORA_MAX_ROWS else "torch"
-
-
 def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float = 0.0) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}")
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
-        # measured on H200, torch 2.11 / triton 3.6 (benchmarks/RESULTS.md "## MoE"): Triton for
-        # permutation and SwiGLU; torch._grouped_mm (CUTLASS) beat our Triton GEMM by 1.15-1.3x at
-        # every shape; the fused Triton LoRA won with few rows per expert (292 rows: 1.35x, 1024:
-        # 1.02x) and lost with many (2048 rows/expert: 0.84x)
+        # H200, torch 2.11 / triton 3.6: Triton for permutation and SwiGLU; torch._grouped_mm (CUTLASS) beat
+        # our Triton GEMM by 1.15-1.3x at every shape; grouped LoRA as path.py decides
         if op == "grouped_mm":
             return "torch"
         if op == "grouped_lora":
-            return auto_lora_backend(rows_per_expert, fused_buffer=False)
+            return expert_lora_path(rows_per_expert, cuda=True, fused_buffer=False)
         return "triton"
     if backend == "fused" and op != "grouped_lora":
         raise ValueError("backend='fused' exists for grouped_lora only")
@@ -230,6 +215,7 @@ def grouped_lora(
     backend: str = "auto",
     *,
     w_cat: torch.Tensor | None = None,
+    dx: str = "cat",
 ) -> torch.Tensor:
     """Per-expert LoRA: y = scaling·(x·A_e)·B_e, plus x·W_e when w_EIO is given (fused base+LoRA).
 
@@ -239,7 +225,8 @@ def grouped_lora(
         w_cat: optional persistent [E, O, I + R'] buffer (R' >= R, a multiple of 8) whose first I
             columns ARE the base weight (w_EIO == w_cat[:, :, :I].transpose(1, 2), same memory);
             the "fused" backend writes B_eᵀ into its next R columns and runs base + LoRA as one
-            grouped GEMM (fused_lora.py). "auto" picks "fused" on CUDA when it is given.
+            grouped GEMM (fused_lora.py). "auto" picks "fused" on CUDA when it is given (path.py).
+        dx: the fused backward's dy·[W | Bᵀ] GEMM, "cat" (one GEMM) or "split" (fused_lora.DX_MODES).
     Returns: y_NO [N, O]. Never forms ΔW = A·B. Backward gives dx, dA, dB (and dW only when W
     requires grad).
     """
@@ -251,20 +238,17 @@ def grouped_lora(
         raise ValueError(f"grouped_lora: w_EIO must be [E, I, O] = {(A_EIR.shape[0], A_EIR.shape[1], B_ERO.shape[2])}; "
                          f"got {tuple(w_EIO.shape)}")
     rows_per_expert = x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1)
-    # H200, 2026-11-29 (RESULTS.md "## MoE", call 3): LoRA overhead over the frozen experts block, fused
-    # (K-concat, Triton dA/dB) vs the Triton LoRA kernel: 2048 rows/expert 39% vs 67%, 1024: 38% vs 63%,
-    # 292: 34% vs 15%. Fused from FUSED_MIN_ROWS rows per expert (512: between measured points).
     if (backend == "auto" and w_cat is not None and w_EIO is not None and x_sorted_NI.is_cuda
-            and auto_lora_backend(rows_per_expert, fused_buffer=True) == "fused"):
+            and expert_lora_path(rows_per_expert, cuda=True, fused_buffer=True) == "fused"):
         backend = "fused"
-    be = _resolve(backend, x_sorted_NI.device, "grouped_lora", x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1))
+    be = _resolve(backend, x_sorted_NI.device, "grouped_lora", rows_per_expert)
     if be == "fused":
         if w_EIO is None:  # LoRA alone (the dropout path): nothing to fuse into
-            be = _resolve("auto", x_sorted_NI.device, "grouped_lora", x_sorted_NI.shape[0] / max(A_EIR.shape[0], 1))
+            be = _resolve("auto", x_sorted_NI.device, "grouped_lora", rows_per_expert)
         else:
             from .fused_lora import grouped_lora_fused
 
-            return grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=w_cat)
+            return grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=w_cat, dx=dx)
     if be == "triton":
         from .triton_grouped_mm import grouped_lora_triton
 

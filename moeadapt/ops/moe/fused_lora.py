@@ -24,11 +24,11 @@ columns are rewritten from B (E·O·R elements) at every forward and again befor
 so interleaved forwards cannot leave a stale B. When `w_EIO` is not such a view, a temporary wcat is
 built per call (a weight-sized copy held until backward): correct, but slower and heavier.
 
-Folded input passes (CONFIG["fold_io"], on): `grouped_lora_fused_gather` reads the token-major rows through
+Folded input passes: `grouped_lora_fused_gather` reads the token-major rows through
 permute's row index inside the LoRA-in pass (no permuted copy; dz comes back in token order through the combine
 kernel), `grouped_lora_fused_swiglu` forms silu(gate)·up inside it (no SwiGLU output) and fuses the SwiGLU
 backward into the dx epilogue. Both need a frozen base. Where all three expert projections carry LoRA the model
-prefers lean_lora.py (CONFIG["lean"]): the widened GEMM costs far more than its FLOPs on the H200 (a 1024-wide
+prefers lean_lora.py (ops/moe/path.py decides): the widened GEMM costs far more than its FLOPs on the H200 (a 1024-wide
 grouped GEMM made 1040 wide runs 21-33% slower), so lean keeps gate/up's GEMM at native width.
 
 Off CUDA the same structure runs with torch._grouped_mm on CPU (or the padded reference where it is
@@ -49,20 +49,19 @@ import triton.language as tl
 from .reference import _rows_to_padded, grouped_mm_reference
 from .triton_grouped_mm import _cached_tile_map, _tile_rows, grouped_wgrad
 
-# Variants measured by benchmarks/bench_moe.py; module-level so the bench can switch them.
-#   dx:    "cat"   = one GEMM against the whole wcat gives dy·Wᵀ and dy·Bᵀ together
-#          "split" = GEMM on the base columns + a thin Triton pass for dy·Bᵀ, then dx += in place
-#   wgrad: "torch" = torch._grouped_mm K-grouped (2d x 2d with offsets) for dA, dB
-#          "triton"= our grouped_wgrad kernel
-#   fold_io: True = the model / bench fold the permute gather into the gate/up LoRA-in pass and SwiGLU
-#          into the down LoRA-in pass (grouped_lora_fused_gather / grouped_lora_fused_swiglu below)
-#          where the fused GEMM runs (models/moe.py `_folds`). H200, session 3 call 3, with FOLD_TILES:
-#          layer overhead over frozen 25.9% (E=64) / 23.7% (E=256) vs 30.9% / 26.9% without
-# Session 2 call 3: Triton dA/dB ("twg") fastest at every case.
-#   lean:  True = the model runs LoRA'd SwiGLU experts through lean_lora.py (base gate/up GEMMs at native width;
-#          H200 session 3 call 9, layer overhead over frozen, medians of 5: 26.5% (E=64) / 23.8% (E=256) vs fold
-#          27.9% / 25.5%) wherever the fused GEMM would run; fold_io then applies only where lean cannot
-CONFIG = dict(dx="cat", wgrad="triton", fold_io=True, lean=True)
+# The backward's dy·[W_e | B_eᵀ] GEMM, an argument `dx` of the public functions here and in lean_lora.py:
+#   "cat"   (default) one GEMM against the whole wcat gives dy·Wᵀ and dy·Bᵀ together;
+#   "split" the GEMM on the base columns (a view of wcat) + a thin Triton pass for dy·Bᵀ.
+# On the H200 neither wins everywhere (benchmarks/bench_moe.py): cat at E = 64, split at E = 256 / 896.
+# dA / dB always run the Triton K-grouped kernel where Triton runs (faster than torch's K-grouped GEMM at every
+# measured shape); torch's grouped GEMM (or the padded reference) elsewhere.
+DX_MODES = ("cat", "split")
+
+
+def check_dx(dx: str) -> str:
+    if dx not in DX_MODES:
+        raise ValueError(f"dx={dx!r} is not one of {DX_MODES}")
+    return dx
 
 
 def _interpreting() -> bool:
@@ -167,8 +166,8 @@ def _lora_out_kernel(
     tl.store(out_ptr + r64 * s_on + cols[None, :] * s_oo, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# GPU tiles of the fold_io passes (the interpreter uses BM=16 and 32-wide blocks). H200, session 3 call 3
-# and 4 (benchmarks/tune_fold.py, E=64, N=131072 rows): the first tiles (64 x 128, 4 warps) ran the SwiGLU-
+# GPU tiles of the folded input passes (the interpreter uses BM=16 and 32-wide blocks), from an H200 tile
+# sweep (E=64, N=131072 rows): the first tiles (64 x 128, 4 warps) ran the SwiGLU-
 # backward pass at 0.93 ms and the SwiGLU LoRA-in at 0.45 ms; these take 0.44 / 0.33 ms (gather LoRA-in 0.13 ms).
 FOLD_TILES = {
     "in_gather": dict(BM=64, BK=128, num_warps=4, num_stages=3),
@@ -265,7 +264,7 @@ def kgmm(a_NI, b_NO, offsets_E, scale=1.0, out_dtype=None):
     gradients straight from it, no cast); the torch forms round to a's dtype first."""
     E = len(offsets_E)
     out_dtype = out_dtype or a_NI.dtype
-    if CONFIG["wgrad"] == "triton" and _use_triton(a_NI):
+    if _use_triton(a_NI):
         out = torch.empty(E, a_NI.shape[1], b_NO.shape[1], dtype=out_dtype, device=a_NI.device)
         return grouped_wgrad(a_NI, b_NO, offsets_E, None, alpha=scale, out_EIO=out)
     out = None
@@ -297,7 +296,7 @@ def _counts(offsets_E):
 
 class _FusedLoRAFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, wcat_EOJ):
+    def forward(ctx, x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, wcat_EOJ, dx):
         N, I = x_NI.shape
         R = A_EIR.shape[2]
         J = wcat_EOJ.shape[2]
@@ -306,7 +305,7 @@ class _FusedLoRAFn(torch.autograd.Function):
         xcat_NJ = torch.empty(N, J, dtype=x_NI.dtype, device=x_NI.device)
         lora_in(x_NI, A_EIR, offsets_E, scaling, h_NW=xcat_NJ[:, I:], xc_NI=xcat_NJ[:, :I])
         y_NO = gmm(xcat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R = scaling, I, R
+        ctx.scaling, ctx.I, ctx.R, ctx.dx = scaling, I, R, dx
         ctx.w_dtype = w_EIO.dtype
         ctx.wcat = wcat_EOJ  # not saved_tensors: its B columns are rewritten below before use
         ctx.save_for_backward(xcat_NJ, A_EIR, B_ERO, offsets_E)
@@ -315,7 +314,7 @@ class _FusedLoRAFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NO):
         xcat_NJ, A_EIR, B_ERO, offsets_E = ctx.saved_tensors
-        need_x, need_a, need_b, _, _, need_w, _ = ctx.needs_input_grad
+        need_x, need_a, need_b, _, _, need_w = ctx.needs_input_grad[:6]
         s, I, R, wcat = ctx.scaling, ctx.I, ctx.R, ctx.wcat
         dy_NO = dy_NO.contiguous().to(xcat_NJ.dtype)
         N = dy_NO.shape[0]
@@ -323,7 +322,7 @@ class _FusedLoRAFn(torch.autograd.Function):
             wcat[:, :, I:I + R].copy_(B_ERO.transpose(1, 2))
         dx = dA = dB = dW = None
         if need_x or need_a:
-            if CONFIG["dx"] == "cat":
+            if ctx.dx == "cat":
                 dxc_NJ = gmm(dy_NO, wcat, offsets_E)  # [dy·Wᵀ | dy·Bᵀ | 0]
                 g_NR = dxc_NJ[:, I:I + R]
                 if need_x:
@@ -342,7 +341,7 @@ class _FusedLoRAFn(torch.autograd.Function):
             dB = kgmm(xcat_NJ[:, I:I + R], dy_NO, offsets_E, 1.0, B_ERO.dtype)
         if need_w:
             dW = kgmm(xcat_NJ[:, :I], dy_NO, offsets_E, 1.0, ctx.w_dtype)
-        return dx, dA, dB, None, None, dW, None
+        return dx, dA, dB, None, None, dW, None, None
 
 
 def aliases_cat(w_EIO: torch.Tensor, wcat_EOJ: torch.Tensor) -> bool:
@@ -362,7 +361,9 @@ def make_cat_buffer(w_EOI: torch.Tensor, R: int) -> torch.Tensor:
     return wcat
 
 
-def grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None):
+def grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None, dx: str = "cat"):
+    """grouped_lora(..., backend="fused"): base + LoRA as one grouped GEMM over [W | Bᵀ]; `dx` as DX_MODES."""
+    check_dx(dx)
     R = A_EIR.shape[2]
     if w_cat is not None:
         if w_cat.shape[2] < w_EIO.shape[1] + R:
@@ -375,10 +376,10 @@ def grouped_lora_fused(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_c
         raise ValueError(f"grouped_lora: w_cat is {w_cat.dtype} but x is {x_sorted_NI.dtype}")
     A = A_EIR.to(x_sorted_NI.dtype)
     B = B_ERO.to(x_sorted_NI.dtype)
-    return _FusedLoRAFn.apply(x_sorted_NI, A, B, offsets_E, float(scaling), w_EIO, w_cat)
+    return _FusedLoRAFn.apply(x_sorted_NI, A, B, offsets_E, float(scaling), w_EIO, w_cat, dx)
 
 
-# ---------------------------------------------------------------- folded input passes (CONFIG["fold_io"])
+# ---------------------------------------------------------------- folded input passes
 # The LoRA-in pass has to read every input row once anyway; these variants let it read the rows from
 # where they already are instead of from a materialised copy (`_lora_in_kernel` with GATHER or SWIGLU):
 #   gather  (gate/up): x[n] = z[row_index[n] // K]  (the permute gather: z_NL is never written)
@@ -481,9 +482,9 @@ def fold_swiglu_bwd(base_NF, g_NR, a_EFR, offsets_E, scale, gate_NF, up_NF, dgat
     )
 
 
-def _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_x):
-    """(dy·W_eᵀ or None, dy·B_eᵀ [N, R]) by CONFIG["dx"]: one GEMM on [W | Bᵀ], or base GEMM + thin pass."""
-    if CONFIG["dx"] == "cat":
+def _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_x, dx):
+    """(dy·W_eᵀ or None, dy·B_eᵀ [N, R]) by `dx`: one GEMM on [W | Bᵀ] ("cat"), or base GEMM + thin pass."""
+    if dx == "cat":
         dxc_NJ = gmm(dy_NO, wcat, offsets_E)
         return dxc_NJ[:, :I], dxc_NJ[:, I:I + R]
     g_NW = torch.empty(dy_NO.shape[0], padded_rank(R), dtype=dy_NO.dtype, device=dy_NO.device)
@@ -502,7 +503,7 @@ class _FoldGatherFn(torch.autograd.Function):
     """y = [z[row_index // K] | s·z[row_index // K]·A_e] · wcat_eᵀ; dz in token order."""
 
     @staticmethod
-    def forward(ctx, z_TI, A_EIR, B_ERO, row_index_N, offsets_E, K, scaling, wcat_EOJ):
+    def forward(ctx, z_TI, A_EIR, B_ERO, row_index_N, offsets_E, K, scaling, wcat_EOJ, dx):
         T, I = z_TI.shape
         N, R, J = row_index_N.shape[0], A_EIR.shape[2], wcat_EOJ.shape[2]
         with torch.no_grad():
@@ -510,7 +511,7 @@ class _FoldGatherFn(torch.autograd.Function):
         xcat_NJ = torch.empty(N, J, dtype=z_TI.dtype, device=z_TI.device)
         fold_in(z_TI, A_EIR, offsets_E, scaling, xcat_NJ, row_index_N=row_index_N, K=K)
         y_NO = gmm(xcat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R, ctx.K, ctx.T = scaling, I, R, K, T
+        ctx.scaling, ctx.I, ctx.R, ctx.K, ctx.T, ctx.dx = scaling, I, R, K, T, dx
         ctx.wcat = wcat_EOJ
         ctx.save_for_backward(xcat_NJ, A_EIR, B_ERO, row_index_N, offsets_E)
         return y_NO
@@ -526,13 +527,13 @@ class _FoldGatherFn(torch.autograd.Function):
             wcat[:, :, I:I + R].copy_(B_ERO.transpose(1, 2))
         dz = g_NR = None
         if need_z or need_a:
-            base_NI, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_z)
+            base_NI, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, I, R, need_z, ctx.dx)
             if need_z:
                 dx_NI = lora_out(base_NI, g_NR, A_EIR.transpose(1, 2), offsets_E, s,
                                  torch.empty(N, I, dtype=xcat_NJ.dtype, device=dy_NO.device))
                 dz = _combine_copies(dx_NI, row_index_N, ctx.K, ctx.T)
         dA, dB = _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_EIR.dtype, B_ERO.dtype)
-        return dz, dA, dB, None, None, None, None, None
+        return dz, dA, dB, None, None, None, None, None, None
 
 
 def _combine_copies(dx_NI, row_index_N, K, T):
@@ -549,7 +550,7 @@ class _FoldSwiGLUFn(torch.autograd.Function):
     """y = [h | s·h·A_e] · wcat_eᵀ with h = silu(gate)·up; packed: gate, up = gate_up[:, :F], [:, F:]."""
 
     @staticmethod
-    def forward(ctx, gate, up, A_EIR, B_ERO, offsets_E, scaling, wcat_EOJ):
+    def forward(ctx, gate, up, A_EIR, B_ERO, offsets_E, scaling, wcat_EOJ, dx):
         packed = up is None
         if packed:
             F = gate.shape[1] // 2
@@ -563,7 +564,7 @@ class _FoldSwiGLUFn(torch.autograd.Function):
         xcat_NJ = torch.empty(N, J, dtype=gate.dtype, device=gate.device)
         fold_in(gate_NF, A_EIR, offsets_E, scaling, xcat_NJ, up_NI=up_NF)
         y_NO = gmm(xcat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R, ctx.packed = scaling, F, R, packed
+        ctx.scaling, ctx.I, ctx.R, ctx.packed, ctx.dx = scaling, F, R, packed, dx
         ctx.wcat = wcat_EOJ
         ctx.save_for_backward(xcat_NJ, A_EIR, B_ERO, offsets_E, gate, up)
         return y_NO
@@ -579,7 +580,7 @@ class _FoldSwiGLUFn(torch.autograd.Function):
         need_x = need_g or need_u
         dg = du = g_NR = None
         if need_x or need_a:
-            base_NF, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, F, R, need_x)
+            base_NF, g_NR = _dx_parts(dy_NO, wcat, B_ERO, offsets_E, F, R, need_x, ctx.dx)
             if need_x:
                 if ctx.packed:
                     dg = torch.empty_like(gate)
@@ -589,7 +590,7 @@ class _FoldSwiGLUFn(torch.autograd.Function):
                     gate_NF, up_NF, dgate, dup = gate, up, dg, du
                 fold_swiglu_bwd(base_NF, g_NR, A_EIR, offsets_E, s, gate_NF, up_NF, dgate, dup)
         dA, dB = _lora_wgrads(ctx, xcat_NJ, g_NR, dy_NO, offsets_E, need_a, need_b, A_EIR.dtype, B_ERO.dtype)
-        return dg, du, dA, dB, None, None, None
+        return dg, du, dA, dB, None, None, None, None
 
 
 def _fold_cat(w_EIO, w_cat, R, dtype):
@@ -605,26 +606,29 @@ def _fold_cat(w_EIO, w_cat, R, dtype):
     return w_cat
 
 
-def grouped_lora_fused_gather(z_TI, row_index_N, K, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None):
+def grouped_lora_fused_gather(z_TI, row_index_N, K, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None,
+                              dx: str = "cat"):
     """grouped_lora_fused(z[row_index // K], ...) without materialising the permuted rows.
 
     z_TI: [T, I] token-major input; row_index_N, K: permute's flat choice index of each sorted row and
     the top-k. Returns y_NO (sorted rows); the gradient of z comes back in token order (Σ over copies).
-    The base weight is frozen here (no dW)."""
+    The base weight is frozen here (no dW); `dx` as DX_MODES."""
+    check_dx(dx)
     if w_EIO.requires_grad:
         raise ValueError("grouped_lora_fused_gather: the base weight must be frozen")
     if z_TI.shape[1] != w_EIO.shape[1]:
         raise ValueError(f"grouped_lora_fused_gather: z {tuple(z_TI.shape)} vs w_EIO {tuple(w_EIO.shape)}")
     w_cat = _fold_cat(w_EIO, w_cat, A_EIR.shape[2], z_TI.dtype)
     A, B = A_EIR.to(z_TI.dtype), B_ERO.to(z_TI.dtype)
-    return _FoldGatherFn.apply(z_TI, A, B, row_index_N, offsets_E, int(K), float(scaling), w_cat)
+    return _FoldGatherFn.apply(z_TI, A, B, row_index_N, offsets_E, int(K), float(scaling), w_cat, dx)
 
 
-def grouped_lora_fused_swiglu(gate, up, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None):
+def grouped_lora_fused_swiglu(gate, up, A_EIR, B_ERO, offsets_E, scaling, w_EIO, w_cat=None, dx: str = "cat"):
     """grouped_lora_fused(silu(gate)·up, ...) without materialising the SwiGLU product.
 
     gate, up: [N, F] each, or up=None and gate = gate_up [N, 2F] (gate first); its gradient then comes
-    back as one [N, 2F] tensor. The base weight is frozen here (no dW)."""
+    back as one [N, 2F] tensor. The base weight is frozen here (no dW); `dx` as DX_MODES."""
+    check_dx(dx)
     if w_EIO.requires_grad:
         raise ValueError("grouped_lora_fused_swiglu: the base weight must be frozen")
     F = gate.shape[1] // 2 if up is None else gate.shape[1]
@@ -633,4 +637,4 @@ def grouped_lora_fused_swiglu(gate, up, A_EIR, B_ERO, offsets_E, scaling, w_EIO,
                          f"{None if up is None else tuple(up.shape)} vs w_EIO {tuple(w_EIO.shape)}")
     w_cat = _fold_cat(w_EIO, w_cat, A_EIR.shape[2], gate.dtype)
     A, B = A_EIR.to(gate.dtype), B_ERO.to(gate.dtype)
-    return _FoldSwiGLUFn.apply(gate, up, A, B, offsets_E, float(scaling), w_cat)
+    return _FoldSwiGLUFn.apply(gate, up, A, B, offsets_E, float(scaling), w_cat, dx)

@@ -2,7 +2,7 @@
 
 Why: `fused_lora` folds the rank-R term into the base GEMM by widening it ([x | s·x·A] · [W | Bᵀ]ᵀ).
 On the H200 that widening costs far more than its FLOPs: a 1024-wide grouped GEMM made 1040 wide runs
-21-33% slower (RESULTS.md, MoE, session 3). Here the base GEMMs of the gate/up projection run unwidened
+21-33% slower (benchmarks/bench_moe.py). Here the base GEMMs of the gate/up projection run unwidened
 and the rank-R terms go into the memory-bound passes that touch those rows anyway:
 
   forward   gather pass:  x = z[row_index // K] (permuted rows), h = s·x·A_e          (one read of z)
@@ -39,6 +39,7 @@ from .fused_lora import (
     _interpreting,
     _lora_in_kernel,
     _use_triton,
+    check_dx,
     gmm,
     kgmm,
     lora_out,
@@ -47,9 +48,9 @@ from .fused_lora import (
 from .reference import _rows_to_padded, grouped_mm_reference
 from .triton_grouped_mm import _cached_tile_map, _tile_rows
 
-LEAN_TILES = {  # GPU tiles (the interpreter uses BM = 16, 32-wide column blocks); benchmarks/tune_fold.py --lean
+LEAN_TILES = {  # GPU tiles from an H200 tile sweep at E = 64 (the interpreter uses BM = 16, 32-wide column blocks)
     "swiglu_in": dict(BM=64, BK=32, num_warps=4, num_stages=3),
-    "swiglu_bwd": dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1),  # H200 call 7: 0.60 ms at E = 64
+    "swiglu_bwd": dict(BM=32, BN=64, num_warps=2, num_stages=2, SPLIT=1),  # H200: 0.60 ms at E = 64
 }
 
 
@@ -363,7 +364,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
     The adapters come in their own dtype (fp32): cast here, gradients returned in it (no autograd casts)."""
 
     @staticmethod
-    def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R):
+    def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx):
         ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
         Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
         packed = u is None
@@ -377,7 +378,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         acat_NJ = torch.empty(N, J, dtype=g.dtype, device=g.device)
         swiglu_lora_in(g_NF, u_NF, hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d, acat_NJ[:, :F], acat_NJ[:, F:])
         y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed = scaling_d, F, RD, R, shared, packed
+        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed, ctx.dx = scaling_d, F, RD, R, shared, packed, dx
         ctx.wcat = wcat_EOJ
         ctx.save_for_backward(acat_NJ, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
         return y_NO
@@ -389,7 +390,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
         with torch.no_grad():
             wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
-        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True)
+        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True, ctx.dx)
         if ctx.packed:
             dg = torch.empty_like(g)
             du = None
@@ -406,11 +407,11 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dBu = kgmm(hu.contiguous(), du_NF, offsets_E, 1.0, tu)
         dAd = kgmm(acat_NJ[:, :F], gd_NR, offsets_E, s_d, ta)
         dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, 1.0, tb)
-        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None
+        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None
 
 
 def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
-                      scaling_d, wcat_d=None):
+                      scaling_d, wcat_d=None, dx: str = "cat"):
     """The LoRA'd SwiGLU experts over permute's rows, base GEMMs of gate/up at native width.
 
     z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI the frozen gate/up
@@ -418,7 +419,8 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     B_gu [E, R, 2F] (one LoRA on the packed projection), or A_EIR [E, I, 2R] = [A_gate | A_up] with
     B_gu = (B_gate, B_up) each [E, R, F] (two LoRAs with the same scaling); w_d_EIO [E, F, L] frozen down weight
     (a view of wcat_d [E, L, F + RW] when given) with A_d [E, F, R_d], B_d [E, R_d, L].
-    Returns y_NL (sorted rows, unweighted)."""
+    dx: the down projection's backward GEMM, as fused_lora.DX_MODES. Returns y_NL (sorted rows, unweighted)."""
+    check_dx(dx)
     pair = isinstance(w_gu_EOI, (tuple, list))
     w_a, w_b = (w_gu_EOI[0], w_gu_EOI[1]) if pair else (w_gu_EOI, None)
     if w_a.requires_grad or (w_b is not None and w_b.requires_grad) or w_d_EIO.requires_grad:
@@ -437,4 +439,4 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
     return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
-                               float(scaling_d), wcat_d, shared, R)
+                               float(scaling_d), wcat_d, shared, R, dx)

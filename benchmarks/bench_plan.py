@@ -1,23 +1,40 @@
-"""Which storages are live at the peak of a CPU training step (and at the end of forward), by creating op,
-shape and module / op scope, next to the planner's per-layer prediction. The tool behind the planner's
-activation model (benchmarks/RESULTS.md "Planner").
+"""The planner against measurements, two modes.
 
-    python benchmarks/plan_live_tensors.py tiny|micro|gqa SEQ MB none|selective|full LORA_RANK [-v]
-        [--kernel[=fused|triton|torch]] [-f PREFIX]
+Accuracy on one GPU (the default): predicted vs measured peak memory of training steps of the `small` preset.
+    python benchmarks/bench_plan.py [--preset small] [--json out.json] [--lora-only]
+For each (seq_len, micro_batch, recompute, lora) setting it builds a fresh model (fp32 master weights, BF16
+autocast, Triton kernels; LoRA: frozen BF16 base + fp32 adapters, as the trainer does), runs two AdamW steps and
+reads `torch.cuda.max_memory_allocated` over the second (the optimizer state exists by then), and prints it next
+to `moeadapt.plan.accuracy.predict_step` (single GPU: no FSDP / EP buffers, no allocator reserve). The step runs
+as the trainer's does: autocast around the forward only, `return_logits=False`. Target: |error| <= 10%. Each
+setting runs in a child process so one OOM does not end the sweep.
 
+Live storages on CPU (`live`): which storages are live at the peak of a CPU training step (and at the end of
+forward), by creating op, shape and module / op scope, next to the planner's per-layer prediction.
+    python benchmarks/bench_plan.py live tiny|micro|gqa SEQ MB none|selective|full LORA_RANK [-v]
+        [--kernel[=lean|fused|triton|torch]] [-f PREFIX]
 Runs the step twice: the first finds the peak, the second snapshots the live set when it is reached. -v lists
 the peak's tensors per module; -f PREFIX lists the end-of-forward tensors of modules starting with PREFIX.
 --kernel: the GPU op path on CPU (TRITON_INTERPRET=1 is set; measure_step backend="kernel"), optionally forcing
 the grouped LoRA backend; the prediction then uses the planner's kernel path in fp32.
 """
 
+from __future__ import annotations
+
+import argparse
 import collections
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-KERNEL = next((a for a in sys.argv if a.startswith("--kernel")), None)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+LIVE = sys.argv[1:2] == ["live"]
+if LIVE:
+    del sys.argv[1]
+KERNEL = next((a for a in sys.argv if a.startswith("--kernel")), None) if LIVE else None
 if KERNEL:  # before any Triton kernel is defined (triton.jit reads TRITON_INTERPRET then)
     os.environ["TRITON_INTERPRET"] = "1"
     sys.argv.remove(KERNEL)
@@ -28,6 +45,76 @@ from moeadapt.config import LoRASpec, get_preset  # noqa: E402
 from moeadapt.plan import accuracy as A  # noqa: E402
 from moeadapt.plan.accuracy import predict_step  # noqa: E402
 
+SETTINGS = [  # seq_len, micro_batch, recompute, lora rank (0 = full training)
+    (2048, 1, "none", 0),
+    (4096, 1, "selective", 0),
+    (4096, 2, "full", 0),
+    (4096, 1, "none", 16),
+    (2048, 4, "selective", 16),
+    (8192, 1, "full", 16),
+]
+
+
+def one(preset: str, seq: int, mb: int, rc: str, rank: int, device: str = "cuda") -> dict:
+    import torch
+
+    from moeadapt.config import LoRASpec, get_preset
+    from moeadapt.plan.accuracy import measure_step, predict_step
+
+    spec = get_preset(preset)
+    lora = LoRASpec(rank=rank) if rank else None
+    pred = predict_step(spec, seq, mb, rc, lora, device=device)
+    try:
+        meas = measure_step(spec, seq, mb, rc, lora, device=device)["peak"]
+    except torch.OutOfMemoryError:
+        meas = float("nan")
+    return {"seq_len": seq, "micro_batch": mb, "recompute": rc, "lora_rank": rank, "measured_GiB": meas / 2**30,
+            "predicted_GiB": pred["total"] / 2**30, "error_pct": 100 * (pred["total"] / meas - 1),
+            "predicted_peak_phase": pred["peak_phase"],
+            "predicted_terms_GiB": {k: v / 2**30 for k, v in pred.items()
+                                    if k not in ("total", "params_total", "params_trainable", "tokens_per_gpu", "peak_phase")}}
+
+
+def accuracy_main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (use --preset tiny)")
+    ap.add_argument("--scale", type=int, default=1, help="divide sequence lengths by this (dry runs)")
+    ap.add_argument("--one", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lora-only", action="store_true", help="only the LoRA settings (the rows still owed a GPU check)")
+    a = ap.parse_args()
+    if a.one:
+        seq, mb, rc, rank = a.one
+        print(json.dumps(one(a.preset, int(seq), int(mb), rc, int(rank), a.device)))
+        return
+    import torch
+
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}, preset {a.preset}")
+    print(f"{'seq':>6} {'mb':>3} {'recompute':>10} {'lora':>5} {'measured GiB':>13} {'predicted GiB':>14} {'error':>8}")
+    rows = []
+    for seq, mb, rc, rank in SETTINGS:
+        if a.lora_only and not rank:
+            continue
+        seq //= a.scale
+        p = subprocess.run([sys.executable, __file__, "--preset", a.preset, "--device", a.device, "--one", str(seq),
+                            str(mb), rc, str(rank)], capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"{seq:>6} {mb:>3} {rc:>10} {rank:>5}  failed: {p.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        rows.append(r)
+        print(f"{seq:>6} {mb:>3} {rc:>10} {rank:>5} {r['measured_GiB']:>13.2f} {r['predicted_GiB']:>14.2f} "
+              f"{r['error_pct']:>+7.1f}%")
+    errs = [abs(r["error_pct"]) for r in rows if r["error_pct"] == r["error_pct"]]
+    if errs:
+        print(f"max |error| {max(errs):.1f}% (target 10%)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+
+
+# ---------------------------------------------------------------- live storages (mode `live`)
 STACK = ["-"]
 
 
@@ -59,18 +146,20 @@ def _scope(mod, name):
     setattr(mod, name, w)
 
 
-import moeadapt.lora.layers as _L  # noqa: E402
-import moeadapt.models.dsa_attn as _D  # noqa: E402
-import moeadapt.models.kda_attn as _K  # noqa: E402
-import moeadapt.models.moe as _M  # noqa: E402
+def _install_scopes() -> None:
+    """Tag every storage with the op function of ours it was created under (the live mode only)."""
+    import moeadapt.lora.layers as _L
+    import moeadapt.models.dsa_attn as _D
+    import moeadapt.models.kda_attn as _K
+    import moeadapt.models.moe as _M
 
-for _n in ("chunk_kda",):
-    _scope(_K, _n)
-for _n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_rope"):
-    _scope(_D, _n)
-for _n in ("permute", "unpermute", "grouped_mm"):
-    _scope(_M, _n)
-_scope(_L, "grouped_lora")
+    for n in ("chunk_kda",):
+        _scope(_K, n)
+    for n in ("sparse_attention", "indexer_kl_loss", "lightning_indexer", "apply_rope"):
+        _scope(_D, n)
+    for n in ("permute", "unpermute", "grouped_mm"):
+        _scope(_M, n)
+    _scope(_L, "grouped_lora")
 
 
 def run(spec, seq, mb, rc, rank, targets=None):
@@ -192,16 +281,20 @@ def run(spec, seq, mb, rc, rank, targets=None):
                 print(f"       {b / 1e3:9.1f} kB  {ph} {op} {shape}")
 
 
-if __name__ == "__main__":
+def live_main() -> None:
+    _install_scopes()
     name, seq, mb, rc, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
     targets = None
     if name == "gqa":  # the test's gqa model and its LoRA targets (q/k/v/o + experts)
         sys.path.insert(0, "tests/plan")
         from test_accuracy import GQA as spec
-        from test_accuracy import GQA_LORA as targets
+        from test_accuracy import GQA_LORA as targets  # noqa: F811
     elif name == "micro":
         sys.path.insert(0, "tests/plan")
         from test_accuracy import SPEC as spec
     else:
         spec = get_preset(name)
     run(spec, seq, mb, rc, rank, targets)
+
+if __name__ == "__main__":
+    live_main() if LIVE else accuracy_main()
