@@ -56,7 +56,8 @@ def _log(*a) -> None:
 
 def bench_train(args, device: torch.device) -> list[dict]:
     world = dist.get_world_size()
-    spec = get_preset("small", **({"n_layers": args.layers} if args.layers else {}))
+    over = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.override)}
+    spec = get_preset(args.preset, **({"n_layers": args.layers} if args.layers else {}), **over)
     counts = count_parameters(build_model(spec, "meta"), spec)
     flops_per_token = 6 * (counts["active_per_token"] - counts["by_component"].get("embeddings", 0))
     base = ParallelSpec(dp_shard=world, ep=args.ep, a2a_chunks=args.a2a_chunks)
@@ -105,7 +106,7 @@ def bench_train(args, device: torch.device) -> list[dict]:
         _log(json.dumps(row))
         rows.append(row)
         del model, opt, params, out
-    _log(f"\nsmall preset: {counts['total'] / 1e9:.2f}B params, {counts['active_per_token'] / 1e9:.2f}B active; "
+    _log(f"\n{args.preset} preset{' ' + ' '.join(args.override) if args.override else ''}: {counts['total'] / 1e9:.2f}B params, {counts['active_per_token'] / 1e9:.2f}B active; "
          f"FSDP world {world}, ep {args.ep}, seq {args.seq_len} x micro-batch {args.micro_batch} per rank, bf16 mixed "
          f"precision on GPU (fp32 on CPU), {args.steps} timed steps (median)\n")
     _log("| activation ckpt | router GEMM | tokens/s (all ranks) | MFU | peak memory (GiB, max rank) | step (s) |")
@@ -201,6 +202,9 @@ def main() -> None:
     p.add_argument("--ac", default="none,selective", help="comma list of none | selective | full")
     p.add_argument("--router-matmul", default=None, help="comma list of ModelSpec.router_matmul modes to compare "
                    "(default: the preset's)")
+    p.add_argument("--preset", default="small", help="model preset (tiny: quick checks on CPU)")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=JSON",
+                   help="ModelSpec field override, e.g. n_routed_experts=256 (repeat for several)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--a2a-chunks", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096)
