@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True)
     s.add_argument("--adapter", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--format", choices=("moeadapt", "hf"), default="moeadapt", help="hf: the base Hugging Face "
+                   "checkpoint's own names, config and safetensors (loadable by transformers)")
     s.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file written")
     s = sub.add_parser("info", help="parameter counts of a preset or model directory (meta device)")
     s.add_argument("--model", required=True)
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-adapter":
             console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
         elif args.cmd == "merge-adapter":
-            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out, args.max_shard_gb)}")
+            out = api.merge_adapter(args.model, args.adapter, args.out, args.format, args.max_shard_gb)
+            console.print(f"merged model written to {out}")
         elif args.cmd == "info":
             c = api.info(args.model)
             print(json.dumps(c, indent=2)) if args.json else _print_info(c)
