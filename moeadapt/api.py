@@ -261,17 +261,20 @@ def _check_out_dir(out: str | Path, what: str) -> None:
 def merge_adapter(model: str | Path, adapter: str | Path, out: str | Path, format: str = "moeadapt",
                   max_shard_gb: float = 5.0) -> Path:
     """Fold a PEFT adapter into the base weights and write a model directory: moeadapt's own format, or with
-    format="hf" the base Hugging Face checkpoint's own names, config and safetensors (transformers loads it).
-    A model directory in our format is merged streaming, block by block into sharded safetensors
+    format="hf" the base Hugging Face checkpoint's own names, config and row order (transformers loads it).
+    A model directory is merged streaming, block by block into sharded safetensors of <= max_shard_gb
     (moeadapt/merge.py: no process holds the model; under torchrun the ranks share the tensors); a preset
     (random weights) in memory."""
     if format not in ("moeadapt", "hf"):
         raise ConfigError(f"format={format!r}; choose 'moeadapt' or 'hf'")
     _check_out_dir(out, "merge-adapter --out")
-    if format == "moeadapt" and Path(str(model)).is_dir():
+    if Path(str(model)).is_dir():
         from .merge import merge_adapter_streaming
 
-        return merge_adapter_streaming(model, adapter, out, max_shard_bytes=int(max_shard_gb * 1e9))
+        return merge_adapter_streaming(model, adapter, out, layout="hf" if format == "hf" else "ours",
+                                       max_shard_bytes=int(max_shard_gb * 1e9))
+    if format == "hf":
+        raise ConfigError(f"format='hf' needs a Hugging Face model directory; {model!r} is a preset")
     m = load_model_dir(model, adapter)
     merge_lora(m)
     if format == "hf":

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "export-adapter":
             console.print(f"adapter written to {api.export_adapter(args.run_dir, args.out)}")
         elif args.cmd == "merge-adapter":
-            console.print(f"merged model written to {api.merge_adapter(args.model, args.adapter, args.out, args.format, args.max_shard_gb)}")
+            out = api.merge_adapter(args.model, args.adapter, args.out, args.format, args.max_shard_gb)
+            console.print(f"merged model written to {out}")
         elif args.cmd == "info":
             c = api.info(args.model)
             print(json.dumps(c, indent=2)) if args.json else _print_info(c)

@@ -60,8 +60,17 @@ def test_streaming_merge_matches_merge_lora(family, tmp_path, seed):
     assert (base - ref).abs().max() > 1e-3  # the adapter changed the model (the check above is not vacuous)
 
 
-def test_merge_rejects_an_unknown_layout(tmp_path):
+def test_merge_cli_and_bad_layout(tmp_path):
+    import json
+
+    from moeadapt.cli import main
+
     ckpt = save_tiny("qwen3_moe", tmp_path / "q")
     _adapted(ckpt, tmp_path / "adapter", 0)
+    assert main(["merge-adapter", "--model", str(ckpt), "--adapter", str(tmp_path / "adapter"), "--out",
+                 str(tmp_path / "hf"), "--format", "hf", "--max-shard-gb", "3e-5"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in index["weight_map"]  # the checkpoint's names
+    assert len(set(index["weight_map"].values())) > 2
     with pytest.raises(ValueError, match="layout='gguf'; use 'ours'"):
         merge_adapter_streaming(ckpt, tmp_path / "adapter", tmp_path / "o", layout="gguf")

@@ -115,7 +115,7 @@ class StreamingLoader:
         self.src_dtypes: dict[str, str] = {}  # checkpoint tensor -> safetensors dtype ("BF16", "F8_E4M3", ...)
         self.bytes_read = 0  # bytes of checkpoint data read by `read_slice` (scales included)
         self._by_ours = {r.ours: r for r in rules}
-        self._open = _OpenShard(self.path, 256 * 2**20)
+        self._open = _OpenShard(self.path, 64 * 2**20)
 
     # -- checks ----------------------------------------------------------------------------------------
     def _sources(self, r: Rule) -> list[str]:

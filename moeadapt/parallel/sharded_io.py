@@ -91,7 +91,8 @@ def model_regions(model: nn.Module, dims: ParallelDims | None = None,
 def _agree(err: BaseException | None, what: str) -> None:
     """Every rank raises if any rank failed (so none goes on into a collective the others never reach)."""
     if dist.is_initialized():
-        ok = torch.tensor([0.0 if err else 1.0])
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        ok = torch.tensor([0.0 if err else 1.0], device=dev)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if err is None and ok.item() == 0:
             raise RuntimeError(f"another rank failed {what}; its error is in its log")
