@@ -278,12 +278,15 @@ def _qwen3_next(r: _Reader, fam: Family) -> dict:
     ("gqa"), a softmax-routed MoE with a sigmoid-gated shared expert. Its RMSNorms (all but the DeltaNet output
     norm) scale by 1 + weight: the name map adds the 1 (names.py)."""
     kw = _qwen3_moe(r, fam)
-    types = r.need("layer_types")
+    every = int(r.get("full_attention_interval", default=4))  # older config.json files: no layer_types
+    types = r.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                     for i in range(kw["n_layers"])]
     bad = sorted(set(types) - {"linear_attention", "full_attention"})
     if bad:
         r.unsupported.append(f"layer_types {bad} (linear_attention or full_attention)")
     params = r.get("rope_parameters") or {}
-    factor = float(params.get("partial_rotary_factor", r.get("partial_rotary_factor", default=1.0)))
+    # transformers' default for configs that do not say: a quarter of the head dim rotates
+    factor = float(params.get("partial_rotary_factor", r.get("partial_rotary_factor", default=0.25)))
     hd = kw["gqa_head_dim"]
     kw.update(
         layer_types=["gdn" if t == "linear_attention" else "gqa" for t in types],

@@ -92,3 +92,13 @@ def test_index_shared_layers_are_checked():
         ModelSpec(**base, index_shared_layers=[2])
     with pytest.raises(ValueError, match="layer 1, the first DSA layer"):
         ModelSpec(**base, index_shared_layers=[1])
+
+
+def test_qwen3_next_older_config_layout():
+    """config.json files written before layer_types existed: full_attention_interval, partial RoPE by default."""
+    cfg = transformers.Qwen3NextConfig(num_hidden_layers=8).to_dict()
+    cfg.pop("layer_types")
+    cfg["full_attention_interval"] = 4
+    cfg["rope_parameters"].pop("partial_rotary_factor")
+    s = read_family(cfg).spec
+    assert s.resolved_layer_types() == (["gdn"] * 3 + ["gqa"]) * 2 and s.gqa_rope_dim == s.gqa_head_dim // 4

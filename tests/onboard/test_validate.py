@@ -59,11 +59,14 @@ def test_broken_model_fails_naming_the_layer(model_type, tamper, layer, tmp_path
     assert all(dh / max(1, h) <= TOL for dh, h in v["per_layer"][:layer])  # the layers before it still agree
 
 
-def test_rope_row_map_is_what_makes_deepseek_match(monkeypatch, tmp_path):
+def test_rope_row_map_is_what_makes_deepseek_match(monkeypatch, tmp_path, capsys):
     d = random_checkpoint("deepseek_v3", tmp_path / "ckpt", fresh_seed())
     monkeypatch.setattr(names_mod, "_rope_rows", lambda heads, head, nope, rope: torch.arange(heads * head))
     v = validate_checkpoint(d, read_family_dir(d))
     assert not v["passed"] and v["first_bad_layer"] == 0
+    assert main(["onboard", str(d), "--validate"]) == 2  # the CLI: FAIL, one message naming the layer, exit 2
+    out = capsys.readouterr()
+    assert "FAIL" in out.out and "validation failed" in out.err and "layer 0 (dsa) is the first to diverge" in out.err
 
 
 def test_first_layers_only_and_cli(tmp_path, capsys):
