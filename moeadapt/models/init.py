@@ -11,7 +11,8 @@ not depend on how the tensor is cut and no process draws more than one block bey
 tensor [E, out, in] is one block per expert (or per a few experts when an expert is small).
 Must not know about ranks or meshes (parallel/ passes the slices).
 
-Rules (the model's init, as HybridMoEModel.init_weights documents it): linear / grouped-expert / embedding /
+Rules (the distributions of HybridMoEModel.init_weights, which `materialize` still uses for unsharded
+utility models; the trainer's build uses these, so its values differ from materialize's for the same seed): linear / grouped-expert / embedding /
 router weights normal(0, initializer_range), output projections (o_proj, wo, w2) scaled by 1/sqrt(2 L); norms
 ones (LayerNorm bias zeros); causal convolutions uniform(±kernel^-0.5); KDA A_log = log U(1, 16) and dt_bias
 the inverse softplus of exp(U(log 1e-3, log 1e-1)); router buffers zeros. A module may declare its own rules

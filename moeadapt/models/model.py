@@ -23,9 +23,8 @@ from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
 from .gdn_attn import GatedDeltaNet
 from .gqa_attn import GQAAttention
-from .init import init_fill
 from .kda_attn import KDAAttention
-from .moe import LatentMoE
+from .moe import GroupedLinear, LatentMoE
 from .router import Router
 from .vision import ImageBatch, VisionModel
 
@@ -98,14 +97,27 @@ class HybridMoEModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter and buffer in place (models/init.py's rules, drawn per row block: the
-        values a sharded build gives at any world size). seed None: drawn from the global torch RNG."""
-        if seed is None:
-            seed = int(torch.randint(2**62, ()))
-        dev = next(self.parameters()).device
-        fill = init_fill(self, seed, dev)
-        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            t.copy_(fill(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape)))
+        """Per-module init of an unsharded model (`materialize`: tools and tests). The trainer's scale-true build
+        draws from models/init.py instead (same rules, per row block, so any world size gives the same values)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.spec.initializer_range
+        if self.vision is not None:
+            self.vision.init_weights(std)
+        for name, m in self.named_modules():
+            if name.startswith("vision."):
+                continue
+            if isinstance(m, nn.Linear):
+                s = std / (2 * self.spec.n_layers) ** 0.5 if name.endswith(("o_proj", "wo", "w2")) else std
+                nn.init.normal_(m.weight, std=s)
+            elif isinstance(m, GroupedLinear):
+                nn.init.normal_(m.weight, std=std / (2 * self.spec.n_layers) ** 0.5 if name.endswith("w2") else std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
+            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, GatedDeltaNet, Router)):
+                m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 return_logits: bool = True, micro_batches: int = 1, images: ImageBatch | None = None) -> ModelOutput:
@@ -194,12 +206,12 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridM
 
 def materialize(model: HybridMoEModel, device: str | torch.device = "cpu", seed: int | None = 0,
                 dtype: torch.dtype = torch.float32) -> HybridMoEModel:
-    """Allocate a meta-built model on `device` in `dtype` (router buffers fp32) and initialise it."""
-    model.to(dtype)  # on meta: changes dtypes, allocates nothing
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.expert_bias = m.expert_bias.float()
-            m.tokens_per_expert = m.tokens_per_expert.float()
+    """Allocate a meta-built model on `device` and initialise it."""
     model.to_empty(device=device)
+    model.to(dtype)
+    for m in model.modules():  # buffers are not parameters: re-create them
+        if isinstance(m, Router):
+            m.expert_bias = torch.zeros_like(m.expert_bias, dtype=torch.float32)
+            m.tokens_per_expert = torch.zeros_like(m.tokens_per_expert, dtype=torch.float32)
     model.init_weights(seed)
     return model
