@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd in ("plan", "simulate-routing"):
             _run_plan_command(args)
     except KeyboardInterrupt as e:
-        print(f"interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        print(str(e) or "interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - user errors become one line; anything else is re-raised
         msg = user_error(e)

@@ -259,6 +259,7 @@ def test_dataset_without_targets_is_an_error_naming_the_file(tmp_path):
 
 
 # ---------------------------------------------------------------- item 8: single-process parallel settings
+@pytest.mark.slow  # two short runs
 def test_activation_checkpointing_applies_in_one_process(tmp_path, monkeypatch):
     from moeadapt.train import trainer
 
