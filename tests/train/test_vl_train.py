@@ -86,4 +86,4 @@ def test_example_accuracy_rises_above_chance(tmp_path, monkeypatch):
     assert after > max(before, chance) + 0.2, (before, after, r.accuracy_after)
 
 
-STEPS_SHORT = 150
+STEPS_SHORT = 120
