@@ -83,7 +83,7 @@ def test_example_accuracy_rises_above_chance(tmp_path, monkeypatch):
                      {"train.output_dir": str(tmp_path / "run"), "train.steps": STEPS_SHORT}, quiet=True)
     before, after = r.accuracy_before["accuracy"], r.accuracy_after["accuracy"]
     chance = sum(shapes.CHANCE.values()) / len(shapes.CHANCE)
-    assert after > max(before, chance) + 0.2, (before, after, r.accuracy_after)
+    assert after > max(before, chance) + 0.15, (before, after, r.accuracy_after)
 
 
-STEPS_SHORT = 150
+STEPS_SHORT = 120
