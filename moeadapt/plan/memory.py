@@ -16,8 +16,9 @@ allocated), and the bytes each rank holds at the step's peak:
               rules are in the comment above it; LoRA changes what is saved, frozen linears save nothing),
               for recompute none (the whole saved set) / selective (every GEMM output of the block + its
               input) / full (block inputs); the reported value is what is kept at the step's peak phase;
-  loss_or_recompute  what is alive on top of that in the peak phase: the loss (logits, fp32 copy,
-              log-softmax) at the end of forward, a layer's largest forward transient (the reference DSA's
+  loss_or_recompute  what is alive on top of that in the peak phase: the loss at the end of forward
+              (reference: logits, fp32 copy, log-softmax; kernel: ops.loss's one chunk of logits, dh and
+              the LM head's fp32 gradient), a layer's largest forward transient (the reference DSA's
               KL target, the reference experts' padded buffers at their last GEMM) in its forward or
               recompute, or block i's recomputed activations + their gradients in its backward (blocks above
               i are freed by then, blocks below still kept). Phases are evaluated one by one with the parameter
@@ -560,7 +561,15 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
                        fused_buffer=plan.shard == 1) for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
-    logits = t * spec.vocab_size * (act_bytes + 4 + 4)
+    if backend == "kernel":  # ops.loss chunked: one chunk of logits in the compute dtype (its gradient in
+        # place), dh, and, when the LM head trains, its fp32 weight gradient made in the forward + one product
+        from ..ops.loss.chunked import rows_per_chunk
+
+        V, D = spec.vocab_size, spec.hidden_size
+        logits = (min(t, rows_per_chunk(V)) * V * act_bytes + t * D * act_bytes
+                  + (V * D * (4 + act_bytes) if full else 0))
+    else:  # logits, their fp32 copy and log-softmax
+        logits = t * spec.vocab_size * (act_bytes + 4 + 4)
     if plan.recompute == "none":
         kept = per
     elif plan.recompute == "selective":
