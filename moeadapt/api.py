@@ -56,9 +56,25 @@ def finetune(config, overrides: dict[str, Any] | None = None, quiet: bool = Fals
     return train(cfg, quiet=quiet)
 
 
+def dry_run(config, overrides: dict[str, Any] | None = None, world: int | None = None,
+            ranks: list[int] | None = None, lora: bool = False, device: str = "cuda", quiet: bool = False) -> dict:
+    """The run's real build -> LoRA -> parallelize path on the meta device for simulated ranks (a fake process
+    group): per-rank parameter / gradient / optimizer bytes beside the planner's. See train/dryrun.py."""
+    from .train.dryrun import dry_run as _dry_run
+
+    cfg = _cfg(config, overrides)
+    if lora and cfg.lora is None:
+        from .config import LoRASpec
+
+        cfg = cfg.model_copy(update={"lora": LoRASpec()})
+    if world is not None and world != cfg.parallel.world_size and cfg.parallel.world_size == 1:
+        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"dp_shard": world})})
+    return _dry_run(cfg, world, ranks=ranks, device=device, quiet=quiet)
+
+
 def load_model_dir(model: str | Path, adapter: str | Path | None = None, device: str = "cpu") -> HybridMoEModel:
     """A moeadapt model directory (config.json + model.safetensors), optionally with a PEFT adapter."""
-    from .train.trainer import load_model
+    from .train.build import load_model
 
     spec = resolve_model(str(model))
     m = materialize(build_model(spec, "meta"), device)

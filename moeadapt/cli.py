@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name, help=hlp)
         s.add_argument("config")
         s.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+        s.add_argument("--dry-run", action="store_true", help="build and parallelize on the meta device for "
+                       "simulated ranks and print each rank's bytes (no data, no GPU, nothing allocated)")
+        s.add_argument("--world", type=int, default=None, help="simulated ranks for --dry-run (default: the plan's)")
+        s.add_argument("--ranks", default=None, help="which simulated ranks to build, e.g. 0,127 (default 0: it "
+                       "holds the most)")
     s = sub.add_parser("eval", help="evaluate a model (+ adapter) on a JSONL dataset")
     s.add_argument("--model", required=True)
     s.add_argument("--adapter")
@@ -127,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import api
 
     try:
-        if args.cmd == "train":
+        if args.cmd in ("train", "finetune") and args.dry_run:
+            ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+            api.dry_run(args.config, _kv(args.set), world=args.world, ranks=ranks, lora=args.cmd == "finetune")
+        elif args.cmd == "train":
             api.train(args.config, _kv(args.set))
         elif args.cmd == "finetune":
             api.finetune(args.config, _kv(args.set))

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.init import Rule
 from ..models.moe import GroupedLinear
 from ..ops.moe import fused_lora, grouped_lora
 from ..ops.moe.fused_lora import aliases_cat, make_cat_buffer
@@ -46,6 +47,11 @@ class LoRALinear(nn.Linear):
     def reset_lora(self) -> None:
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+
+    def init_rules(self) -> dict[str, Rule]:
+        """The adapter's init for the shard-local initialisation (models/init.py): reset_lora's distributions."""
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)) on [r, in]
+        return {"lora_A.weight": Rule("uniform", -bound, bound), "lora_B.weight": Rule("const", 0.0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -154,6 +160,11 @@ class GroupedLoRALinear(GroupedLinear):
         bound = 1.0 / math.sqrt(self.in_features)
         nn.init.uniform_(self.lora_A, -bound, bound)
         nn.init.zeros_(self.lora_B)
+
+    def init_rules(self) -> dict[str, Rule]:
+        """The adapter's init for the shard-local initialisation (models/init.py): reset_lora's distributions."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        return {"lora_A": Rule("uniform", -bound, bound), "lora_B": Rule("const", 0.0)}
 
     def forward(self, x_NI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w_EIO = self.weight.transpose(1, 2).to(x_NI.dtype)

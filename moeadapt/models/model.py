@@ -20,8 +20,9 @@ from ..config import ModelSpec
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
 from .dsa_attn import DSAAttention
 from .gqa_attn import GQAAttention
+from .init import init_fill
 from .kda_attn import KDAAttention
-from .moe import GroupedLinear, LatentMoE
+from .moe import LatentMoE
 from .router import Router
 
 
@@ -87,21 +88,14 @@ class HybridMoEModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        if seed is not None:
-            torch.manual_seed(seed)
-        std = self.spec.initializer_range
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                s = std / (2 * self.spec.n_layers) ** 0.5 if name.endswith(("o_proj", "wo", "w2")) else std
-                nn.init.normal_(m.weight, std=s)
-            elif isinstance(m, GroupedLinear):
-                nn.init.normal_(m.weight, std=std / (2 * self.spec.n_layers) ** 0.5 if name.endswith("w2") else std)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, nn.LayerNorm):
-                m.reset_parameters()
-            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, Router)):
-                m.reset_parameters()
+        """Initialise every parameter and buffer in place (models/init.py's rules, drawn per row block: the
+        values a sharded build gives at any world size). seed None: drawn from the global torch RNG."""
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        dev = next(self.parameters()).device
+        fill = init_fill(self, seed, dev)
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            t.copy_(fill(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 return_logits: bool = True, micro_batches: int = 1) -> ModelOutput:
@@ -160,6 +154,14 @@ def set_context_parallel(model: nn.Module, layout) -> None:
             m.cp = layout
 
 
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a training checkpoint holds of the model: the trainable parameters (only the adapters in a LoRA
+    run) and the router biases (state that training changes without a gradient). Live tensors, not copies."""
+    out = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
+    return out
+
+
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridMoEModel:
     with torch.device(device):
         return HybridMoEModel(spec)
@@ -167,12 +169,12 @@ def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> HybridM
 
 def materialize(model: HybridMoEModel, device: str | torch.device = "cpu", seed: int | None = 0,
                 dtype: torch.dtype = torch.float32) -> HybridMoEModel:
-    """Allocate a meta-built model on `device` and initialise it."""
-    model.to_empty(device=device)
-    model.to(dtype)
-    for m in model.modules():  # buffers are not parameters: re-create them
+    """Allocate a meta-built model on `device` in `dtype` (router buffers fp32) and initialise it."""
+    model.to(dtype)  # on meta: changes dtypes, allocates nothing
+    for m in model.modules():
         if isinstance(m, Router):
-            m.expert_bias = torch.zeros_like(m.expert_bias, dtype=torch.float32)
-            m.tokens_per_expert = torch.zeros_like(m.tokens_per_expert, dtype=torch.float32)
+            m.expert_bias = m.expert_bias.float()
+            m.tokens_per_expert = m.tokens_per_expert.float()
+    model.to_empty(device=device)
     model.init_weights(seed)
     return model

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..io import atomic_write_text, replace_dir
+from ..models.model import checkpoint_tensors
 from ..models.moe import GroupedExperts
 from .mesh import ParallelDims
 
@@ -35,12 +36,6 @@ from .mesh import ParallelDims
 def expert_param_names(model: nn.Module) -> set[str]:
     return {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, GroupedExperts)
             for pn, _ in m.named_parameters()}
-
-
-def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
-    return out
 
 
 def _portable(t: torch.Tensor, is_expert: bool, dims: ParallelDims) -> torch.Tensor:
@@ -66,7 +61,7 @@ def _shard_like(full_local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _state(model: nn.Module, optimizer, dims: ParallelDims) -> tuple[dict, dict]:
     experts = expert_param_names(model)
-    sd = {f"model.{n}": _portable(t, n in experts, dims) for n, t in _model_tensors(model).items()}
+    sd = {f"model.{n}": _portable(t, n in experts, dims) for n, t in checkpoint_tensors(model).items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -114,7 +109,7 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
     meta = json.loads((path / "meta.json").read_text())
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     experts = expert_param_names(model)
-    own = _model_tensors(model)
+    own = checkpoint_tensors(model)
     want = {f"model.{n}" for n in own}
     have = {k for k in saved if k.startswith("model.")}
     if want != have:

@@ -38,7 +38,8 @@ def _slice0(p: nn.Parameter, lo: int, hi: int) -> nn.Parameter:
 
 def shard_experts(model: nn.Module, ep: int, ep_rank: int) -> list[GroupedExperts]:
     """Keep only experts [ep_rank*E/ep, (ep_rank+1)*E/ep) of every MoE layer (weights and LoRA adapters).
-    Returns the sliced GroupedExperts modules. Call before fully_shard and before building the optimizer."""
+    Returns the sliced GroupedExperts modules. Call before fully_shard and before building the optimizer;
+    on a meta-built model it allocates nothing (the scale-true build: parallel/shards.py)."""
     out = []
     for m in model.modules():
         if not isinstance(m, LatentMoE):
@@ -56,6 +57,7 @@ def shard_experts(model: nn.Module, ep: int, ep_rank: int) -> list[GroupedExpert
                 if isinstance(p, nn.Parameter):
                     setattr(lin, name, _slice0(p, lo, hi))
             lin.n_experts = n_local
+            lin.expert_range = (lo, E)  # first global expert held here, and E (parallel.shards reads it)
         out.append(m.experts)
     return out
 

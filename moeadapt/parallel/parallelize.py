@@ -32,7 +32,8 @@ from .mesh import ParallelDims
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
-    """In place; call after materialising (and LoRA injection), before building the optimizer."""
+    """In place; call after LoRA injection and before building the optimizer: on the meta-built model (the
+    scale-true build, train/build.py: then `to_empty` + parallel.shards.fill_shards) or on a materialised one."""
     spec = dims.spec
     if spec.cp > 1:  # each rank holds pieces of every sequence; KDA / DSA exchange states and keys
         set_context_parallel(model, dims.cp_layout())

@@ -1,10 +1,10 @@
 """What the trainer needs from parallel/ when launched by torchrun: one object, one call per hook.
 
 Owns: `DistributedRun` — joins the process group, builds the meshes from `cfg.parallel`, parallelizes the
-model, reduces the logged loss, agrees on skipping a non-finite step, clips gradients over both meshes,
+model, reduces the logged loss and counts, agrees on skipping a non-finite step, clips gradients over both meshes,
 all-reduces router counts, saves / loads DCP checkpoints, and gathers the final model onto rank 0 as a
-plain (unsharded) model for the export. The trainer keeps the loop; the single-process path never builds
-one of these.
+plain (unsharded) model for the export. The trainer keeps the loop and talks to this object only through
+the methods `train.local.LocalRun` (the single-process run) has too.
 """
 
 from __future__ import annotations
@@ -17,21 +17,6 @@ from ..config import RunConfig
 from .checkpoint import gather_full_state, load_distributed, save_distributed
 from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
-
-
-class NullLogger:
-    """Metrics logger of the ranks other than 0 (only rank 0 writes metrics.jsonl)."""
-
-    path = None
-
-    def log(self, rec: dict) -> None:
-        pass
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class DistributedRun:
@@ -64,6 +49,12 @@ class DistributedRun:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t) / self.world
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks (token counts, eval loss sums). Collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""

@@ -4,7 +4,8 @@ Owns: parameter accounting (counted on the meta device, LoRA adapters counted an
 allocated), and the bytes each rank holds at the step's peak:
   weights     every parameter sharded over dp_shard * cp (FSDP2; experts: E/ep whole experts per EP rank,
               further sharded over dp_shard_in_ep = dp_shard * cp / ep, which gives the same 1/(dp_shard*cp));
-              frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy);
+              frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy); counted tensor by
+              tensor for the rank holding the most (`state_bytes`: FSDP2's torch.chunk pieces of dim 0);
   grads       fp32, trainable parameters only, sharded like the weights;
   optimizer   AdamW m and v, fp32, trainable parameters only, sharded;
   gathered    FSDP all-gather buffers: the root module (embedding, final norm, LM head: kept gathered for the
@@ -83,6 +84,10 @@ class ParamCounts:
     lora_experts: tuple[int, ...]  # per layer: grouped adapter parameters (all experts)
     lora_targets: tuple[frozenset, ...] = ()  # per layer: adapted module names relative to the block
     lora_rank: int = 0
+    # every parameter tensor as the runtime holds it: (dim-0 rows, elements per row, is a routed-expert
+    # tensor, trainable); LoRA adapters in the layout lora/layers.py gives them (dense A [r, in], B [out, r];
+    # grouped A [E, in, r], B [E, r, out]); tied weights once
+    tensors: tuple[tuple[int, int, bool, bool], ...] = ()
 
     @property
     def total(self) -> int:
@@ -109,10 +114,13 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     tg = [set() for _ in range(L)]
     root = 0
     seen = set()
+    tensors = []
     for name, p in m.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
+        is_exp = ".ffn.experts." in name
+        tensors.append((p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1, is_exp, lora is None))
         if name.startswith("layers."):
             i = int(name.split(".")[1])
             (experts if ".ffn.experts." in name else dense)[i] += p.numel()
@@ -127,15 +135,39 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
             if isinstance(mod, GroupedLinear):
                 le[i] += mod.n_experts * r * (mod.in_features + mod.out_features)
                 tg[i].add(name.split(".", 2)[2])
+                tensors += [(mod.n_experts, mod.in_features * r, True, True),
+                            (mod.n_experts, r * mod.out_features, True, True)]
             elif isinstance(mod, nn.Linear):
                 ld[i] += r * (mod.in_features + mod.out_features)
                 tg[i].add(name.split(".", 2)[2])
+                tensors += [(r, mod.in_features, False, True), (mod.out_features, r, False, True)]
     return ParamCounts(root, tuple(dense), tuple(experts), tuple(ld), tuple(le), tuple(frozenset(t) for t in tg),
-                       lora.rank if lora is not None else 0)
+                       lora.rank if lora is not None else 0, tuple(tensors))
 
 
 def param_counts(spec: ModelSpec, lora: LoRASpec | None) -> ParamCounts:
     return _count(spec.model_dump_json(), lora.model_dump_json() if lora else None)
+
+
+def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: int = 2) -> dict[str, float]:
+    """Bytes of weights, gradients and AdamW state on the rank holding the most (rank 0), tensor by tensor as
+    FSDP2 + EP shard them: a tensor's dim 0 (an expert tensor's E/ep local experts) is cut in torch.chunk
+    pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
+    ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters fp32 with fp32 grads and
+    two fp32 AdamW states. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
+    (train/dryrun.py) checks they agree."""
+    pc = param_counts(spec, lora)
+    n = plan.shard
+    weights = trainable = 0.0
+    for rows, row_numel, is_exp, tr in pc.tensors:
+        if is_exp:
+            rows, ranks = rows // plan.ep, max(1, n // plan.ep)
+        else:
+            ranks = n
+        local = min(rows, -(-rows // ranks)) * row_numel
+        weights += local * (4 if tr else base_bytes)
+        trainable += local * 4 if tr else 0
+    return {"weights": weights, "grads": trainable, "optimizer": 2 * trainable}
 
 
 # -- activations -------------------------------------------------------------------------------------------
@@ -587,14 +619,9 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
     pc = param_counts(spec, lora)
     n = plan.shard
     total = pc.total
-    if lora is not None:
-        trainable = pc.lora
-        weights = (total * base_bytes + trainable * 4) / n
-    else:
-        trainable = total
-        weights = total * 4 / n
-    grads = trainable * 4 / n
-    optimizer = trainable * 8 / n
+    trainable = pc.lora if lora is not None else total
+    sb = state_bytes(spec, plan, lora, base_bytes)  # the runtime's shards, tensor by tensor (rank 0)
+    weights, grads, optimizer = sb["weights"], sb["grads"], sb["optimizer"]
     # FSDP all-gather buffers (bf16 compute copies): root for the whole step + 2 blocks (current + prefetch)
     gathered = 0.0
     if n > 1:

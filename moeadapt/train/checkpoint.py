@@ -13,12 +13,7 @@ from pathlib import Path
 import torch
 
 from ..io import atomic_dir, atomic_write_text, load_tensors, save_tensors
-
-
-def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
-    return out
+from ..models.model import checkpoint_tensors
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, sampler_state: dict) -> Path:
@@ -36,7 +31,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, scheduler, sa
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     with atomic_dir(path) as tmp:
-        save_tensors(_model_tensors(model), tmp / "model.safetensors")
+        save_tensors(checkpoint_tensors(model), tmp / "model.safetensors")
         save_tensors(opt_tensors or {"_empty": torch.zeros(1)}, tmp / "optimizer.safetensors")
         save_tensors(rng, tmp / "rng.safetensors")
         (tmp / "state.json").write_text(json.dumps({
@@ -67,7 +62,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
         raise FileNotFoundError(f"{path} is not a checkpoint (no state.json); was the save interrupted?")
     meta = json.loads(state_file.read_text())
     tensors = load_tensors(path / "model.safetensors")
-    own = _model_tensors(model)
+    own = checkpoint_tensors(model)
     missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or extra:
         raise ValueError(f"checkpoint {path} does not fit this run: missing {missing[:6]}, unexpected {extra[:6]}; "

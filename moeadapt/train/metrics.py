@@ -63,6 +63,21 @@ class MetricsLogger:
             self.tb.close()
 
 
+class NullLogger:
+    """The logger of ranks other than 0: only rank 0 writes metrics.jsonl."""
+
+    path = None
+
+    def log(self, rec: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():

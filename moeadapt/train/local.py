@@ -1,0 +1,54 @@
+"""The single-process run: the same methods as `parallel.run.DistributedRun`, each the one-rank case.
+
+The trainer calls one of these objects at every point where a distributed run talks to other ranks
+(parallelize, loss mean, sums of logged counts, agreeing to skip a step, gradient clipping, router counts,
+checkpoints, export),
+so the loop itself has no single- / multi-process branches. Must not know about ranks or meshes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from .checkpoint import load_checkpoint, save_checkpoint
+
+
+class LocalRun:
+    counts_reduce = None  # router counts are already this process's whole batch
+    rank, world, is_main = 0, 1, True
+    data_rank, data_world = 0, 1  # which batch rows this process reads (DistributedRun: cp ranks share rows)
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        self.cfg, self.device = cfg, device
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def local_part(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        return bool(torch.isfinite(loss))
+
+    def clip(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+
+    def save(self, root, step: int, model, opt, sched, sampler_state: dict):
+        return save_checkpoint(root, step, model, opt, sched, sampler_state)
+
+    def load(self, path, model, opt, sched) -> tuple[int, dict]:
+        return load_checkpoint(path, model, opt, sched)
+
+    def unsharded_copy(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def finish(self) -> None:
+        pass
