@@ -132,7 +132,7 @@ class HybridMoEModel(nn.Module):
                                       ignore_index=-100, reduction="none").view(micro_batches, -1)
             valid = (labels.reshape(micro_batches, -1) != -100).float()
             count = valid.sum(1)
-            if cp is not None and cp.size > 1:  # the mean over every token of the sequence, whichever cp rank holds it
+            if cp is not None and cp.size > 1:  # the mean over every token of the sequence, on any cp rank
                 count = count.detach().clone()
                 dist.all_reduce(count, group=cp.group)
             loss = ((per_tok * valid).sum(1) / count.clamp(min=1)).mean()
