@@ -161,7 +161,7 @@ class HybridMoEModel(nn.Module):
             # the gradient reduction takes is the global loss
             valid = (labels.reshape(micro_batches, -1) != -100).float()
             count = valid.sum(1, keepdim=True)
-            if cp is not None:
+            if cp is not None and cp.size > 1:
                 count = count.detach().clone()
                 dist.all_reduce(count, group=cp.group)
             weight = (valid / count.clamp(min=1) / micro_batches * (cp.size if cp is not None else 1)).reshape(-1)

@@ -154,7 +154,7 @@ class Router(nn.Module):
             one_hot = torch.zeros(batch_size, S, E, device=x_TD.device, dtype=acc)
             one_hot.scatter_(2, ids_TK.view(batch_size, S, K), 1.0)
             counts_BE, S_all = one_hot.sum(1), S
-            if self.cp is not None:  # a sequence's tokens are spread over the cp group: count them all
+            if self.cp is not None and self.cp.size > 1:  # a sequence's tokens span the cp group: count them all
                 dist.all_reduce(counts_BE, group=self.cp.group)
                 S_all = S * self.cp.size
             f_BE = counts_BE / (S_all * K)

@@ -105,9 +105,11 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, ru
     for b in range(rank, -(-nb // world) * world, world):
         i = b * bs if b < nb else 0
         x, y = ds.inputs[i:i + bs].to(device), ds.labels[i:i + bs].to(device)
+        k = int((y != -100).sum()) if b < nb else 0  # the whole rows' tokens (before the cp split)
+        if run is not None:
+            x, y = run.local_part(x), run.local_part(y)
         with _autocast(device, cfg.train.dtype):
-            out = model(run.local_part(x) if run else x, run.local_part(y) if run else y, return_logits=False)
-        k = int((y != -100).sum()) if b < nb else 0
+            out = model(x, y, return_logits=False)
         if k:
             tot += float(out.loss) * k
             cnt += k

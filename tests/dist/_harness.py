@@ -60,7 +60,8 @@ def build(spec, lora: bool, seed: int = 0):
 
     model = materialize(build_model(spec, "meta"), "cpu", seed=seed)
     model.set_backend("reference")
-    if lora:
+    if lora:  # adapters draw A from the global RNG (the base init uses its own generator): same on every rank
+        torch.manual_seed(seed + 2)
         inject_lora(model, LoRASpec(rank=4, alpha=8.0))
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

@@ -56,12 +56,13 @@ def test_layout_length_errors_name_the_numbers():
         chunk_kda_cp(q, k, v, g, beta, CPLayout(None, 0, 1), cu_seqlens=torch.tensor([0, 45]))
 
 
+@pytest.mark.slow
 def test_triton_backend_runs_the_cp_passes(seed):
     """The Triton kernels (interpreted on CPU) take the cp passes: identity initial states (V = K) and the
     folded state; values and gradients equal the reference on one rank's two pieces."""
-    B, T, HV, K, V = 1, 96, 2, 16, 16
+    B, T, HV, K, V = 1, 40, 1, 16, 16
     q, k, v, g, beta = (x.float().requires_grad_(True) for x in _inputs(B, T, HV, K, V))
-    cu = torch.tensor([0, 30, 96])
+    cu = torch.tensor([0, 13, 40])
     do = torch.randn(B, T, HV, V)
     res = {}
     for be in ("reference", "triton"):
