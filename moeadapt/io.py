@@ -122,6 +122,18 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
     model.load_state_dict(state, strict=False)
 
 
+def read_json_object(f: Path, fix: str, error: type[Exception] = ValueError) -> dict:
+    """A JSON file that must hold one object (a config or metadata file): one `error` naming the file and `fix`
+    when it is not valid JSON or not an object."""
+    try:
+        d = json.loads(Path(f).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{f} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(d, dict):
+        raise error(f"{f} holds a {type(d).__name__}, not a JSON object; {fix}")
+    return d
+
+
 def check_dtype_kind(name: str, got: torch.Tensor, want: torch.Tensor, source: str) -> None:
     """Floating weights may change precision on load; an integer or bool tensor where the model holds floats
     (or the reverse) is a broken or foreign file, never cast."""

@@ -16,28 +16,24 @@ from __future__ import annotations
 
 from .schema import ModelSpec
 
+# The demo model: 4 layers (3 KDA + 1 gated DSA), LatentMoE with 8 experts, byte vocabulary.
+_TINY = dict(
+    name="tiny", vocab_size=264, hidden_size=128, n_layers=4, max_position_embeddings=2048,
+    kda_n_heads=4, kda_head_dim=32,
+    n_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    index_n_heads=4, index_head_dim=32, index_topk=64, index_loss_coef=0.01,
+    first_k_dense=1, intermediate_size=384, n_routed_experts=8, n_experts_per_tok=2, n_shared_experts=1,
+    moe_intermediate_size=128, latent_dim=64, score_func="sigmoid", routed_scaling_factor=1.0,
+    bias_update_rate=1e-3,
+)
+
 _PRESETS: dict[str, dict] = {
-    # The demo model: 4 layers (3 KDA + 1 gated DSA), LatentMoE with 8 experts, byte vocabulary.
-    "tiny": dict(
-        name="tiny", vocab_size=264, hidden_size=128, n_layers=4, max_position_embeddings=2048,
-        kda_n_heads=4, kda_head_dim=32,
-        n_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        index_n_heads=4, index_head_dim=32, index_topk=64, index_loss_coef=0.01,
-        first_k_dense=1, intermediate_size=384, n_routed_experts=8, n_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=128, latent_dim=64, score_func="sigmoid", routed_scaling_factor=1.0,
-        bias_update_rate=1e-3,
-    ),
+    "tiny": _TINY,
     # `tiny` with a small vision tower (patch 14, 2 ViT blocks of width 64): the vision-language demo model.
     # Its language model is `tiny`'s, so the shipped tiny base loads into it (`init_from`); the tower starts
     # from random weights. 14 x 14-pixel patches, 2 x 2 merged: a 56 x 56 image is 4 tokens.
     "tiny-vl": dict(
-        name="tiny-vl", vocab_size=264, hidden_size=128, n_layers=4, max_position_embeddings=2048,
-        kda_n_heads=4, kda_head_dim=32,
-        n_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        index_n_heads=4, index_head_dim=32, index_topk=64, index_loss_coef=0.01,
-        first_k_dense=1, intermediate_size=384, n_routed_experts=8, n_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=128, latent_dim=64, score_func="sigmoid", routed_scaling_factor=1.0,
-        bias_update_rate=1e-3,
+        _TINY, name="tiny-vl",
         vision=dict(patch_size=14, hidden_size=64, n_layers=2, n_heads=4, intermediate_size=256,
                     image_token_id=263),
     ),

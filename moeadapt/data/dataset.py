@@ -9,6 +9,7 @@ seq_len + 1 tokens; row i gives input = row[:-1], labels = row[1:] with -100 whe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,9 @@ def _check_record(rec, where: str) -> None:
                 raise ValueError(f"{where}: messages[{j}] has role {m['role']!r}; use 'system', 'user' or 'assistant'")
 
 
-def read_jsonl(path: str) -> list[dict]:
-    p = resolve_path(path)
-    out = []
+def iter_jsonl(p: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of every non-empty line of a JSONL file; one error naming file:line for a
+    line that is not UTF-8 or not valid JSON (the caller checks what the value must be)."""
     with p.open("rb") as f:
         for i, raw in enumerate(f, 1):
             try:
@@ -66,8 +67,15 @@ def read_jsonl(path: str) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            _check_record(rec, f"{p}:{i}")
-            out.append(rec)
+            yield i, rec
+
+
+def read_jsonl(path: str) -> list[dict]:
+    p = resolve_path(path)
+    out = []
+    for i, rec in iter_jsonl(p):
+        _check_record(rec, f"{p}:{i}")
+        out.append(rec)
     if not out:
         raise ValueError(f"{p} holds no records")
     return out
@@ -144,13 +152,18 @@ class Sampler:
         g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
         return torch.randperm(len(self.ds), generator=g)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_indices(self) -> torch.Tensor:
+        """This rank's rows of the next global batch (a new epoch's permutation when the data runs out)."""
         step = self.bs * self.world
         if self.pos + step > len(self.ds):
             self.epoch, self.pos = self.epoch + 1, 0
             self._perm = self._make_perm()
         idx = self._perm[self.pos + self.rank * self.bs: self.pos + (self.rank + 1) * self.bs]
         self.pos += step
+        return idx
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.next_indices()
         return self.ds.inputs[idx], self.ds.labels[idx]
 
     def state(self) -> dict:

@@ -16,7 +16,6 @@ Owns: no model code. The packed patch order is models/vision's `patchify`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,7 +200,7 @@ class MultimodalDataset:
 
 def read_mm_jsonl(path: str) -> tuple[Path, list[tuple[int, dict]]]:
     """(the file, [(line number, record)]); `builtin:shapes...` is generated on first use (data/shapes.py)."""
-    from .dataset import resolve_path
+    from .dataset import iter_jsonl, resolve_path
 
     if path.startswith("builtin:shapes"):
         from .shapes import builtin_shapes
@@ -209,18 +208,10 @@ def read_mm_jsonl(path: str) -> tuple[Path, list[tuple[int, dict]]]:
         p = builtin_shapes(path)
     else:
         p = resolve_path(path)
-    out = []
-    with p.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{p}:{i}: each line must be one JSON object")
-            out.append((i, rec))
+    out = list(iter_jsonl(p))
+    for i, rec in out:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{p}:{i}: each line must be one JSON object")
     if not out:
         raise ValueError(f"{p} holds no records")
     return p, out
@@ -286,14 +277,7 @@ class MultimodalSampler:
         self.ds = ds
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, ImageBatch | None]:
-        s = self._order
-        step = s.bs * s.world
-        if s.pos + step > len(s.ds):
-            s.epoch, s.pos = s.epoch + 1, 0
-            s._perm = s._make_perm()
-        idx = s._perm[s.pos + s.rank * s.bs: s.pos + (s.rank + 1) * s.bs]
-        s.pos += step
-        return self.ds.rows(idx)
+        return self.ds.rows(self._order.next_indices())
 
     def state(self) -> dict:
         return self._order.state()

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import LoRASpec
 from ..config.load import format_validation_error
-from ..io import atomic_dir, load_tensors, save_tensors
+from ..io import atomic_dir, load_tensors, read_json_object, save_tensors
 from .inject import full_trained_modules, inject_lora, lora_modules
 from .layers import LoRALinear
 
@@ -158,12 +158,7 @@ def read_adapter_config(path: str | Path) -> tuple[LoRASpec, dict]:
     f = path / "adapter_config.json"
     if not f.is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{f} is not valid JSON ({e}); the adapter is corrupt - export it again") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{f} holds a {type(cfg).__name__}, not a JSON object; export the adapter again")
+    cfg = read_json_object(f, "the adapter is corrupt - export it again")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{f}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
     missing = [k for k in ("r", "lora_alpha") if k not in cfg]

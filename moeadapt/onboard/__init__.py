@@ -8,13 +8,13 @@ validates the checkpoint's own weights against transformers, block by block (val
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError, ModelSpec, preset_names
 from ..config import resolve_model as _resolve_model
+from ..io import read_json_object
 from ..ui import make_console
 from .families import Family, OnboardError, family_names, read_family
 from .loader import StreamingLoader, checkpoint_index, dequant_fp8, load_into_model
@@ -42,12 +42,7 @@ def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
     f = path / "config.json"
     if not f.is_file():
         raise OnboardError(f"{path} has no config.json; give a Hugging Face model directory")
-    try:
-        cfg = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OnboardError(f"{f} is not valid JSON ({e}); re-export the model") from None
-    if not isinstance(cfg, dict):
-        raise OnboardError(f"{f} holds a {type(cfg).__name__}, not a JSON object; re-export the model")
+    cfg = read_json_object(f, "re-export the model", OnboardError)
     return read_family(cfg, name=path.name, allow_unmapped=allow_unmapped)
 
 

@@ -112,3 +112,20 @@ def reference(model, x, y):
     out = ref(x, y, return_logits=False)
     (out.loss + out.aux_loss).backward()
     return ref, float(out.loss), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def check_against_reference(model, dims, out, world: int, ref_loss: float, ref_grads: dict, experts: set,
+                            n_experts: int, what: str, tol: float) -> None:
+    """This rank's loss (mean over ranks) and every gradient (gathered; experts sliced to this EP rank's) equal
+    the single-process run's within `tol`. Collective."""
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    assert abs(float(loss) / world - ref_loss) < tol, f"{what}: loss {float(loss) / world} vs {ref_loss}"
+    grads = full_grads(model, dims)
+    assert set(grads) == set(ref_grads), f"{what}: grads for {sorted(set(grads) ^ set(ref_grads))[:4]}"
+    ep = dims.spec.ep
+    lo = dims.ep_rank * (n_experts // ep)
+    for n, g in grads.items():
+        r = ref_grads[n][lo:lo + n_experts // ep] if (n in experts and ep > 1) else ref_grads[n]
+        err = (g - r).abs().max().item()
+        assert err < tol, f"{what}: grad {n} differs by {err:.2e} (scale {r.abs().max().item():.2e})"

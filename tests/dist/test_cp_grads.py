@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import batch, build, expert_names, full_grads, micro_spec, reference, spawn
+from _harness import check_against_reference, batch, build, expert_names, full_grads, micro_spec, reference, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -34,18 +34,8 @@ def _check_one(rank, world, par, lora, seq, rows=2):
     layout = dims.cp_layout()
     out = model(layout.split(rows_x), layout.split(rows_y), return_logits=False)
     (out.loss + out.aux_loss).backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
     what = f"{par} lora={lora} T={seq} rank {rank}"
-    assert abs(float(loss) / world - ref_loss) < TOL, f"{what}: loss {float(loss) / world} vs {ref_loss}"
-    grads = full_grads(model, dims)
-    assert set(grads) == set(ref_grads), f"{what}: grads for {sorted(set(grads) ^ set(ref_grads))[:4]}"
-    El = spec.n_routed_experts // pspec.ep
-    lo = dims.ep_rank * El
-    for n, g in grads.items():
-        r = ref_grads[n][lo:lo + El] if (n in experts and pspec.ep > 1) else ref_grads[n]
-        err = (g - r).abs().max().item()
-        assert err < TOL, f"{what}: grad {n} differs by {err:.2e} (scale {r.abs().max().item():.2e})"
+    check_against_reference(model, dims, out, world, ref_loss, ref_grads, experts, spec.n_routed_experts, what, TOL)
 
 
 def _cases(rank, world, cases):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import batch, build, expert_names, full_grads, micro_spec, reference, skew_router, spawn
+from _harness import check_against_reference, batch, build, expert_names, full_grads, micro_spec, reference, skew_router, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -35,18 +35,8 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     out = model(xs, ys, return_logits=False)
     (out.loss + out.aux_loss).backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss)
     what = f"{par} lora={lora} skew={skew} rank {rank}"
-    assert abs(float(loss) / world - ref_loss) < TOL, f"{what}: loss {float(loss) / world} vs {ref_loss}"
-    grads = full_grads(model, dims)
-    assert set(grads) == set(ref_grads), f"{what}: grads for {sorted(set(grads) ^ set(ref_grads))[:4]}"
-    El = spec.n_routed_experts // pspec.ep
-    lo = dims.ep_rank * El
-    for n, g in grads.items():
-        r = ref_grads[n][lo:lo + El] if (n in experts and pspec.ep > 1) else ref_grads[n]
-        err = (g - r).abs().max().item()
-        assert err < TOL, f"{what}: grad {n} differs by {err:.2e} (scale {r.abs().max().item():.2e})"
+    check_against_reference(model, dims, out, world, ref_loss, ref_grads, experts, spec.n_routed_experts, what, TOL)
     total = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9, dims)
     assert abs(float(total) - float(ref_total)) < 1e-5 * max(1.0, float(ref_total)), f"{what}: grad norm"
     counts = [b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")]
