@@ -159,7 +159,8 @@ class HybridMoEModel(nn.Module):
             # per-token loss weights: the mean of the M per-micro-batch means, each over every token of the
             # sequence whichever cp rank holds it; under cp x cp.size, so that the mean over ranks' losses that
             # the gradient reduction takes is the global loss
-            valid = (labels.reshape(micro_batches, -1) != -100).float()
+            acc = torch.promote_types(h.dtype, torch.float32)  # the loss's precision: fp32, or fp64 for fp64 models
+            valid = (labels.reshape(micro_batches, -1) != -100).to(acc)
             count = valid.sum(1, keepdim=True)
             if cp is not None and cp.size > 1:
                 count = count.detach().clone()
@@ -172,7 +173,7 @@ class HybridMoEModel(nn.Module):
         else:
             logits = self.lm_head(h)
             if labels is not None:
-                per_tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
+                per_tok = F.cross_entropy(logits.to(acc).view(-1, logits.shape[-1]), labels.reshape(-1),
                                           ignore_index=-100, reduction="none")
                 loss = (per_tok * weight).sum()
         aux_log = {k: float(v) for k, v in aux_log.items()}  # one device sync per aux loss, not per layer

@@ -81,11 +81,12 @@ def _load_run(rank, world, root: str, ep: int):
             import torch.distributed.checkpoint as dcp
 
             from moeadapt.parallel.checkpoint import _portable, expert_param_names
+            from moeadapt.parallel.safe_dcp import SafeWriter
 
             experts = expert_param_names(model)
             sd = {f"model.{n}": _portable(t, n in experts, dims) for n, t in model.state_dict().items()
                   if not n.endswith("tokens_per_expert")}
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp")))
+            dcp.save(sd, storage_writer=SafeWriter(str(root / "dcp")))  # JSON metadata, as our checkpoints
         if world == 2:
             _export(root, fam, spec, dims, model)
         if world == 4 and fam == "qwen3_moe":
@@ -158,9 +159,9 @@ def test_hf_checkpoint_loads_sharded_at_world_1_2_4(runs):
             assert max(reads) <= total / world * 1.3 + 4096, (fam, world, reads, total)
     # DCP reads whole saved chunks (here the world-2 halves, each with its serialisation header): a world-4 rank
     # reads the half its quarter lies in
-    import torch.distributed.checkpoint as dcp
+    from moeadapt.parallel.safe_dcp import read_safe_metadata
 
-    stored = sum(v.length for v in dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data.values())
+    stored = sum(v.length for v in read_safe_metadata(tmp_path / "dcp").storage_data.values())
     dcp_reads = json.loads((tmp_path / "w4.json").read_text())["dcp_bytes_read"]
     assert all(0.4 * stored < r <= 0.6 * stored for r in dcp_reads), (dcp_reads, stored)
 
@@ -232,6 +233,7 @@ def test_torchrun_lora_finetune_from_hf_checkpoint(tmp_path):
 
     from moeadapt import api
     from moeadapt.config import build_run_config
+    from moeadapt.onboard import model_spec_from_dir
 
     ckpt = tmp_path / "qwen"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "onboard"))
@@ -242,7 +244,7 @@ def test_torchrun_lora_finetune_from_hf_checkpoint(tmp_path):
            "train": {"steps": 1, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1, "device": "cpu",
                      "init_from": str(ckpt), "output_dir": str(tmp_path / "one")},
            "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}}
-    one = api.train(build_run_config(raw), quiet=True)
+    one = api.train(build_run_config(raw, from_dir=model_spec_from_dir), quiet=True)
     raw["train"]["output_dir"] = str(tmp_path / "two")
     raw["parallel"] = {"dp_shard": 2, "ep": 2}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 from moeadapt import api  # noqa: E402
 from moeadapt.config import build_run_config  # noqa: E402
 from moeadapt.lora import load_peft  # noqa: E402
-from moeadapt.onboard import onboard_model  # noqa: E402
+from moeadapt.onboard import model_spec_from_dir, onboard_model  # noqa: E402
 
 TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
                          "experts.w3"],
@@ -28,7 +28,7 @@ def _finetune(ckpt, tmp_path, targets):
         "model": str(ckpt), "lora": {"rank": 4, "alpha": 8.0, "targets": targets},
         "train": {"steps": 3, "lr": 0.05, "warmup_steps": 0, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1,
                   "init_from": str(ckpt), "output_dir": str(tmp_path / "ft"), "dtype": "fp32", "device": "cpu"},
-        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}})
+        "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}}, from_dir=model_spec_from_dir)
     return api.train(cfg, quiet=True).output_dir
 
 
