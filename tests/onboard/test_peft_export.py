@@ -17,7 +17,7 @@ from moeadapt.lora.peft import PREFIX
 from moeadapt.onboard import onboard_model, peft_maps
 
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-TARGETS = ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3",
+TARGETS = ["attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3",
            "shared.w1", "ffn.w2"]
 
 

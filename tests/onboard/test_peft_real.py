@@ -20,7 +20,7 @@ from moeadapt.onboard import model_spec_from_dir, onboard_model  # noqa: E402
 
 TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
                          "experts.w3"],
-           "deepseek_v3": ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
+           "deepseek_v3": ["attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
 
 
 def _finetune(ckpt, tmp_path, targets):
