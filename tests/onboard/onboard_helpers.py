@@ -133,3 +133,18 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
     m.save_pretrained(str(out))
     return out
+
+
+def present_targets(model, targets: list[str]) -> list[str]:
+    """The LoRA target patterns that name a layer of `model` (a built model, or a model directory): the random
+    shapes decide whether, e.g., the MLA query is one `wq` or `wq_a` / `wq_b`, and a target that matches
+    nothing is an error."""
+    from moeadapt.lora.inject import _matches
+    from moeadapt.models.model import build_model
+    from moeadapt.models.moe import GroupedLinear
+    from moeadapt.onboard import model_spec_from_dir
+
+    if not isinstance(model, torch.nn.Module):
+        model = build_model(model_spec_from_dir(model), "meta")
+    names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, GroupedLinear))]
+    return [t for t in targets if any(_matches(n, [t]) for n in names)]

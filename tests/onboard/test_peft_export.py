@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from onboard_helpers import save_tiny
+from onboard_helpers import present_targets, save_tiny
 
 from moeadapt.config import LoRASpec
 from moeadapt.io import load_tensors, save_tensors
@@ -17,7 +17,7 @@ from moeadapt.lora.peft import PREFIX
 from moeadapt.onboard import onboard_model, peft_maps
 
 IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
-TARGETS = ["attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3",
+TARGETS = ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3",
            "shared.w1", "ffn.w2"]
 
 
@@ -26,7 +26,7 @@ def _adapted(ckpt, seed=0):
     ours.set_backend("reference")
     with torch.no_grad():
         base = ours(IDS).logits.float()
-    lora = LoRASpec(rank=4, alpha=8.0, targets=TARGETS)
+    lora = LoRASpec(rank=4, alpha=8.0, targets=present_targets(ours, TARGETS))
     inject_lora(ours, lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

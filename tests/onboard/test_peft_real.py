@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from onboard_helpers import fresh_seed, random_checkpoint
+from onboard_helpers import fresh_seed, present_targets, random_checkpoint
 
 peft = pytest.importorskip("peft")
 
@@ -20,12 +20,12 @@ from moeadapt.onboard import model_spec_from_dir, onboard_model  # noqa: E402
 
 TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
                          "experts.w3"],
-           "deepseek_v3": ["attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
+           "deepseek_v3": ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
 
 
 def _finetune(ckpt, tmp_path, targets):
     cfg = build_run_config({
-        "model": str(ckpt), "lora": {"rank": 4, "alpha": 8.0, "targets": targets},
+        "model": str(ckpt), "lora": {"rank": 4, "alpha": 8.0, "targets": present_targets(ckpt, targets)},
         "train": {"steps": 3, "lr": 0.05, "warmup_steps": 0, "micro_batch_size": 2, "seq_len": 16, "eval_batches": 1,
                   "init_from": str(ckpt), "output_dir": str(tmp_path / "ft"), "dtype": "fp32", "device": "cpu"},
         "data": {"train": "builtin:recall_qa", "eval_fraction": 0.01}}, from_dir=model_spec_from_dir)
@@ -106,7 +106,7 @@ def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
     ckpt = random_checkpoint(model_type, tmp_path / "ckpt", seed)
     ours, _ = onboard_model(ckpt, dtype=torch.float32)
     targets = TARGETS[model_type] + ["ffn.w1", "shared.w3"]  # dense FFN / shared expert too: merged by us
-    lora = LoRASpec(rank=2, alpha=4.0, targets=targets)
+    lora = LoRASpec(rank=2, alpha=4.0, targets=present_targets(ours, targets))
     inject_lora(ours, lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
