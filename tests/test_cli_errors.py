@@ -73,8 +73,10 @@ def test_config_units(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text("[1, 2]")
+    from moeadapt.onboard import resolve_model as resolve_model_or_dir  # model directories are onboard's
+
     with pytest.raises(ConfigError, match="config.json holds a list"):
-        resolve_model(str(d))
+        resolve_model_or_dir(str(d))
 
 
 def test_data_units(tmp_path):
