@@ -94,11 +94,11 @@ def _run_plan_command(args) -> None:
     from . import api
 
     if args.cmd == "plan":
-        try:
-            cps = tuple(int(c) for c in args.cp.split(","))
+        try:  # None: the planner searches the cp degrees that divide --gpus and --seq-len
+            cps = tuple(int(c) for c in args.cp.split(",")) if args.cp else None
         except ValueError:
             raise ValueError(f"--cp {args.cp!r}: give comma-separated integers such as 1,2,4") from None
-        if any(c < 1 for c in cps):
+        if cps is not None and any(c < 1 for c in cps):
             raise ValueError(f"--cp {args.cp!r}: every degree must be >= 1")
         api.plan(args.model, args.gpus, args.gpu_mem, lora=args.lora, lora_rank=args.lora_rank, seq_len=args.seq_len,
                  micro_batch=args.micro_batch, top=args.top, as_json=args.json,
