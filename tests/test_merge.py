@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "onboard"))
-from onboard_helpers import save_tiny  # noqa: E402
+from onboard_helpers import present_targets, save_tiny  # noqa: E402
 
 from moeadapt.config import LoRASpec  # noqa: E402
 from moeadapt.lora import export_peft, inject_lora, lora_modules, merge_lora  # noqa: E402
@@ -23,8 +23,9 @@ from moeadapt.parallel.sharded_io import load_sharded  # noqa: E402
 
 def _adapted(ckpt: Path, adir: Path, seed: int):
     model, _ = onboard_model(ckpt, dtype=torch.float32)
-    lora = LoRASpec(rank=4, alpha=8.0, targets=["attn.wq_b", "attn.wkv_a", "attn.q_proj", "attn.o_proj",
-                                                "experts.w1", "experts.w2"])
+    targets = present_targets(model, ["attn.wq_b", "attn.wkv_a", "attn.q_proj", "attn.o_proj",
+                                      "experts.w1", "experts.w2"])
+    lora = LoRASpec(rank=4, alpha=8.0, targets=targets)
     inject_lora(model, lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -77,7 +77,7 @@ def test_no_grad_gives_the_loss_only(seed, backend):
 
 
 def test_model_loss_through_ops_loss_matches_logits_path(seed):
-    from conftest import micro_spec
+    from tests.conftest import micro_spec
 
     from moeadapt.models.model import build_model, materialize
 
