@@ -62,12 +62,24 @@ class VisionSpec(_Strict):
     image_token_id: int = Field(default=263, ge=0, description="placeholder token (byte tokenizer: <|image|> = 263)")
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # layout options of onboarded towers (MoonViT, models/vision/tower.py); the defaults are the tower above
+    pos_embed_grid: tuple[int, int] | None = Field(
+        default=None, description="(rows, cols) of a learned absolute position table added after the patch "
+        "embedding, resampled bicubically (align_corners=False) to each image's patch grid; None = none")
+    mlp_act: Literal["gelu", "gelu_tanh"] = Field(default="gelu", description="block MLP activation: exact GELU "
+                                                  "or its tanh approximation")
+    merger_norm_eps: float | None = Field(default=None, gt=0, description="the merger LayerNorm's epsilon; "
+                                          "None = norm_eps")
+    patch_embed_conv: bool = Field(default=False, description="patch embedding weight stored as a Conv2d kernel "
+                                   "[hidden, channels, patch, patch] (same math as the [hidden, C * p * p] linear)")
 
     @model_validator(mode="after")
     def _check(self) -> VisionSpec:
         if self.hidden_size % self.n_heads:
             raise ValueError(f"vision.n_heads={self.n_heads} does not divide vision.hidden_size={self.hidden_size}; "
                              f"choose n_heads in {_divisors(self.hidden_size)}")
+        if self.pos_embed_grid is not None and min(self.pos_embed_grid) < 1:
+            raise ValueError(f"vision.pos_embed_grid={self.pos_embed_grid} must hold two positive sizes")
         if (self.hidden_size // self.n_heads) % 4:
             raise ValueError(f"vision head dim {self.hidden_size // self.n_heads} must be a multiple of 4 (2-D RoPE "
                              "rotates pairs on a row half and a column half); change vision.hidden_size or n_heads")

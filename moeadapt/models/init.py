@@ -33,6 +33,7 @@ from .common import CausalConv1d, RMSNorm
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear
 from .router import Router
+from .vision.tower import ConvPatchEmbed, VisionTower
 
 BLOCK_NUMEL = 1 << 20  # elements per random block: the most a shard draws beyond its own slice, per tensor
 
@@ -77,6 +78,10 @@ def init_rules(model: nn.Module) -> dict[str, Rule]:
             own["weight"] = Rule("const", 1.0)
             if getattr(m, "bias", None) is not None:
                 own["bias"] = Rule("const", 0.0)
+        elif isinstance(m, ConvPatchEmbed):  # a vision tower's Conv2d-shaped patch embedding
+            own.update(weight=Rule("normal", std), bias=Rule("const", 0.0))
+        elif isinstance(m, VisionTower) and m.spec.pos_embed_grid is not None:  # learned position table
+            own["pos_embed"] = Rule("normal", std)
         elif isinstance(m, CausalConv1d):
             own["weight"] = Rule("uniform", -(m.kernel ** -0.5), m.kernel ** -0.5)
         elif isinstance(m, KDAAttention):

@@ -5,6 +5,9 @@ An image [C, H, W] is cut into patches in plain raster order; positions are (row
 pair (x[i], x[i + Dh/4]) of the row half (and of the column half, offset Dh/2) as the complex number
 x[i] + j x[i + Dh/4] times exp(j pos theta^(-2i / (Dh/2))); attention is softmax over all patches of the image;
 the merger concatenates the 2 x 2 spatial neighbours (r, c), (r, c+1), (r+1, c), (r+1, c+1) of each block.
+Options (VisionSpec): a learned position table [h, w, D] resampled to the image's grid by the separable Keys
+cubic kernel (a = -0.75) at half-pixel centres, edge rows repeated, and added after the patch embedding; the
+tanh GELU in the blocks; the merger's own LayerNorm epsilon; a Conv2d-shaped patch embedding (flattened).
 """
 
 from __future__ import annotations
@@ -22,6 +25,32 @@ def _ln(x, w, b, eps):
 
 def _gelu(x):
     return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _cubic_matrix(n_out: int, n_in: int) -> torch.Tensor:
+    """[n_out, n_in]: output i = sum_k w_k(i) in[clamp(floor(s) - 1 + k)], s = (i + 0.5) n_in / n_out - 0.5, Keys'
+    kernel with a = -0.75 at the distance |s - tap|."""
+    a = -0.75
+    m = torch.zeros(n_out, n_in, dtype=torch.float64)
+    for i in range(n_out):
+        s = (i + 0.5) * n_in / n_out - 0.5
+        f = math.floor(s)
+        for tap in range(f - 1, f + 3):
+            d = abs(s - tap)
+            w = ((a + 2) * d - (a + 3)) * d * d + 1 if d <= 1 else ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+            m[i, min(max(tap, 0), n_in - 1)] += w
+    return m
+
+
+def resample_reference(table_hwD: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+    """The position table [h, w, D] at an image's grid [gh, gw, D] (bicubic, align_corners=False)."""
+    h, w, _ = table_hwD.shape
+    rows, cols = _cubic_matrix(gh, h).to(table_hwD.dtype), _cubic_matrix(gw, w).to(table_hwD.dtype)
+    return torch.einsum("ia,abd,jb->ijd", rows, table_hwD, cols)
 
 
 def _rope(x_NHD, rows, cols, theta):
@@ -47,8 +76,11 @@ def vision_reference(p: dict[str, torch.Tensor], spec, image_CHW: torch.Tensor) 
     patches = image_CHW.reshape(C, gh, ps, gw, ps).permute(1, 3, 0, 2, 4).reshape(gh * gw, C * ps * ps)
     idx = torch.arange(gh * gw)
     rows, cols = idx // gw, idx % gw
-    x = patches @ p["tower.patch_embed.weight"].T + p["tower.patch_embed.bias"]
+    x = patches @ p["tower.patch_embed.weight"].flatten(1).T + p["tower.patch_embed.bias"]
     N, D = x.shape
+    if spec.pos_embed_grid is not None:
+        x = x + resample_reference(p["tower.pos_embed"], gh, gw).reshape(N, D)
+    act = _gelu_tanh if spec.mlp_act == "gelu_tanh" else _gelu
     for i in range(spec.n_layers):
         b = f"tower.blocks.{i}."
         h = _ln(x, p[b + "norm1.weight"], p[b + "norm1.bias"], eps)
@@ -60,9 +92,9 @@ def vision_reference(p: dict[str, torch.Tensor], spec, image_CHW: torch.Tensor) 
         o = torch.einsum("hnm,mhd->nhd", a, v).reshape(N, D)
         x = x + o @ p[b + "attn.proj.weight"].T + p[b + "attn.proj.bias"]
         h = _ln(x, p[b + "norm2.weight"], p[b + "norm2.bias"], eps)
-        x = x + _gelu(h @ p[b + "fc1.weight"].T + p[b + "fc1.bias"]) @ p[b + "fc2.weight"].T + p[b + "fc2.bias"]
+        x = x + act(h @ p[b + "fc1.weight"].T + p[b + "fc1.bias"]) @ p[b + "fc2.weight"].T + p[b + "fc2.bias"]
     x = _ln(x, p["tower.norm.weight"], p["tower.norm.bias"], eps)
-    x = _ln(x, p["merger.norm.weight"], p["merger.norm.bias"], eps).view(gh, gw, D)
+    x = _ln(x, p["merger.norm.weight"], p["merger.norm.bias"], spec.merger_norm_eps or eps).view(gh, gw, D)
     merged = torch.cat([x[0::2, 0::2], x[0::2, 1::2], x[1::2, 0::2], x[1::2, 1::2]], -1).reshape(-1, 4 * D)
     h = _gelu(merged @ p["projector.fc1.weight"].T + p["projector.fc1.bias"])
     return h @ p["projector.fc2.weight"].T + p["projector.fc2.bias"]

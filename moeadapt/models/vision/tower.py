@@ -11,6 +11,11 @@ P = channels x patch x patch pixel values per patch, I images.
 Patch order (the data pipeline writes it, data/multimodal.py `patchify`): image by image; inside an image,
 merged 2 x 2 blocks in raster order, and inside a block its 4 patches in raster order. The merger therefore
 concatenates 4 consecutive patches, and a patch's (row, col) follows from its image's grid alone.
+
+Layout options of onboarded towers (VisionSpec; defaults = the tower above), e.g. MoonViT (Kimi K2.5): a learned
+absolute position table resampled bicubically to each image's grid (`pos_embed_grid`), the tanh GELU in the
+blocks (`mlp_act`), the merger's own LayerNorm epsilon (`merger_norm_eps`), a Conv2d-shaped patch embedding
+weight (`patch_embed_conv`). Other RoPE layouts need no option: the name map permutes q / k rows onto ours.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class VisionBlock(nn.Module):
     def __init__(self, spec: VisionSpec):
         super().__init__()
         d = spec.hidden_size
+        self.approximate = "tanh" if spec.mlp_act == "gelu_tanh" else "none"
         self.norm1 = nn.LayerNorm(d, eps=spec.norm_eps)
         self.attn = VisionAttention(d, spec.n_heads)
         self.norm2 = nn.LayerNorm(d, eps=spec.norm_eps)
@@ -120,7 +126,34 @@ class VisionBlock(nn.Module):
 
     def forward(self, x_ND, cos, sin, cu_seqlens, max_len):
         x_ND = x_ND + self.attn(self.norm1(x_ND), cos, sin, cu_seqlens, max_len)
-        return x_ND + self.fc2(F.gelu(self.fc1(self.norm2(x_ND))))
+        return x_ND + self.fc2(F.gelu(self.fc1(self.norm2(x_ND)), approximate=self.approximate))
+
+
+class ConvPatchEmbed(nn.Module):
+    """The patch embedding with its weight kept as a Conv2d kernel [D, C, p, p] (how MoonViT stores it): on
+    patches [N, C * p * p] it is the linear map with the kernel flattened, the same math as `nn.Linear`."""
+
+    def __init__(self, in_channels: int, patch: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, in_channels, patch, patch))
+        self.bias = nn.Parameter(torch.empty(dim))
+
+    def forward(self, px_NP: torch.Tensor) -> torch.Tensor:
+        return F.linear(px_NP, self.weight.flatten(1), self.bias)
+
+
+def resample_pos_embed(table_hwD: torch.Tensor, grid_hw: torch.Tensor, merge: int = 2) -> torch.Tensor:
+    """A learned [h, w, D] position table resampled to each image's patch grid (bicubic, align_corners=False,
+    edge rows repeated: F.interpolate's convention; the table itself where the sizes agree) -> [N, D] in the
+    packed patch order."""
+    out = []
+    table = table_hwD.permute(2, 0, 1).unsqueeze(0)  # [1, D, h, w]
+    for (gh, gw), pos in zip(grid_hw.tolist(), patch_positions(grid_hw, merge).split(
+            (grid_hw[:, 0] * grid_hw[:, 1]).tolist())):
+        t = table if tuple(table.shape[2:]) == (gh, gw) else F.interpolate(
+            table, size=(gh, gw), mode="bicubic", align_corners=False)
+        out.append(t[0, :, pos[:, 0], pos[:, 1]].T)
+    return torch.cat(out, 0)
 
 
 class VisionTower(nn.Module):
@@ -128,7 +161,12 @@ class VisionTower(nn.Module):
         super().__init__()
         self.spec = spec
         p = spec.patch_size
-        self.patch_embed = nn.Linear(spec.in_channels * p * p, spec.hidden_size, bias=True)
+        if spec.patch_embed_conv:
+            self.patch_embed = ConvPatchEmbed(spec.in_channels, p, spec.hidden_size)
+        else:
+            self.patch_embed = nn.Linear(spec.in_channels * p * p, spec.hidden_size, bias=True)
+        if spec.pos_embed_grid is not None:
+            self.pos_embed = nn.Parameter(torch.empty(*spec.pos_embed_grid, spec.hidden_size))
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.n_layers))
         self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
@@ -149,6 +187,8 @@ class VisionTower(nn.Module):
         cos, sin = rope_2d(patch_positions(grid, s.merge_size), s.hidden_size // s.n_heads, s.rope_theta)
         cos, sin = cos.to(px.device), sin.to(px.device)
         x = self.patch_embed(px.to(self.patch_embed.weight.dtype))
+        if s.pos_embed_grid is not None:
+            x = x + resample_pos_embed(self.pos_embed, grid, s.merge_size).to(x.dtype)
         max_len = int(lens.max())
         for blk in self.blocks:
             x = blk(x, cos, sin, cu, max_len)
@@ -160,7 +200,7 @@ class PatchMerger(nn.Module):
 
     def __init__(self, spec: VisionSpec):
         super().__init__()
-        self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.norm = nn.LayerNorm(spec.hidden_size, eps=spec.merger_norm_eps or spec.norm_eps)
         self.group = spec.merge_size ** 2
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -221,8 +261,10 @@ class VisionModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, ConvPatchEmbed)):
                 nn.init.normal_(m.weight, std=std)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
+        if self.spec.pos_embed_grid is not None:
+            nn.init.normal_(self.tower.pos_embed, std=std)
