@@ -164,6 +164,11 @@ def report(result: dict, console=None) -> None:
             return
         console.print(f"validate: {v['layers']} of {v['of_layers']} layers of the checkpoint's weights, documents of "
                       f"{v['lengths']} random tokens (seed {v['seed']}), float32, vs {v['reference']}")
+        if v.get("vision_parts"):
+            console.print("  each document holds random images of different sizes, their placeholder tokens among "
+                          "the text (the lengths are the text budgets)")
+        for part, d, m in v.get("vision_parts") or []:
+            console.print(f"  vision {part}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
         for i, (d, m) in enumerate(v["per_layer"]):
             console.print(f"  layer {i}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
         if v.get("tie_aligned") and v["tie_aligned"][0]:

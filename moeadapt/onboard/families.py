@@ -8,8 +8,9 @@ Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in 
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
 indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
 shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
-type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), and our own format
-(config.json with a "moeadapt" key).
+type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), kimi_k25 (MoonViT
+vision tower + 2 x 2 merger + MLP projector in front of a deepseek_v3 text model; images only, no video), and our
+own format (config.json with a "moeadapt" key).
 """
 
 from __future__ import annotations
@@ -330,9 +331,66 @@ def _minimax_m2(r: _Reader, fam: Family) -> dict:
     return kw
 
 
+def _sub_reader(r: _Reader, key: str) -> _Reader:
+    """A reader over a nested config (text_config / vision_config) whose leftovers `_fold` reports through `r`."""
+    sub = r.need(key)
+    if not isinstance(sub, dict):
+        raise OnboardError(f"{r.model_type} config: {key} is not an object; the config.json is incomplete")
+    return _Reader(sub, f"{r.model_type} {key}")
+
+
+def _fold(r: _Reader, sub: _Reader, key: str) -> None:
+    left = sorted(k for k in sub.cfg if k not in sub.used and k not in HARMLESS)
+    r.unsupported += [f"{key}.{k} (not understood)" for k in left] + [f"{key}.{p}" for p in sub.unsupported]
+
+
+def _kimi_k25(r: _Reader, fam: Family) -> dict:
+    """Kimi K2.5: MoonViT (learned bicubic-resampled position table + 2-D RoPE on interleaved pairs, which the
+    name map permutes onto our layout; tanh-GELU MLPs; LayerNorm eps 1e-5), a 2 x 2 merger (LayerNorm per patch)
+    and a GELU MLP projector (4 D -> 4 D -> hidden) in front of a deepseek_v3 text model. Images only: video
+    placeholders and the temporal position table are not used."""
+    from ..config import VisionSpec
+
+    t = _sub_reader(r, "text_config")
+    kw = _deepseek(t, fam)
+    _fold(r, t, "text_config")
+    kw["tie_word_embeddings"] = bool(r.get("tie_word_embeddings", default=True))  # the composite model's flag
+    v = _sub_reader(r, "vision_config")
+    D, H = v.need("hidden_size"), v.need("num_attention_heads")
+    act = v.get("hidden_act", default="gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
+        v.unsupported.append(f"hidden_act={act!r} (gelu or its tanh approximation)")
+    v.expect("merge_kernel_size", lambda x: list(x) == [2, 2], "the merger joins 2 x 2 patches")
+    v.expect("head_dim", lambda x: x == D // H, "attention heads of hidden_size / num_attention_heads")
+    gh, gw = v.need("pos_emb_height"), v.need("pos_emb_width")
+    if gh != gw:  # transformers indexes the table as square (vision_utils: num_grid_per_side = pos_emb_height)
+        v.unsupported.append(f"pos_emb_height={gh} != pos_emb_width={gw} (a square position table)")
+    v.get("pos_emb_time")  # the temporal table of video clips; single-frame images add nothing
+    vp = v.get("rope_parameters") or {}
+    if vp.get("rope_type", "axial") != "axial" or set(vp) - {"rope_type", "rope_theta"}:
+        v.unsupported.append(f"rope_parameters={vp} (axial 2-D RoPE)")
+    size = dict(patch_size=v.need("patch_size"), n_layers=v.need("num_hidden_layers"),
+                intermediate_size=v.need("intermediate_size"))
+    _fold(r, v, "vision_config")
+    r.expect("projection_hidden_size", lambda x: x in (None, D), "the merger's LayerNorm runs over one patch")
+    r.get("video_token_id", "vision_start_token_id", "vision_end_token_id")  # text tokens / video only
+    fam.notes.append("kimi_k25: images only (video clips and their temporal position table are not used)")
+    try:
+        kw["vision"] = VisionSpec(
+            **size, hidden_size=D, n_heads=H, projector_hidden_size=4 * D,
+            rope_theta=float(vp.get("rope_theta", 10000.0)), norm_eps=1e-5,  # MoonViT's LayerNorms: fixed 1e-5
+            merger_norm_eps=float(r.get("projection_layer_norm_eps", default=1e-5)),
+            image_token_id=r.need("image_token_id"), pos_embed_grid=(gh, gw),
+            mlp_act="gelu" if act == "gelu" else "gelu_tanh", patch_embed_conv=True)
+    except ValidationError as e:
+        raise OnboardError(format_validation_error(e, "kimi_k25 vision_config -> VisionSpec")) from None
+    fam.hf_class = "Kimi_K25ForConditionalGeneration"
+    return kw
+
+
 _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next,
-             "minimax_m2": _minimax_m2}
+             "minimax_m2": _minimax_m2, "kimi_k25": _kimi_k25}
 
 
 # Config fields of architectures we do not implement -> what they are (for the unknown-family message)

@@ -25,7 +25,11 @@ def tiny_cfg(model_type: str, **kw):
     return transformers.DeepseekV3Config(**base)
 
 
-def save_tiny(model_type: str, out, **kw):
+def save_tiny(model_type: str, out, seed: int | None = None, **kw):
+    """A tiny checkpoint written by transformers; kimi_k25 (vision + text) takes its shapes and weights from
+    `seed` (random_checkpoint)."""
+    if model_type == "kimi_k25":
+        return random_checkpoint(model_type, out, fresh_seed() if seed is None else seed, **kw)
     cfg = tiny_cfg(model_type, **kw)
     cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.DeepseekV3ForCausalLM
     m = cls(cfg).float()
@@ -88,6 +92,22 @@ def _random_cfg(model_type: str, rnd: random.Random):
             linear_num_heads=c([2, 4]), linear_head_dim=c([8, 16]), layer_types=types,
             mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense), routed_scaling_factor=c([1.0, 2.5]),
             model_max_length=128, **{k: v for k, v in common.items() if k != "max_position_embeddings"})
+    if model_type == "kimi_k25":  # MoonViT + projector in front of a deepseek_v3 text model
+        V = common["vocab_size"]
+        text = _random_cfg("deepseek_v3", rnd).to_dict()
+        # a q_lora_rank: transformers 5.24's kimi_k25 save / load renames match the text model's
+        # "self_attn.q_proj" as the vision "attn.q_proj" (the real checkpoints have a q latent)
+        text.update(vocab_size=V, q_lora_rank=c([16, 24]))
+        D, heads = c([16, 32]), c([2, 4])
+        side = c([4, 6, 8])  # the position table: image grids (2..6 patches a side) above and below it
+        vision = dict(patch_size=c([14, 16]), pos_emb_height=side, pos_emb_width=side, num_attention_heads=heads,
+                      num_hidden_layers=c([1, 2]), hidden_size=D, intermediate_size=c([24, 40]),
+                      hidden_act=c(["gelu_pytorch_tanh", "gelu"]),
+                      rope_parameters={"rope_type": "axial", "rope_theta": c([100.0, 10000.0])})
+        return transformers.Kimi_K25Config(
+            text_config=text, vision_config=vision, projection_hidden_size=D,
+            projection_layer_norm_eps=c([1e-5, 1e-3]), image_token_id=V - 4, video_token_id=V - 3,
+            vision_start_token_id=V - 2, vision_end_token_id=V - 1, tie_word_embeddings=c([True, False]))
     E, groups = c([4, 8]), c([1, 2])
     q_ranks = [16, 24] if model_type in ("deepseek_v32", "glm_moe_dsa") else [None, 16, 24]  # indexer reads q latent
     kw = dict(**mla, q_lora_rank=c(q_ranks), n_routed_experts=E, n_shared_experts=1,
@@ -117,7 +137,10 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    if model_type == "kimi_k25":
+        m = transformers.Kimi_K25ForConditionalGeneration(cfg).float()
+    else:
+        m = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():

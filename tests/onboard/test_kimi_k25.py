@@ -1,0 +1,114 @@
+"""kimi_k25 (MoonViT + projector + deepseek_v3 text): `onboard --validate` on a tiny random checkpoint written by
+transformers (shapes and weights from the `seed` fixture) passes at 1e-4 in float32 on image + text documents;
+a copy with one vision tensor perturbed FAILS naming the vision part; the vision RoPE row map is what makes
+q / k match; the config reader names what it cannot map."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from onboard_helpers import _random_cfg, save_tiny
+from safetensors.torch import load_file, save_file
+
+from moeadapt.cli import main
+from moeadapt.onboard import OnboardError, onboard, read_family, read_family_dir
+from moeadapt.onboard import names as names_mod
+from moeadapt.onboard.validate import TOL, validate_checkpoint
+
+
+def _ckpt(tmp_path, seed):
+    return save_tiny("kimi_k25", tmp_path / "ckpt", seed=seed)
+
+
+def test_kimi_k25_validates_against_transformers(seed, tmp_path):
+    d = _ckpt(tmp_path, seed)
+    cfg = json.loads((d / "config.json").read_text())
+    res = onboard(d, validate=True, seed=seed)
+    v, s = res["validation"], res["spec"]
+    print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "vision_parts", "per_layer")})
+    assert v["passed"], v["where"]
+    assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1
+    vc = cfg["vision_config"]
+    labels = [p[0] for p in v["vision_parts"]]
+    assert labels == (["patch embedding + position table"] + [f"block {i}" for i in range(vc["num_hidden_layers"])]
+                      + ["final norm", "merger + projector"])
+    assert all(m > 0.1 for _, _, m in v["vision_parts"])  # every part really carried image features
+    vs = s.vision
+    assert vs.pos_embed_grid == (vc["pos_emb_height"], vc["pos_emb_width"]) and vs.patch_embed_conv
+    assert vs.mlp_act == ("gelu" if vc["hidden_act"] == "gelu" else "gelu_tanh")
+    assert vs.merger_norm_eps == cfg["projection_layer_norm_eps"] and vs.image_token_id == cfg["image_token_id"]
+    assert s.tie_word_embeddings == cfg["tie_word_embeddings"]
+    assert res["check"]["mapped"] == res["check"]["tensors"]
+
+
+def _perturb(name: str):
+    def tamper(m):
+        with torch.no_grad():
+            p = m.get_parameter(name)
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    return tamper
+
+
+def test_broken_vision_copy_fails_naming_the_part(seed, tmp_path):
+    """Our copy of the weights with one vision tensor perturbed: FAIL, naming that part of the tower."""
+    d = _ckpt(tmp_path, seed)
+    fam = read_family_dir(d)
+    last = fam.spec.vision.n_layers - 1
+    for name, part in [(f"vision.tower.blocks.{last}.fc1.weight", f"block {last}"),
+                       ("vision.tower.pos_embed", "patch embedding + position table"),
+                       ("vision.projector.fc1.weight", "merger + projector")]:
+        v = validate_checkpoint(d, fam, tamper=_perturb(name))
+        assert not v["passed"] and v["first_bad_part"] == part, (name, v["where"])
+        assert v["where"].startswith(f"the vision {part} is the first part to diverge")
+        ok = [p for p in v["vision_parts"] if p[0] != part][:[p[0] for p in v["vision_parts"]].index(part)]
+        assert all(dh / max(1, h) <= TOL for _, dh, h in ok)  # the parts before it still agree
+
+
+def test_vision_rope_row_map_is_what_makes_qk_match(seed, tmp_path, monkeypatch, capsys):
+    d = _ckpt(tmp_path, seed)
+    monkeypatch.setattr(names_mod, "_vision_rope_rows", lambda heads, head: torch.arange(heads * head))
+    v = validate_checkpoint(d, read_family_dir(d))
+    assert not v["passed"] and v["first_bad_part"] == "block 0", v["where"]
+    assert main(["onboard", str(d), "--validate"]) == 2  # the CLI: FAIL, one message naming the part, exit 2
+    out = capsys.readouterr()
+    assert "FAIL" in out.out and "validation failed" in out.err
+    assert "the vision block 0 is the first part to diverge" in out.err
+
+
+def test_moonshot_spelling_maps_too(seed, tmp_path):
+    """Moonshot's own checkpoints spell three prefixes differently from transformers' save_pretrained."""
+    d = _ckpt(tmp_path, seed)
+    out = tmp_path / "moonshot"
+    shutil.copytree(d, out)
+    t = load_file(str(out / "model.safetensors"))
+    ren = {"language_model.model.blocks.": "language_model.model.layers.",
+           "vision_tower.encoder.patch_embed.proj.": "vision_tower.patch_embed.proj.",
+           "model.mm_projector.pre_norm.": "mm_projector.pre_norm."}
+    moved = {}
+    for k, x in t.items():
+        for a, b in ren.items():
+            k = b + k[len(a):] if k.startswith(a) else k
+        moved[k] = x
+    assert set(moved) != set(t)
+    save_file(moved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    c = onboard(out)["check"]
+    assert c["mapped"] == c["tensors"] == len(moved)
+
+
+def test_config_reader_names_what_it_cannot_map(seed):
+    cfg = _random_cfg("kimi_k25", random.Random(seed)).to_dict()
+    assert read_family(cfg).spec.vision is not None
+    for change, needle in [
+        (lambda c: c["vision_config"].update(pos_emb_width=c["vision_config"]["pos_emb_height"] + 2), "pos_emb_height"),
+        (lambda c: c["vision_config"].update(merge_kernel_size=[1, 1]), "merge_kernel_size"),
+        (lambda c: c["vision_config"].update(hidden_act="relu"), "hidden_act='relu'"),
+        (lambda c: c["vision_config"].update(window_size=4), "vision_config.window_size (not understood)"),
+        (lambda c: c["text_config"].update(hidden_act="gelu"), "text_config.hidden_act"),
+        (lambda c: c.update(projection_hidden_size=c["vision_config"]["hidden_size"] * 2), "projection_hidden_size"),
+    ]:
+        bad = json.loads(json.dumps(cfg))
+        change(bad)
+        with pytest.raises(OnboardError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            read_family(bad)
