@@ -189,3 +189,17 @@ def test_position_table_resampling(seed):
     assert (m(batch) - out).abs().amax(-1).min() > 1e-4
     with pytest.raises(ValueError, match="two positive sizes"):
         VisionSpec(pos_embed_grid=(0, 4))
+
+
+def test_moonvit_layout_has_init_rules():
+    """The trainer's scale-true init (models/init.py) covers the layout options' tensors."""
+    from moeadapt.config import get_preset
+    from moeadapt.models.init import init_rules
+    from moeadapt.models.model import build_model
+
+    base = get_preset("tiny-vl")
+    spec = base.model_copy(update={"vision": base.vision.model_copy(update=MOONVIT)})
+    rules = init_rules(build_model(spec, "meta"))
+    assert rules["vision.tower.pos_embed"].kind == "normal"
+    assert rules["vision.tower.patch_embed.weight"].kind == "normal"
+    assert rules["vision.tower.patch_embed.bias"].kind == "const"

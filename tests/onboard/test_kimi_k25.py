@@ -41,6 +41,8 @@ def test_kimi_k25_validates_against_transformers(seed, tmp_path):
     assert vs.merger_norm_eps == cfg["projection_layer_norm_eps"] and vs.image_token_id == cfg["image_token_id"]
     assert s.tie_word_embeddings == cfg["tie_word_embeddings"]
     assert res["check"]["mapped"] == res["check"]["tensors"]
+    v = validate_checkpoint(d, read_family_dir(d), layers=1, seed=seed)  # the first text block, the whole tower
+    assert v["passed"] and v["layers"] == 1 and len(v["vision_parts"]) == len(labels), v["where"]
 
 
 def _perturb(name: str):
