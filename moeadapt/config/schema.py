@@ -66,8 +66,20 @@ class VisionSpec(_Strict):
     pos_embed_grid: tuple[int, int] | None = Field(
         default=None, description="(rows, cols) of a learned absolute position table added after the patch "
         "embedding, resampled bicubically (align_corners=False) to each image's patch grid; None = none")
-    mlp_act: Literal["gelu", "gelu_tanh"] = Field(default="gelu", description="block MLP activation: exact GELU "
-                                                  "or its tanh approximation")
+    mlp_act: Literal["gelu", "gelu_tanh", "swiglu"] = Field(
+        default="gelu", description="block MLP: fc2(GELU(fc1 x)) with exact GELU or its tanh approximation, or "
+        "fc2(SiLU(fc1 x) * fc3 x)")
+    swiglu_limit: float | None = Field(default=None, gt=0, description="SwiGLU clamps (GLM): gate <= limit, "
+                                       "|up| <= limit; None = no clamp")
+    norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="the blocks' and the tower's "
+                                                   "final norm")
+    qk_norm: bool = Field(default=False, description="RMSNorm over each head's q and k before RoPE")
+    temporal_patch_size: int = Field(default=1, ge=1, description="frames a patch kernel spans (Conv3d "
+                                     "towers); an image fills them all, so the kernel's frames are summed")
+    projector: Literal["mlp", "glm"] = Field(
+        default="mlp", description="mlp: LayerNorm per patch, 2 x 2 concat, fc2(GELU(fc1 x)); glm: 2 x 2 concat "
+        "(no norm), a linear 4 D -> lm_hidden stored as a Conv2d kernel, proj, LayerNorm, GELU, then a SwiGLU "
+        "through projector_hidden_size (clamped by swiglu_limit)")
     merger_norm_eps: float | None = Field(default=None, gt=0, description="the merger LayerNorm's epsilon; "
                                           "None = norm_eps")
     patch_embed_conv: bool = Field(default=False, description="patch embedding weight stored as a Conv2d kernel "
@@ -78,6 +90,9 @@ class VisionSpec(_Strict):
         if self.hidden_size % self.n_heads:
             raise ValueError(f"vision.n_heads={self.n_heads} does not divide vision.hidden_size={self.hidden_size}; "
                              f"choose n_heads in {_divisors(self.hidden_size)}")
+        if self.temporal_patch_size > 1 and not self.patch_embed_conv:
+            raise ValueError(f"vision.temporal_patch_size={self.temporal_patch_size} needs patch_embed_conv: true "
+                             "(the kernel is kept as [hidden, channels, frames, patch, patch])")
         if self.pos_embed_grid is not None and min(self.pos_embed_grid) < 1:
             raise ValueError(f"vision.pos_embed_grid={self.pos_embed_grid} must hold two positive sizes")
         if (self.hidden_size // self.n_heads) % 4:

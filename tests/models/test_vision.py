@@ -25,6 +25,12 @@ MOONVIT = dict(pos_embed_grid=(3, 5), mlp_act="gelu_tanh", merger_norm_eps=1e-2,
                norm_eps=1e-5)
 
 
+# GLM-5.3's (glm5_next): RMSNorms, q / k RMSNorm, clamped SwiGLU (a limit the random activations reach), Conv3d
+# patch kernel over 2 frames, the downsample + SwiGLU projector
+GLM = dict(norm="rmsnorm", qk_norm=True, mlp_act="swiglu", swiglu_limit=1.5, temporal_patch_size=2,
+           patch_embed_conv=True, projector="glm", projector_hidden_size=40, norm_eps=1e-5)
+
+
 def _model(spec, lm_hidden=24, dtype=torch.float64):
     m = VisionModel(spec, lm_hidden).to(dtype)
     with torch.no_grad():  # every parameter random (LayerNorm gains and biases too), so each one is checked
@@ -43,7 +49,7 @@ def _pack(imgs, patch=14):
     return ImageBatch(px, grid)
 
 
-@pytest.mark.parametrize("backend, layout", [("sdpa", {}), ("reference", {}), ("sdpa", MOONVIT)])
+@pytest.mark.parametrize("backend, layout", [("sdpa", {}), ("reference", {}), ("sdpa", MOONVIT), ("sdpa", GLM)])
 def test_packed_equals_float64_reference_values_and_grads(seed, backend, layout):
     spec = _spec(**layout)
     m = _model(spec)
@@ -64,7 +70,7 @@ def test_packed_equals_float64_reference_values_and_grads(seed, backend, layout)
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda s, n=name: f"grad {n}: {s}")
 
 
-@pytest.mark.parametrize("layout", [{}, MOONVIT])
+@pytest.mark.parametrize("layout", [{}, MOONVIT, GLM])
 def test_packed_equals_one_at_a_time(seed, layout):
     spec = _spec(n_layers=3, **layout)
     m = _model(spec, dtype=torch.float32)
@@ -191,15 +197,17 @@ def test_position_table_resampling(seed):
         VisionSpec(pos_embed_grid=(0, 4))
 
 
-def test_moonvit_layout_has_init_rules():
+@pytest.mark.parametrize("layout", [MOONVIT, GLM])
+def test_layout_options_have_init_rules(layout):
     """The trainer's scale-true init (models/init.py) covers the layout options' tensors."""
     from moeadapt.config import get_preset
     from moeadapt.models.init import init_rules
     from moeadapt.models.model import build_model
 
     base = get_preset("tiny-vl")
-    spec = base.model_copy(update={"vision": base.vision.model_copy(update=MOONVIT)})
+    spec = base.model_copy(update={"vision": VisionSpec(**{**base.vision.model_dump(), **layout})})
     rules = init_rules(build_model(spec, "meta"))
-    assert rules["vision.tower.pos_embed"].kind == "normal"
+    if "pos_embed_grid" in layout:
+        assert rules["vision.tower.pos_embed"].kind == "normal"
     assert rules["vision.tower.patch_embed.weight"].kind == "normal"
     assert rules["vision.tower.patch_embed.bias"].kind == "const"
