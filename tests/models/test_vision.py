@@ -116,6 +116,8 @@ def test_bad_inputs_are_one_clear_error():
         m.embed_images(x, ids, None)
     with pytest.raises(ValueError, match="multiple of 4"):
         VisionSpec(hidden_size=24, n_heads=4)
+    with pytest.raises(ValueError, match="needs patch_embed_conv"):
+        VisionSpec(temporal_patch_size=2)
 
 
 def test_embed_images_fills_placeholders_in_order(seed):
