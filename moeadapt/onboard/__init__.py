@@ -148,6 +148,11 @@ def report(result: dict, console=None) -> None:
     console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
                   f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "
                   f"{s.n_routed_experts} experts top-{s.n_experts_per_tok}")
+    if s.vision is not None:
+        v = s.vision
+        console.print(f"vision tower: {v.n_layers} layers, width {v.hidden_size}, {v.n_heads} heads, patches of "
+                      f"{v.patch_size} px, 2 x 2 merger, {v.projector} projector -> {s.hidden_size}; image "
+                      f"placeholder token {v.image_token_id}")
     console.print(f"tensors: {c['tensors']} in {c['shards']} shard(s), {c['mapped']} mapped, "
                   f"{len(c['ignored'])} ignored, {len(c['absent_by_design'])} of ours absent by design")
     for name, why in sorted({**c["ignored"]}.items())[:5]:

@@ -184,8 +184,9 @@ def _our_parts(ours: nn.Module) -> list[tuple[nn.Module, bool]]:
 
 
 def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_type: str):
-    """A document of about L tokens holding `n_images` random images of different sizes: (input_ids [1, T],
-    transformers' image kwargs, our ImageBatch, grids [I, 2])."""
+    """A document of about L text tokens and `n_images` random images of different sizes, each image's
+    placeholders (between the family's start / end tokens) at a random place: (input_ids [1, T], transformers'
+    image kwargs, our ImageBatch)."""
     from ..models.vision import ImageBatch, patchify
 
     v = spec.vision
