@@ -114,3 +114,12 @@ def test_config_reader_names_what_it_cannot_map(seed):
         change(bad)
         with pytest.raises(OnboardError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             read_family(bad)
+
+
+def test_sliced_reads_match_the_whole_load(seed, tmp_path):
+    """FSDP's boxes of the vision tensors (RoPE-permuted qkv rows, the Conv2d-shaped patch kernel, the position
+    table) and of the text tensors under language_model. equal the whole-tensor load."""
+    from test_sliced_read import _check_all_boxes
+
+    src = _check_all_boxes(_ckpt(tmp_path, seed), seed)
+    assert src.loader.rule("vision.tower.blocks.0.attn.qkv.weight").row_perm is not None
