@@ -163,7 +163,8 @@ def init_fill(model: nn.Module, seed: int = 0, device: torch.device | str = "cpu
     """The initialising fill for `model` (build it on meta, LoRA injected; call before parallelizing or after):
     values drawn on `device` and returned in each tensor's dtype (a bf16 frozen base is written as bf16)."""
     rules = init_rules(model)
-    dtypes = {n: t.dtype for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    dtypes = {n: t.dtype for n, t in list(model.named_parameters(remove_duplicate=False))  # tied: both names
+              + list(model.named_buffers())}
 
     def fill(name: str, global_shape: tuple[int, ...], local_slices: tuple[slice, ...]) -> torch.Tensor:
         if name not in rules:
