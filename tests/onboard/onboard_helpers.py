@@ -135,7 +135,11 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
     for k, v in overrides.items():
-        setattr(cfg, k, v)
+        if k == "text_config":  # a vision-language config's text model: {field: value}
+            for kk, vv in v.items():
+                setattr(cfg.text_config, kk, vv)
+        else:
+            setattr(cfg, k, v)
     torch.manual_seed(seed)
     if model_type == "kimi_k25":
         m = transformers.Kimi_K25ForConditionalGeneration(cfg).float()

@@ -123,3 +123,31 @@ def test_sliced_reads_match_the_whole_load(seed, tmp_path):
 
     src = _check_all_boxes(_ckpt(tmp_path, seed), seed)
     assert src.loader.rule("vision.tower.blocks.0.attn.qkv.weight").row_perm is not None
+
+
+def test_lora_finetune_from_the_checkpoint(seed, tmp_path):
+    """A vision-language LoRA run (vision-tower LoRA, projector trained fully) initialised from the kimi_k25
+    checkpoint through the name map; the adapter on the same checkpoint reproduces the run's eval."""
+    from moeadapt import api
+    from moeadapt.config import build_run_config
+    from moeadapt.data import shapes
+    from moeadapt.onboard import model_spec_from_dir
+
+    # the byte tokenizer's vocabulary and image placeholder (263)
+    d = save_tiny("kimi_k25", tmp_path / "ckpt", seed=seed, image_token_id=263, video_token_id=262,
+                  vision_start_token_id=260, vision_end_token_id=261, text_config={"vocab_size": 264})
+    shapes.write_split(tmp_path / "d", "train", 16, 1, turns=1)
+    shapes.write_split(tmp_path / "d", "eval", 8, 2, turns=1)
+    ev = str(tmp_path / "d" / "eval.jsonl")
+    spec = model_spec_from_dir(d).model_copy(update={"bias_update_rate": 0.0})  # base + adapter = trained model
+    cfg = build_run_config({
+        "model": spec.model_dump(mode="json"), "lora": {"rank": 4, "alpha": 8, "vision_tower": "lora",
+                                                        "projector": "full"},
+        "train": dict(steps=2, lr=1e-2, warmup_steps=0, micro_batch_size=4, seq_len=40, log_every=1,
+                      eval_batches=2, output_dir=str(tmp_path / "run"), init_from=str(d), seed=0, device="cpu",
+                      dtype="fp32"),
+        "data": {"train": str(tmp_path / "d" / "train.jsonl"), "eval": ev}})
+    r = api.train(cfg, quiet=True)
+    assert r.eval_after < r.eval_before
+    res = api.evaluate(d, ev, r.output_dir / "adapter", seq_len=40, batch_size=4, max_batches=2)
+    assert abs(res["loss"] - r.eval_after) < 1e-5
