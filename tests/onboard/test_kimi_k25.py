@@ -151,3 +151,42 @@ def test_lora_finetune_from_the_checkpoint(seed, tmp_path):
     assert r.eval_after < r.eval_before
     res = api.evaluate(d, ev, r.output_dir / "adapter", seq_len=40, batch_size=4, max_batches=2)
     assert abs(res["loss"] - r.eval_after) < 1e-5
+
+
+def test_attention_adapter_loads_in_peft(seed, tmp_path):
+    """A LoRA adapter on the text model's attention, exported with the kimi_k25 name map, is what peft (0.21.2)
+    applies to transformers' Kimi_K25ForConditionalGeneration: same logits, no missing or unexpected keys.
+    (peft does not place per-expert adapters on this family's fused experts: its MoE conversion lacks it.)"""
+    import warnings
+
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.onboard import onboard_model, peft_maps
+
+    d = _ckpt(tmp_path, seed)
+    ours, _ = onboard_model(d, dtype=torch.float32)
+    spec = ours.spec
+    lora = LoRASpec(rank=2, alpha=4.0, targets=["attn.wq_b", "attn.wkv_b", "attn.wo"])
+    inject_lora(ours, lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    out = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(d))
+    ids = torch.randint(0, spec.vision.image_token_id, (1, 16), generator=g)
+    hf = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits.float()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = peft.PeftModel.from_pretrained(hf, str(out)).eval()
+    msgs = [str(w.message) for w in caught if "adapter keys" in str(w.message) or "unexpected" in str(w.message)]
+    assert not msgs, msgs
+    with torch.no_grad():
+        got, ref = pm(input_ids=ids).logits.float(), ours.eval()(ids).logits.float()
+    assert (ref - base).abs().max() > 1e-3 and (got - ref).abs().max() <= 1e-4
