@@ -30,12 +30,13 @@ def _hf_config(path: Path, n_layers: int):
     except (ValueError, KeyError) as e:
         raise OnboardError(f"transformers {transformers.__version__} cannot read {path}/config.json ({e}); "
                            "--validate needs a transformers version that implements this model_type") from None
-    full = cfg.num_hidden_layers
+    text = getattr(cfg, "text_config", None) or cfg  # a multimodal config: the text model's own (GLM-5.3-Flash)
+    full = text.num_hidden_layers
     if n_layers < full:
-        cfg.num_hidden_layers = n_layers
-        for k, v in list(vars(cfg).items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
+        text.num_hidden_layers = n_layers
+        for k, v in list(vars(text).items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
             if isinstance(v, list) and len(v) == full and k not in ("architectures",):
-                setattr(cfg, k, v[:n_layers])
+                setattr(text, k, v[:n_layers])
     return cfg
 
 
@@ -89,7 +90,8 @@ class _IndexerTies:
 
     def __init__(self, ours: nn.Module, hf: nn.Module, n: int):
         self.ours = {i: b.attn for i, b in enumerate(_blocks(ours, n))
-                     if b.attn_type == "dsa" and b.attn.index_from is None}  # layers with an indexer of their own
+                     if b.attn_type == "dsa" and b.attn.index_from is None  # layers with an indexer of their own
+                     and not b.attn.kpool}  # (a KPool indexer's block scores are not aligned: rarely tied)
         self.hf = {}
         for name, m in hf.named_modules():
             parts = name.split(".")
