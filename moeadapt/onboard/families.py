@@ -417,16 +417,10 @@ _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _de
              "minimax_m2": _minimax_m2, "glm5_next": _glm5_next}
 
 
-# Config fields of architectures we do not implement -> what they are (for the unknown-family message)
+# Config fields of architectures we do not implement -> what they are (for the unknown-family message). Features
+# that are ModelSpec options now (hyper-connections, the KPool indexer, shared-indexer layers, the lower-bounded
+# KDA gate, the clamped SwiGLU: GLM-5.3-Flash) are no longer listed: an unknown family using them lacks a mapping only
 _FEATURES = {
-    "hc_mult": "hyper-connections (several residual streams mixed per layer)",
-    "hc_sinkhorn_iters": "Sinkhorn-normalised hyper-connection mixing",
-    "index_kpool": "KPool indexer (pooled indexer keys)",
-    "index_kpool_always_select_tail": "indexer that always selects the tail block",
-    "indexer_types": "layers that reuse another layer's indexer top-k ('shared' indexer layers)",
-    "linear_lower_bound": "lower-bounded linear-attention gate",
-    "gate_lower_bound": "lower-bounded linear-attention gate",
-    "swiglu_limit": "clamped SwiGLU",
     "linear_num_value_heads": "Gated DeltaNet linear attention (one decay per head, grouped value heads)",
     "linear_key_head_dim": "Gated DeltaNet linear attention",
     "shared_expert_intermediate_size": "sigmoid-gated shared expert",

@@ -1,0 +1,49 @@
+"""glm5_next (GLM-5.3-Flash) text model: transformers' default config maps field by field; on a tiny random
+checkpoint (shapes from a fresh, printed seed) each of the family's features is needed to match transformers
+(the hyper-connections' Sinkhorn, the gate lower bound, the always-selected tail, the SwiGLU clamp), the
+truncated model validates, and the vision tower is skipped with a notice."""
+
+import dataclasses
+
+import transformers
+from onboard_helpers import fresh_seed, random_checkpoint
+
+from moeadapt.cli import main
+from moeadapt.onboard import read_family, read_family_dir
+from moeadapt.onboard.validate import validate_checkpoint
+
+
+def test_default_config_maps_every_field():
+    fam = read_family(transformers.AutoConfig.for_model("glm5_next").to_dict())
+    s = fam.spec
+    types = s.resolved_layer_types()
+    assert len(types) == 45 and types[:4] == ["kda", "kda", "kda", "dsa"] and s.first_k_dense == 3
+    assert (s.hc_mult, s.hc_sinkhorn_iters, s.index_kpool, s.index_kpool_select_tail) == (4, 20, 16, True)
+    assert (s.kda_gate_lower_bound, s.swiglu_limit, s.qk_rope_head_dim, s.mla_rope) == (-5.0, 10.0, 0, False)
+    assert (s.kda_n_heads, s.kda_head_dim, s.n_routed_experts, s.index_topk) == (64, 128, 288, 2048)
+    assert s.mla_norm_eps == s.norm_eps == 1e-5 and s.index_norm_eps == 1e-6 and not s.attn_output_gate
+    assert fam.prefix == "model.language_model." and fam.hf_class == "Glm5NextForConditionalGeneration"
+    assert any("vision tower" in n for n in fam.notes) and "model.visual." in fam.skip_prefixes
+
+
+def test_features_each_matter(tmp_path, capsys):
+    seed = fresh_seed()
+    print(f"glm5_next checkpoint seed {seed} (MOEADAPT_TEST_SEED={seed} replays it)")
+    d = random_checkpoint("glm5_next", tmp_path / "ckpt", seed)
+    fam = read_family_dir(d)
+    s = fam.spec
+    dsa = s.resolved_layer_types().index("dsa")
+
+    def fails_at(layer, **change):
+        v = validate_checkpoint(d, dataclasses.replace(fam, spec=s.model_copy(update=change)), seed=seed)
+        assert not v["passed"] and v["first_bad_layer"] == layer, (change, v["where"])
+
+    fails_at(0, hc_sinkhorn_iters=1 if s.hc_sinkhorn_iters > 1 else 20)
+    fails_at(0, kda_gate_lower_bound=None if s.kda_gate_lower_bound is not None else -5.0)
+    fails_at(0, swiglu_limit=None)
+    fails_at(dsa, index_kpool_select_tail=False)
+    v = validate_checkpoint(d, fam, layers=dsa + 1, seed=seed)  # the first N blocks, built from the same files
+    assert v["passed"] and v["layers"] == dsa + 1, v["where"]
+    assert main(["onboard", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower (not mapped: text model only)" in out and "kpool_indexer" in out
