@@ -345,9 +345,11 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
     `text_config` (or at the top level of a flat config); the vision tower is not mapped (skipped, with a note)."""
     top = r.cfg
     tie = None
+    # the multimodal wrapper's fields: placeholder token ids of the (unmapped) vision tower
+    r.used.update({"text_config", "vision_config", "image_token_id", "video_token_id", "image_start_token_id",
+                   "image_end_token_id", "video_start_token_id", "video_end_token_id"})
     if isinstance(top.get("text_config"), dict):
-        r.used.update({"text_config", "vision_config", "image_token_id", "video_token_id", "image_start_token_id",
-                       "image_end_token_id", "video_start_token_id", "video_end_token_id", "tie_word_embeddings"})
+        r.used.add("tie_word_embeddings")
         tie = bool(top.get("tie_word_embeddings"))  # transformers ties lm_head by the outer config
         sub = _Reader(top["text_config"], "text_config")
         r.children.append(sub)

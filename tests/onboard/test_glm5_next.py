@@ -5,11 +5,12 @@ truncated model validates, and the vision tower is skipped with a notice."""
 
 import dataclasses
 
+import pytest
 import transformers
 from onboard_helpers import fresh_seed, random_checkpoint
 
 from moeadapt.cli import main
-from moeadapt.onboard import read_family, read_family_dir
+from moeadapt.onboard import OnboardError, read_family, read_family_dir
 from moeadapt.onboard.validate import validate_checkpoint
 
 
@@ -24,6 +25,19 @@ def test_default_config_maps_every_field():
     assert s.mla_norm_eps == s.norm_eps == 1e-5 and s.index_norm_eps == 1e-6 and not s.attn_output_gate
     assert fam.prefix == "model.language_model." and fam.hf_class == "Glm5NextForConditionalGeneration"
     assert any("vision tower" in n for n in fam.notes) and "model.visual." in fam.skip_prefixes
+
+
+def test_text_config_fields_are_checked():
+    """An unknown text_config field, and a 'shared' indexer layer with no full DSA layer just before it (which
+    transformers refuses too), are named."""
+    cfg = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    cfg["text_config"]["frobnicate"] = 1
+    with pytest.raises(OnboardError, match=r"text_config\.frobnicate \(not understood\)"):
+        read_family(cfg)
+    cfg["text_config"].pop("frobnicate")
+    cfg["text_config"]["indexer_types"] = ["full"] * 7 + ["shared"] + ["full"] * 37  # layer 7 follows KDA layer 6
+    with pytest.raises(OnboardError, match=r"shared DSA layers \[7\] do not follow a 'full' DSA layer"):
+        read_family(cfg)
 
 
 def test_features_each_matter(tmp_path, capsys):
