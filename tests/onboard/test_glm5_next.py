@@ -6,10 +6,12 @@ truncated model validates, and the vision tower is skipped with a notice."""
 import dataclasses
 
 import pytest
+import torch
 import transformers
 from onboard_helpers import fresh_seed, random_checkpoint
 
 from moeadapt.cli import main
+from moeadapt.models import build_model, count_parameters
 from moeadapt.onboard import OnboardError, read_family, read_family_dir
 from moeadapt.onboard.validate import validate_checkpoint
 
@@ -25,6 +27,17 @@ def test_default_config_maps_every_field():
     assert s.mla_norm_eps == s.norm_eps == 1e-5 and s.index_norm_eps == 1e-6 and not s.attn_output_gate
     assert fam.prefix == "model.language_model." and fam.hf_class == "Glm5NextForConditionalGeneration"
     assert any("vision tower" in n for n in fam.notes) and "model.visual." in fam.skip_prefixes
+
+
+@pytest.mark.slow
+def test_real_size_parameter_count_is_transformers():
+    """Every parameter of transformers' text model (+ lm_head) has its counterpart: the counts agree exactly."""
+    s = read_family(transformers.AutoConfig.for_model("glm5_next").to_dict()).spec
+    cfg = transformers.AutoConfig.for_model("glm5_next").text_config
+    with torch.device("meta"):
+        hf = transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextModel(cfg)
+    want = sum(p.numel() for p in hf.parameters()) + cfg.vocab_size * cfg.hidden_size
+    assert count_parameters(build_model(s, "meta"), s)["total"] == want  # 313.3e9
 
 
 def test_text_config_fields_are_checked():
