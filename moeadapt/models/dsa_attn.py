@@ -4,8 +4,8 @@ MLA projections (q through a q_lora_rank latent, a shared kv latent of kv_lora_r
 spec.mla_rope = False that part is not rotated: NoPE MLA as in Kimi Linear);
 the lightning indexer (queries from the q latent, one LayerNorm'd key per token, RoPE on the first
 rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query (with spec.index_kpool:
-whole blocks of keys by pooled block keys, plus the query's own incomplete block; ops.dsa.kpool_indexer); attention runs
-in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
+whole blocks of keys by their pooled keys, plus the query's own incomplete block: ops.dsa.kpool_indexer);
+attention runs in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
 only; then o <- o * sigmoid(x W_gate) per head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
 Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
