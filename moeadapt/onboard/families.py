@@ -410,7 +410,9 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
                          "there")
     fam.prefix = "model.language_model."
     fam.hf_class = "Glm5NextForConditionalGeneration"
-    fam.mtp_layers = int(r.get("num_nextn_predict_layers", default=0) or 0)
+    # transformers skips the multi-token-prediction layer GLM-5.3-Flash ships after the last one (layers.45.*)
+    # whether or not the config names it; so do we
+    fam.mtp_layers = max(1, int(r.get("num_nextn_predict_layers", default=0) or 0))
     return kw
 
 

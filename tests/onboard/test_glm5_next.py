@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
-from onboard_helpers import fresh_seed, random_checkpoint
+from onboard_helpers import fresh_seed, random_checkpoint, save_tiny
 
 from moeadapt.cli import main
 from moeadapt.models import build_model, count_parameters
@@ -74,3 +74,25 @@ def test_features_each_matter(tmp_path, capsys):
     assert main(["onboard", str(d)]) == 0
     out = capsys.readouterr().out
     assert "vision tower (not mapped: text model only)" in out and "kpool_indexer" in out
+
+
+def test_mtp_layer_and_vision_tensors_are_skipped(tmp_path):
+    """The checkpoint's extra multi-token-prediction layer (after the last layer, as GLM-5.3-Flash ships it) and
+    its vision tower are skipped, each with its reason; any other stray tensor is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    from moeadapt.onboard import onboard
+
+    d = save_tiny("glm5_next", tmp_path / "ckpt")
+    f = d / "model.safetensors"
+    t = load_file(str(f))
+    t["model.language_model.layers.4.shared_head.norm.weight"] = torch.ones(32)
+    save_file(t, str(f), metadata={"format": "pt"})
+    ign = onboard(d)["check"]["ignored"]
+    assert "multi-token-prediction" in ign["model.language_model.layers.4.shared_head.norm.weight"]
+    assert all("vision tower" in why for n, why in ign.items() if n.startswith("model.visual."))
+    assert any(n.startswith("model.visual.") for n in ign)
+    t["model.language_model.stray.weight"] = torch.ones(2)
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(OnboardError, match="map to nothing.*stray"):
+        onboard(d)
