@@ -40,7 +40,11 @@ def op_mapping(spec: ModelSpec, device: str = "auto") -> list[dict]:
             attn, be = "chunk_kda (Gated DeltaNet: one decay per head, grouped value heads)", backend
         elif t == "dsa":
             attn, be = "lightning_indexer + sparse_attention (MQA on the kv latent)", backend
-            if spec.index_kpool and i not in spec.index_shared_layers:
+            if i in spec.index_shared_layers:
+                src = max(j for j in range(i) if spec.resolved_layer_types()[j] == "dsa"
+                          and j not in spec.index_shared_layers)
+                attn = f"sparse_attention over layer {src}'s top-k (shared indexer; MQA on the kv latent)"
+            elif spec.index_kpool:
                 attn = f"kpool_indexer (blocks of {spec.index_kpool}) + sparse_attention (MQA on the kv latent)"
                 if ok:
                     fallback.append("KPool indexer: reference (no fused kernel yet; selection only, no gradient)")
