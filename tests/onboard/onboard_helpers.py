@@ -156,8 +156,8 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     `overrides` are set on the drawn config (e.g. rope_parameters)."""
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+    for k, v in overrides.items():  # (glm5_next: on its text config)
+        setattr(cfg.text_config if model_type == "glm5_next" else cfg, k, v)
     torch.manual_seed(seed)
     if model_type == "glm5_next":
         m = transformers.Glm5NextForConditionalGeneration(cfg).float()

@@ -96,3 +96,23 @@ def test_mtp_layer_and_vision_tensors_are_skipped(tmp_path):
     save_file(t, str(f), metadata={"format": "pt"})
     with pytest.raises(OnboardError, match="map to nothing.*stray"):
         onboard(d)
+
+
+def test_kpool_ties_are_aligned_but_a_wrong_indexer_fails(tmp_path):
+    """2 indexer heads: many blocks score exactly 0 and torch.topk breaks those ties its own way; the validation
+    accepts a different choice among equal block scores only, so an indexer with negated head weights FAILS."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("glm5_next", tmp_path / "ckpt", seed, index_n_heads=2)
+    fam = read_family_dir(d)
+    v = validate_checkpoint(d, fam, seed=seed)
+    assert v["passed"], v["where"]
+    assert v["tie_aligned"][1] > 0  # rows with a real choice of blocks were checked
+    dsa = fam.spec.resolved_layer_types().index("dsa")
+
+    def negate(m):
+        with torch.no_grad():
+            m.get_parameter(f"layers.{dsa}.attn.w_idx.weight").neg_()
+
+    v = validate_checkpoint(d, fam, seed=seed, tamper=negate)
+    assert not v["passed"] and v["first_bad_layer"] == dsa, v["where"]
