@@ -125,13 +125,16 @@ class ModelSpec(_Strict):
     kda_n_heads: int = Field(default=4, gt=0)
     kda_head_dim: int = Field(default=32, gt=0)
     kda_conv_size: int = Field(default=4, ge=1)
+    kda_gate_lower_bound: float | None = Field(default=None, lt=0, description="lower-bounded decay gate "
+                                               "g = bound * sigmoid(exp(A_log) * (x W_f + dt_bias)) in [bound, 0] "
+                                               "instead of -exp(A_log) * softplus(...) (GLM-5.3-Flash: -5)")
 
     # gated DSA = MLA projections + lightning indexer + sparse attention + sigmoid output gate
     n_heads: int = Field(default=4, gt=0)
     q_lora_rank: int | None = Field(default=64, gt=0)
     kv_lora_rank: int = Field(default=64, gt=0)
     qk_nope_head_dim: int = Field(default=32, gt=0)
-    qk_rope_head_dim: int = Field(default=16, gt=0)
+    qk_rope_head_dim: int = Field(default=16, ge=0, description="0 = no rope part (GLM-5.3-Flash's NoPE MLA)")
     v_head_dim: int = Field(default=32, gt=0)
     index_n_heads: int = Field(default=4, gt=0)
     index_head_dim: int = Field(default=32, gt=0)
@@ -142,6 +145,12 @@ class ModelSpec(_Strict):
     index_shared_layers: list[int] = Field(default_factory=list, description="DSA layers without an indexer of "
                                            "their own: they reuse the top-k of the nearest earlier DSA layer that "
                                            "has one (GLM-5's 'shared' indexer layers)")
+    index_kpool: int | None = Field(default=None, gt=0, description="KPool indexer: the keys of each complete "
+                                    "block of index_kpool tokens are pooled (a softmax over the block, per channel, "
+                                    "of x W_pool + ape) and the indexer selects index_topk / index_kpool blocks; "
+                                    "None = a per-token indexer (DeepSeek-V3.2)")
+    index_kpool_select_tail: bool = Field(default=True, description="KPool: every query also attends to the "
+                                          "tokens of its own incomplete block")
     mla_rope: bool = Field(default=True, description="rotate the qk_rope_head_dim channels of the MLA query and "
                            "shared key; False = NoPE MLA (Kimi Linear): those channels are used unrotated")
     mla_norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the MLA q / kv latent RMSNorms; "
@@ -177,6 +186,8 @@ class ModelSpec(_Strict):
     shared_intermediate_size: int | None = Field(default=None, gt=0, description="per shared expert; None = moe_intermediate_size")
     shared_expert_gate: bool = Field(default=False, description="multiply the shared expert's output by "
                                      "sigmoid(x W_g), one scalar per token (Qwen3-Next)")
+    swiglu_limit: float | None = Field(default=None, gt=0, description="clamped SwiGLU in every FFN and expert: "
+                                       "silu(min(gate, limit)) * clamp(up, -limit, limit); None = unclamped")
     latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
     latent_norm: bool = True
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
@@ -195,6 +206,14 @@ class ModelSpec(_Strict):
     capacity_factor: float | None = Field(default=None, gt=0, description="None = dropless")
     drop_policy: Literal["probs", "position", "reroute"] = "probs"
     vision: VisionSpec | None = Field(default=None, description="vision tower (image understanding); None = text")
+
+    # hyper-connections (mHC, as in GLM-5.3-Flash): hc_mult residual streams; before each attention / FFN sublayer
+    # they are collapsed into its input, its output is expanded back and the streams are mixed by a
+    # Sinkhorn-normalised (doubly stochastic) matrix, all weights computed per token (models/hyper.py)
+    hc_mult: int = Field(default=1, ge=1, description="residual streams; 1 = a plain residual stream (off)")
+    hc_sinkhorn_iters: int = Field(default=20, ge=1)
+    hc_eps: float = Field(default=1e-6, gt=0, description="floor added to the hyper-connection weights and the "
+                          "Sinkhorn normalisers")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -243,6 +262,13 @@ class ModelSpec(_Strict):
             if first in self.index_shared_layers:
                 raise ValueError(f"index_shared_layers holds layer {first}, the first DSA layer: it has no earlier "
                                  "indexer to share; remove it")
+        if self.index_kpool is not None and "dsa" in self.resolved_layer_types():
+            if self.index_topk % self.index_kpool:
+                raise ValueError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}; "
+                                 "the KPool indexer selects index_topk / index_kpool whole blocks")
+            if self.index_loss_coef > 0:
+                raise ValueError("index_loss_coef > 0 trains the indexer by its KL loss, which the KPool indexer "
+                                 "(index_kpool) does not implement; set index_loss_coef: 0")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.qk_rope_head_dim > self.index_head_dim:

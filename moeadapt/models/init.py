@@ -85,7 +85,8 @@ def init_rules(model: nn.Module) -> dict[str, Rule]:
         elif isinstance(m, CausalConv1d):
             own["weight"] = Rule("uniform", -(m.kernel ** -0.5), m.kernel ** -0.5)
         elif isinstance(m, KDAAttention):
-            own["A_log"] = Rule("log_uniform", 1.0, 16.0)
+            own["A_log"] = (Rule("const", 0.0) if m.gate_lower_bound is not None  # lower-bounded gate: A = 1
+                            else Rule("log_uniform", 1.0, 16.0))
             own["dt_bias"] = Rule("inv_softplus", 1e-3, 1e-1)
         elif isinstance(m, Router):
             own.update(weight=Rule("normal", std), expert_bias=Rule("const", 0.0),

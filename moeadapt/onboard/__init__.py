@@ -155,8 +155,12 @@ def report(result: dict, console=None) -> None:
                       f"placeholder token {v.image_token_id}")
     console.print(f"tensors: {c['tensors']} in {c['shards']} shard(s), {c['mapped']} mapped, "
                   f"{len(c['ignored'])} ignored, {len(c['absent_by_design'])} of ours absent by design")
-    for name, why in sorted({**c["ignored"]}.items())[:5]:
-        console.print(f"  ignored {name}: {why}")
+    by_why: dict[str, list[str]] = {}
+    for name, why in sorted(c["ignored"].items()):
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():  # one line per reason (a vision tower is hundreds of tensors)
+        console.print(f"  ignored {names[0]}: {why}" if len(names) == 1 else
+                      f"  ignored {len(names)} tensors ({names[0]}, ...): {why}")
     reasons = sorted(set(c["absent_by_design"].values()))
     for why in reasons:
         n = sum(v == why for v in c["absent_by_design"].values())

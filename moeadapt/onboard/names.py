@@ -18,7 +18,7 @@ import torch
 from ..models.model import build_model
 from .families import Family
 
-_IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx")
+_IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx", "kpool_gate", "kpool_ape")
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _rope_rows(heads: int, head: int, nope: int, rope: int, rope_first: bool = F
 
 def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
-    p = f"model.layers.{i}."
+    p = f"{fam.prefix}layers.{i}."
     mt = fam.model_type
     moe = "block_sparse_moe." if mt in ("kimi_linear", "minimax_m2") else "mlp."
     fixed = {
@@ -75,6 +75,11 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "attn.k_idx_norm.weight": "self_attn.indexer.k_norm.weight",
         "attn.k_idx_norm.bias": "self_attn.indexer.k_norm.bias",
         "attn.w_idx.weight": "self_attn.indexer.weights_proj.weight",
+        "attn.kpool_gate.weight": "self_attn.indexer.index_kpool_compress_gate",
+        "attn.kpool_ape": "self_attn.indexer.index_kpool_compress_ape",
+        # hyper-connections (GLM-5.3-Flash writes them flat on the layer)
+        "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+        "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
         # KDA (Kimi Linear) and GQA (Qwen3) share q/k/v/o names
         "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.k_proj.weight": "self_attn.k_proj.weight",
         "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
@@ -198,12 +203,13 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.model_type == "kimi_k25" and name.startswith("vision."):
             rules.append(_kimi_k25_vision_rule(fam, name, shape))
             continue
-        top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        pre = fam.prefix
+        top = {"embed.weight": f"{pre}embed_tokens.weight", "norm.weight": f"{pre}norm.weight",
                "lm_head.weight": "lm_head.weight"}
         if name in top:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
-                src = "model.embed_tokens.weight"
+                src = f"{pre}embed_tokens.weight"
             rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
@@ -247,10 +253,14 @@ def ignorable(fam: Family, ckpt_name: str) -> str:
         return "fp8 block scale (consumed by dequantisation)"
     if ckpt_name.endswith("rotary_emb.inv_freq"):
         return "rotary table (recomputed)"
+    for pre, why in fam.skip_prefixes.items():
+        if ckpt_name.startswith(pre):
+            return why
     if fam.model_type == "kimi_k25":  # its text model: deepseek_v3's names under language_model.
         ckpt_name = ckpt_name.removeprefix("language_model.").replace("model.blocks.", "model.layers.", 1)
-    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith("model.layers."):
-        i = int(ckpt_name.split(".")[2])
+    layers = f"{fam.prefix}layers."
+    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith(layers):
+        i = int(ckpt_name[len(layers):].split(".")[0])
         if fam.layer_limit is not None and i >= fam.layer_limit:
             return f"layer {i} is beyond the first {fam.layer_limit} layers being validated"
         if fam.spec.n_layers <= i < fam.spec.n_layers + fam.mtp_layers:
@@ -263,8 +273,8 @@ def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
     modules map to `...experts.<proj>` (PEFT export stacks them over experts, see lora/peft.py)."""
     out = {}
     for r in rules:
-        if r.absent_ok or not r.ours.endswith(".weight"):
-            continue
+        if r.absent_ok or not r.ours.endswith(".weight") or not r.sources[0].endswith(".weight"):
+            continue  # (a bare parameter such as the KPool gate is no module of the checkpoint)
         mod = r.ours.rsplit(".", 1)[0]
         src = r.sources[0].rsplit(".", 1)[0]
         if r.stacked:  # model.layers.3.mlp.experts.0.gate_proj -> model.layers.3.mlp.experts.gate_proj

@@ -33,7 +33,7 @@ def _hf_config(path: Path, n_layers: int):
     except (ValueError, KeyError) as e:
         raise OnboardError(f"transformers {transformers.__version__} cannot read {path}/config.json ({e}); "
                            "--validate needs a transformers version that implements this model_type") from None
-    text = cfg.get_text_config()  # the config itself, or a vision-language model's text_config
+    text = getattr(cfg, "text_config", None) or cfg  # a multimodal config: the text model's own (GLM-5.3-Flash)
     full = text.num_hidden_layers
     if n_layers < full:
         text.num_hidden_layers = n_layers
@@ -89,7 +89,8 @@ class _IndexerTies:
     first and records, per DSA layer, its scores and selection. When transformers' selection for a query holds
     only causal keys scoring within TIE of our k-th score (an equally correct top-k), ours replaces it, so the
     rest of the forward compares like with like; a selection holding any clearly lower-scored key is left alone
-    and shows as a divergence at that layer."""
+    and shows as a divergence at that layer. A KPool indexer (spec.index_kpool) is aligned the same way on its
+    block scores: transformers' selected tokens are read back as blocks (the query's own incomplete block aside)."""
 
     def __init__(self, ours: nn.Module, hf: nn.Module, n: int):
         self.ours = {i: b.attn for i, b in enumerate(_blocks(ours, n))
@@ -104,9 +105,11 @@ class _IndexerTies:
 
     @contextlib.contextmanager
     def active(self):
-        handles = [a.register_forward_pre_hook(self._ours_hook(i), with_kwargs=True) for i, a in self.ours.items()
-                   if i in self.hf]
-        handles += [m.register_forward_hook(self._hf_hook(i)) for i, m in self.hf.items() if i in self.ours]
+        kp = {i for i, a in self.ours.items() if a.kpool}
+        handles = [a.register_forward_pre_hook((self._ours_kpool_hook if i in kp else self._ours_hook)(i),
+                                               with_kwargs=True) for i, a in self.ours.items() if i in self.hf]
+        handles += [m.register_forward_hook((self._hf_kpool_hook if i in kp else self._hf_hook)(i))
+                    for i, m in self.hf.items() if i in self.ours]
         try:
             yield
         finally:
@@ -145,6 +148,49 @@ class _IndexerTies:
                 return None
             self.aligned += int(swap.sum())
             return torch.where(swap[:, None], mine, theirs).to(out.dtype).unsqueeze(0)
+        return hook
+
+
+    def _ours_kpool_hook(self, i: int):
+        from ..ops.dsa import kpool_indexer
+        from ..ops.dsa.reference import indexer_scores_reference, kpool_keys_reference
+
+        def hook(attn, args, kwargs):
+            x = args[0]
+            q_idx, k_idx, w_idx = attn.indexer(x, attn._queries(x)[1], kwargs["cos"], kwargs["sin"])
+            gate = attn.kpool_gate(x)
+            sc = indexer_scores_reference(q_idx, kpool_keys_reference(k_idx, gate, attn.kpool_ape), w_idx)[0]
+            P, T = attn.kpool, sc.shape[0]
+            vis = torch.arange(sc.shape[1])[None] < ((torch.arange(T) + 1) // P)[:, None]
+            mine = kpool_indexer(q_idx, k_idx, w_idx, gate, attn.kpool_ape, attn.spec.index_topk,
+                                 attn.spec.index_kpool_select_tail)[0]
+            self.scores[i] = sc.masked_fill(~vis, float("-inf")), mine, P, attn.spec.index_topk // P
+        return hook
+
+    def _hf_kpool_hook(self, i: int):
+        def hook(_m, _args, out):
+            if i not in self.scores or out.shape[0] != 1:
+                return None
+            sc, mine, P, kp = self.scores.pop(i)
+            T, n = sc.shape
+            theirs = out[0].long()
+            swap = torch.zeros(T, dtype=torch.bool)
+            for t in range(T):
+                n_vis = (t + 1) // P
+                k = min(kp, n_vis)
+                if n_vis <= kp:  # every complete block fits: nothing to choose
+                    continue
+                self.rows += 1
+                tok = theirs[t][(theirs[t] >= 0) & (theirs[t] < n_vis * P)]
+                blocks = torch.unique(tok // P)
+                ours = torch.unique(mine[t][(mine[t] >= 0) & (mine[t] < n_vis * P)].long() // P)
+                kth = sc[t].topk(k).values[-1]
+                swap[t] = (len(blocks) == k and not torch.equal(blocks, ours)
+                           and bool((sc[t, blocks] >= kth - TIE * kth.abs().clamp(min=1)).all()))
+            if not swap.any():
+                return None
+            self.aligned += int(swap.sum())
+            return torch.where(swap[:, None], mine.long(), theirs).to(out.dtype).unsqueeze(0)
         return hook
 
 
