@@ -114,3 +114,20 @@ def test_config_reader_names_what_it_cannot_map():
         bad["vision_config"].update(change)
         with pytest.raises(OnboardError, match=needle):
             glm5_next_vision_spec(bad)
+
+
+def test_onboard_validate_covers_the_vision_tower(seed, tmp_path, monkeypatch, capsys):
+    """`moeadapt onboard DIR --validate` on a glm5_next checkpoint: the text model as mapped, and the vision tower
+    + projector alone; a broken vision name map fails the validation naming the part."""
+    from moeadapt.cli import main
+
+    d = tiny_glm5_next(tmp_path / "ckpt", seed)
+    assert main(["onboard", str(d), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower + projector alone" in out and "vision projector: max |Δh|" in out and "PASS" in out
+    from moeadapt.onboard import _add_glm5_vision
+
+    monkeypatch.setattr(g5, "_glm_rope_rows", lambda heads, head: torch.arange(heads * head))
+    v = {"passed": True, "where": ""}  # what the text model's validation returned
+    _add_glm5_vision(v, d, seed, None, False)
+    assert not v["passed"] and v["where"].startswith("the vision block 0 is the first part to diverge")
