@@ -125,6 +125,7 @@ def test_sliced_reads_match_the_whole_load(seed, tmp_path):
     assert src.loader.rule("vision.tower.blocks.0.attn.qkv.weight").row_perm is not None
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: a training run
 def test_lora_finetune_from_the_checkpoint(seed, tmp_path):
     """A vision-language LoRA run (vision-tower LoRA, projector trained fully) initialised from the kimi_k25
     checkpoint through the name map; the adapter on the same checkpoint reproduces the run's eval."""
