@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 
 # CI's suite: everything but the `slow` marks (longer variants of tests that also run here in a short form)
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q --timeout=900 -m "not slow" tests
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 -m "not slow" tests
 
 # before a release: the slow variants too
 test-all: $(VENV)/.installed
