@@ -19,6 +19,7 @@ from ..models.model import build_model
 from .families import Family
 
 _IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx")
+_QWEN_NEXT = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Qwen3-Next's names (linear_attn., shared_expert.)
 
 
 @dataclass
@@ -60,7 +61,7 @@ def _rope_rows(heads: int, head: int, nope: int, rope: int, rope_first: bool = F
 
 def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
-    p = f"model.layers.{i}."
+    p = f"{fam.prefix}layers.{i}."
     mt = fam.model_type
     moe = "block_sparse_moe." if mt in ("kimi_linear", "minimax_m2") else "mlp."
     fixed = {
@@ -93,11 +94,11 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
         "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
     }
-    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next", "minimax_m2"):
+    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "minimax_m2", *_QWEN_NEXT):
         return p + "self_attn.q_norm.weight"
     if ours == "ffn.router.expert_bias" and mt == "minimax_m2":
         return p + moe + "e_score_correction_bias"
-    if mt == "qwen3_next":
+    if mt in _QWEN_NEXT:
         if fam.spec.resolved_layer_types()[i] == "gdn" and ours.startswith("attn."):
             return p + "linear_attn." + ours[len("attn."):]
         if ours.startswith("ffn.shared."):  # Qwen3-Next: one shared expert, singular name, with a gate
@@ -149,12 +150,12 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.model_type == "moeadapt":
             rules.append(Rule(name, [name], shape))
             continue
-        top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        top = {"embed.weight": f"{fam.prefix}embed_tokens.weight", "norm.weight": f"{fam.prefix}norm.weight",
                "lm_head.weight": "lm_head.weight"}
         if name in top:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
-                src = "model.embed_tokens.weight"
+                src = top["embed.weight"]
             rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
@@ -168,7 +169,7 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.norm_offset and rel in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
                                        "attn.k_norm.weight"):
             r.offset = fam.norm_offset
-        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", "qwen3_next"):
+        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", *_QWEN_NEXT):
             r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
                 "zeros"
         if fam.index_rope_interleave and rel in ("attn.wq_idx.weight", "attn.wk_idx.weight",
@@ -194,8 +195,12 @@ def ignorable(fam: Family, ckpt_name: str) -> str:
         return "fp8 block scale (consumed by dequantisation)"
     if ckpt_name.endswith("rotary_emb.inv_freq"):
         return "rotary table (recomputed)"
-    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith("model.layers."):
-        i = int(ckpt_name.split(".")[2])
+    for pre, why in fam.skip_prefixes.items():
+        if ckpt_name.startswith(pre):
+            return why
+    layers = f"{fam.prefix}layers."
+    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith(layers):
+        i = int(ckpt_name[len(layers):].split(".")[0])
         if fam.layer_limit is not None and i >= fam.layer_limit:
             return f"layer {i} is beyond the first {fam.layer_limit} layers being validated"
         if fam.spec.n_layers <= i < fam.spec.n_layers + fam.mtp_layers:

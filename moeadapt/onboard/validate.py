@@ -30,6 +30,8 @@ def _hf_config(path: Path, n_layers: int):
     except (ValueError, KeyError) as e:
         raise OnboardError(f"transformers {transformers.__version__} cannot read {path}/config.json ({e}); "
                            "--validate needs a transformers version that implements this model_type") from None
+    if getattr(cfg, "text_config", None) is not None:  # a multimodal checkpoint: its text model is what we compare
+        cfg = cfg.text_config
     full = cfg.num_hidden_layers
     if n_layers < full:
         cfg.num_hidden_layers = n_layers

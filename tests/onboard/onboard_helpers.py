@@ -73,6 +73,22 @@ def _random_cfg(model_type: str, rnd: random.Random):
             shared_expert_intermediate_size=c([16, 24]),
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5])},
             **common)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):  # qwen3_next with split DeltaNet projections
+        kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
+        HK = c([1, 2])
+        common.update(num_hidden_layers=len(kinds))
+        common.pop("intermediate_size")
+        text = dict(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]), num_experts=c([4, 8]),
+            layer_types=kinds, linear_num_key_heads=HK, linear_num_value_heads=HK * c([1, 2]),
+            linear_key_head_dim=c([8, 16]), linear_value_head_dim=c([8, 16]), shared_expert_intermediate_size=c([16, 24]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5]),
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True}, **common)
+        if model_type == "qwen3_5_moe_text":
+            return transformers.Qwen3_5MoeTextConfig(**text)
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=4, num_position_embeddings=16)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **tok)
     mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
                qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
     mla["num_key_value_heads"] = mla["num_attention_heads"]
@@ -117,7 +133,10 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    if getattr(cfg, "vision_config", None) is not None:  # the multimodal model: vision weights in the checkpoint
+        m = transformers.AutoModelForImageTextToText.from_config(cfg).float()
+    else:
+        m = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
