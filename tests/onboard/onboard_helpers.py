@@ -33,6 +33,14 @@ def save_tiny(model_type: str, out, **kw):
     return out
 
 
+def hf_model(d, **kw):
+    """transformers' model of a checkpoint directory: the multimodal class where the checkpoint is multimodal (its
+    module names are the checkpoint's: model.language_model.*), else the causal LM."""
+    multimodal = "vision_config" in json.loads((d / "config.json").read_text())
+    cls = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(str(d), **kw)
+
+
 def read_cfg(d):
     return json.loads((d / "config.json").read_text())
 
@@ -131,7 +139,7 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
     for k, v in overrides.items():
-        setattr(cfg, k, v)
+        setattr(getattr(cfg, "text_config", None) or cfg, k, v)  # a multimodal config: onto its text model
     torch.manual_seed(seed)
     if getattr(cfg, "vision_config", None) is not None:  # the multimodal model: vision weights in the checkpoint
         m = transformers.AutoModelForImageTextToText.from_config(cfg).float()

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from onboard_helpers import fresh_seed, present_targets, random_checkpoint
+from onboard_helpers import fresh_seed, hf_model, present_targets, random_checkpoint
 
 peft = pytest.importorskip("peft")
 
@@ -20,7 +20,15 @@ from moeadapt.onboard import model_spec_from_dir, onboard_model  # noqa: E402
 
 TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
                          "experts.w3"],
-           "deepseek_v3": ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"]}
+           "deepseek_v3": ["attn.wq", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2"],
+           # KDA and NoPE MLA layers, routed experts in peft's target_parameters form, dense FFN and shared expert
+           "kimi_linear": ["attn.q_proj", "attn.v_proj", "attn.o_proj", "attn.wq", "attn.wq_b", "attn.wkv_a",
+                           "attn.wkv_b", "attn.wo", "experts.w1", "experts.w2", "experts.w3", "ffn.w1", "shared.w2"],
+           "minimax_m2": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
+                          "experts.w3"],
+           "qwen3_5_moe": ["attn.q_proj", "attn.o_proj", "attn.in_proj_qkv", "attn.in_proj_z", "attn.out_proj",
+                           "experts.w1", "experts.w3", "experts.w2", "shared.w1", "shared.w2"]}
+PEFT_FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "minimax_m2", "qwen3_5_moe"]
 
 
 def _finetune(ckpt, tmp_path, targets):
@@ -33,8 +41,7 @@ def _finetune(ckpt, tmp_path, targets):
 
 
 def _peft_logits(ckpt, adapter, ids):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    hf = hf_model(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
@@ -43,7 +50,7 @@ def _peft_logits(ckpt, adapter, ids):
         return pm(input_ids=ids).logits.float(), msgs
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", PEFT_FAMILIES)
 def test_finetuned_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     seed = fresh_seed()
     print(f"{model_type} seed {seed}")
