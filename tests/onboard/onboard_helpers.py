@@ -41,6 +41,22 @@ def hf_model(d, **kw):
     return cls.from_pretrained(str(d), **kw)
 
 
+def fused_copy(src, dst):
+    """The checkpoint at `src` re-saved as transformers holds it in memory (routed experts fused:
+    experts.gate_up_proj [E, 2I, D], experts.down_proj [E, D, I]), the layout of Qwen3.5's release;
+    save_pretrained would write them back per expert."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    m = hf_model(src, dtype=torch.float32)
+    dst.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
 def read_cfg(d):
     return json.loads((d / "config.json").read_text())
 

@@ -6,7 +6,7 @@ first N blocks built from the same files."""
 import pytest
 import torch
 import yaml
-from onboard_helpers import fresh_seed, random_checkpoint
+from onboard_helpers import fresh_seed, fused_copy, random_checkpoint
 
 from moeadapt.cli import main
 from moeadapt.onboard import names as names_mod
@@ -158,3 +158,38 @@ def test_qwen3_5_moe_text_layout_and_broken_copies(tmp_path):
     v = validate_checkpoint(d, fam, seq_len=16, tamper=_eps(gqa, "attn.q_norm", 1e-1))
     assert not v["passed"] and v["first_bad_layer"] == gqa, v["where"]
     assert v["where"].startswith(f"layer {gqa} (gqa)")
+
+
+def test_fused_expert_checkpoint_validates_and_reads_by_box(tmp_path, monkeypatch):
+    """A checkpoint holding the experts fused (experts.gate_up_proj / experts.down_proj, as Qwen3.5 is released)
+    maps, validates, and a box of our up projection read from it equals that part of the fused tensor; with up
+    read from gate's half it FAILS at the first layer."""
+    from safetensors import safe_open
+
+    from moeadapt.onboard import StreamingLoader, build_rules, checkpoint_index
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = fused_copy(random_checkpoint("qwen3_5_moe", tmp_path / "ckpt", seed), tmp_path / "fused")
+    fam = read_family_dir(d)
+    v = validate_checkpoint(d, fam, seq_len=16, seed=seed)
+    assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
+    rules = build_rules(fam, checkpoint_index(d))
+    up = next(r for r in rules if r.ours == "layers.0.ffn.experts.w3.weight")
+    assert up.sources == ["model.language_model.layers.0.mlp.experts.gate_up_proj"] and up.part == (1, 1, 2)
+    loader = StreamingLoader(d, fam, rules, dtype=torch.float32)
+    loader.check()
+    E, inter, _ = up.shape
+    box = loader.read_slice(up.ours, (slice(1, E), slice(2, inter), slice(None)))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        want = f.get_tensor(up.sources[0])[1:, inter + 2:]
+    assert torch.equal(box, want)
+    fused = names_mod._fused_experts
+
+    def gate_half_for_up(r, have):
+        fused(r, have)
+        if r.part is not None:
+            r.part = (r.part[0], 0, r.part[2])
+    monkeypatch.setattr(names_mod, "_fused_experts", gate_half_for_up)
+    v = validate_checkpoint(d, fam, seq_len=16, seed=seed)
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
