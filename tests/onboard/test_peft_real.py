@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from onboard_helpers import fresh_seed, hf_model, present_targets, random_checkpoint
 
 peft = pytest.importorskip("peft")
