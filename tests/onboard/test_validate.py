@@ -166,11 +166,13 @@ def test_fused_expert_checkpoint_validates_and_reads_by_box(tmp_path, monkeypatc
     read from gate's half it FAILS at the first layer."""
     from safetensors import safe_open
 
-    from moeadapt.onboard import StreamingLoader, build_rules, checkpoint_index
+    from moeadapt.onboard import StreamingLoader, build_rules, checkpoint_index, peft_maps
 
     seed = fresh_seed()
     print(f"seed {seed}")
-    d = fused_copy(random_checkpoint("qwen3_5_moe", tmp_path / "ckpt", seed), tmp_path / "fused")
+    per_expert = random_checkpoint("qwen3_5_moe", tmp_path / "ckpt", seed)
+    d = fused_copy(per_expert, tmp_path / "fused")
+    assert peft_maps(d)["name_map"] == peft_maps(per_expert)["name_map"]  # adapters keep the per-expert names
     fam = read_family_dir(d)
     v = validate_checkpoint(d, fam, seq_len=16, seed=seed)
     assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
