@@ -58,24 +58,34 @@ EXTRA = "moeadapt_extra.safetensors"
 
 def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: str = "",
                 name_map: dict[str, str] | None = None, row_perms: dict[str, torch.Tensor] | None = None,
-                fused_ffn_leaves: tuple[str, ...] = (), fused_experts: tuple[str, str, str] = ()) -> Path:
+                fused_ffn_leaves: tuple[str, ...] = (), fused_experts: tuple[str, str, str] = (),
+                runtime_renames: tuple[tuple[str, str], ...] = ()) -> Path:
     """`name_map` maps our module names to the original checkpoint's (identity for our own format);
     `row_perms[ours]`: our base weight's rows = checkpoint rows[perm] (onboarding's permutation), undone on
     lora_B so the adapter is in the checkpoint's row order; `fused_ffn_leaves`: module leaf names that peft's MoE
     conversion takes for expert projections (dense adapters with such names go to the side file, with a warning);
     `fused_experts`: the checkpoint's (gate, up, down) expert leaf names where expert adapters are to be written
-    in peft's target_parameters form for fused experts (see the module docstring)."""
+    in peft's target_parameters form for fused experts (see the module docstring); `runtime_renames`: (old, new)
+    substrings taking a checkpoint module name to the transformers model's (peft matches target_modules there;
+    the adapter keys keep the checkpoint's names, which peft converts itself)."""
     mods = lora_modules(model)
     if not mods:
         raise ValueError("the model has no LoRA adapters to export; run a fine-tune with a `lora:` section")
     per_expert = name_map is not None
     name_map = name_map or {}
     row_perms = row_perms or {}
-    tensors, extra, grouped, targets, perms_out, dropped = {}, {}, [], set(), {}, []
+    tensors, extra, grouped, targets, perms_out, dropped, unmapped = {}, {}, [], set(), {}, [], []
+    dense: dict[str, list[str]] = {}  # leaf name -> the adapted (non-expert) modules of that name
     expert_heads: dict[str, set[str]] = {}  # ...mlp.experts -> projections written
     for n, m in mods.items():
         out = name_map.get(n, n)
         leaf = out.rsplit(".", 1)[-1]
+        if per_expert and n not in name_map:  # a module the checkpoint does not have (e.g. an unused indexer)
+            unmapped.append(n)
+            for w in "AB":
+                t = getattr(m, f"lora_{w}")
+                extra[f"{PREFIX}{n}.lora_{w}.weight"] = (t.weight if isinstance(m, LoRALinear) else t).float()
+            continue
         if isinstance(m, LoRALinear):
             a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
             if n in row_perms:
@@ -87,7 +97,7 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
                 dst = extra
                 dropped.append(out)
             else:
-                targets.add(leaf)
+                dense.setdefault(leaf, []).append(out)
             dst[f"{PREFIX}{out}.lora_A.weight"], dst[f"{PREFIX}{out}.lora_B.weight"] = a, b
             continue
         a, b = m.lora_A.transpose(1, 2).float(), m.lora_B.transpose(1, 2).float()  # [E, r, in], [E, out, r]
@@ -107,6 +117,7 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
         fused_info, patterns = _fuse_experts(tensors, expert_heads, fused_experts, lora.rank, lora.alpha)
     elif per_expert:
         zero_filled = _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets)
+    targets |= _target_modules(dense, set(name_map.values()) if per_expert else set(), runtime_renames)
     if dropped:
         warnings.warn(f"{len(dropped)} adapter(s) cannot be represented for peft and are left out of "
                       f"adapter_model.safetensors: {dropped[:4]}{' ...' if len(dropped) > 4 else ''} (peft maps every "
@@ -114,6 +125,10 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
                       f"shared-expert adapters would be dropped); they are kept in {EXTRA} for moeadapt "
                       "(load, merge-adapter). Leave dense FFN / shared experts out of lora.targets for a peft-only "
                       "adapter.", stacklevel=2)
+    if unmapped:
+        warnings.warn(f"{len(unmapped)} adapter(s) cannot be represented for peft: the checkpoint has no such "
+                      f"module ({unmapped[:4]}{' ...' if len(unmapped) > 4 else ''}); they are kept in {EXTRA} for "
+                      "moeadapt only. Remove them from lora.targets for a peft-only adapter.", stacklevel=2)
     to_save = full_trained_modules(model, lora)  # trained in full beside the adapters: PEFT's modules_to_save
     for mod in to_save:
         for pn, p in model.get_submodule(mod).named_parameters():
@@ -131,7 +146,7 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
     side = {"targets": lora.targets, "grouped_modules": sorted(grouped),
             "expert_layout": ("peft_fused" if fused_info else "per_expert") if per_expert else "stacked",
             "zero_filled": zero_filled, "fused_experts": fused_info,
-            "not_in_peft": sorted(dropped), "vision_tower": lora.vision_tower, "projector": lora.projector}
+            "not_in_peft": sorted(dropped + unmapped), "vision_tower": lora.vision_tower, "projector": lora.projector}
     if any(name_map.get(n, n) != n for n in mods):
         side["modules"] = {name_map.get(n, n): n for n in mods}
     if perms_out:
@@ -143,6 +158,24 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / SIDE).write_text(json.dumps(side, indent=2))
     return Path(path)
+
+
+def _target_modules(dense: dict[str, list[str]], ckpt_modules: set[str],
+                    renames: tuple[tuple[str, str], ...] = ()) -> set[str]:
+    """peft's target_modules for the dense adapters: a leaf name where every checkpoint module of that name is
+    adapted, else the adapted modules' full names as the transformers model spells them (peft matches a target
+    by the name's suffix: a bare `o_proj` would also adapt, e.g., the MLA layers' o_proj when only the KDA
+    layers' is ours)."""
+    def runtime(name: str) -> str:
+        for a, b in renames:
+            name = name.replace(a, b)
+        return name
+
+    out: set[str] = set()
+    for leaf, mods in dense.items():
+        others = {m for m in ckpt_modules if m.rsplit(".", 1)[-1] == leaf} - set(mods)
+        out |= {runtime(m) for m in mods} if others else {leaf}
+    return out
 
 
 FUSED_PARAMS = ("gate_up_proj", "down_proj")  # transformers' fused expert parameters ([E, 2I, D], [E, D, I])

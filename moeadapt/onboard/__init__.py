@@ -42,6 +42,12 @@ PEFT_FUSED_FFN_LEAVES = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
                          "minimax_m2": ("w1", "w3", "w2")}
 # - Families peft does not convert (no MoE target mapping for their pattern): expert adapters go in peft's
 #   target_parameters form on the fused parameters; the checkpoint's (gate, up, down) expert leaves
+# Module renames transformers applies on load (its conversion mapping), for target_modules given by full name
+PEFT_RUNTIME_RENAMES = {
+    "kimi_linear": ((".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
+                    (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
+    "minimax_m2": ((".block_sparse_moe.", ".mlp."),),
+}
 PEFT_TARGET_PARAMETERS = {"kimi_linear": ("w1", "w3", "w2"), "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
                           "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj")}
 
@@ -125,7 +131,8 @@ def peft_maps(path: str | Path | None) -> dict:
     """`export_peft` keyword arguments for a model onboarded from the Hugging Face checkpoint directory `path`:
     name_map (ours -> checkpoint module names), row_perms (rows of lora_B back in checkpoint order),
     fused_ffn_leaves (module names peft takes for expert projections in this family) and fused_experts (the
-    expert leaves to write in peft's target_parameters form, for families peft does not convert).
+    expert leaves to write in peft's target_parameters form, for families peft does not convert) and
+    runtime_renames (checkpoint -> transformers module-name changes, for targets given by full name).
     Empty for anything else (our own format, a preset name, None)."""
     if not path or not (Path(path) / "config.json").is_file():
         return {}
@@ -135,7 +142,8 @@ def peft_maps(path: str | Path | None) -> dict:
     rules = build_rules(fam, checkpoint_index(path))
     return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules),
             "fused_ffn_leaves": PEFT_FUSED_FFN_LEAVES.get(fam.model_type, ()),
-            "fused_experts": PEFT_TARGET_PARAMETERS.get(fam.model_type, ())}
+            "fused_experts": PEFT_TARGET_PARAMETERS.get(fam.model_type, ()),
+            "runtime_renames": PEFT_RUNTIME_RENAMES.get(fam.model_type, ())}
 
 
 def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:

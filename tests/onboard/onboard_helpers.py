@@ -151,11 +151,12 @@ def _random_cfg(model_type: str, rnd: random.Random):
 def random_checkpoint(model_type: str, out, seed: int, **overrides):
     """A tiny random checkpoint written by transformers, its shapes and weights drawn from `seed`: norms away
     from 1, router biases non-zero, so a wrong epsilon, a missed norm or a swapped tensor shows in the logits.
-    `overrides` are set on the drawn config (e.g. rope_parameters)."""
+    `overrides` are set on the drawn config (e.g. rope_parameters; a callable gets the config)."""
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
-    for k, v in overrides.items():
-        setattr(getattr(cfg, "text_config", None) or cfg, k, v)  # a multimodal config: onto its text model
+    for k, v in overrides.items():  # a value may be a function of the drawn config
+        target = getattr(cfg, "text_config", None) or cfg  # a multimodal config: onto its text model
+        setattr(target, k, v(target) if callable(v) else v)
     torch.manual_seed(seed)
     if getattr(cfg, "vision_config", None) is not None:  # the multimodal model: vision weights in the checkpoint
         m = transformers.AutoModelForImageTextToText.from_config(cfg).float()
