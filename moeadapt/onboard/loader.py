@@ -221,7 +221,8 @@ class StreamingLoader:
 
     def read_slice(self, ours: str, sl: Slices) -> torch.Tensor | None:
         """The box `sl` (one slice per dim of our full shape) of our tensor `ours`, reading only that box from
-        the checkpoint: name map, RoPE row order, expert stacking and FP8 dequantisation applied to the box.
+        the checkpoint: name map, RoPE row order, expert stacking, fused-expert parts, norm offsets and FP8
+        dequantisation applied to the box.
         A tensor absent by design comes back as its stated init (zeros), or None for "keep the model's own".
         The checkpoint's dtype is kept (FP8 comes out as float32): the caller's copy into the model casts.
         Call `check()` first (it reads the shapes from the headers)."""
@@ -247,7 +248,8 @@ class StreamingLoader:
             lo, hi = int(rows.min()), int(rows.max()) + 1
             t = self._read_box(r.sources[0], r.shape, (slice(lo, hi), *sl[1:]))
             return t.index_select(0, rows - lo)
-        return self._read_box(r.sources[0], r.shape, sl)
+        t = self._read_box(r.sources[0], r.shape, sl)
+        return t.float() + r.offset if r.offset else t  # RMSNorms stored as weight - 1 (Qwen3-Next / Qwen3.5)
 
     def _read_box(self, name: str, shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
         """Box `sl` of checkpoint tensor `name` whose shape is ours (`shape`) up to size-1 dims."""
@@ -334,6 +336,8 @@ class HFLayout:
             yield src, tuple(o + i * r.shape[d] if k == d else o for k, o in enumerate(off)), box
             return
         dshape = self._shape(src, tuple(r.shape))
+        if r.offset:  # back to the checkpoint's weight - offset
+            box = box - r.offset
         if r.row_perm is None:
             yield src, _carry_offsets(tuple(r.shape), off, dshape), box.reshape(
                 _carry_shape(tuple(r.shape), tuple(box.shape), dshape))

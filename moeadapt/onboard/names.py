@@ -54,7 +54,7 @@ class Rule:
         if self.row_perm is not None:
             t = t.index_select(0, self.row_perm)
         if self.offset:
-            t = t + self.offset
+            t = t.float() + self.offset  # in float32: 1 + w rounded once, to the model's dtype
         return t.reshape(self.shape[1:] if self.stacked else self.shape)
 
     def from_ours(self, t: torch.Tensor, src_shape: tuple[int, ...]) -> torch.Tensor:
