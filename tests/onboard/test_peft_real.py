@@ -26,7 +26,10 @@ TARGETS = {"qwen3_moe": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_pr
            "minimax_m2": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "experts.w1", "experts.w2",
                           "experts.w3"],
            "qwen3_5_moe": ["attn.q_proj", "attn.o_proj", "attn.in_proj_qkv", "attn.in_proj_z", "attn.out_proj",
-                           "experts.w1", "experts.w3", "experts.w2", "shared.w1", "shared.w2"]}
+                           "experts.w1", "experts.w3", "experts.w2", "shared.w1", "shared.w2"],
+           # peft converts its per-expert adapters and re-targets gate_proj / up_proj / down_proj: no shared expert
+           "qwen3_next": ["attn.q_proj", "attn.o_proj", "attn.in_proj_qkvz", "attn.in_proj_ba", "attn.out_proj",
+                          "experts.w1", "experts.w3", "experts.w2"]}
 PEFT_FAMILIES = ["qwen3_moe", "deepseek_v3", "kimi_linear", "minimax_m2", "qwen3_5_moe"]
 # the finetune-based check of the later families is slow (a hybrid model trained on CPU); the same export with
 # random adapters runs for every family in test_random_adapter_loads_in_peft_with_our_logits
@@ -76,7 +79,7 @@ def test_finetuned_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     assert effect > 1e-3 and diff <= 1e-4
 
 
-@pytest.mark.parametrize("model_type", PEFT_FAMILIES)
+@pytest.mark.parametrize("model_type", [*PEFT_FAMILIES, "qwen3_next"])
 def test_random_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     """Random adapters on every target of the family (per-expert or target_parameters experts, dense FFN, shared
     expert where present) -> export -> peft reproduces our logits (which the adapters change by far more than the
