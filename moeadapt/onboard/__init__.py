@@ -166,12 +166,15 @@ def report(result: dict, console=None) -> None:
     console = console or make_console()
     c, s = result["check"], result["spec"]
     console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
-                  f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "
+                  f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa', 'gdn') if t in s.resolved_layer_types())}), "
                   f"{s.n_routed_experts} experts top-{s.n_experts_per_tok}")
     console.print(f"tensors: {c['tensors']} in {c['shards']} shard(s), {c['mapped']} mapped, "
                   f"{len(c['ignored'])} ignored, {len(c['absent_by_design'])} of ours absent by design")
-    for name, why in sorted({**c["ignored"]}.items())[:5]:
-        console.print(f"  ignored {name}: {why}")
+    by_why: dict[str, list[str]] = {}
+    for name, why in sorted(c["ignored"].items()):
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():
+        console.print(f"  ignored {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {why}")
     reasons = sorted(set(c["absent_by_design"].values()))
     for why in reasons:
         n = sum(v == why for v in c["absent_by_design"].values())
