@@ -26,6 +26,10 @@ def tiny_cfg(model_type: str, **kw):
 
 
 def save_tiny(model_type: str, out, **kw):
+    """A tiny checkpoint of fixed shapes (qwen3_moe, deepseek_v3); any other family: `random_checkpoint` of seed 0
+    (the multimodal qwen3_5_moe with its vision tower)."""
+    if model_type not in ("qwen3_moe", "deepseek_v3"):
+        return random_checkpoint(model_type, out, 0, **kw)
     cfg = tiny_cfg(model_type, **kw)
     cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.DeepseekV3ForCausalLM
     m = cls(cfg).float()
