@@ -4,8 +4,9 @@ Owns: `merge_adapter_streaming(model_dir, adapter_dir, out)`. The base checkpoin
 an onboarded family, or ours) is read box by box (`StreamingLoader.read_slice`), each block of rows gets its
 adapter delta (`scaling * B[rows] @ A`, per expert for grouped adapters) and is written straight into sharded
 safetensors (`moeadapt.io.write_sharded_dir`): in our format, or under the checkpoint's own names with
-`layout="hf"`. Under torch.distributed every rank merges a share of the tensors (balanced by bytes) into the
-same files; alone, one process does all of them. The adapter itself (small) is loaded whole by `load_peft`.
+`layout="hf"` (the checkpoint's tensors our model does not hold, e.g. a vision tower, copied through unchanged).
+Under torch.distributed every rank merges a share of the tensors (balanced by bytes) into the same files; alone,
+one process does all of them. The adapter itself (small) is loaded whole by `load_peft`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,25 @@ def _share(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
+def _passthrough(loader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The checkpoint tensors the name map skips (a vision tower, multi-token-prediction layers, rotary tables) ->
+    (shape, dtype): the hf layout writes them through unchanged, so the merged directory is the whole checkpoint.
+    The FP8 scales of weights we dequantise are left out with their quantization_config."""
+    from safetensors import safe_open
+
+    consumed = {s for r in loader.rules for s in r.sources}
+    names = [n for n in loader.ignored
+             if not (n.endswith("_scale_inv") and n[:-len("_scale_inv")] in consumed)]
+    out = {}
+    for shard in sorted({loader.index[n] for n in names}):
+        with safe_open(str(loader.path / shard), "pt") as f:
+            for n in names:
+                if loader.index[n] == shard:
+                    sl = f.get_slice(n)
+                    out[n] = (tuple(sl.get_shape()), _FROM_ST[sl.get_dtype()])
+    return out
+
+
 @torch.no_grad()
 def merge_adapter_streaming(model_dir: str | Path, adapter_dir: str | Path, out: str | Path, layout: str = "ours",
                             dtype: torch.dtype | None = None,
@@ -99,17 +119,27 @@ def merge_adapter_streaming(model_dir: str | Path, adapter_dir: str | Path, out:
     tensors, seen, claims = [], set(), []  # claims[i]: the outputs rule i writes (tied weights: the first rule)
     for r in rules:
         dests = lay.dests(r.ours, r.shape) if lay else [(r.ours, r.shape)]
-        claims.append({dn for dn, _ in dests if dn not in seen})
+        # a tied weight is written once (by its first rule); the parts of a fused tensor each write theirs
+        claims.append({dn for dn, _ in dests if dn not in seen or r.part is not None})
         for dn, dshape in dests:
             if dn not in seen:
                 seen.add(dn)
                 tensors.append((dn, tuple(dshape), out_dtype(r)))
+    passthrough = _passthrough(loader) if layout == "hf" else {}
+    tensors += [(n, shape, dt) for n, (shape, dt) in passthrough.items()]
     sizes = [int(torch.Size(r.shape).numel()) for r in rules]
     dist_on = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist_on else (0, 1)
     owner = _share(sizes, world)
 
     def write(emit) -> None:
+        if rank == world - 1:  # the checkpoint's tensors our model does not hold, copied unchanged
+            from safetensors import safe_open
+
+            for n in passthrough:
+                with safe_open(str(Path(model_dir) / loader.index[n]), "pt") as f:
+                    t = f.get_tensor(n)
+                emit(n, (0,) * t.dim(), t)
         for i, r in enumerate(rules):
             if owner[i] != rank or not claims[i]:
                 continue

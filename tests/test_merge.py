@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "onboard"))
-from onboard_helpers import present_targets, save_tiny  # noqa: E402
+from onboard_helpers import present_targets, random_checkpoint, save_tiny  # noqa: E402
 
 from moeadapt.config import LoRASpec  # noqa: E402
 from moeadapt.lora import export_peft, inject_lora, lora_modules, merge_lora  # noqa: E402
@@ -37,11 +37,14 @@ def _adapted(ckpt: Path, adir: Path, seed: int):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "kimi_linear", "minimax_m2", "qwen3_5_moe"])
 def test_streaming_merge_matches_merge_lora(family, tmp_path, seed):
     import transformers
 
-    ckpt = save_tiny(family, tmp_path / family)
+    if family in ("deepseek_v3", "qwen3_moe"):
+        ckpt = save_tiny(family, tmp_path / family)
+    else:  # shapes drawn from the seed; the multimodal qwen3_5_moe's vision tower is copied through by the hf layout
+        ckpt = random_checkpoint(family, tmp_path / family, seed, vocab_size=96)
     merged = _adapted(ckpt, tmp_path / "adapter", seed)
     out = merge_adapter_streaming(ckpt, tmp_path / "adapter", tmp_path / "ours", max_shard_bytes=20_000)
     assert (out / "model.safetensors.index.json").is_file()

@@ -175,6 +175,10 @@ class ModelSpec(_Strict):
     gdn_n_value_heads: int = Field(default=4, gt=0)
     gdn_key_head_dim: int = Field(default=32, gt=0)
     gdn_value_head_dim: int = Field(default=32, gt=0)
+    gdn_proj_layout: Literal["grouped", "split"] = Field(
+        default="grouped", description="the input projections of a gdn layer: 'grouped' = one in_proj_qkvz and one "
+        "in_proj_ba, rows grouped per key head (Qwen3-Next); 'split' = in_proj_qkv ([q | k | v], head-major), "
+        "in_proj_z, in_proj_b, in_proj_a (Qwen3.5)")
 
     # FFN / MoE
     first_k_dense: int = Field(default=1, ge=0)

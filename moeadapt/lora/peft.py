@@ -12,6 +12,13 @@ Expert adapters (one grouped adapter per projection, A [E, in, r], B [E, r, out]
   `target_parameters`, tested in tests/onboard/test_peft_real.py). peft fuses gate and up and places their
   adapter by the down projection's: where gate or up is adapted, the others of the three are written as zero
   adapters (exactly no change) so the conversion has all its parts;
+- with `fused_experts` (families whose transformers model holds fused 3-D experts that peft does not convert
+  per-expert adapters onto: Kimi Linear, Qwen3.5-MoE) they are written in peft's `target_parameters` form for
+  transformers' `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I] parameters (a LoRA
+  ParamWrapper each; gate_up nested inside down as `experts.base_layer`): lora_A [E * r', in] expert-major,
+  lora_B [out, r' * E] rank-major, as peft's ParamWrapper reads them. gate and up share one wrapper of rank
+  r' = r * (number of the two adapted), A stacked over the rank, B block-diagonal (rank_pattern / alpha_pattern
+  keep alpha / r), so the delta of each is exactly ours;
 - for our own format they stay stacked (lora_A [E, r, in], lora_B [E, out, r]).
 
 With `fused_ffn_leaves` (families whose transformers model fuses experts), peft's MoE conversion re-targets every
@@ -51,22 +58,34 @@ EXTRA = "moeadapt_extra.safetensors"
 
 def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: str = "",
                 name_map: dict[str, str] | None = None, row_perms: dict[str, torch.Tensor] | None = None,
-                fused_ffn_leaves: tuple[str, ...] = ()) -> Path:
+                fused_ffn_leaves: tuple[str, ...] = (), fused_experts: tuple[str, str, str] = (),
+                runtime_renames: tuple[tuple[str, str], ...] = ()) -> Path:
     """`name_map` maps our module names to the original checkpoint's (identity for our own format);
     `row_perms[ours]`: our base weight's rows = checkpoint rows[perm] (onboarding's permutation), undone on
     lora_B so the adapter is in the checkpoint's row order; `fused_ffn_leaves`: module leaf names that peft's MoE
-    conversion takes for expert projections (dense adapters with such names go to the side file, with a warning)."""
+    conversion takes for expert projections (dense adapters with such names go to the side file, with a warning);
+    `fused_experts`: the checkpoint's (gate, up, down) expert leaf names where expert adapters are to be written
+    in peft's target_parameters form for fused experts (see the module docstring); `runtime_renames`: (old, new)
+    substrings taking a checkpoint module name to the transformers model's (peft matches target_modules there;
+    the adapter keys keep the checkpoint's names, which peft converts itself)."""
     mods = lora_modules(model)
     if not mods:
         raise ValueError("the model has no LoRA adapters to export; run a fine-tune with a `lora:` section")
     per_expert = name_map is not None
     name_map = name_map or {}
     row_perms = row_perms or {}
-    tensors, extra, grouped, targets, perms_out, dropped = {}, {}, [], set(), {}, []
+    tensors, extra, grouped, targets, perms_out, dropped, unmapped = {}, {}, [], set(), {}, [], []
+    dense: dict[str, list[str]] = {}  # leaf name -> the adapted (non-expert) modules of that name
     expert_heads: dict[str, set[str]] = {}  # ...mlp.experts -> projections written
     for n, m in mods.items():
         out = name_map.get(n, n)
         leaf = out.rsplit(".", 1)[-1]
+        if per_expert and n not in name_map:  # a module the checkpoint does not have (e.g. an unused indexer)
+            unmapped.append(n)
+            for w in "AB":
+                t = getattr(m, f"lora_{w}")
+                extra[f"{PREFIX}{n}.lora_{w}.weight"] = (t.weight if isinstance(m, LoRALinear) else t).float()
+            continue
         if isinstance(m, LoRALinear):
             a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
             if n in row_perms:
@@ -78,12 +97,13 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
                 dst = extra
                 dropped.append(out)
             else:
-                targets.add(leaf)
+                dense.setdefault(leaf, []).append(out)
             dst[f"{PREFIX}{out}.lora_A.weight"], dst[f"{PREFIX}{out}.lora_B.weight"] = a, b
             continue
         a, b = m.lora_A.transpose(1, 2).float(), m.lora_B.transpose(1, 2).float()  # [E, r, in], [E, out, r]
         grouped.append(out)
-        targets.add(leaf)
+        if not (per_expert and fused_experts):  # fused: target_parameters instead
+            targets.add(leaf)
         if not per_expert:
             tensors[f"{PREFIX}{out}.lora_A.weight"], tensors[f"{PREFIX}{out}.lora_B.weight"] = a, b
             continue
@@ -92,7 +112,12 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
         for e in range(a.shape[0]):
             tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_A.weight"] = a[e]
             tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_B.weight"] = b[e]
-    zero_filled = _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets) if per_expert else []
+    zero_filled, fused_info, patterns = [], {}, {}
+    if per_expert and fused_experts:
+        fused_info, patterns = _fuse_experts(tensors, expert_heads, fused_experts, lora.rank, lora.alpha)
+    elif per_expert:
+        zero_filled = _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets)
+    targets |= _target_modules(dense, set(name_map.values()) if per_expert else set(), runtime_renames)
     if dropped:
         warnings.warn(f"{len(dropped)} adapter(s) cannot be represented for peft and are left out of "
                       f"adapter_model.safetensors: {dropped[:4]}{' ...' if len(dropped) > 4 else ''} (peft maps every "
@@ -100,6 +125,10 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
                       f"shared-expert adapters would be dropped); they are kept in {EXTRA} for moeadapt "
                       "(load, merge-adapter). Leave dense FFN / shared experts out of lora.targets for a peft-only "
                       "adapter.", stacklevel=2)
+    if unmapped:
+        warnings.warn(f"{len(unmapped)} adapter(s) cannot be represented for peft: the checkpoint has no such "
+                      f"module ({unmapped[:4]}{' ...' if len(unmapped) > 4 else ''}); they are kept in {EXTRA} for "
+                      "moeadapt only. Remove them from lora.targets for a peft-only adapter.", stacklevel=2)
     to_save = full_trained_modules(model, lora)  # trained in full beside the adapters: PEFT's modules_to_save
     for mod in to_save:
         for pn, p in model.get_submodule(mod).named_parameters():
@@ -107,12 +136,17 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
     cfg = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
-        "target_modules": sorted(targets), "fan_in_fan_out": False, "inference_mode": True,
+        "target_modules": sorted(targets) or None, "fan_in_fan_out": False, "inference_mode": True,
         "modules_to_save": to_save or None,
     }
+    if fused_info:
+        cfg["target_parameters"] = sorted({f"experts.{p}" for info in fused_info.values()
+                                           for p, on in zip(FUSED_PARAMS, (info["gate_up"], info["down"])) if on})
+        cfg["rank_pattern"], cfg["alpha_pattern"] = patterns.get("rank", {}), patterns.get("alpha", {})
     side = {"targets": lora.targets, "grouped_modules": sorted(grouped),
-            "expert_layout": "per_expert" if per_expert else "stacked", "zero_filled": zero_filled,
-            "not_in_peft": sorted(dropped), "vision_tower": lora.vision_tower, "projector": lora.projector}
+            "expert_layout": ("peft_fused" if fused_info else "per_expert") if per_expert else "stacked",
+            "zero_filled": zero_filled, "fused_experts": fused_info,
+            "not_in_peft": sorted(dropped + unmapped), "vision_tower": lora.vision_tower, "projector": lora.projector}
     if any(name_map.get(n, n) != n for n in mods):
         side["modules"] = {name_map.get(n, n): n for n in mods}
     if perms_out:
@@ -124,6 +158,95 @@ def export_peft(model: nn.Module, lora: LoRASpec, path: str | Path, base_model: 
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / SIDE).write_text(json.dumps(side, indent=2))
     return Path(path)
+
+
+def _target_modules(dense: dict[str, list[str]], ckpt_modules: set[str],
+                    renames: tuple[tuple[str, str], ...] = ()) -> set[str]:
+    """peft's target_modules for the dense adapters: a leaf name where every checkpoint module of that name is
+    adapted, else the adapted modules' full names as the transformers model spells them (peft matches a target
+    by the name's suffix: a bare `o_proj` would also adapt, e.g., the MLA layers' o_proj when only the KDA
+    layers' is ours)."""
+    def runtime(name: str) -> str:
+        for a, b in renames:
+            name = name.replace(a, b)
+        return name
+
+    out: set[str] = set()
+    for leaf, mods in dense.items():
+        others = {m for m in ckpt_modules if m.rsplit(".", 1)[-1] == leaf} - set(mods)
+        out |= {runtime(m) for m in mods} if others else {leaf}
+    return out
+
+
+FUSED_PARAMS = ("gate_up_proj", "down_proj")  # transformers' fused expert parameters ([E, 2I, D], [E, D, I])
+
+
+def _fuse_experts(tensors: dict, expert_heads: dict[str, set[str]], leaves: tuple[str, str, str], r: int,
+                  alpha: float) -> tuple[dict, dict]:
+    """Per-expert adapter tensors (`<head>.<e>.<leaf>.lora_A/B.weight`) -> peft's target_parameters form for
+    fused experts, in place. Returns (per head: which leaves went where, {"rank": .., "alpha": ..} patterns)."""
+    gate, up, down = leaves
+    info, rank_pat, alpha_pat = {}, {}, {}
+
+    def take(head: str, leaf: str) -> tuple[torch.Tensor, torch.Tensor]:  # [E, r, in], [E, out, r]
+        n = sum(1 for k in tensors if k.startswith(f"{PREFIX}{head}.") and k.endswith(f".{leaf}.lora_A.weight"))
+        a = torch.stack([tensors.pop(f"{PREFIX}{head}.{e}.{leaf}.lora_A.weight") for e in range(n)])
+        b = torch.stack([tensors.pop(f"{PREFIX}{head}.{e}.{leaf}.lora_B.weight") for e in range(n)])
+        return a, b
+
+    for head, have in expert_heads.items():
+        parts = [leaf for leaf in (gate, up) if leaf in have]
+        both = bool(parts) and down in have
+        if parts:
+            ab = {leaf: take(head, leaf) for leaf in parts}
+            E, _, D = next(iter(ab.values()))[0].shape
+            inter = next(iter(ab.values()))[1].shape[1]
+            rank = r * len(parts)
+            a = torch.cat([ab[leaf][0] for leaf in parts], dim=1)  # [E, rank, D]
+            b = torch.zeros(E, 2 * inter, rank)
+            for j, leaf in enumerate(parts):
+                row = 0 if leaf == gate else inter
+                b[:, row:row + inter, j * r:(j + 1) * r] = ab[leaf][1]
+            key = f"{PREFIX}{head}.base_layer" if both else f"{PREFIX}{head}"
+            tensors[f"{key}.lora_A.weight"] = a.reshape(E * rank, D)
+            tensors[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(2 * inter, rank * E)
+            if rank != r:
+                rank_pat[r".*\.gate_up_proj"], alpha_pat[r".*\.gate_up_proj"] = rank, alpha * len(parts)
+        if down in have:
+            a, b = take(head, down)  # [E, r, I], [E, D, r]
+            E, _, inter = a.shape
+            tensors[f"{PREFIX}{head}.lora_A.weight"] = a.reshape(E * r, inter)
+            tensors[f"{PREFIX}{head}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * E)
+        info[head] = {"gate_up": parts, "halves": [0 if leaf == gate else 1 for leaf in parts],
+                      "down": down if down in have else None}
+    return info, {"rank": rank_pat, "alpha": alpha_pat}
+
+
+def _unfuse_experts(tensors: dict, info: dict, r: int) -> None:
+    """The inverse of `_fuse_experts`, in place: back to per-expert tensors."""
+    for head, parts in info.items():
+        gu, down = parts["gate_up"], parts["down"]
+        if gu:
+            key = f"{PREFIX}{head}.base_layer" if down else f"{PREFIX}{head}"
+            a, b = tensors.pop(f"{key}.lora_A.weight"), tensors.pop(f"{key}.lora_B.weight")
+            rank = r * len(gu)
+            E = a.shape[0] // rank
+            a = a.reshape(E, rank, -1)
+            b = b.reshape(b.shape[0], rank, E).permute(2, 0, 1)  # [E, 2I, rank]
+            inter = b.shape[1] // 2
+            for j, (leaf, half) in enumerate(zip(gu, parts["halves"])):
+                row = half * inter  # gate: the first half of gate_up's rows, up: the second
+                for e in range(E):
+                    tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_A.weight"] = a[e, j * r:(j + 1) * r]
+                    tensors[f"{PREFIX}{head}.{e}.{leaf}.lora_B.weight"] = b[e, row:row + inter, j * r:(j + 1) * r]
+        if down:
+            a, b = tensors.pop(f"{PREFIX}{head}.lora_A.weight"), tensors.pop(f"{PREFIX}{head}.lora_B.weight")
+            E = a.shape[0] // r
+            a = a.reshape(E, r, -1)
+            b = b.reshape(b.shape[0], r, E).permute(2, 0, 1)
+            for e in range(E):
+                tensors[f"{PREFIX}{head}.{e}.{down}.lora_A.weight"] = a[e]
+                tensors[f"{PREFIX}{head}.{e}.{down}.lora_B.weight"] = b[e]
 
 
 def _fill_fused_partners(model, mods, name_map, expert_heads, tensors, targets) -> list[str]:
@@ -193,7 +316,9 @@ def load_peft(model: nn.Module, path: str | Path, name_map: dict[str, str] | Non
         name_map = {ours: ckpt for ckpt, ours in own["modules"].items()}
     name_map = name_map or {}
     perms = {k: torch.tensor(v) for k, v in own.get("row_perms", {}).items()}
-    per_expert = own.get("expert_layout") == "per_expert"
+    per_expert = own.get("expert_layout") in ("per_expert", "peft_fused")
+    if own.get("expert_layout") == "peft_fused":
+        _unfuse_experts(tensors, own.get("fused_experts", {}), spec.rank)
     for z in own.get("zero_filled", []):  # the zero partners of a fused pair: not ours
         head, leaf = z.rsplit(".", 1)
         for k in [k for k in tensors if k.startswith(f"{PREFIX}{head}.") and f".{leaf}.lora_" in k]:

@@ -2,10 +2,14 @@
 
 Gated DeltaNet is KDA with one decay per head: the per-step state update S <- exp(g_t) S + beta_t k_t (v_t -
 S^T k_t)^T with g_t a scalar per value head, so `moeadapt.ops.kda.chunk_kda` runs it with the gate broadcast over
-the key channels (and grouped value heads: HV a multiple of the HK query/key heads). Layout as the checkpoints
-hold it: one fused projection per token for q, k, v and the output gate z (grouped per key head:
-[q_h | k_h | v of the head's value group | z of the group]), one for beta / the decay input (b, a), one causal
-depthwise conv (+ SiLU) over the concatenated q, k, v channels, decay g = -exp(A_log) * softplus(a + dt_bias),
+the key channels (and grouped value heads: HV a multiple of the HK query/key heads, value head j reading key head
+j // (HV / HK)). Projections as the checkpoints hold them (`spec.gdn_proj_layout`):
+- "grouped" (Qwen3-Next): one fused projection per token for q, k, v and the output gate z, grouped per key head
+  ([q_h | k_h | v of the head's value group | z of the group]), and one for beta / the decay input (b, a), grouped
+  the same way;
+- "split" (Qwen3.5): in_proj_qkv ([q of all heads | k of all heads | v of all heads]), in_proj_z, in_proj_b and
+  in_proj_a, each head-major.
+Then one causal depthwise conv (+ SiLU) over the concatenated q, k, v channels, decay g = -exp(A_log) * softplus(a + dt_bias),
 L2-normalised q and k (inside the op), then a per-head RMSNorm of the output gated by SiLU(z), then out_proj.
 Owns only its own parameters.
 """
@@ -48,8 +52,15 @@ class GatedDeltaNet(nn.Module):
         d = spec.hidden_size
         HK, HV, Dk, Dv = spec.gdn_n_key_heads, spec.gdn_n_value_heads, spec.gdn_key_head_dim, spec.gdn_value_head_dim
         self.HK, self.HV, self.Dk, self.Dv = HK, HV, Dk, Dv
-        self.in_proj_qkvz = nn.Linear(d, 2 * HK * Dk + 2 * HV * Dv, bias=False)
-        self.in_proj_ba = nn.Linear(d, 2 * HV, bias=False)
+        self.split = spec.gdn_proj_layout == "split"
+        if self.split:
+            self.in_proj_qkv = nn.Linear(d, 2 * HK * Dk + HV * Dv, bias=False)
+            self.in_proj_z = nn.Linear(d, HV * Dv, bias=False)
+            self.in_proj_b = nn.Linear(d, HV, bias=False)
+            self.in_proj_a = nn.Linear(d, HV, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(d, 2 * HK * Dk + 2 * HV * Dv, bias=False)
+            self.in_proj_ba = nn.Linear(d, 2 * HV, bias=False)
         self.conv1d = CausalConv1d(2 * HK * Dk + HV * Dv, spec.kda_conv_size)
         self.dt_bias = nn.Parameter(torch.empty(HV))
         self.A_log = nn.Parameter(torch.empty(HV))
@@ -73,11 +84,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
         B, T, _ = x_BTD.shape
         HK, HV, Dk, Dv = self.HK, self.HV, self.Dk, self.Dv
-        r = HV // HK
-        qkvz = self.in_proj_qkvz(x_BTD).view(B, T, HK, 2 * Dk + 2 * r * Dv)
-        q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x_BTD).view(B, T, HK, 2 * r), [r, r], dim=-1)
-        mixed = self.conv1d(torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1))
+        if self.split:
+            mixed = self.conv1d(self.in_proj_qkv(x_BTD))
+            z, b, a = self.in_proj_z(x_BTD), self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)
+        else:
+            r = HV // HK
+            qkvz = self.in_proj_qkvz(x_BTD).view(B, T, HK, 2 * Dk + 2 * r * Dv)
+            q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=-1)
+            b, a = torch.split(self.in_proj_ba(x_BTD).view(B, T, HK, 2 * r), [r, r], dim=-1)
+            mixed = self.conv1d(torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1))
         q, k, v = torch.split(mixed, [HK * Dk, HK * Dk, HV * Dv], dim=-1)
         q, k, v = q.view(B, T, HK, Dk), k.view(B, T, HK, Dk), v.reshape(B, T, HV, Dv)
         g_raw = a.reshape(B, T, HV, 1).expand(B, T, HV, Dk)  # one decay per head, broadcast over the key channels

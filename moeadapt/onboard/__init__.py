@@ -29,11 +29,27 @@ __all__ = [
 ]
 
 
-# Families whose transformers model fuses the experts, where peft (0.21) converts per-expert adapters itself and
-# re-targets every gate_proj / up_proj / down_proj module onto the fused experts (transformers' qwen2_moe
-# conversion pattern)
-PEFT_FUSED_EXPERTS = ("deepseek_v3", "deepseek_v32", "qwen3_moe")
-PEFT_FUSED_FFN_LEAVES = ("gate_proj", "up_proj", "down_proj")
+# How peft (pinned 0.21.2) loads expert adapters onto each family's transformers model, which holds the experts
+# fused (experts.gate_up_proj [E, 2I, D], experts.down_proj [E, D, I]); tested in tests/onboard/test_peft_real.py.
+# - Families of transformers' qwen2_moe / mixtral conversion patterns: peft converts per-expert adapters itself
+#   and re-targets every module named like an expert projection (the leaves below) onto the fused experts, so
+#   dense-FFN / shared-expert adapters of those names cannot be placed (export warns and keeps them aside).
+PEFT_FUSED_FFN_LEAVES = {"deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+                         "deepseek_v32": ("gate_proj", "up_proj", "down_proj"),
+                         "glm_moe_dsa": ("gate_proj", "up_proj", "down_proj"),
+                         "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                         "qwen3_next": ("gate_proj", "up_proj", "down_proj"),
+                         "minimax_m2": ("w1", "w3", "w2")}
+# - Families peft does not convert (no MoE target mapping for their pattern): expert adapters go in peft's
+#   target_parameters form on the fused parameters; the checkpoint's (gate, up, down) expert leaves
+# Module renames transformers applies on load (its conversion mapping), for target_modules given by full name
+PEFT_RUNTIME_RENAMES = {
+    "kimi_linear": ((".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
+                    (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
+    "minimax_m2": ((".block_sparse_moe.", ".mlp."),),
+}
+PEFT_TARGET_PARAMETERS = {"kimi_linear": ("w1", "w3", "w2"), "qwen3_5_moe": ("gate_proj", "up_proj", "down_proj"),
+                          "qwen3_5_moe_text": ("gate_proj", "up_proj", "down_proj")}
 
 
 def read_family_dir(path: str | Path, allow_unmapped: bool = False) -> Family:
@@ -135,8 +151,10 @@ def peft_name_map(path: str | Path) -> dict[str, str]:
 
 def peft_maps(path: str | Path | None) -> dict:
     """`export_peft` keyword arguments for a model onboarded from the Hugging Face checkpoint directory `path`:
-    name_map (ours -> checkpoint module names), row_perms (rows of lora_B back in checkpoint order) and
-    fused_ffn_leaves (module names peft takes for expert projections in this family).
+    name_map (ours -> checkpoint module names), row_perms (rows of lora_B back in checkpoint order),
+    fused_ffn_leaves (module names peft takes for expert projections in this family) and fused_experts (the
+    expert leaves to write in peft's target_parameters form, for families peft does not convert) and
+    runtime_renames (checkpoint -> transformers module-name changes, for targets given by full name).
     Empty for anything else (our own format, a preset name, None)."""
     if not path or not (Path(path) / "config.json").is_file():
         return {}
@@ -145,7 +163,9 @@ def peft_maps(path: str | Path | None) -> dict:
         return {}
     rules = build_rules(fam, checkpoint_index(path))
     return {"name_map": reverse_module_map(rules), "row_perms": reverse_row_perms(rules),
-            "fused_ffn_leaves": PEFT_FUSED_FFN_LEAVES if fam.model_type in PEFT_FUSED_EXPERTS else ()}
+            "fused_ffn_leaves": PEFT_FUSED_FFN_LEAVES.get(fam.model_type, ()),
+            "fused_experts": PEFT_TARGET_PARAMETERS.get(fam.model_type, ()),
+            "runtime_renames": PEFT_RUNTIME_RENAMES.get(fam.model_type, ())}
 
 
 def write_run_config(fam: Family, path: str | Path, out: str | Path) -> Path:
@@ -168,7 +188,7 @@ def report(result: dict, console=None) -> None:
     console = console or make_console()
     c, s = result["check"], result["spec"]
     console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
-                  f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "
+                  f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa', 'gdn') if t in s.resolved_layer_types())}), "
                   f"{s.n_routed_experts} experts top-{s.n_experts_per_tok}")
     if s.vision is not None:
         v = s.vision

@@ -53,12 +53,22 @@ def hf_tensors(model: torch.nn.Module, src: str | Path) -> Iterator[tuple[str, t
     meta = _source_meta(src, index)
     state = model.state_dict()
     written: set[str] = set()
+    parts: dict[str, list[torch.Tensor | None]] = {}  # fused checkpoint tensors being assembled from our parts
     for r in build_rules(fam, index):
         if r.ours not in state or (r.absent_ok and not any(s in index for s in r.sources)):
             continue
         if r.ours == "lm_head.weight" and fam.spec.tie_word_embeddings:
             continue  # the checkpoint holds the embedding once
         t = state[r.ours].detach()
+        if r.part is not None:  # e.g. gate and up in experts.gate_up_proj: yield once both are there
+            d, i, n = r.part
+            name = r.sources[0]
+            got = parts.setdefault(name, [None] * n)
+            got[i] = t.float()
+            if all(x is not None for x in got):
+                written.add(name)
+                yield name, torch.cat(got, dim=d).to(meta[name][1]).contiguous()  # type: ignore[arg-type]
+            continue
         parts = [t[e] for e in range(t.shape[0])] if r.stacked else [t]
         for name, part in zip(r.sources, parts):
             shape, dtype = meta[name]

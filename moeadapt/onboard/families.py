@@ -8,11 +8,12 @@ Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in 
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
 indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
 shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
-type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), glm5_next's text
-model (GLM-5.3-Flash: KDA with a lower-bounded gate + NoPE MLA with a KPool indexer and shared-indexer layers,
-clamped SwiGLU, hyper-connection residual streams; its vision tower is skipped here, glm5_vision.py maps it on its
-own), kimi_k25 (MoonViT vision tower + 2 x 2 merger + MLP projector in front of a deepseek_v3 text model; images
-only, no video), and our own format (config.json with a "moeadapt" key).
+type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), qwen3_5_moe (Qwen3.5-MoE's text model: qwen3_next with split
+DeltaNet projections, under model.language_model.; vision tower skipped), minimax_m2 (GQA + sigmoid-routed MoE),
+glm5_next's text model (GLM-5.3-Flash: KDA with a lower-bounded gate + NoPE MLA with a KPool indexer and
+shared-indexer layers, clamped SwiGLU, hyper-connection residual streams; its vision tower is skipped here,
+glm5_vision.py maps it on its own), kimi_k25 (MoonViT vision tower + 2 x 2 merger + MLP projector in front of a
+deepseek_v3 text model; images only, no video), and our own format (config.json with a "moeadapt" key).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class Family:
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
     norm_offset: float = 0.0  # RMSNorm weights stored as weight - offset (Qwen3-Next's 1 + weight norms)
     layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
-    prefix: str = "model."  # where the text model's tensors live ("model.language_model." in GLM-5.3-Flash)
-    skip_prefixes: dict[str, str] = field(default_factory=dict)  # checkpoint name prefix -> why it is skipped
+    prefix: str = "model."  # the text model's tensor prefix ("model.language_model." in multimodal checkpoints)
+    skip_prefixes: dict[str, str] = field(default_factory=dict)  # checkpoint-name prefix -> why it is not loaded
 
 
 class _Reader:
@@ -283,10 +284,18 @@ def _qwen3_moe(r: _Reader, fam: Family) -> dict:
 
 
 def _qwen3_next(r: _Reader, fam: Family) -> dict:
-    """Qwen3-Next / Qwen3.5-MoE text: Gated DeltaNet ("gdn") layers and gated full attention with partial RoPE
-    ("gqa"), a softmax-routed MoE with a sigmoid-gated shared expert. Its RMSNorms (all but the DeltaNet output
-    norm) scale by 1 + weight: the name map adds the 1 (names.py)."""
+    """Qwen3-Next: Gated DeltaNet ("gdn") layers and gated full attention with partial RoPE ("gqa"), a
+    softmax-routed MoE with a sigmoid-gated shared expert. Its RMSNorms (all but the DeltaNet output norm) scale by
+    1 + weight: the name map adds the 1 (names.py)."""
     kw = _qwen3_moe(r, fam)
+    _gated_hybrid(r, fam, kw)
+    fam.hf_class = "Qwen3NextForCausalLM"
+    return kw
+
+
+def _gated_hybrid(r: _Reader, fam: Family, kw: dict) -> None:
+    """What Qwen3-Next and Qwen3.5 share: the gdn / gated-gqa layer pattern, partial RoPE, the Gated DeltaNet
+    shapes, the sigmoid-gated shared expert and the 1 + weight RMSNorms."""
     every = int(r.get("full_attention_interval", default=4))  # older config.json files: no layer_types
     types = r.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                      for i in range(kw["n_layers"])]
@@ -308,7 +317,64 @@ def _qwen3_next(r: _Reader, fam: Family) -> dict:
     if sh:
         kw.update(n_shared_experts=1, shared_intermediate_size=sh, shared_expert_gate=True)
     fam.norm_offset = 1.0
-    fam.hf_class = "Qwen3NextForCausalLM"
+
+
+# the top level of a Qwen3.5 multimodal config.json: the text model lives under text_config
+_QWEN35_TOP = ("text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+               "vision_end_token_id", "tie_word_embeddings")
+
+
+def _qwen3_5_moe(r: _Reader, fam: Family) -> dict:
+    """Qwen3.5-MoE, the text model (model_type qwen3_5_moe: the multimodal checkpoint, text under text_config and
+    its weights under model.language_model.; or qwen3_5_moe_text, a text-only checkpoint under model.).
+    Qwen3-Next's architecture with: the Gated DeltaNet input projections split per kind (in_proj_qkv / _z / _b /
+    _a, head-major: gdn_proj_layout="split"); a router that always renormalises its top-k; no dense FFN at all
+    (no intermediate_size); multimodal RoPE (mrope_section), which for text positions (the same position on the
+    t / h / w axes) is plain partial RoPE. The vision tower (model.visual.*) and the multi-token-prediction
+    layers (mtp.*) are skipped with a notice."""
+    t = r
+    if r.cfg.get("text_config") is not None:
+        r.get(*_QWEN35_TOP)
+        t = _Reader(dict(r.cfg["text_config"]), f"{r.model_type} text_config")
+        if r.cfg.get("tie_word_embeddings") is not None:  # the multimodal model ties by its top-level flag
+            t.cfg["tie_word_embeddings"] = r.cfg["tie_word_embeddings"]
+        fam.prefix = "model.language_model."
+        if r.cfg.get("vision_config"):
+            fam.skip_prefixes["model.visual."] = "vision tower (not mapped: moeadapt onboards the text model)"
+            fam.notes.append("vision tower (model.visual.*) not mapped: the text model only (text-only input)")
+    _silu(t)
+    kw = _common(t)
+    n = kw["n_layers"]
+    H = t.need("num_attention_heads")
+    hd = t.get("head_dim", default=kw["hidden_size"] // H)
+    t.expect("attn_output_gate", lambda v: bool(v), "full attention is always output-gated")
+    t.expect("decoder_sparse_step", lambda v: v == 1, "MoE on every layer")
+    t.expect("mlp_only_layers", lambda v: not v, "every layer is MoE")
+    t.expect("norm_topk_prob", lambda v: v in (None, True), "the Qwen3.5 router always renormalises its top-k")
+    t.get("mamba_ssm_dtype")  # the recurrent state's dtype at inference; ours is float32
+    params = t.get("rope_parameters") or {}
+    if params.get("mrope_section"):
+        fam.notes.append(f"multimodal RoPE (mrope_section={params['mrope_section']}) served as plain partial RoPE: "
+                         "exact for text positions")
+    mtp = int(t.get("mtp_num_hidden_layers", default=0) or 0)
+    t.get("mtp_use_dedicated_embeddings")
+    if mtp:
+        fam.skip_prefixes["mtp."] = f"multi-token-prediction layers (mtp_num_hidden_layers={mtp}); not trained here"
+    kw.update(
+        layer_types=["gqa"] * n, n_heads=H, gqa_n_kv_heads=t.need("num_key_value_heads"), gqa_head_dim=hd,
+        gqa_qk_norm=True, first_k_dense=0, n_routed_experts=t.need("num_experts"),
+        n_experts_per_tok=t.need("num_experts_per_tok"), n_shared_experts=0,
+        moe_intermediate_size=t.need("moe_intermediate_size"), latent_dim=None, score_func="softmax",
+        norm_topk_prob=True, routed_scaling_factor=1.0, bias_update_rate=0.0,
+        aux_loss_coef=float(t.get("router_aux_loss_coef", default=0.0)),
+        qk_rope_head_dim=min(16, hd - hd % 2), index_head_dim=max(16, hd), index_topk=kw["max_position_embeddings"],
+        gdn_proj_layout="split",
+    )
+    _gated_hybrid(t, fam, kw)
+    if t is not r:
+        left = sorted(k for k in t.cfg if k not in t.used and k not in HARMLESS)
+        r.unsupported += [f"text_config.{k} (not understood)" for k in left] + [f"text_config.{p}" for p in t.unsupported]
+    fam.hf_class = "Qwen3_5MoeForCausalLM"
     return kw
 
 
@@ -471,7 +537,8 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
 
 _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next,
-             "minimax_m2": _minimax_m2, "glm5_next": _glm5_next, "kimi_k25": _kimi_k25}
+             "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe, "minimax_m2": _minimax_m2,
+             "glm5_next": _glm5_next, "kimi_k25": _kimi_k25}
 
 
 # Config fields of architectures we do not implement -> what they are (for the unknown-family message). Features

@@ -153,7 +153,7 @@ class StreamingLoader:
     def _check_shapes(self) -> list[str]:
         by_shard: dict[str, list[tuple[str, tuple, str]]] = defaultdict(list)
         for r in self.rules:
-            want = r.shape[1:] if r.stacked else r.shape
+            want = r.src_shape()
             for s in r.sources:
                 if s in self.index:
                     by_shard[self.index[s]].append((s, want, r.ours))
@@ -208,8 +208,8 @@ class StreamingLoader:
                             yield r.ours, buf
                         else:
                             pending[r.ours] = (buf, n + 1)
-                    elif _is_expert(r) and self.fam.model_type == "moeadapt":  # our stacked layout: a slice
-                        yield r.ours, self._cast(r, self._read(f, shard, s, slice(self.e0, self.e1)))
+                    elif _is_expert(r):  # all experts in one tensor (ours, or fused in the checkpoint): a slice
+                        yield r.ours, self._cast(r, r.take_part(self._read(f, shard, s, slice(self.e0, self.e1))))
                     else:
                         yield r.ours, self._cast(r, r.to_ours(self._read(f, shard, s)))
         if pending:
@@ -221,7 +221,8 @@ class StreamingLoader:
 
     def read_slice(self, ours: str, sl: Slices) -> torch.Tensor | None:
         """The box `sl` (one slice per dim of our full shape) of our tensor `ours`, reading only that box from
-        the checkpoint: name map, RoPE row order, expert stacking and FP8 dequantisation applied to the box.
+        the checkpoint: name map, RoPE row order, expert stacking, fused-expert parts, norm offsets and FP8
+        dequantisation applied to the box.
         A tensor absent by design comes back as its stated init (zeros), or None for "keep the model's own".
         The checkpoint's dtype is kept (FP8 comes out as float32): the caller's copy into the model casts.
         Call `check()` first (it reads the shapes from the headers)."""
@@ -237,12 +238,18 @@ class StreamingLoader:
         if r.stacked:  # dim 0 picks experts; each expert is its own checkpoint tensor
             return torch.stack([self._read_box(r.sources[e], r.shape[1:], sl[1:])
                                 for e in range(sl[0].start, sl[0].stop)])
+        if r.part is not None:  # our chunk of a fused tensor: the same box, moved along the chunk's dim
+            d, i, _ = r.part
+            at = i * r.shape[d]
+            sl = tuple(slice(x.start + at, x.stop + at) if k == d else x for k, x in enumerate(sl))
+            return self._read_box(r.sources[0], r.src_shape(), sl)
         if r.row_perm is not None:  # ours[i] = ckpt[perm[i]]: read the rows' span, then pick them
             rows = r.row_perm[sl[0]]
             lo, hi = int(rows.min()), int(rows.max()) + 1
             t = self._read_box(r.sources[0], r.shape, (slice(lo, hi), *sl[1:]))
             return t.index_select(0, rows - lo)
-        return self._read_box(r.sources[0], r.shape, sl)
+        t = self._read_box(r.sources[0], r.shape, sl)
+        return t.float() + r.offset if r.offset else t  # RMSNorms stored as weight - 1 (Qwen3-Next / Qwen3.5)
 
     def _read_box(self, name: str, shape: tuple[int, ...], sl: Slices) -> torch.Tensor:
         """Box `sl` of checkpoint tensor `name` whose shape is ours (`shape`) up to size-1 dims."""
@@ -307,6 +314,8 @@ class HFLayout:
             return []
         if r.stacked:
             return [(s, self._shape(s, tuple(shape[1:]))) for s in r.sources]
+        if r.part is not None:
+            return [(r.sources[0], self._shape(r.sources[0], r.src_shape()))]
         return [(r.sources[0], self._shape(r.sources[0], tuple(shape)))]
 
     def pieces(self, name: str, region, box: torch.Tensor):
@@ -322,7 +331,13 @@ class HFLayout:
                     _carry_shape(tuple(r.shape[1:]), tuple(box.shape[1:]), dshape))
             return
         src = r.sources[0]
+        if r.part is not None:  # our chunk of a fused checkpoint tensor: the box moves along the chunk's dim
+            d, i, _ = r.part
+            yield src, tuple(o + i * r.shape[d] if k == d else o for k, o in enumerate(off)), box
+            return
         dshape = self._shape(src, tuple(r.shape))
+        if r.offset:  # back to the checkpoint's weight - offset
+            box = box - r.offset
         if r.row_perm is None:
             yield src, _carry_offsets(tuple(r.shape), off, dshape), box.reshape(
                 _carry_shape(tuple(r.shape), tuple(box.shape), dshape))

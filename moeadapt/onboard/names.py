@@ -19,6 +19,7 @@ from ..models.model import build_model
 from .families import Family
 
 _IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx", "kpool_gate", "kpool_ape")
+_QWEN_NEXT = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # Qwen3-Next's names (linear_attn., shared_expert.)
 
 
 @dataclass
@@ -31,12 +32,29 @@ class Rule:
     absent_ok: str = ""  # why the checkpoint has no such tensor ("" = it must be there)
     init: str = "keep"  # for absent tensors: "zeros" or "keep" (the model's own init)
     offset: float = 0.0  # ours = ckpt + offset (RMSNorms stored as weight - 1, applied as 1 + weight)
+    part: tuple[int, int, int] | None = None  # (dim, i, n): ours is chunk i of n equal chunks of the source on dim
+    module: str = ""  # the checkpoint module name PEFT export uses, where the source name does not give it
+
+    def src_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape this rule expects (one expert's for stacked rules)."""
+        shape = list(self.shape[1:] if self.stacked else self.shape)
+        if self.part is not None:
+            shape[self.part[0]] *= self.part[2]
+        return tuple(shape)
+
+    def take_part(self, t: torch.Tensor) -> torch.Tensor:
+        """Our chunk of a (possibly expert-sliced) source tensor; the tensor itself when the rule has no part."""
+        if self.part is None:
+            return t
+        d, i, n = self.part
+        return t.narrow(d, i * (t.shape[d] // n), t.shape[d] // n)
 
     def to_ours(self, t: torch.Tensor) -> torch.Tensor:
+        t = self.take_part(t)
         if self.row_perm is not None:
             t = t.index_select(0, self.row_perm)
         if self.offset:
-            t = t + self.offset
+            t = t.float() + self.offset  # in float32: 1 + w rounded once, to the model's dtype
         return t.reshape(self.shape[1:] if self.stacked else self.shape)
 
     def from_ours(self, t: torch.Tensor, src_shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,11 +116,11 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "ffn.shared.w3.weight": moe + "shared_experts.up_proj.weight",
         "ffn.shared.w2.weight": moe + "shared_experts.down_proj.weight",
     }
-    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "qwen3_next", "minimax_m2"):
+    if ours == "attn.q_norm.weight" and fam.model_type in ("qwen3_moe", "minimax_m2", *_QWEN_NEXT):
         return p + "self_attn.q_norm.weight"
     if ours == "ffn.router.expert_bias" and mt == "minimax_m2":
         return p + moe + "e_score_correction_bias"
-    if mt == "qwen3_next":
+    if mt in _QWEN_NEXT:
         if fam.spec.resolved_layer_types()[i] == "gdn" and ours.startswith("attn."):
             return p + "linear_attn." + ours[len("attn."):]
         if ours.startswith("ffn.shared."):  # Qwen3-Next: one shared expert, singular name, with a gate
@@ -178,7 +196,8 @@ def _alias(fam: Family, name: str) -> str | None:
 
 def build_rules(fam: Family, present: Collection[str] | None = None) -> list[Rule]:
     """One rule per tensor of our state dict (tokens_per_expert, a non-persistent counter, excluded).
-    `present`: the checkpoint's tensor names; a source it lacks is replaced by its alias when that is present."""
+    `present`: the checkpoint's tensor names; a source it lacks is replaced by its alias when that is present,
+    and per-expert sources by the fused expert tensors where the checkpoint holds those (`_fused_experts`)."""
     rules = _build_rules(fam)
     if present is not None:
         have = set(present)
@@ -186,7 +205,27 @@ def build_rules(fam: Family, present: Collection[str] | None = None) -> list[Rul
             alt = [_alias(fam, s) for s in r.sources]
             if any(s not in have for s in r.sources) and all(a is not None and a in have for a in alt):
                 r.sources = alt  # type: ignore[assignment]
+            _fused_experts(r, have)
     return rules
+
+
+def _fused_experts(r: Rule, have: set[str]) -> None:
+    """A routed-expert rule whose checkpoint holds the layer's experts fused, as transformers keeps them in memory
+    (and Qwen3.5's release stores them): `experts.gate_up_proj` [E, 2I, D] (gate rows first, then up) and
+    `experts.down_proj` [E, D, I], instead of one tensor per expert. The rule then reads its part of the fused
+    tensor; PEFT export keeps the per-expert module name."""
+    if not r.stacked or all(s in have for s in r.sources):
+        return
+    head, _, rest = r.sources[0].partition(".experts.0.")
+    if not rest:
+        return
+    w = r.ours.split(".")[-2]  # w1 (gate), w3 (up), w2 (down)
+    fused = f"{head}.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+    if fused not in have:
+        return
+    r.module = f"{head}.experts.{rest.rsplit('.', 1)[0]}"
+    r.sources, r.stacked = [fused], False
+    r.part = None if w == "w2" else (1, 0 if w == "w1" else 1, 2)
 
 
 def _build_rules(fam: Family) -> list[Rule]:
@@ -209,7 +248,7 @@ def _build_rules(fam: Family) -> list[Rule]:
         if name in top:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
-                src = f"{pre}embed_tokens.weight"
+                src = top["embed.weight"]
             rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
@@ -223,7 +262,7 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.norm_offset and rel in ("attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight",
                                        "attn.k_norm.weight"):
             r.offset = fam.norm_offset
-        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", "qwen3_next"):
+        if rel == "ffn.router.expert_bias" and fam.model_type in ("qwen3_moe", *_QWEN_NEXT):
             r.absent_ok, r.init = "the family routes without a selection bias (zero bias = identical routing)", \
                 "zeros"
         if fam.index_rope_interleave and rel in ("attn.wq_idx.weight", "attn.wk_idx.weight",
@@ -276,7 +315,7 @@ def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
         if r.absent_ok or not r.ours.endswith(".weight") or not r.sources[0].endswith(".weight"):
             continue  # (a bare parameter such as the KPool gate is no module of the checkpoint)
         mod = r.ours.rsplit(".", 1)[0]
-        src = r.sources[0].rsplit(".", 1)[0]
+        src = r.module or r.sources[0].rsplit(".", 1)[0]
         if r.stacked:  # model.layers.3.mlp.experts.0.gate_proj -> model.layers.3.mlp.experts.gate_proj
             head, _, proj = src.rpartition(".")
             src = head.rsplit(".", 1)[0] + "." + proj

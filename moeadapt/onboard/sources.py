@@ -44,8 +44,8 @@ class SafetensorsSource:
 
         self.path = Path(path)
         self.fam = read_family_dir(self.path, allow_unmapped)
-        self.loader = StreamingLoader(self.path, self.fam, build_rules(self.fam, checkpoint_index(self.path)),
-                                      dtype=torch.float32)  # present names: a family saved two ways (aliases)
+        rules = build_rules(self.fam, checkpoint_index(self.path))  # the checkpoint's own spellings and layouts
+        self.loader = StreamingLoader(self.path, self.fam, rules, dtype=torch.float32)
 
     @property
     def bytes_read(self) -> int:

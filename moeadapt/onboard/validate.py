@@ -25,7 +25,7 @@ from .families import Family, OnboardError, truncated
 TOL = 1e-4  # max |logit difference| in float32; per block: max |Δh| / max(1, max |h|)
 
 
-def _hf_config(path: Path, n_layers: int):
+def _hf_config(path: Path, n_layers: int, hf_class: str | None = None):
     import transformers
 
     try:
@@ -33,7 +33,9 @@ def _hf_config(path: Path, n_layers: int):
     except (ValueError, KeyError) as e:
         raise OnboardError(f"transformers {transformers.__version__} cannot read {path}/config.json ({e}); "
                            "--validate needs a transformers version that implements this model_type") from None
-    text = getattr(cfg, "text_config", None) or cfg  # a multimodal config: the text model's own (GLM-5.3-Flash)
+    text = getattr(cfg, "text_config", None) or cfg  # a multimodal config: the text model's own
+    if (hf_class or "").endswith("ForCausalLM"):  # the text model alone is what we compare (Qwen3.5-MoE)
+        cfg = text
     full = text.num_hidden_layers
     if n_layers < full:
         text.num_hidden_layers = n_layers
@@ -46,7 +48,7 @@ def _hf_config(path: Path, n_layers: int):
 def _hf_model(path: Path, fam: Family, n_layers: int) -> nn.Module:
     import transformers
 
-    cfg = _hf_config(path, n_layers)
+    cfg = _hf_config(path, n_layers, fam.hf_class)
     cls = getattr(transformers, fam.hf_class or "", None) or transformers.AutoModelForCausalLM
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the skipped layers >= N would each be reported as unexpected

@@ -45,16 +45,43 @@ def tiny_cfg(model_type: str, **kw):
 
 
 def save_tiny(model_type: str, out, seed: int | None = None, **kw):
-    """A tiny checkpoint written by transformers; kimi_k25 (vision + text) takes its shapes and weights from
-    `seed` (random_checkpoint)."""
+    """A tiny checkpoint written by transformers: fixed shapes for qwen3_moe, deepseek_v3 and glm5_next; kimi_k25
+    (vision + text) takes its shapes and weights from `seed` (random_checkpoint); qwen3_5_moe (multimodal, with its
+    vision tower) is `random_checkpoint` of seed 0."""
     if model_type == "kimi_k25":
         return random_checkpoint(model_type, out, fresh_seed() if seed is None else seed, **kw)
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return random_checkpoint(model_type, out, 0 if seed is None else seed, **kw)
     cfg = tiny_cfg(model_type, **kw)
     cls = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "glm5_next": transformers.Glm5NextForConditionalGeneration
            }.get(model_type, transformers.DeepseekV3ForCausalLM)
     m = cls(cfg).float()
     m.save_pretrained(str(out))
     return out
+
+
+def hf_model(d, **kw):
+    """transformers' model of a checkpoint directory: the multimodal class where the checkpoint is multimodal (its
+    module names are the checkpoint's: model.language_model.*), else the causal LM."""
+    multimodal = "vision_config" in json.loads((d / "config.json").read_text())
+    cls = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(str(d), **kw)
+
+
+def fused_copy(src, dst):
+    """The checkpoint at `src` re-saved as transformers holds it in memory (routed experts fused:
+    experts.gate_up_proj [E, 2I, D], experts.down_proj [E, D, I]), the layout of Qwen3.5's release;
+    save_pretrained would write them back per expert."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    m = hf_model(src, dtype=torch.float32)
+    dst.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
 
 
 def read_cfg(d):
@@ -119,6 +146,22 @@ def _random_cfg(model_type: str, rnd: random.Random):
             hc_mult=c([2, 3, 4]), hc_sinkhorn_iters=c([3, 20]), swiglu_limit=c([0.3, 0.6]),
             n_routed_experts=E, n_shared_experts=1, n_group=groups, topk_group=1 if groups == 1 else c([1, 2]),
             routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), **common))
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):  # qwen3_next with split DeltaNet projections
+        kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
+        HK = c([1, 2])
+        common.update(num_hidden_layers=len(kinds))
+        common.pop("intermediate_size")
+        text = dict(
+            num_attention_heads=c([2, 4]), num_key_value_heads=c([1, 2]), head_dim=c([8, 16]), num_experts=c([4, 8]),
+            layer_types=kinds, linear_num_key_heads=HK, linear_num_value_heads=HK * c([1, 2]),
+            linear_key_head_dim=c([8, 16]), linear_value_head_dim=c([8, 16]), shared_expert_intermediate_size=c([16, 24]),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5]),
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True}, **common)
+        if model_type == "qwen3_5_moe_text":
+            return transformers.Qwen3_5MoeTextConfig(**text)
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=4, num_position_embeddings=16)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **tok)
     mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
                qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
     mla["num_key_value_heads"] = mla["num_attention_heads"]
@@ -173,20 +216,23 @@ def _random_cfg(model_type: str, rnd: random.Random):
 def random_checkpoint(model_type: str, out, seed: int, **overrides):
     """A tiny random checkpoint written by transformers, its shapes and weights drawn from `seed`: norms away
     from 1, router biases non-zero, so a wrong epsilon, a missed norm or a swapped tensor shows in the logits.
-    `overrides` are set on the drawn config (e.g. rope_parameters)."""
+    `overrides` are set on the drawn config (e.g. rope_parameters; a callable gets the config)."""
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
-    for k, v in overrides.items():  # (glm5_next: on its text config; kimi_k25: text_config={field: value})
+    for k, v in overrides.items():  # onto the text config of a multimodal model; a value may be a function of it
         if model_type == "kimi_k25" and k == "text_config":
             for kk, vv in v.items():
                 setattr(cfg.text_config, kk, vv)
-        else:
-            setattr(cfg.text_config if model_type == "glm5_next" else cfg, k, v)
+            continue
+        target = cfg if model_type == "kimi_k25" else (getattr(cfg, "text_config", None) or cfg)
+        setattr(target, k, v(target) if callable(v) else v)
     torch.manual_seed(seed)
     if model_type == "glm5_next":
         m = transformers.Glm5NextForConditionalGeneration(cfg).float()
     elif model_type == "kimi_k25":
         m = transformers.Kimi_K25ForConditionalGeneration(cfg).float()
+    elif getattr(cfg, "vision_config", None) is not None:  # the multimodal model: vision weights in the checkpoint
+        m = transformers.AutoModelForImageTextToText.from_config(cfg).float()
     else:
         m = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(seed)

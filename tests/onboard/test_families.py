@@ -102,3 +102,30 @@ def test_qwen3_next_older_config_layout():
     cfg["rope_parameters"].pop("partial_rotary_factor")
     s = read_family(cfg).spec
     assert s.resolved_layer_types() == (["gdn"] * 3 + ["gqa"]) * 2 and s.gqa_rope_dim == s.gqa_head_dim // 4
+
+
+def test_qwen3_5_moe_release_config_maps():
+    """Qwen3.5-MoE as released (multimodal config, text model under text_config, MTP and mrope fields; 8 of its 40
+    layers, to stay fast): 3 gdn : 1 gated gqa layers, split DeltaNet projections, vision tower and MTP skipped by
+    prefix; our parameter count equals transformers' text model's on meta (34,660,610,688 for all 40 layers, both);
+    an unknown or unsupported text_config field is named with its prefix."""
+    import torch
+
+    cfg = transformers.Qwen3_5MoeConfig().to_dict()
+    t = cfg["text_config"]
+    t.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False, attn_output_gate=True,
+             full_attention_interval=4, mamba_ssm_dtype="float32", num_hidden_layers=8, layer_types=t["layer_types"][:8])
+    t["rope_parameters"].update(mrope_section=[11, 11, 10], mrope_interleaved=True)
+    fam = read_family(cfg)
+    s = fam.spec
+    assert s.resolved_layer_types() == (["gdn"] * 3 + ["gqa"]) * 2 and s.gdn_proj_layout == "split"
+    assert s.norm_topk_prob and s.shared_expert_gate and s.gqa_rope_dim == s.gqa_head_dim // 4
+    assert fam.prefix == "model.language_model." and set(fam.skip_prefixes) == {"model.visual.", "mtp."}
+    with torch.device("meta"):
+        ref = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeConfig(text_config=t).text_config)
+    assert count_parameters(build_model(s, "meta"), s)["total"] == sum(p.numel() for p in ref.parameters())
+    t["frobnicate"] = 1
+    t["attn_output_gate"] = False
+    with pytest.raises(OnboardError, match=r"text_config\.frobnicate \(not understood\).*text_config\."
+                                           r"attn_output_gate=False"):
+        read_family(cfg)

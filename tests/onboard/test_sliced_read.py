@@ -51,6 +51,17 @@ def test_every_box_matches_the_whole_load(qwen_dir, dsv3_dir, seed):
         _check_all_boxes(d, seed)
 
 
+def test_boxes_of_qwen3_5_norm_offsets_and_fused_experts(tmp_path, seed):
+    """Qwen3.5-MoE: the 1 + weight RMSNorms get their offset in a box too (the sharded load and merge-adapter read
+    boxes), and boxes of experts stored fused (experts.gate_up_proj) are our gate / up parts."""
+    from onboard_helpers import fused_copy, random_checkpoint
+
+    d = random_checkpoint("qwen3_5_moe", tmp_path / "q", seed)
+    src = _check_all_boxes(d, seed)
+    assert src.loader.rule("layers.0.attn_norm.weight").offset == 1.0
+    _check_all_boxes(fused_copy(d, tmp_path / "fused"), seed)
+
+
 def test_rope_rows_and_stacked_experts_read_only_the_box(dsv3_dir):
     src = open_source(dsv3_dir)
     ref, _ = onboard_model(dsv3_dir, dtype=torch.float32)

@@ -6,7 +6,7 @@ first N blocks built from the same files."""
 import pytest
 import torch
 import yaml
-from onboard_helpers import fresh_seed, random_checkpoint
+from onboard_helpers import fresh_seed, fused_copy, random_checkpoint
 
 from moeadapt.cli import main
 from moeadapt.onboard import names as names_mod
@@ -14,7 +14,8 @@ from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next", "minimax_m2",
-            "glm5_next"]
+            "glm5_next", "qwen3_5_moe"]
+LINEAR = ("kimi_linear", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")  # recurrent layers: short documents
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -22,7 +23,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     seed = fresh_seed()
     print(f"{model_type}: checkpoint seed {seed} (MOEADAPT_TEST_SEED={seed} replays it)")
     d = random_checkpoint(model_type, tmp_path / "ckpt", seed)
-    v = onboard(d, validate=True, seq_len=24 if model_type in ("kimi_linear", "qwen3_next") else None, seed=seed)["validation"]
+    v = onboard(d, validate=True, seq_len=24 if model_type in LINEAR else None, seed=seed)["validation"]
     print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "per_layer")})
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
@@ -136,3 +137,63 @@ def test_qwen3_next_features_each_matter(tmp_path):
     no_partial = dataclasses.replace(fam, spec=s.model_copy(update={"gqa_rope_dim": None}))
     v = validate_checkpoint(d, no_partial, seq_len=16)
     assert not v["passed"] and v["first_bad_layer"] == gqa, v["where"]
+
+
+def test_qwen3_5_moe_text_layout_and_broken_copies(tmp_path):
+    """Qwen3.5-MoE: the text-only checkpoint (model_type qwen3_5_moe_text, weights under model.) validates too; the
+    multimodal one skips its vision tower by name; a perturbed split DeltaNet projection and a changed q-norm
+    epsilon each FAIL at their layer."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("qwen3_5_moe_text", tmp_path / "text", seed)
+    v = validate_checkpoint(d, read_family_dir(d), seq_len=16, seed=seed)
+    assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
+    d = random_checkpoint("qwen3_5_moe", tmp_path / "mm", seed)
+    out = onboard(d)
+    assert out["check"]["ignored"] and all(k.startswith("model.visual.") for k in out["check"]["ignored"])
+    assert any("vision tower" in n for n in out["notes"])
+    fam = read_family_dir(d)
+    assert fam.spec.gdn_proj_layout == "split" and fam.spec.resolved_layer_types()[0] == "gdn"
+    v = validate_checkpoint(d, fam, seq_len=16, tamper=_perturb(0, "attn.in_proj_qkv.weight"))
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
+    gqa = fam.spec.resolved_layer_types().index("gqa")
+    v = validate_checkpoint(d, fam, seq_len=16, tamper=_eps(gqa, "attn.q_norm", 1e-1))
+    assert not v["passed"] and v["first_bad_layer"] == gqa, v["where"]
+    assert v["where"].startswith(f"layer {gqa} (gqa)")
+
+
+def test_fused_expert_checkpoint_validates_and_reads_by_box(tmp_path, monkeypatch):
+    """A checkpoint holding the experts fused (experts.gate_up_proj / experts.down_proj, as Qwen3.5 is released)
+    maps, validates, and a box of our up projection read from it equals that part of the fused tensor; with up
+    read from gate's half it FAILS at the first layer."""
+    from safetensors import safe_open
+
+    from moeadapt.onboard import StreamingLoader, build_rules, checkpoint_index, peft_maps
+
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    per_expert = random_checkpoint("qwen3_5_moe", tmp_path / "ckpt", seed)
+    d = fused_copy(per_expert, tmp_path / "fused")
+    assert peft_maps(d)["name_map"] == peft_maps(per_expert)["name_map"]  # adapters keep the per-expert names
+    fam = read_family_dir(d)
+    v = validate_checkpoint(d, fam, seq_len=12, seed=seed)
+    assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
+    rules = build_rules(fam, checkpoint_index(d))
+    up = next(r for r in rules if r.ours == "layers.0.ffn.experts.w3.weight")
+    assert up.sources == ["model.language_model.layers.0.mlp.experts.gate_up_proj"] and up.part == (1, 1, 2)
+    loader = StreamingLoader(d, fam, rules, dtype=torch.float32)
+    loader.check()
+    E, inter, _ = up.shape
+    box = loader.read_slice(up.ours, (slice(1, E), slice(2, inter), slice(None)))
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        want = f.get_tensor(up.sources[0])[1:, inter + 2:]
+    assert torch.equal(box, want)
+    fused = names_mod._fused_experts
+
+    def gate_half_for_up(r, have):
+        fused(r, have)
+        if r.part is not None:
+            r.part = (r.part[0], 0, r.part[2])
+    monkeypatch.setattr(names_mod, "_fused_experts", gate_half_for_up)
+    v = validate_checkpoint(d, fam, layers=1, seq_len=12, seed=seed)
+    assert not v["passed"] and v["first_bad_layer"] == 0, v["where"]
