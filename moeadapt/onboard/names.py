@@ -312,8 +312,10 @@ def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
     modules map to `...experts.<proj>` (PEFT export stacks them over experts, see lora/peft.py)."""
     out = {}
     for r in rules:
-        if r.absent_ok or not r.ours.endswith(".weight") or not r.sources[0].endswith(".weight"):
-            continue  # (a bare parameter such as the KPool gate is no module of the checkpoint)
+        if r.absent_ok or not r.ours.endswith(".weight"):
+            continue
+        if not (r.module or r.sources[0].endswith(".weight")):
+            continue  # a bare parameter (the KPool gate) is no module of the checkpoint; fused experts name theirs
         mod = r.ours.rsplit(".", 1)[0]
         src = r.module or r.sources[0].rsplit(".", 1)[0]
         if r.stacked:  # model.layers.3.mlp.experts.0.gate_proj -> model.layers.3.mlp.experts.gate_proj
