@@ -17,6 +17,7 @@ rows' global ids are gathered once over the cp group. Owns no parameters; knows 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -63,8 +64,10 @@ class Documents:
         cu_rows = tuple(torch.cat([s.nonzero()[:, 0], end]) for s in starts)
         return cls(pos, doc_ids, cu_rows, seq_len)
 
+    @cached_property
     def flat_cu_seqlens(self) -> torch.Tensor:
-        """Boundaries [N + 1] of every document of the batch with the rows laid end to end (B * T tokens)."""
+        """Boundaries [N + 1] of every document of the batch with the rows laid end to end (B * T tokens);
+        computed once per forward, read by every layer."""
         T = self.seq_len
         return torch.cat([cu[:-1] + b * T for b, cu in enumerate(self.cu_rows)]
                          + [self.cu_rows[0].new_tensor([len(self.cu_rows) * T])])
@@ -90,7 +93,7 @@ def run_kda(q, k, v, g, beta, docs: Documents | None, layout=None, **opts) -> to
         return chunk_kda_cp(q, k, v, g, beta, layout, **opts) if layout is not None else chunk_kda(
             q, k, v, g, beta, **opts)[0]
     if layout is None:
-        o, _ = chunk_kda(*(flat_rows(t) for t in (q, k, v, g, beta)), cu_seqlens=docs.flat_cu_seqlens(), **opts)
+        o, _ = chunk_kda(*(flat_rows(t) for t in (q, k, v, g, beta)), cu_seqlens=docs.flat_cu_seqlens, **opts)
         return o.view(v.shape)
     return torch.cat([chunk_kda_cp(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], layout,
                                    cu_seqlens=cu, **opts) for b, cu in enumerate(docs.cu_rows)])

@@ -102,7 +102,7 @@ class DSAAttention(nn.Module):
         q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
         k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
         flat = docs is not None and self.cp is None  # packed documents, one process: one varlen row of B * T
-        cu = docs.flat_cu_seqlens() if flat else None
+        cu = docs.flat_cu_seqlens if flat else None
         if flat:
             q_full, k_full = flat_rows(q_full), flat_rows(k_full)
         v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v

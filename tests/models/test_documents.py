@@ -87,10 +87,12 @@ def _compare(what, loss, grads, ref_loss, ref_grads):
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
-@pytest.mark.parametrize("types", [("kda", "dsa"), ("gqa", "gdn")])
+@pytest.mark.parametrize("types", [("kda", "dsa"), ("gqa", "gdn"), ("dsa", "kda", "dsa")])
 def test_packed_documents_equal_each_document_alone(seed, backend, types):
-    spec = micro_spec(n_layers=2, layer_types=list(types), index_topk=5, index_loss_coef=0.01,
-                      gqa_n_kv_heads=1, gqa_head_dim=8, gdn_key_head_dim=8, gdn_value_head_dim=8)
+    """("dsa", "kda", "dsa"): the last layer reuses the first's top-k (index_shared_layers)."""
+    spec = micro_spec(n_layers=len(types), layer_types=list(types), index_topk=5, index_loss_coef=0.01,
+                      gqa_n_kv_heads=1, gqa_head_dim=8, gdn_key_head_dim=8, gdn_value_head_dim=8,
+                      index_shared_layers=[2] if len(types) == 3 else [])
     model = _model(spec, backend)
     x, y, pos, docs = packed_batch(spec, 2, 80, seed)
     assert len(docs) > 3
@@ -117,7 +119,7 @@ def test_one_document_per_row_is_the_unpacked_model(seed):
     ref_grads = _grads(model)
     out = model(x, y, return_logits=False, position_ids=torch.arange(70).expand(2, 70))
     out.loss.backward()
-    _compare("arange position_ids", float(out.loss), _grads(model), float(ref.loss), ref_grads)
+    _compare("arange position_ids", float(out.loss.detach()), _grads(model), float(ref.loss.detach()), ref_grads)
 
 
 def test_packed_documents_with_merged_micro_batches(seed):
@@ -130,7 +132,7 @@ def test_packed_documents_with_merged_micro_batches(seed):
     grads = _grads(model)
     ref = sum(model(x[i:i + 1], y[i:i + 1], return_logits=False, position_ids=pos[i:i + 1]).loss for i in (0, 1)) / 2
     ref.backward()
-    _compare("micro_batches=2", float(out.loss), grads, float(ref), _grads(model))
+    _compare("micro_batches=2", float(out.loss.detach()), grads, float(ref.detach()), _grads(model))
 
 
 @pytest.mark.parametrize("bad, match", [
