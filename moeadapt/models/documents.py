@@ -21,6 +21,7 @@ from functools import cached_property
 
 import torch
 
+from ..ops.dsa.cp import gather_sequence
 from ..ops.kda import chunk_kda
 from ..ops.kda.cp import chunk_kda_cp
 
@@ -42,8 +43,6 @@ class Documents:
         pos = position_ids.long()
         whole = pos
         if layout is not None and layout.size > 1:
-            from ..ops.dsa.cp import gather_sequence
-
             with torch.no_grad():
                 whole = gather_sequence(pos, layout)
         bad = torch.zeros_like(whole, dtype=torch.bool)

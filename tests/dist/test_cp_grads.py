@@ -58,8 +58,10 @@ def test_cp4_and_cp2_ep2():
 
 
 def test_cp2_ep2_packed_documents():
-    """cp = 2 x ep = 2 on 2 ranks (FSDP2, experts split), full recompute, documents crossing the pieces."""
-    spawn(_cases, 2, [(dict(cp=2, ep=2, activation_checkpointing="full"), False, 60, 2, True)])
+    """cp = 2 x ep = 2 on 2 ranks (FSDP2, experts split), documents crossing the pieces: full fine-tuning with
+    full recompute, LoRA with selective checkpointing."""
+    spawn(_cases, 2, [(dict(cp=2, ep=2, activation_checkpointing="full"), False, 60, 2, True),
+                      (dict(cp=2, ep=2, activation_checkpointing="selective"), True, 52, 2, True)])
 
 
 @pytest.mark.slow
