@@ -149,3 +149,25 @@ def test_bad_position_ids_are_one_clear_error(bad, match):
     with pytest.raises(ValueError, match=match):
         model(x, position_ids=bad(pos))
     model(x, position_ids=pos)  # the good ids run
+
+
+def test_conv_restarts_at_document_starts(seed):
+    """CausalConv1d with positions: each document's outputs and input gradients are those of the document alone
+    (float64), and a document's first k - 1 outputs differ from the unmasked conv's."""
+    from moeadapt.models.common import CausalConv1d
+
+    conv = CausalConv1d(6, 4).double()
+    conv.reset_parameters()
+    _, _, pos, docs = packed_batch(micro_spec(), 2, 80, seed)
+    x = torch.randn(2, 80, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 80, 6, dtype=torch.float64)
+    y = conv(x, pos)
+    (y * w).sum().backward()
+    for b, s, n in docs:
+        xd = x.detach()[b:b + 1, s:s + n].clone().requires_grad_()
+        yd = conv(xd)
+        (yd * w[b:b + 1, s:s + n]).sum().backward()
+        torch.testing.assert_close(y[b:b + 1, s:s + n], yd, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad[b:b + 1, s:s + n], xd.grad, rtol=1e-12, atol=1e-12)
+    later = [(b, s) for b, s, n in docs if s > 0 and n > 1]
+    assert any(not torch.allclose(y[b, s + 1], conv(x)[b, s + 1]) for b, s in later)
