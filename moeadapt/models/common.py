@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
-from ..ops.kda.short_conv import causal_conv_silu
+from ..ops.kda.short_conv import causal_conv_silu, conv_with_history
 from ..ops.moe import swiglu_pair
 
 
@@ -164,8 +164,8 @@ class CausalConv1d(nn.Module):
     the sequence and each piece starts from the previous piece's last k - 1 inputs instead of zeros (the torch
     conv1d composition over the pieces with their tails). With packed documents (`positions` [B, T], each
     token's position inside its document: models/documents.py) a token sees only its min(position, k - 1)
-    predecessors, so the conv restarts at every document start, also across a cp piece boundary (k shifted
-    multiply-adds in torch: the fused kernel has no document reset)."""
+    predecessors, so the conv restarts at every document start, also across a cp piece boundary (there by k
+    shifted multiply-adds in torch)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -176,32 +176,17 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         n = self.kernel - 1
-        if n == 0 or (self.cp is None and positions is None):
-            return causal_conv_silu(x_BTC, self.weight, backend=self.backend)
+        if n == 0 or self.cp is None:
+            return causal_conv_silu(x_BTC, self.weight, backend=self.backend, positions=positions)
         B, T, C = x_BTC.shape
         w = self.weight.to(x_BTC.dtype)
-        if self.cp is None:
-            return F.silu(_conv_window(F.pad(x_BTC, (0, 0, n, 0)), w, positions))
         J = self.cp.pieces_per_rank
         tails_JBNC = predecessor_tails(x_BTC, n, self.cp)
         x_NTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2).flatten(0, 1)
         pos_NT = None if positions is None else positions.view(B, J, T // J).transpose(0, 1).flatten(0, 1)
-        y = _conv_window(x_NTC, w, pos_NT)  # [J*B, T/J, C]
+        y = conv_with_history(x_NTC, w, pos_NT)  # [J*B, T/J, C]
         return F.silu(y.unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)
 
-
-def _conv_window(x_NTC: torch.Tensor, w_C1K: torch.Tensor, positions_NT: torch.Tensor | None) -> torch.Tensor:
-    """The causal conv of rows that carry their k - 1 inputs of history in front: x [N, k - 1 + T, C] -> [N, T, C].
-    With positions [N, T], the input i steps back counts only where i <= the output token's position."""
-    KW = w_C1K.shape[-1]
-    n, T = KW - 1, x_NTC.shape[1] - (KW - 1)
-    if positions_NT is None:
-        return F.conv1d(x_NTC.transpose(1, 2), w_C1K, groups=x_NTC.shape[-1]).transpose(1, 2)
-    y = x_NTC[:, n:] * w_C1K[:, 0, n]
-    for i in range(1, KW):  # y[t] += w[n - i] x[t - i] inside the document
-        seen = (positions_NT >= i).unsqueeze(-1).to(x_NTC.dtype)
-        y = y + x_NTC[:, n - i:n - i + T] * w_C1K[:, 0, n - i] * seen
-    return y
