@@ -87,13 +87,10 @@ def test_model_cp_four_ranks():
 
 
 def test_model_cp_packed_documents_two_ranks():
-    """Full fine-tuning and LoRA, a balanced and a contiguous layout, with and without activation checkpointing."""
-    spawn(_cases, 2, [(52, True, False, False, True), (60, False, True, True, True)])
-
-
-def test_model_cp_selective_checkpointing_two_ranks():
-    """Selective activation checkpointing (the recompute reruns the cp collectives), LoRA, packed documents."""
-    spawn(_cases, 2, [(52, True, True, "selective", True)])
+    """Full fine-tuning and LoRA, a balanced and a contiguous layout, without activation checkpointing, with full
+    recompute and with selective checkpointing (the recompute reruns the cp collectives)."""
+    spawn(_cases, 2, [(52, True, False, False, True), (60, False, True, True, True),
+                      (52, True, True, "selective", True)])
 
 
 @pytest.mark.slow
