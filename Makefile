@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-all lint clean
 
 # .venv is a file target: a second `make` does not reinstall.
 $(VENV)/.installed: pyproject.toml
@@ -17,7 +17,12 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/moeadapt demo
 
+# CI's suite: everything but the `slow` marks (longer variants of tests that also run here in a short form)
 test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 -m "not slow" tests
+
+# before a release: the slow variants too
+test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest -q --timeout=900 tests
 
 lint: $(VENV)/.installed

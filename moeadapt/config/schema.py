@@ -62,12 +62,39 @@ class VisionSpec(_Strict):
     image_token_id: int = Field(default=263, ge=0, description="placeholder token (byte tokenizer: <|image|> = 263)")
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # layout options of onboarded towers (MoonViT, models/vision/tower.py); the defaults are the tower above
+    pos_embed_grid: tuple[int, int] | None = Field(
+        default=None, description="(rows, cols) of a learned absolute position table added after the patch "
+        "embedding, resampled bicubically (align_corners=False) to each image's patch grid; None = none")
+    mlp_act: Literal["gelu", "gelu_tanh", "swiglu"] = Field(
+        default="gelu", description="block MLP: fc2(GELU(fc1 x)) with exact GELU or its tanh approximation, or "
+        "fc2(SiLU(fc1 x) * fc3 x)")
+    swiglu_limit: float | None = Field(default=None, gt=0, description="SwiGLU clamps (GLM): gate <= limit, "
+                                       "|up| <= limit; None = no clamp")
+    norm: Literal["layernorm", "rmsnorm"] = Field(default="layernorm", description="the blocks' and the tower's "
+                                                   "final norm")
+    qk_norm: bool = Field(default=False, description="RMSNorm over each head's q and k before RoPE")
+    temporal_patch_size: int = Field(default=1, ge=1, description="frames a patch kernel spans (Conv3d "
+                                     "towers); an image fills them all, so the kernel's frames are summed")
+    projector: Literal["mlp", "glm"] = Field(
+        default="mlp", description="mlp: LayerNorm per patch, 2 x 2 concat, fc2(GELU(fc1 x)); glm: 2 x 2 concat "
+        "(no norm), a linear 4 D -> lm_hidden stored as a Conv2d kernel, proj, LayerNorm, GELU, then a SwiGLU "
+        "through projector_hidden_size (clamped by swiglu_limit)")
+    merger_norm_eps: float | None = Field(default=None, gt=0, description="the merger LayerNorm's epsilon; "
+                                          "None = norm_eps")
+    patch_embed_conv: bool = Field(default=False, description="patch embedding weight stored as a Conv2d kernel "
+                                   "[hidden, channels, patch, patch] (same math as the [hidden, C * p * p] linear)")
 
     @model_validator(mode="after")
     def _check(self) -> VisionSpec:
         if self.hidden_size % self.n_heads:
             raise ValueError(f"vision.n_heads={self.n_heads} does not divide vision.hidden_size={self.hidden_size}; "
                              f"choose n_heads in {_divisors(self.hidden_size)}")
+        if self.temporal_patch_size > 1 and not self.patch_embed_conv:
+            raise ValueError(f"vision.temporal_patch_size={self.temporal_patch_size} needs patch_embed_conv: true "
+                             "(the kernel is kept as [hidden, channels, frames, patch, patch])")
+        if self.pos_embed_grid is not None and min(self.pos_embed_grid) < 1:
+            raise ValueError(f"vision.pos_embed_grid={self.pos_embed_grid} must hold two positive sizes")
         if (self.hidden_size // self.n_heads) % 4:
             raise ValueError(f"vision head dim {self.hidden_size // self.n_heads} must be a multiple of 4 (2-D RoPE "
                              "rotates pairs on a row half and a column half); change vision.hidden_size or n_heads")
@@ -98,13 +125,16 @@ class ModelSpec(_Strict):
     kda_n_heads: int = Field(default=4, gt=0)
     kda_head_dim: int = Field(default=32, gt=0)
     kda_conv_size: int = Field(default=4, ge=1)
+    kda_gate_lower_bound: float | None = Field(default=None, lt=0, description="lower-bounded decay gate "
+                                               "g = bound * sigmoid(exp(A_log) * (x W_f + dt_bias)) in [bound, 0] "
+                                               "instead of -exp(A_log) * softplus(...) (GLM-5.3-Flash: -5)")
 
     # gated DSA = MLA projections + lightning indexer + sparse attention + sigmoid output gate
     n_heads: int = Field(default=4, gt=0)
     q_lora_rank: int | None = Field(default=64, gt=0)
     kv_lora_rank: int = Field(default=64, gt=0)
     qk_nope_head_dim: int = Field(default=32, gt=0)
-    qk_rope_head_dim: int = Field(default=16, gt=0)
+    qk_rope_head_dim: int = Field(default=16, ge=0, description="0 = no rope part (GLM-5.3-Flash's NoPE MLA)")
     v_head_dim: int = Field(default=32, gt=0)
     index_n_heads: int = Field(default=4, gt=0)
     index_head_dim: int = Field(default=32, gt=0)
@@ -115,6 +145,12 @@ class ModelSpec(_Strict):
     index_shared_layers: list[int] = Field(default_factory=list, description="DSA layers without an indexer of "
                                            "their own: they reuse the top-k of the nearest earlier DSA layer that "
                                            "has one (GLM-5's 'shared' indexer layers)")
+    index_kpool: int | None = Field(default=None, gt=0, description="KPool indexer: the keys of each complete "
+                                    "block of index_kpool tokens are pooled (a softmax over the block, per channel, "
+                                    "of x W_pool + ape) and the indexer selects index_topk / index_kpool blocks; "
+                                    "None = a per-token indexer (DeepSeek-V3.2)")
+    index_kpool_select_tail: bool = Field(default=True, description="KPool: every query also attends to the "
+                                          "tokens of its own incomplete block")
     mla_rope: bool = Field(default=True, description="rotate the qk_rope_head_dim channels of the MLA query and "
                            "shared key; False = NoPE MLA (Kimi Linear): those channels are used unrotated")
     mla_norm_eps: float | None = Field(default=None, gt=0, description="epsilon of the MLA q / kv latent RMSNorms; "
@@ -150,6 +186,8 @@ class ModelSpec(_Strict):
     shared_intermediate_size: int | None = Field(default=None, gt=0, description="per shared expert; None = moe_intermediate_size")
     shared_expert_gate: bool = Field(default=False, description="multiply the shared expert's output by "
                                      "sigmoid(x W_g), one scalar per token (Qwen3-Next)")
+    swiglu_limit: float | None = Field(default=None, gt=0, description="clamped SwiGLU in every FFN and expert: "
+                                       "silu(min(gate, limit)) * clamp(up, -limit, limit); None = unclamped")
     latent_dim: int | None = Field(default=None, gt=0, description="LatentMoE width; None = plain MoE")
     latent_norm: bool = True
     score_func: Literal["sigmoid", "softmax"] = "sigmoid"
@@ -168,6 +206,14 @@ class ModelSpec(_Strict):
     capacity_factor: float | None = Field(default=None, gt=0, description="None = dropless")
     drop_policy: Literal["probs", "position", "reroute"] = "probs"
     vision: VisionSpec | None = Field(default=None, description="vision tower (image understanding); None = text")
+
+    # hyper-connections (mHC, as in GLM-5.3-Flash): hc_mult residual streams; before each attention / FFN sublayer
+    # they are collapsed into its input, its output is expanded back and the streams are mixed by a
+    # Sinkhorn-normalised (doubly stochastic) matrix, all weights computed per token (models/hyper.py)
+    hc_mult: int = Field(default=1, ge=1, description="residual streams; 1 = a plain residual stream (off)")
+    hc_sinkhorn_iters: int = Field(default=20, ge=1)
+    hc_eps: float = Field(default=1e-6, gt=0, description="floor added to the hyper-connection weights and the "
+                          "Sinkhorn normalisers")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -216,6 +262,13 @@ class ModelSpec(_Strict):
             if first in self.index_shared_layers:
                 raise ValueError(f"index_shared_layers holds layer {first}, the first DSA layer: it has no earlier "
                                  "indexer to share; remove it")
+        if self.index_kpool is not None and "dsa" in self.resolved_layer_types():
+            if self.index_topk % self.index_kpool:
+                raise ValueError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}; "
+                                 "the KPool indexer selects index_topk / index_kpool whole blocks")
+            if self.index_loss_coef > 0:
+                raise ValueError("index_loss_coef > 0 trains the indexer by its KL loss, which the KPool indexer "
+                                 "(index_kpool) does not implement; set index_loss_coef: 0")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         if self.qk_rope_head_dim > self.index_head_dim:

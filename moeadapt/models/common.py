@@ -131,7 +131,10 @@ def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, scaling=None
 
 def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
     """Rotate the last dim of x [..., T, (heads,) R*2] with the half-split convention (not interleaved).
-    x is [B, T, R*2] or [B, T, H, R*2]; cos / sin [T, R] (every row alike) or [B, T, R] (per row)."""
+    x is [B, T, R*2] or [B, T, H, R*2]; cos / sin [T, R] (every row alike) or [B, T, R] (per row); R = 0 (no
+    rope channels) returns x."""
+    if x.shape[-1] == 0:
+        return x
     x1, x2 = _acc(x).chunk(2, dim=-1)
     if x.dim() == 4:
         cos_TR, sin_TR = cos_TR[..., None, :], sin_TR[..., None, :]
@@ -140,19 +143,21 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
 
 
 class SwiGLU(nn.Module):
-    """Dense FFN (also the shared expert): w2(silu(w1 x) * w3 x); silu·mul through ops/moe swiglu_pair (one Triton
+    """Dense FFN (also the shared expert): w2(silu(w1 x) * w3 x) (clamped with `limit`); silu·mul through ops/moe swiglu_pair (one Triton
     pass each way on CUDA, keeping w1 x and w3 x for the backward; torch's ops on CPU)."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, limit: float | None = None):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.limit = limit  # clamped SwiGLU (ModelSpec.swiglu_limit)
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.w1(x), self.w3(x)
-        a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend)
+        a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend,
+                        limit=self.limit)
         return self.w2(a.view(g.shape))
 
 

@@ -3,8 +3,9 @@
 MLA projections (q through a q_lora_rank latent, a shared kv latent of kv_lora_rank + a RoPE part; with
 spec.mla_rope = False that part is not rotated: NoPE MLA as in Kimi Linear);
 the lightning indexer (queries from the q latent, one LayerNorm'd key per token, RoPE on the first
-rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query; attention runs
-in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
+rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query (with spec.index_kpool:
+whole blocks of keys by their pooled keys, plus the query's own incomplete block: ops.dsa.kpool_indexer);
+attention runs in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
 only; then o <- o * sigmoid(x W_gate) per head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
 Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.dsa import indexer_kl_loss, lightning_indexer, sparse_attention
+from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
 from .documents import Documents, flat_rows
@@ -58,10 +59,23 @@ class DSAAttention(nn.Module):
             self.wk_idx = nn.Linear(d, DI, bias=False)
             self.k_idx_norm = nn.LayerNorm(DI, eps=spec.index_norm_eps)
             self.w_idx = nn.Linear(d, HI, bias=False)
+        self.kpool = spec.index_kpool if self.index_from is None else None
+        if self.kpool:  # KPool: per-token, per-channel pooling logits x W_pool + ape[position in the block]
+            self.kpool_gate = nn.Linear(d, DI, bias=False)
+            self.kpool_ape = nn.Parameter(torch.zeros(self.kpool, DI))
         # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
         self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
         self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
+
+    def reset_parameters(self) -> None:
+        if self.kpool:
+            nn.init.zeros_(self.kpool_ape)
+
+    def init_rules(self) -> dict:
+        from .init import Rule
+
+        return {"kpool_ape": Rule("const", 0.0)} if self.kpool else {}
 
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.spec.q_lora_rank:
@@ -121,11 +135,24 @@ class DSAAttention(nn.Module):
             o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale, backend=self.backend)
         else:
             q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
-            if self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
+            if flat:
+                q_idx, k_idx, w_idx = flat_rows(q_idx), flat_rows(k_idx), flat_rows(w_idx)
+            if self.kpool and self.cp is not None:
+                raise NotImplementedError(f"DSA layer {self.layer_id} has a KPool indexer (index_kpool), which "
+                                          "context parallelism does not cover yet; set parallel.cp: 1")
+            if self.kpool:
+                gate = self.kpool_gate(x_BTD.detach())
+                gate = flat_rows(gate) if flat else gate
+                with torch.no_grad():
+                    indices = kpool_indexer(q_idx, k_idx, w_idx, gate, self.kpool_ape, self.spec.index_topk,
+                                            self.spec.index_kpool_select_tail, cu, backend=self.backend)
+                if shared is not None:
+                    shared[(self.layer_id, chunk)] = indices
+                o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
+                                         backend=self.backend)
+            elif self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
                 o_lat, kl = self._attend_cp(q_full, k_full, q_idx, k_idx, w_idx, want_kl, docs)
             else:
-                if flat:
-                    q_idx, k_idx, w_idx = flat_rows(q_idx), flat_rows(k_idx), flat_rows(w_idx)
                 with torch.no_grad():
                     indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, cu, backend=self.backend)
                 if shared is not None:

@@ -33,6 +33,7 @@ from .common import CausalConv1d, RMSNorm
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear
 from .router import Router
+from .vision.tower import ConvPatchEmbed, VisionTower
 
 BLOCK_NUMEL = 1 << 20  # elements per random block: the most a shard draws beyond its own slice, per tensor
 
@@ -77,10 +78,15 @@ def init_rules(model: nn.Module) -> dict[str, Rule]:
             own["weight"] = Rule("const", 1.0)
             if getattr(m, "bias", None) is not None:
                 own["bias"] = Rule("const", 0.0)
+        elif isinstance(m, ConvPatchEmbed):  # a vision tower's Conv2d-shaped patch embedding
+            own.update(weight=Rule("normal", std), bias=Rule("const", 0.0))
+        elif isinstance(m, VisionTower) and m.spec.pos_embed_grid is not None:  # learned position table
+            own["pos_embed"] = Rule("normal", std)
         elif isinstance(m, CausalConv1d):
             own["weight"] = Rule("uniform", -(m.kernel ** -0.5), m.kernel ** -0.5)
         elif isinstance(m, KDAAttention):
-            own["A_log"] = Rule("log_uniform", 1.0, 16.0)
+            own["A_log"] = (Rule("const", 0.0) if m.gate_lower_bound is not None  # lower-bounded gate: A = 1
+                            else Rule("log_uniform", 1.0, 16.0))
             own["dt_bias"] = Rule("inv_softplus", 1e-3, 1e-1)
         elif isinstance(m, Router):
             own.update(weight=Rule("normal", std), expert_bias=Rule("const", 0.0),
@@ -158,7 +164,8 @@ def init_fill(model: nn.Module, seed: int = 0, device: torch.device | str = "cpu
     """The initialising fill for `model` (build it on meta, LoRA injected; call before parallelizing or after):
     values drawn on `device` and returned in each tensor's dtype (a bf16 frozen base is written as bf16)."""
     rules = init_rules(model)
-    dtypes = {n: t.dtype for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    dtypes = {n: t.dtype for n, t in list(model.named_parameters(remove_duplicate=False))  # tied: both names
+              + list(model.named_buffers())}
 
     def fill(name: str, global_shape: tuple[int, ...], local_slices: tuple[slice, ...]) -> torch.Tensor:
         if name not in rules:

@@ -2,7 +2,8 @@
 
 q, k, v projections -> causal depthwise conv (k=4) + SiLU -> L2-normalised q, k (inside the op);
 beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
-g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection);
+g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection), or
+with spec.kda_gate_lower_bound b the lower-bounded g = b * sigmoid(exp(A_log[h]) * (x W_f_a W_f_b + dt_bias));
 output: per-head RMSNorm gated by sigmoid(x W_g_a W_g_b), then o_proj. Owns only its own parameters.
 Under context parallelism (`cp` set by parallel/) the state crosses ranks through ops/kda/cp.py. With packed
 documents (`docs`, models/documents.py) the convs and the state restart at every document start.
@@ -40,12 +41,16 @@ class KDAAttention(nn.Module):
         self.g_b = nn.Linear(K, H * K, bias=False)
         self.o_norm = RMSNorm(K, eps=spec.norm_eps)
         self.o_proj = nn.Linear(H * K, d, bias=False)
+        self.gate_lower_bound = spec.kda_gate_lower_bound
         self.backend = "auto"
         self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            if self.gate_lower_bound is not None:  # as fla / transformers initialise the lower-bounded gate
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
             dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
@@ -60,6 +65,8 @@ class KDAAttention(nn.Module):
         beta_logits = self.b_proj(x_BTD).float()
         opts = dict(backend=self.backend, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias,
                     beta_is_logits=True)
+        if self.gate_lower_bound is not None:
+            opts["gate_lower_bound"] = self.gate_lower_bound
         o = run_kda(q, k, v, g_raw, beta_logits, docs, self.cp, **opts)
         gate_logits = self.g_b(self.g_a(x_BTD)).view(B, T, H, K)
         o = self.o_norm(o.to(x_BTD.dtype), gate=gate_logits)  # norm(o) * sigmoid(gate) in one pass

@@ -1,6 +1,8 @@
 """HybridMoEModel: embeddings -> N blocks -> RMSNorm -> LM head (DESIGN.md §3).
 
-Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)); attn is KDA or gated DSA by spec.layer_types
+Block i = x + attn_i(norm(x)), then x + ffn_i(norm(x)) (with spec.hc_mult = N > 1, hyper-connections: x holds N
+residual streams [B, T, N, D] that each sublayer collapses, writes back and mixes; hyper.py); attn is KDA or
+gated DSA by spec.layer_types
 (or plain GQA, "gqa", for onboarded families such as qwen3_moe: see gqa_attn.py; or Gated DeltaNet, "gdn",
 for Qwen3-Next: gdn_attn.py),
 ffn is a dense SwiGLU for the first `first_k_dense` layers and LatentMoE after.
@@ -24,6 +26,7 @@ from .documents import Documents
 from .dsa_attn import DSAAttention
 from .gdn_attn import GatedDeltaNet
 from .gqa_attn import GQAAttention
+from .hyper import HyperConnection
 from .kda_attn import KDAAttention
 from .moe import GroupedLinear, LatentMoE
 from .router import Router
@@ -40,7 +43,11 @@ class Block(nn.Module):
             {"kda": KDAAttention, "gqa": GQAAttention, "gdn": GatedDeltaNet}[self.attn_type](spec)
         self.ffn_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.is_moe = spec.is_moe_layer(layer_id)
-        self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size)
+        self.ffn = LatentMoE(spec) if self.is_moe else SwiGLU(spec.hidden_size, spec.intermediate_size,
+                                                               spec.swiglu_limit)
+        hc = spec.hc_mult > 1
+        self.attn_hc = HyperConnection(spec) if hc else None
+        self.ffn_hc = HyperConnection(spec) if hc else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 micro_batches: int = 1, shared: dict | None = None,
@@ -49,7 +56,8 @@ class Block(nn.Module):
         micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts). `shared`: the
         forward's DSA top-k selections, for layers that reuse an earlier layer's (spec.index_shared_layers).
         docs: the batch's packed documents (models/documents.py; cos / sin are then per row, [B, T, R])."""
-        h = self.attn_norm(x)
+        h, mix = self.attn_hc(x) if self.attn_hc is not None else (x, None)
+        h = self.attn_norm(h)
         if micro_batches == 1:
             a, attn_aux = self.attn(h, cos=cos, sin=sin, shared=shared, docs=docs)
         else:
@@ -63,15 +71,16 @@ class Block(nn.Module):
                      for j, (c, co, si, d) in enumerate(mbs)]
             a = torch.cat([p[0] for p in parts], dim=0)
             attn_aux = {k: sum(p[1][k] for p in parts) / micro_batches for k in parts[0][1]}
-        x = x + a
+        x = x + a if mix is None else self.attn_hc.merge(a, x, mix)
         info: dict = {"aux": dict(attn_aux)}
+        h, mix = self.ffn_hc(x) if self.ffn_hc is not None else (x, None)
         if self.is_moe:
-            f, moe_info = self.ffn(self.ffn_norm(x))
+            f, moe_info = self.ffn(self.ffn_norm(h))
             info["aux"].update(moe_info["aux"])
             info["moe"] = moe_info["moe"]
         else:
-            f = self.ffn(self.ffn_norm(x))
-        return x + f, info
+            f = self.ffn(self.ffn_norm(h))
+        return (x + f if mix is None else self.ffn_hc.merge(f, x, mix)), info
 
 
 @dataclass
@@ -125,7 +134,8 @@ class HybridMoEModel(nn.Module):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
-            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, GatedDeltaNet, Router)):
+            elif isinstance(m, (RMSNorm, CausalConv1d, KDAAttention, GatedDeltaNet, Router, HyperConnection,
+                                DSAAttention)):
                 m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -171,6 +181,8 @@ class HybridMoEModel(nn.Module):
         aux_log: dict[str, float] = {}
         moe_stats: list[dict] = []
         shared: dict = {}  # DSA top-k selections by (layer, micro-batch), for spec.index_shared_layers
+        if self.spec.hc_mult > 1:  # hyper-connections: N copies of the embedding as the residual streams
+            x = x.unsqueeze(2).expand(-1, -1, self.spec.hc_mult, -1)
         for layer in self.layers:
             x, info = layer(x, cos, sin, micro_batches, shared, docs)
             for k, v in info["aux"].items():
@@ -178,7 +190,7 @@ class HybridMoEModel(nn.Module):
                 aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
-        h = self.norm(x)
+        h = self.norm(x if self.spec.hc_mult == 1 else x.mean(2))
         logits, loss, weight = None, None, None
         if labels is not None:
             # per-token loss weights: the mean of the M per-micro-batch means, each over every token of the

@@ -50,9 +50,10 @@ class GroupedExperts(nn.Module):
     where it runs, else the folded input passes of fused_lora, else each projection through grouped_lora),
     "fold" (never lean), "layers" (never lean nor folded: each projection on its own)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, limit: float | None = None):
         super().__init__()
         self.n_experts = n_experts
+        self.limit = limit  # clamped SwiGLU (ModelSpec.swiglu_limit): the fused SwiGLU passes are not taken
         self.w1 = GroupedLinear(n_experts, dim, hidden)
         self.w3 = GroupedLinear(n_experts, dim, hidden)
         self.w2 = GroupedLinear(n_experts, hidden, dim)
@@ -63,9 +64,9 @@ class GroupedExperts(nn.Module):
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
 
     def _down(self, g_NF, u_NF, offsets_E):
-        if self._folds((self.w2,), g_NF, g_NF.shape[0]):  # LoRA'd w2: SwiGLU inside its LoRA-in pass
+        if self.limit is None and self._folds((self.w2,), g_NF, g_NF.shape[0]):  # SwiGLU in w2's LoRA-in pass
             return self.w2.forward_swiglu(g_NF, u_NF, offsets_E)
-        return self.w2(swiglu_pair(g_NF, u_NF, backend=self.backend), offsets_E)
+        return self.w2(swiglu_pair(g_NF, u_NF, backend=self.backend, limit=self.limit), offsets_E)
 
     def path(self, z_TL: torch.Tensor, n_rows: int) -> str:
         """How the dispatcher runs the experts over n_rows routed copies of z: "lean" (forward_lean), "gather"
@@ -73,7 +74,7 @@ class GroupedExperts(nn.Module):
         if self.lora_path not in EXPERT_LORA_PATHS:
             raise ValueError(f"GroupedExperts.lora_path={self.lora_path!r} is not one of {EXPERT_LORA_PATHS}")
         ws = (self.w1, self.w3, self.w2)
-        if self.lora_path == "auto" and self._lean_layers(z_TL):
+        if self.lora_path == "auto" and self.limit is None and self._lean_layers(z_TL):
             if expert_lora_path(n_rows / self.n_experts, cuda=z_TL.is_cuda, fused_buffer=True, lean_layers=True,
                                 backend=_forced(ws)) == "lean":
                 return "lean"
@@ -154,9 +155,10 @@ class LatentMoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(d, L, bias=False)
             self.latent_norm = RMSNorm(L, eps=spec.norm_eps) if spec.latent_norm else None
             self.fc2_latent_proj = nn.Linear(L, d, bias=False)
-        self.experts = GroupedExperts(spec.n_routed_experts, L, spec.moe_intermediate_size)
+        self.experts = GroupedExperts(spec.n_routed_experts, L, spec.moe_intermediate_size, spec.swiglu_limit)
         n_sh = spec.n_shared_experts
-        self.shared = SwiGLU(d, n_sh * (spec.shared_intermediate_size or spec.moe_intermediate_size)) if n_sh else None
+        self.shared = SwiGLU(d, n_sh * (spec.shared_intermediate_size or spec.moe_intermediate_size),
+                             spec.swiglu_limit) if n_sh else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if n_sh and spec.shared_expert_gate else None
         self.dispatcher = LocalDispatcher(dropless=spec.capacity_factor is None)
         self.backend = "auto"

@@ -80,9 +80,31 @@ def onboard(path: str | Path, validate: bool = False, allow_unmapped: bool = Fal
     if validate:
         from .validate import validate_checkpoint
 
-        out["validation"] = validate_checkpoint(path, fam, layers=layers, seq_len=seq_len, seed=seed,
-                                                **({"tol": tolerance} if tolerance else {}))
+        out["validation"] = v = validate_checkpoint(path, fam, layers=layers, seq_len=seq_len, seed=seed,
+                                                    **({"tol": tolerance} if tolerance else {}))
+        if fam.model_type == "glm5_next" and isinstance(fam.raw.get("vision_config"), dict):
+            _add_glm5_vision(v, path, seed, tolerance, allow_unmapped)
     return out
+
+
+def _add_glm5_vision(v: dict, path, seed: int, tolerance: float | None, allow_unmapped: bool) -> None:
+    """glm5_next's vision tower (not part of the mapped text model): tower + projector validated alone against
+    transformers' (glm5_vision.py), its parts added to the text model's validation `v`; a divergence fails it."""
+    from .glm5_vision import validate_glm5_next_vision
+
+    try:
+        w = validate_glm5_next_vision(path, seed=seed, **({"tol": tolerance} if tolerance else {}))
+    except OnboardError as e:
+        if not allow_unmapped:
+            raise
+        fam_note = f"vision tower not validated: {e}"
+        v["vision_note"] = "  " + fam_note
+        return
+    v["vision_parts"] = w["parts"]
+    v["vision_note"] = (f"  the vision tower + projector alone (not mapped with the text model) on two random images "
+                        f"of {w['grids']} patches vs {w['reference']}")
+    if not w["passed"]:
+        v.update(passed=False, where=w["where"], first_bad_part=w["first_bad_part"])
 
 
 def onboard_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
@@ -148,10 +170,19 @@ def report(result: dict, console=None) -> None:
     console.print(f"[bold]{result['family']}[/] -> ModelSpec {s.name!r}: {s.n_layers} layers "
                   f"({', '.join(f'{t}:{s.resolved_layer_types().count(t)}' for t in ('kda', 'dsa', 'gqa'))}), "
                   f"{s.n_routed_experts} experts top-{s.n_experts_per_tok}")
+    if s.vision is not None:
+        v = s.vision
+        console.print(f"vision tower: {v.n_layers} layers, width {v.hidden_size}, {v.n_heads} heads, patches of "
+                      f"{v.patch_size} px, 2 x 2 merger, {v.projector} projector -> {s.hidden_size}; image "
+                      f"placeholder token {v.image_token_id}")
     console.print(f"tensors: {c['tensors']} in {c['shards']} shard(s), {c['mapped']} mapped, "
                   f"{len(c['ignored'])} ignored, {len(c['absent_by_design'])} of ours absent by design")
-    for name, why in sorted({**c["ignored"]}.items())[:5]:
-        console.print(f"  ignored {name}: {why}")
+    by_why: dict[str, list[str]] = {}
+    for name, why in sorted(c["ignored"].items()):
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():  # one line per reason (a vision tower is hundreds of tensors)
+        console.print(f"  ignored {names[0]}: {why}" if len(names) == 1 else
+                      f"  ignored {len(names)} tensors ({names[0]}, ...): {why}")
     reasons = sorted(set(c["absent_by_design"].values()))
     for why in reasons:
         n = sum(v == why for v in c["absent_by_design"].values())
@@ -164,6 +195,13 @@ def report(result: dict, console=None) -> None:
             return
         console.print(f"validate: {v['layers']} of {v['of_layers']} layers of the checkpoint's weights, documents of "
                       f"{v['lengths']} random tokens (seed {v['seed']}), float32, vs {v['reference']}")
+        if v.get("vision_note"):
+            console.print(v["vision_note"])
+        elif v.get("vision_parts"):
+            console.print("  each document holds random images of different sizes, their placeholder tokens among "
+                          "the text (the lengths are the text budgets)")
+        for part, d, m in v.get("vision_parts") or []:
+            console.print(f"  vision {part}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
         for i, (d, m) in enumerate(v["per_layer"]):
             console.print(f"  layer {i}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
         if v.get("tie_aligned") and v["tie_aligned"][0]:

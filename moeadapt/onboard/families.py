@@ -8,8 +8,11 @@ Families: deepseek_v3 and kimi_k2 (MLA + MoE; MLA is served by our DSA layer in 
 max_position_embeddings, so the sparse attention selects every causal key), deepseek_v32 (MLA + lightning
 indexer = our DSA layer), glm_moe_dsa (GLM-5: deepseek_v32's layout with interleaved indexer RoPE and
 shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE, served by the "gqa" layer
-type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), and our own format
-(config.json with a "moeadapt" key).
+type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), minimax_m2 (GQA + sigmoid-routed MoE), glm5_next's text
+model (GLM-5.3-Flash: KDA with a lower-bounded gate + NoPE MLA with a KPool indexer and shared-indexer layers,
+clamped SwiGLU, hyper-connection residual streams; its vision tower is skipped here, glm5_vision.py maps it on its
+own), kimi_k25 (MoonViT vision tower + 2 x 2 merger + MLP projector in front of a deepseek_v3 text model; images
+only, no video), and our own format (config.json with a "moeadapt" key).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Family:
     hf_class: str | None = None  # transformers class that implements the family (for --validate)
     norm_offset: float = 0.0  # RMSNorm weights stored as weight - offset (Qwen3-Next's 1 + weight norms)
     layer_limit: int | None = None  # a truncated view (validate --layers N): checkpoint layers >= N are skipped
+    prefix: str = "model."  # where the text model's tensors live ("model.language_model." in GLM-5.3-Flash)
+    skip_prefixes: dict[str, str] = field(default_factory=dict)  # checkpoint name prefix -> why it is skipped
 
 
 class _Reader:
@@ -61,6 +66,7 @@ class _Reader:
         self.cfg, self.model_type = cfg, model_type
         self.used: set[str] = set()
         self.unsupported: list[str] = []
+        self.children: list[_Reader] = []  # readers of nested configs (text_config), finished with this one
 
     def get(self, *keys: str, default: Any = None) -> Any:
         """The first present key among aliases."""
@@ -85,6 +91,9 @@ class _Reader:
     def finish(self, allow_unmapped: bool, notes: list[str]) -> None:
         left = sorted(k for k in self.cfg if k not in self.used and k not in HARMLESS)
         problems = [f"{k} (not understood)" for k in left] + self.unsupported
+        for c in self.children:
+            problems += [f"{c.model_type}.{k} (not understood)" for k in sorted(c.cfg) if k not in c.used
+                         and k not in HARMLESS] + [f"{c.model_type}.{p}" for p in c.unsupported]
         if problems and not allow_unmapped:
             raise OnboardError(f"{self.model_type} config: {len(problems)} field(s) cannot be mapped onto ModelSpec: "
                                + "; ".join(problems) + ". Fix the config or pass --allow-unmapped to map the rest "
@@ -330,21 +339,145 @@ def _minimax_m2(r: _Reader, fam: Family) -> dict:
     return kw
 
 
+def _sub_reader(r: _Reader, key: str) -> _Reader:
+    """A reader over a nested config (text_config / vision_config), finished with `r` (its leftovers reported)."""
+    sub = r.need(key)
+    if not isinstance(sub, dict):
+        raise OnboardError(f"{r.model_type} config: {key} is not an object; the config.json is incomplete")
+    child = _Reader(sub, key)
+    r.children.append(child)
+    return child
+
+
+def _kimi_k25(r: _Reader, fam: Family) -> dict:
+    """Kimi K2.5: MoonViT (learned bicubic-resampled position table + 2-D RoPE on interleaved pairs, which the
+    name map permutes onto our layout; tanh-GELU MLPs; LayerNorm eps 1e-5), a 2 x 2 merger (LayerNorm per patch)
+    and a GELU MLP projector (4 D -> 4 D -> hidden) in front of a deepseek_v3 text model. Images only: video
+    placeholders and the temporal position table are not used."""
+    from ..config import VisionSpec
+
+    t = _sub_reader(r, "text_config")
+    kw = _deepseek(t, fam)
+    kw["tie_word_embeddings"] = bool(r.get("tie_word_embeddings", default=True))  # the composite model's flag
+    v = _sub_reader(r, "vision_config")
+    D, H = v.need("hidden_size"), v.need("num_attention_heads")
+    act = v.get("hidden_act", default="gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu"):
+        v.unsupported.append(f"hidden_act={act!r} (gelu or its tanh approximation)")
+    v.expect("merge_kernel_size", lambda x: list(x) == [2, 2], "the merger joins 2 x 2 patches")
+    v.expect("head_dim", lambda x: x == D // H, "attention heads of hidden_size / num_attention_heads")
+    gh, gw = v.need("pos_emb_height"), v.need("pos_emb_width")
+    if gh != gw:  # transformers indexes the table as square (vision_utils: num_grid_per_side = pos_emb_height)
+        v.unsupported.append(f"pos_emb_height={gh} != pos_emb_width={gw} (a square position table)")
+    v.get("pos_emb_time")  # the temporal table of video clips; single-frame images add nothing
+    vp = v.get("rope_parameters") or {}
+    if vp.get("rope_type", "axial") != "axial" or set(vp) - {"rope_type", "rope_theta"}:
+        v.unsupported.append(f"rope_parameters={vp} (axial 2-D RoPE)")
+    size = dict(patch_size=v.need("patch_size"), n_layers=v.need("num_hidden_layers"),
+                intermediate_size=v.need("intermediate_size"))
+    r.expect("projection_hidden_size", lambda x: x in (None, D), "the merger's LayerNorm runs over one patch")
+    r.get("video_token_id", "vision_start_token_id", "vision_end_token_id")  # text tokens / video only
+    fam.notes.append("kimi_k25: images only (video clips and their temporal position table are not used)")
+    try:
+        kw["vision"] = VisionSpec(
+            **size, hidden_size=D, n_heads=H, projector_hidden_size=4 * D,
+            rope_theta=float(vp.get("rope_theta", 10000.0)), norm_eps=1e-5,  # MoonViT's LayerNorms: fixed 1e-5
+            merger_norm_eps=float(r.get("projection_layer_norm_eps", default=1e-5)),
+            image_token_id=r.need("image_token_id"), pos_embed_grid=(gh, gw),
+            mlp_act="gelu" if act == "gelu" else "gelu_tanh", patch_embed_conv=True)
+    except ValidationError as e:
+        raise OnboardError(format_validation_error(e, "kimi_k25 vision_config -> VisionSpec")) from None
+    fam.hf_class = "Kimi_K25ForConditionalGeneration"
+    return kw
+
+
+def _glm5_next(r: _Reader, fam: Family) -> dict:
+    """GLM-5.3-Flash (transformers' glm5_next), text model: 3 KDA (lower-bounded gate) : 1 DSA over NoPE MLA
+    (no rope channels) with a KPool indexer that always selects the query's own incomplete block, 'shared'
+    indexer layers, clamped SwiGLU everywhere, hc_mult hyper-connection residual streams. The fields live in
+    `text_config` (or at the top level of a flat config); the vision tower is not mapped (skipped, with a note)."""
+    top = r.cfg
+    tie = None
+    # the multimodal wrapper's fields: placeholder token ids of the (unmapped) vision tower
+    r.used.update({"text_config", "vision_config", "image_token_id", "video_token_id", "image_start_token_id",
+                   "image_end_token_id", "video_start_token_id", "video_end_token_id"})
+    if isinstance(top.get("text_config"), dict):
+        r.used.add("tie_word_embeddings")
+        tie = bool(top.get("tie_word_embeddings"))  # transformers ties lm_head by the outer config
+        sub = _Reader(top["text_config"], "text_config")
+        r.children.append(sub)
+        r = sub
+    if top.get("vision_config"):
+        fam.notes.append("vision tower (vision_config, model.visual.*) not mapped: its weights are skipped; "
+                         "moeadapt serves the text model")
+        fam.skip_prefixes["model.visual."] = "vision tower (not mapped: text model only)"
+    _silu(r)
+    kw = _common(r)
+    if tie is not None:
+        kw["tie_word_embeddings"] = tie
+    n = kw["n_layers"]
+    kw.update(_mla(r))
+    r.expect("qk_rope_head_dim", lambda v: v == 0, "GLM-5.3-Flash's MLA is NoPE")
+    kw.update(mla_norm_eps=kw["norm_eps"], mla_rope=False)  # q_a / kv_a layernorms use rms_norm_eps here
+    kw.update(_moe(r, n))
+    _mlp_types(r, kw)
+    lt = r.get("layer_types") or ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    bad = sorted(set(lt) - {"linear_attention", "indexed_attention", "full_attention"})
+    if bad:
+        r.unsupported.append(f"layer_types {bad} (linear_attention or indexed_attention)")
+    types = ["kda" if t == "linear_attention" else "dsa" for t in lt]
+    kinds = r.get("indexer_types") or ["full"] * n
+    if set(kinds) - {"full", "shared"}:
+        r.unsupported.append(f"indexer_types {sorted(set(kinds) - {'full', 'shared'})} (full or shared)")
+    shared = [i for i, k in enumerate(kinds) if k == "shared" and types[i] == "dsa"]
+    # transformers hands a shared layer the top-k of the layer just before it, which must run its own indexer
+    orphans = [i for i in shared if i == 0 or types[i - 1] != "dsa" or kinds[i - 1] != "full"]
+    if orphans:
+        r.unsupported.append(f"indexer_types: shared DSA layers {orphans} do not follow a 'full' DSA layer "
+                             "(transformers refuses them too)")
+    # transformers' defaults where the config.json leaves a field out; Moonshot-style linear_attn_config wins
+    lin = r.get("linear_attn_config") or {}
+    r.used.add("linear_lower_bound")
+    lb = lin.get("gate_lower_bound", r.cfg.get("linear_lower_bound", -5.0))  # null: the softplus gate
+    if lb is None and lin.get("safe_gate", False):
+        lb = -5.0
+    r.get("router_aux_loss_coef")  # a training-time weight; our aux_loss_coef stays 0 as for DeepSeek
+    kw.update(
+        layer_types=types, attn_output_gate=False, index_shared_layers=shared,
+        kda_n_heads=lin.get("num_heads") or r.get("linear_num_heads", default=64),
+        kda_head_dim=lin.get("head_dim") or r.get("linear_head_dim", default=128),
+        kda_conv_size=lin.get("short_conv_kernel_size") or r.get("linear_conv_kernel_dim", default=4),
+        kda_gate_lower_bound=float(lb) if lb is not None else None,
+        index_n_heads=r.need("index_n_heads"), index_head_dim=r.need("index_head_dim"),
+        index_topk=r.need("index_topk"), index_norm_eps=1e-6,  # indexer.k_norm: LayerNorm(eps=1e-6)
+        index_kpool=int(r.get("index_kpool", default=16)),
+        index_kpool_select_tail=bool(r.get("index_kpool_always_select_tail", default=True)),
+        swiglu_limit=float(r.get("swiglu_limit", default=10.0)),
+        hc_mult=int(r.get("hc_mult", default=4)), hc_sinkhorn_iters=int(r.get("hc_sinkhorn_iters", default=20)),
+        hc_eps=float(r.get("hc_eps", default=1e-6)),
+    )
+    if not kw["index_kpool_select_tail"]:
+        fam.notes.append("index_kpool_always_select_tail=false: a query before its first complete block selects no "
+                         "key; moeadapt gives it zero attention output where transformers' eager attention "
+                         "averages every position of the sequence (future ones included), so --validate differs "
+                         "there")
+    fam.prefix = "model.language_model."
+    fam.hf_class = "Glm5NextForConditionalGeneration"
+    # transformers skips the multi-token-prediction layer GLM-5.3-Flash ships after the last one (layers.45.*)
+    # whether or not the config names it; so do we
+    fam.mtp_layers = max(1, int(r.get("num_nextn_predict_layers", default=0) or 0))
+    return kw
+
+
 _FAMILIES = {"deepseek_v3": _deepseek, "kimi_k2": _deepseek, "deepseek_v32": _deepseek, "glm_moe_dsa": _deepseek,
              "kimi_linear": _kimi_linear, "qwen3_moe": _qwen3_moe, "qwen3_next": _qwen3_next,
-             "minimax_m2": _minimax_m2}
+             "minimax_m2": _minimax_m2, "glm5_next": _glm5_next, "kimi_k25": _kimi_k25}
 
 
-# Config fields of architectures we do not implement -> what they are (for the unknown-family message)
+# Config fields of architectures we do not implement -> what they are (for the unknown-family message). Features
+# that are ModelSpec options now (hyper-connections, the KPool indexer, shared-indexer layers, the lower-bounded
+# KDA gate, the clamped SwiGLU: GLM-5.3-Flash) are no longer listed: an unknown family using them lacks a mapping only
 _FEATURES = {
-    "hc_mult": "hyper-connections (several residual streams mixed per layer)",
-    "hc_sinkhorn_iters": "Sinkhorn-normalised hyper-connection mixing",
-    "index_kpool": "KPool indexer (pooled indexer keys)",
-    "index_kpool_always_select_tail": "indexer that always selects the tail block",
-    "indexer_types": "layers that reuse another layer's indexer top-k ('shared' indexer layers)",
-    "linear_lower_bound": "lower-bounded linear-attention gate",
-    "gate_lower_bound": "lower-bounded linear-attention gate",
-    "swiglu_limit": "clamped SwiGLU",
     "linear_num_value_heads": "Gated DeltaNet linear attention (one decay per head, grouped value heads)",
     "linear_key_head_dim": "Gated DeltaNet linear attention",
     "shared_expert_intermediate_size": "sigmoid-gated shared expert",

@@ -18,7 +18,7 @@ import torch
 from ..models.model import build_model
 from .families import Family
 
-_IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx")
+_IDX = ("wq_idx", "wk_idx", "k_idx_norm", "w_idx", "kpool_gate", "kpool_ape")
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _rope_rows(heads: int, head: int, nope: int, rope: int, rope_first: bool = F
 
 def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     """The checkpoint name of one of our per-layer tensors (`ours` is relative to `layers.i.`)."""
-    p = f"model.layers.{i}."
+    p = f"{fam.prefix}layers.{i}."
     mt = fam.model_type
     moe = "block_sparse_moe." if mt in ("kimi_linear", "minimax_m2") else "mlp."
     fixed = {
@@ -75,6 +75,11 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
         "attn.k_idx_norm.weight": "self_attn.indexer.k_norm.weight",
         "attn.k_idx_norm.bias": "self_attn.indexer.k_norm.bias",
         "attn.w_idx.weight": "self_attn.indexer.weights_proj.weight",
+        "attn.kpool_gate.weight": "self_attn.indexer.index_kpool_compress_gate",
+        "attn.kpool_ape": "self_attn.indexer.index_kpool_compress_ape",
+        # hyper-connections (GLM-5.3-Flash writes them flat on the layer)
+        "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+        "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
         # KDA (Kimi Linear) and GQA (Qwen3) share q/k/v/o names
         "attn.q_proj.weight": "self_attn.q_proj.weight", "attn.k_proj.weight": "self_attn.k_proj.weight",
         "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.o_proj.weight": "self_attn.o_proj.weight",
@@ -115,9 +120,55 @@ def _hf_layer(fam: Family, i: int, ours: str) -> str | list[str] | None:
     return None
 
 
+def _vision_rope_rows(heads: int, head: int) -> torch.Tensor:
+    """MoonViT's q / k rows -> ours, per head: its RoPE rotates interleaved pairs (4j, 4j+1) by the column and
+    (4j+2, 4j+3) by the row, frequency j; ours rotates (j, j + Dh/4) by the row and (Dh/2 + j, 3 Dh/4 + j) by the
+    column (tower.py). q and k permuted alike leave q . k unchanged."""
+    j = torch.arange(head // 4)
+    per = torch.cat([4 * j + 2, 4 * j + 3, 4 * j, 4 * j + 1])
+    return torch.cat([h * head + per for h in range(heads)])
+
+
+_KIMI_VISION = {  # ours (under vision.) -> Moonshot's names (the Kimi K2.5 checkpoints; transformers writes these)
+    "tower.patch_embed.": "vision_tower.patch_embed.proj.", "tower.pos_embed": "vision_tower.patch_embed.pos_emb.weight",
+    "tower.norm.": "vision_tower.encoder.final_layernorm.", "merger.norm.": "mm_projector.pre_norm.",
+    "projector.fc1.": "mm_projector.proj.0.", "projector.fc2.": "mm_projector.proj.2.",
+}
+_KIMI_BLOCK = {"norm1.": "norm0.", "norm2.": "norm1.", "attn.qkv.": "wqkv.", "attn.proj.": "wo.", "fc1.": "mlp.fc0.",
+               "fc2.": "mlp.fc1."}
+# other spellings of the same tensors: transformers 5.24's save_pretrained (its load-time renames run backwards)
+_KIMI_ALIASES = (("language_model.model.layers.", "language_model.model.blocks."),
+                 ("vision_tower.patch_embed.proj.", "vision_tower.encoder.patch_embed.proj."),
+                 ("mm_projector.pre_norm.", "model.mm_projector.pre_norm."))
+
+
+def _kimi_k25_vision_rule(fam: Family, name: str, shape: tuple[int, ...]) -> Rule:
+    """kimi_k25: the rule of one of our vision tensors (the text ones are deepseek_v3's under `language_model.`)."""
+    rel = name[len("vision."):]
+    for a, b in _KIMI_VISION.items():
+        if rel.startswith(a):
+            return Rule(name, [b + rel[len(a):]], shape)
+    _, i, leaf = rel.split(".", 3)[1:]  # tower.blocks.<i>.<leaf>
+    for a, b in _KIMI_BLOCK.items():
+        if leaf.startswith(a):
+            r = Rule(name, [f"vision_tower.encoder.blocks.{i}.{b}{leaf[len(a):]}"], shape)
+            if a == "attn.qkv.":
+                v = fam.spec.vision
+                qk = _vision_rope_rows(v.n_heads, v.hidden_size // v.n_heads)
+                r.row_perm = torch.cat([qk, v.hidden_size + qk, 2 * v.hidden_size + torch.arange(v.hidden_size)])
+            return r
+    raise KeyError(f"no checkpoint name for our tensor {name}; the kimi_k25 name map is incomplete")
+
+
 def _alias(fam: Family, name: str) -> str | None:
     """The other spelling of a checkpoint name where a family is saved both ways: Kimi Linear's FFN lives under
     `block_sparse_moe.` as transformers writes it (dense layers included) and under `mlp.` in other writers."""
+    if fam.model_type == "kimi_k25":
+        for a, b in _KIMI_ALIASES:
+            for x, y in ((a, b), (b, a)):
+                if name.startswith(x):
+                    return y + name[len(x):]
+        return None
     if fam.model_type == "kimi_linear":
         for a, b in ((".block_sparse_moe.", ".mlp."), (".mlp.", ".block_sparse_moe.")):
             if a in name:
@@ -149,12 +200,16 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.model_type == "moeadapt":
             rules.append(Rule(name, [name], shape))
             continue
-        top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        if fam.model_type == "kimi_k25" and name.startswith("vision."):
+            rules.append(_kimi_k25_vision_rule(fam, name, shape))
+            continue
+        pre = fam.prefix
+        top = {"embed.weight": f"{pre}embed_tokens.weight", "norm.weight": f"{pre}norm.weight",
                "lm_head.weight": "lm_head.weight"}
         if name in top:
             src = top[name]
             if name == "lm_head.weight" and spec.tie_word_embeddings:
-                src = "model.embed_tokens.weight"
+                src = f"{pre}embed_tokens.weight"
             rules.append(Rule(name, [src], shape, offset=fam.norm_offset if name == "norm.weight" else 0.0))
             continue
         _, i, rel = name.split(".", 2)
@@ -185,6 +240,10 @@ def _build_rules(fam: Family) -> list[Rule]:
             elif rel == "attn.wkv_a.weight":
                 r.row_perm = _rope_rows(1, spec.kv_lora_rank + rope, spec.kv_lora_rank, rope)
         rules.append(r)
+    if fam.model_type == "kimi_k25":  # the deepseek_v3 text model lives under language_model.
+        for r in rules:
+            if not r.ours.startswith("vision."):
+                r.sources = ["language_model." + s for s in r.sources]
     return rules
 
 
@@ -194,8 +253,14 @@ def ignorable(fam: Family, ckpt_name: str) -> str:
         return "fp8 block scale (consumed by dequantisation)"
     if ckpt_name.endswith("rotary_emb.inv_freq"):
         return "rotary table (recomputed)"
-    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith("model.layers."):
-        i = int(ckpt_name.split(".")[2])
+    for pre, why in fam.skip_prefixes.items():
+        if ckpt_name.startswith(pre):
+            return why
+    if fam.model_type == "kimi_k25":  # its text model: deepseek_v3's names under language_model.
+        ckpt_name = ckpt_name.removeprefix("language_model.").replace("model.blocks.", "model.layers.", 1)
+    layers = f"{fam.prefix}layers."
+    if (fam.mtp_layers or fam.layer_limit) and ckpt_name.startswith(layers):
+        i = int(ckpt_name[len(layers):].split(".")[0])
         if fam.layer_limit is not None and i >= fam.layer_limit:
             return f"layer {i} is beyond the first {fam.layer_limit} layers being validated"
         if fam.spec.n_layers <= i < fam.spec.n_layers + fam.mtp_layers:
@@ -208,8 +273,8 @@ def reverse_module_map(rules: list[Rule]) -> dict[str, str]:
     modules map to `...experts.<proj>` (PEFT export stacks them over experts, see lora/peft.py)."""
     out = {}
     for r in rules:
-        if r.absent_ok or not r.ours.endswith(".weight"):
-            continue
+        if r.absent_ok or not r.ours.endswith(".weight") or not r.sources[0].endswith(".weight"):
+            continue  # (a bare parameter such as the KPool gate is no module of the checkpoint)
         mod = r.ours.rsplit(".", 1)[0]
         src = r.sources[0].rsplit(".", 1)[0]
         if r.stacked:  # model.layers.3.mlp.experts.0.gate_proj -> model.layers.3.mlp.experts.gate_proj

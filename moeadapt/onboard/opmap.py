@@ -34,10 +34,20 @@ def op_mapping(spec: ModelSpec, device: str = "auto") -> list[dict]:
         fallback = [f"reference: {why}"] if not ok and (t != "gqa" or moe) else []
         if t == "kda":
             attn, be = "chunk_kda", backend
+            if spec.kda_gate_lower_bound is not None and ok:
+                fallback.append("lower-bounded gate formed by torch before the kernel (no fused form yet)")
         elif t == "gdn":
             attn, be = "chunk_kda (Gated DeltaNet: one decay per head, grouped value heads)", backend
         elif t == "dsa":
             attn, be = "lightning_indexer + sparse_attention (MQA on the kv latent)", backend
+            if i in spec.index_shared_layers:
+                src = max(j for j in range(i) if spec.resolved_layer_types()[j] == "dsa"
+                          and j not in spec.index_shared_layers)
+                attn = f"sparse_attention over layer {src}'s top-k (shared indexer; MQA on the kv latent)"
+            elif spec.index_kpool:
+                attn = f"kpool_indexer (blocks of {spec.index_kpool}) + sparse_attention (MQA on the kv latent)"
+                if ok:
+                    fallback.append("KPool indexer: reference (no fused kernel yet; selection only, no gradient)")
             if spec.index_topk >= spec.max_position_embeddings:
                 attn = "sparse_attention, dense causal (index_topk >= context: MLA without indexer)"
                 fallback.append("dense MLA via top-k = T selection: O(T^2) gather, fine below a few K tokens")
@@ -47,6 +57,12 @@ def op_mapping(spec: ModelSpec, device: str = "auto") -> list[dict]:
             ffn = f"router + permute + grouped_mm x3 ({spec.n_routed_experts} experts, top-{spec.n_experts_per_tok})"
         else:
             ffn = "dense SwiGLU (torch matmul)"
+        if spec.swiglu_limit is not None:
+            ffn += f", SwiGLU clamped at {spec.swiglu_limit:g}"
+            if ok and moe:
+                fallback.append("clamped SwiGLU: torch ops (no fused clamped kernel yet)")
+        if spec.hc_mult > 1:
+            ffn += f"; {spec.hc_mult} hyper-connection streams (torch)"
         rows.append({"layer": i, "attn": t, "attn_ops": attn, "attn_backend": be, "ffn": ffn,
                      "ffn_backend": backend if moe else "torch", "fallback": "; ".join(fallback)})
     return rows

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .families import OnboardError
-from .loader import Slices, StreamingLoader
+from .loader import Slices, StreamingLoader, checkpoint_index
 from .names import build_rules
 
 BLOCK_BYTES = 64 * 2**20
@@ -44,7 +44,8 @@ class SafetensorsSource:
 
         self.path = Path(path)
         self.fam = read_family_dir(self.path, allow_unmapped)
-        self.loader = StreamingLoader(self.path, self.fam, build_rules(self.fam), dtype=torch.float32)
+        self.loader = StreamingLoader(self.path, self.fam, build_rules(self.fam, checkpoint_index(self.path)),
+                                      dtype=torch.float32)  # present names: a family saved two ways (aliases)
 
     @property
     def bytes_read(self) -> int:

@@ -4,8 +4,11 @@ Owns: building both models from the same checkpoint directory (all blocks, or th
 norm and head: the truncated transformers model is loaded from the same files), the random input (documents of
 different lengths, each longer than the indexer's top-k where the family has an indexer), and the comparison of
 every block's output and the logits in float32 (our ops on the reference backend). The first block whose output
-differs by more than the tolerance is named. Must not write anything. transformers is an optional dependency:
-only this module imports it.
+differs by more than the tolerance is named. A vision-language family (a `vision` spec) runs on image + text
+documents: random images of different sizes, laid out as the family's transformers processor writes them
+(`_VISION_INPUTS`), their placeholder tokens in the text; the tower's parts (embedding, each block, final norm,
+merger + projector) are compared as well and the first diverging part is named. Must not write anything.
+transformers is an optional dependency: only this module imports it.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ def _hf_config(path: Path, n_layers: int):
     except (ValueError, KeyError) as e:
         raise OnboardError(f"transformers {transformers.__version__} cannot read {path}/config.json ({e}); "
                            "--validate needs a transformers version that implements this model_type") from None
-    full = cfg.num_hidden_layers
+    text = getattr(cfg, "text_config", None) or cfg  # a multimodal config: the text model's own (GLM-5.3-Flash)
+    full = text.num_hidden_layers
     if n_layers < full:
-        cfg.num_hidden_layers = n_layers
-        for k, v in list(vars(cfg).items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
+        text.num_hidden_layers = n_layers
+        for k, v in list(vars(text).items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
             if isinstance(v, list) and len(v) == full and k not in ("architectures",):
-                setattr(cfg, k, v[:n_layers])
+                setattr(text, k, v[:n_layers])
     return cfg
 
 
@@ -85,7 +89,8 @@ class _IndexerTies:
     first and records, per DSA layer, its scores and selection. When transformers' selection for a query holds
     only causal keys scoring within TIE of our k-th score (an equally correct top-k), ours replaces it, so the
     rest of the forward compares like with like; a selection holding any clearly lower-scored key is left alone
-    and shows as a divergence at that layer."""
+    and shows as a divergence at that layer. A KPool indexer (spec.index_kpool) is aligned the same way on its
+    block scores: transformers' selected tokens are read back as blocks (the query's own incomplete block aside)."""
 
     def __init__(self, ours: nn.Module, hf: nn.Module, n: int):
         self.ours = {i: b.attn for i, b in enumerate(_blocks(ours, n))
@@ -100,9 +105,11 @@ class _IndexerTies:
 
     @contextlib.contextmanager
     def active(self):
-        handles = [a.register_forward_pre_hook(self._ours_hook(i), with_kwargs=True) for i, a in self.ours.items()
-                   if i in self.hf]
-        handles += [m.register_forward_hook(self._hf_hook(i)) for i, m in self.hf.items() if i in self.ours]
+        kp = {i for i, a in self.ours.items() if a.kpool}
+        handles = [a.register_forward_pre_hook((self._ours_kpool_hook if i in kp else self._ours_hook)(i),
+                                               with_kwargs=True) for i, a in self.ours.items() if i in self.hf]
+        handles += [m.register_forward_hook((self._hf_kpool_hook if i in kp else self._hf_hook)(i))
+                    for i, m in self.hf.items() if i in self.ours]
         try:
             yield
         finally:
@@ -144,6 +151,144 @@ class _IndexerTies:
         return hook
 
 
+    def _ours_kpool_hook(self, i: int):
+        from ..ops.dsa import kpool_indexer
+        from ..ops.dsa.reference import indexer_scores_reference, kpool_keys_reference
+
+        def hook(attn, args, kwargs):
+            x = args[0]
+            q_idx, k_idx, w_idx = attn.indexer(x, attn._queries(x)[1], kwargs["cos"], kwargs["sin"])
+            gate = attn.kpool_gate(x)
+            sc = indexer_scores_reference(q_idx, kpool_keys_reference(k_idx, gate, attn.kpool_ape), w_idx)[0]
+            P, T = attn.kpool, sc.shape[0]
+            vis = torch.arange(sc.shape[1])[None] < ((torch.arange(T) + 1) // P)[:, None]
+            mine = kpool_indexer(q_idx, k_idx, w_idx, gate, attn.kpool_ape, attn.spec.index_topk,
+                                 attn.spec.index_kpool_select_tail)[0]
+            self.scores[i] = sc.masked_fill(~vis, float("-inf")), mine, P, attn.spec.index_topk // P
+        return hook
+
+    def _hf_kpool_hook(self, i: int):
+        def hook(_m, _args, out):
+            if i not in self.scores or out.shape[0] != 1:
+                return None
+            sc, mine, P, kp = self.scores.pop(i)
+            T, n = sc.shape
+            theirs = out[0].long()
+            swap = torch.zeros(T, dtype=torch.bool)
+            for t in range(T):
+                n_vis = (t + 1) // P
+                k = min(kp, n_vis)
+                if n_vis <= kp:  # every complete block fits: nothing to choose
+                    continue
+                self.rows += 1
+                tok = theirs[t][(theirs[t] >= 0) & (theirs[t] < n_vis * P)]
+                blocks = torch.unique(tok // P)
+                ours = torch.unique(mine[t][(mine[t] >= 0) & (mine[t] < n_vis * P)].long() // P)
+                kth = sc[t].topk(k).values[-1]
+                swap[t] = (len(blocks) == k and not torch.equal(blocks, ours)
+                           and bool((sc[t, blocks] >= kth - TIE * kth.abs().clamp(min=1)).all()))
+            if not swap.any():
+                return None
+            self.aligned += int(swap.sum())
+            return torch.where(swap[:, None], mine.long(), theirs).to(out.dtype).unsqueeze(0)
+        return hook
+
+
+def _kimi_k25_images(images: list[torch.Tensor], patch: int) -> dict:
+    """Kimi_K25ImageProcessor's output for images [C, H, W] already resized and normalised: pixel_values
+    [N, C, p, p] (each image's patches in raster order, images one after another), image_grid_thw [I, 3]."""
+    px, grid = [], []
+    for im in images:
+        C, H, W = im.shape
+        gh, gw = H // patch, W // patch
+        px.append(im.reshape(C, gh, patch, gw, patch).permute(1, 3, 0, 2, 4).reshape(gh * gw, C, patch, patch))
+        grid.append([1, gh, gw])
+    return {"pixel_values": torch.cat(px), "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
+
+
+def _kimi_k25_parts(hf: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(part, transformers module, what its output holds) of the Kimi K2.5 vision side, in forward order."""
+    vt, proj = hf.model.vision_tower, hf.model.mm_projector
+    return ([("patch embedding + position table", vt.patch_embed, "patches")]
+            + [(f"block {i}", b, "patches") for i, b in enumerate(vt.layers)]
+            + [("final norm", vt.final_layernorm, "patches"), ("merger + projector", proj, "tokens")])
+
+
+# model_type -> (the processor's image inputs, the vision parts compared, ModuleList prefixes that are not the
+# text model's decoder layers, the text tokens around each image's placeholders: config attribute names)
+_VISION_INPUTS = {
+    "kimi_k25": (_kimi_k25_images, _kimi_k25_parts, ("model.vision_tower",),
+                 ("vision_start_token_id", "vision_end_token_id")),
+}
+
+
+def _our_parts(ours: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Our vision modules in the order of `_kimi_k25_parts` (module, record its input instead of its output)."""
+    v = ours.vision
+    return ([(v.tower.blocks[0], True)] + [(b, False) for b in v.tower.blocks] + [(v.tower, False),
+                                                                                  (v.projector, False)])
+
+
+def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_type: str):
+    """A document of about L text tokens and `n_images` random images of different sizes, each image's
+    placeholders (between the family's start / end tokens) at a random place: (input_ids [1, T], transformers'
+    image kwargs, our ImageBatch)."""
+    from ..models.vision import ImageBatch, patchify
+
+    v = spec.vision
+    make, _, _, around = _VISION_INPUTS[model_type]
+    sides = [2, 4, 6]
+    grids: list[tuple[int, int]] = []
+    while len(grids) < n_images:
+        gh, gw = (sides[int(i)] for i in torch.randint(0, 3, (2,), generator=g))
+        if (gh, gw) not in grids:
+            grids.append((gh, gw))
+    images = [torch.randn(v.in_channels, gh * v.patch_size, gw * v.patch_size, generator=g) for gh, gw in grids]
+    marks = [t for t in (getattr(hf_cfg, a, None) for a in around) if t is not None and t < spec.vocab_size]
+    special = {v.image_token_id, *marks, getattr(hf_cfg, "video_token_id", None)}
+    text = [t for t in torch.randint(0, spec.vocab_size, (4 * L,), generator=g).tolist() if t not in special]
+    n_text = max(n_images + 2, L - sum(gh * gw // 4 + len(marks) for gh, gw in grids))
+    cuts = sorted(torch.randperm(n_text - 1, generator=g)[:n_images].add(1).tolist())
+    ids, prev = [], 0
+    for (gh, gw), cut in zip(grids, cuts):
+        ids += text[prev:cut] + marks[:1] + [v.image_token_id] * (gh * gw // 4) + marks[1:]
+        prev = cut
+    ids += text[prev:n_text]
+    ours = ImageBatch(torch.cat([patchify(im, v.patch_size, v.merge_size) for im in images]),
+                      torch.tensor(grids, dtype=torch.long))
+    return torch.tensor([ids]), make(images, v.patch_size), ours
+
+
+def _raster_to_ours(grid_hw: torch.Tensor, merge: int) -> torch.Tensor:
+    """Index into patches in raster order (image by image) that gives them in our packed order."""
+    from ..models.vision import patch_positions
+
+    out, off = [], 0
+    for (h, w), pos in zip(grid_hw.tolist(), patch_positions(grid_hw, merge).split(
+            (grid_hw[:, 0] * grid_hw[:, 1]).tolist())):
+        out.append(off + pos[:, 0] * w + pos[:, 1])
+        off += h * w
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _record_vision(hf: nn.Module, ours: nn.Module, model_type: str, got_hf: list, got_ours: list):
+    def keep(dst):
+        def hook(_m, args, output=None):
+            t = args[0] if output is None else output
+            dst.append((t[0] if isinstance(t, tuple) else t).detach().float())
+        return hook
+
+    handles = [m.register_forward_hook(keep(got_hf)) for _, m, _ in _VISION_INPUTS[model_type][1](hf)]
+    handles += [m.register_forward_pre_hook(keep(got_ours)) if pre else m.register_forward_hook(keep(got_ours))
+                for m, pre in _our_parts(ours)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def default_seq_len(fam: Family) -> int:
     """Long enough that the indexer's top-k is smaller than the sequence (where the family has an indexer)."""
     s = fam.spec
@@ -180,6 +325,9 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
                            f"select every key; give --seq-len > {part.spec.index_topk}")
     if T > part.spec.max_position_embeddings:
         raise OnboardError(f"--seq-len {T} exceeds max_position_embeddings={part.spec.max_position_embeddings}")
+    vis = _VISION_INPUTS.get(fam.model_type) if part.spec.vision is not None else None
+    if part.spec.vision is not None and vis is None:
+        raise OnboardError(f"--validate has no image inputs for {fam.model_type}; add them to validate._VISION_INPUTS")
     hf = _hf_model(path, part, n)
     ours = materialize(build_model(part.spec, "meta"), "cpu", dtype=torch.float32)
     load_into_model(ours, StreamingLoader(path, part, build_rules(part, checkpoint_index(path)), dtype=torch.float32))
@@ -191,29 +339,49 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
     lengths = sorted({T, max(2, 2 * T // 3 - 1), max(2, T // 3 + 1)}, reverse=True)
     per_layer = [[0.0, 0.0] for _ in range(n)]  # max |Δh|, max |h_ref| over the documents
     logit_diff, logit_max = 0.0, 0.0
-    hf_blocks, our_blocks = _blocks(hf, n), _blocks(ours, n)
+    hf_blocks, our_blocks = _blocks(hf, n, exclude=vis[2] if vis else ()), _blocks(ours, n)
     ties = _IndexerTies(ours, hf, n) if has_indexer else None
-    for L in lengths:
-        ids = torch.randint(0, part.spec.vocab_size, (1, L), generator=g)
+    parts = [[label, 0.0, 0.0] for label, _, _ in vis[1](hf)] if vis else []  # vision: max |Δ|, max |h_ref|
+    for d, L in enumerate(lengths):
         h_ref: list[torch.Tensor] = []
         h_got: list[torch.Tensor] = []
-        with torch.no_grad(), _record(hf_blocks, h_ref), _record(our_blocks, h_got), \
+        v_ref: list[torch.Tensor] = []
+        v_got: list[torch.Tensor] = []
+        if vis:  # two images of different sizes in the first and last document, one in the middle one
+            ids, hf_images, images = _image_doc(part.spec, hf.config, L, 1 if d == 1 else 2, g, fam.model_type)
+            seen = contextlib.ExitStack()
+            seen.enter_context(_record_vision(hf, ours, fam.model_type, v_ref, v_got))
+        else:
+            ids, hf_images, images, seen = (torch.randint(0, part.spec.vocab_size, (1, L), generator=g), {}, None,
+                                            contextlib.nullcontext())
+        with torch.no_grad(), _record(hf_blocks, h_ref), _record(our_blocks, h_got), seen, \
                 (ties.active() if ties else contextlib.nullcontext()):
-            got = ours(ids).logits.float()  # first: it records the indexer scores the tie check reads
-            ref = hf(input_ids=ids, use_cache=False).logits.float()
+            got = ours(ids, images=images).logits.float()  # first: it records the indexer scores the tie check reads
+            ref = hf(input_ids=ids, use_cache=False, **hf_images).logits.float()
+        if vis:
+            perm = _raster_to_ours(images.grid_hw, part.spec.vision.merge_size)
+            for (_, _, holds), part_row, a, b in zip(vis[1](hf), parts, v_ref, v_got, strict=True):
+                a = a[perm] if holds == "patches" else a.reshape(b.shape)
+                part_row[1] = max(part_row[1], (a - b).abs().max().item())
+                part_row[2] = max(part_row[2], a.abs().max().item())
         for i, (a, b) in enumerate(zip(h_ref, h_got)):
             per_layer[i][0] = max(per_layer[i][0], (a - b).abs().max().item())
             per_layer[i][1] = max(per_layer[i][1], a.abs().max().item())
         logit_diff = max(logit_diff, (ref - got).abs().max().item())
         logit_max = max(logit_max, ref.abs().max().item())
     bad = [i for i, (d, m) in enumerate(per_layer) if not d / max(1.0, m) <= tol]  # NaN counts as bad
-    passed = not bad and logit_diff <= tol
+    bad_parts = [p for p in parts if not p[1] / max(1.0, p[2]) <= tol]
+    passed = not bad and not bad_parts and logit_diff <= tol
     first = bad[0] if bad else None
     where = (f"layer {first} ({part.spec.resolved_layer_types()[first]}) is the first to diverge: max |Δh| = "
              f"{per_layer[first][0]:.3g} (max |h| = {per_layer[first][1]:.3g})" if first is not None else
              ("the blocks agree; the final norm or lm_head diverges" if not passed else ""))
+    if bad_parts:  # the images go in before the first block: a vision part diverging explains what follows
+        where = (f"the vision {bad_parts[0][0]} is the first part to diverge: max |Δh| = {bad_parts[0][1]:.3g} "
+                 f"(max |h| = {bad_parts[0][2]:.3g})")
     return {"family": fam.model_type, "reference": f"transformers {transformers.__version__} {type(hf).__name__}",
             "layers": n, "of_layers": fam.spec.n_layers, "lengths": lengths, "seed": seed,
             "max_abs_diff": logit_diff, "max_abs_logit": logit_max, "tolerance": tol, "passed": bool(passed),
             "per_layer": [tuple(x) for x in per_layer], "first_bad_layer": first, "where": where,
-            "tie_aligned": (ties.aligned, ties.rows) if ties else None}
+            "tie_aligned": (ties.aligned, ties.rows) if ties else None,
+            "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None}

@@ -87,12 +87,17 @@ def _compare(what, loss, grads, ref_loss, ref_grads):
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
-@pytest.mark.parametrize("types", [("kda", "dsa"), ("gqa", "gdn"), ("dsa", "kda", "dsa")])
-def test_packed_documents_equal_each_document_alone(seed, backend, types):
-    """("dsa", "kda", "dsa"): the last layer reuses the first's top-k (index_shared_layers)."""
-    spec = micro_spec(n_layers=len(types), layer_types=list(types), index_topk=5, index_loss_coef=0.01,
-                      gqa_n_kv_heads=1, gqa_head_dim=8, gdn_key_head_dim=8, gdn_value_head_dim=8,
-                      index_shared_layers=[2] if len(types) == 3 else [])
+@pytest.mark.parametrize("types, options", [
+    (("kda", "dsa"), {}),
+    (("gqa", "gdn"), {}),
+    # the last layer reuses the first's top-k; GLM-5.3 options: KPool indexer, hyper-connections, bounded gate
+    (("dsa", "kda", "dsa"), dict(index_shared_layers=[2], index_kpool=2, index_topk=4, index_loss_coef=0.0, hc_mult=2,
+                                 kda_gate_lower_bound=-5.0, swiglu_limit=7.0)),
+])
+def test_packed_documents_equal_each_document_alone(seed, backend, types, options):
+    spec = micro_spec(n_layers=len(types), layer_types=list(types), **{
+        **dict(index_topk=5, index_loss_coef=0.01, gqa_n_kv_heads=1, gqa_head_dim=8, gdn_key_head_dim=8,
+               gdn_value_head_dim=8), **options})
     model = _model(spec, backend)
     x, y, pos, docs = packed_batch(spec, 2, 80, seed)
     assert len(docs) > 3
@@ -106,7 +111,7 @@ def test_packed_documents_equal_each_document_alone(seed, backend, types):
     (unpacked.loss + unpacked.aux_loss).backward()
     leak = max((g - ref_grads[n]).abs().max().item() for n, g in _grads(model).items())
     assert leak > 100 * TOL, f"without position_ids the gradients differ by only {leak:.1e}"
-    if "dsa" in types:
+    if "dsa" in types and spec.index_loss_coef > 0:
         assert "index_kl" in out.aux
 
 

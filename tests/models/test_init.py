@@ -83,3 +83,13 @@ def test_unknown_parameter_fails_clearly():
     m.layers[0].extra.scale = nn.Parameter(torch.empty(3, device="meta"))
     with pytest.raises(TypeError, match=r"no init rule for \['layers.0.extra.scale'\]"):
         init_rules(m)
+
+
+def test_tied_head_is_filled_under_both_names(seed):
+    """A tied LM head (tie_word_embeddings) is one tensor with two names; the fill answers for either."""
+    m = build_model(micro_spec(n_layers=1, tie_word_embeddings=True), "meta")
+    fill = init_fill(m, seed)
+    shape = tuple(m.embed.weight.shape)
+    full = (slice(0, shape[0]), slice(0, shape[1]))
+    assert fill("lm_head.weight", shape, full).dtype == m.embed.weight.dtype
+    assert fill("embed.weight", shape, full).shape == shape

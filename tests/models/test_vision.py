@@ -19,6 +19,18 @@ def _spec(**kw) -> VisionSpec:
     return VisionSpec(**base)
 
 
+# MoonViT's layout options (Kimi K2.5): learned position table resampled bicubically (grids above, below and
+# across its size), tanh GELU, the merger's own epsilon, Conv2d-shaped patch embedding
+MOONVIT = dict(pos_embed_grid=(3, 5), mlp_act="gelu_tanh", merger_norm_eps=1e-2, patch_embed_conv=True,
+               norm_eps=1e-5)
+
+
+# GLM-5.3's (glm5_next): RMSNorms, q / k RMSNorm, clamped SwiGLU (a limit the random activations reach), Conv3d
+# patch kernel over 2 frames, the downsample + SwiGLU projector
+GLM = dict(norm="rmsnorm", qk_norm=True, mlp_act="swiglu", swiglu_limit=1.5, temporal_patch_size=2,
+           patch_embed_conv=True, projector="glm", projector_hidden_size=40, norm_eps=1e-5)
+
+
 def _model(spec, lm_hidden=24, dtype=torch.float64):
     m = VisionModel(spec, lm_hidden).to(dtype)
     with torch.no_grad():  # every parameter random (LayerNorm gains and biases too), so each one is checked
@@ -37,9 +49,9 @@ def _pack(imgs, patch=14):
     return ImageBatch(px, grid)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
-def test_packed_equals_float64_reference_values_and_grads(seed, backend):
-    spec = _spec()
+@pytest.mark.parametrize("backend, layout", [("sdpa", {}), ("reference", {}), ("sdpa", MOONVIT), ("sdpa", GLM)])
+def test_packed_equals_float64_reference_values_and_grads(seed, backend, layout):
+    spec = _spec(**layout)
     m = _model(spec)
     for mod in m.modules():
         if hasattr(mod, "backend"):
@@ -58,8 +70,9 @@ def test_packed_equals_float64_reference_values_and_grads(seed, backend):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda s, n=name: f"grad {n}: {s}")
 
 
-def test_packed_equals_one_at_a_time(seed):
-    spec = _spec(n_layers=3)
+@pytest.mark.parametrize("layout", [{}, MOONVIT, GLM])
+def test_packed_equals_one_at_a_time(seed, layout):
+    spec = _spec(n_layers=3, **layout)
     m = _model(spec, dtype=torch.float32)
     imgs = _images(torch.float32)
     packed = m(_pack(imgs))
@@ -103,6 +116,8 @@ def test_bad_inputs_are_one_clear_error():
         m.embed_images(x, ids, None)
     with pytest.raises(ValueError, match="multiple of 4"):
         VisionSpec(hidden_size=24, n_heads=4)
+    with pytest.raises(ValueError, match="needs patch_embed_conv"):
+        VisionSpec(temporal_patch_size=2)
 
 
 def test_embed_images_fills_placeholders_in_order(seed):
@@ -150,3 +165,51 @@ def test_model_replaces_placeholders_before_the_first_block(seed):
     text = materialize(build_model(get_preset("tiny"), "meta"), "cpu")
     with pytest.raises(ValueError, match="has no vision tower"):
         text(ids, images=_pack(imgs))
+
+
+def test_position_table_resampling(seed):
+    """The learned table: bicubic like F.interpolate (the reference's explicit kernel agrees), the table itself
+    at its own size, and it matters: zeroing it changes every token."""
+    import torch.nn.functional as F
+
+    from moeadapt.models.vision.reference import resample_reference
+    from moeadapt.models.vision.tower import patch_positions, resample_pos_embed
+
+    table = torch.randn(5, 3, 8, dtype=torch.float64)
+    for gh, gw in [(2, 8), (6, 2), (5, 3)]:
+        want = F.interpolate(table.permute(2, 0, 1)[None], size=(gh, gw), mode="bicubic",
+                             align_corners=False)[0].permute(1, 2, 0)
+        torch.testing.assert_close(resample_reference(table, gh, gw), want, rtol=1e-12, atol=1e-12)
+    grid = torch.tensor([[4, 2], [6, 6]])
+    got = resample_pos_embed(table, grid)
+    pos = patch_positions(grid)
+    n0 = 8
+    torch.testing.assert_close(got[:n0], resample_reference(table, 4, 2)[pos[:n0, 0], pos[:n0, 1]])
+    torch.testing.assert_close(got[n0:], resample_reference(table, 6, 6)[pos[n0:, 0], pos[n0:, 1]])
+    same = resample_pos_embed(table[:4, :2], grid[:1])
+    assert torch.equal(same, table[:4, :2][pos[:n0, 0], pos[:n0, 1]])
+    spec = _spec(**MOONVIT)
+    m = _model(spec, dtype=torch.float32)
+    batch = _pack(_images(torch.float32)[:2])
+    out = m(batch)
+    with torch.no_grad():
+        m.tower.pos_embed.zero_()
+    assert (m(batch) - out).abs().amax(-1).min() > 1e-4
+    with pytest.raises(ValueError, match="two positive sizes"):
+        VisionSpec(pos_embed_grid=(0, 4))
+
+
+@pytest.mark.parametrize("layout", [MOONVIT, GLM])
+def test_layout_options_have_init_rules(layout):
+    """The trainer's scale-true init (models/init.py) covers the layout options' tensors."""
+    from moeadapt.config import get_preset
+    from moeadapt.models.init import init_rules
+    from moeadapt.models.model import build_model
+
+    base = get_preset("tiny-vl")
+    spec = base.model_copy(update={"vision": VisionSpec(**{**base.vision.model_dump(), **layout})})
+    rules = init_rules(build_model(spec, "meta"))
+    if "pos_embed_grid" in layout:
+        assert rules["vision.tower.pos_embed"].kind == "normal"
+    assert rules["vision.tower.patch_embed.weight"].kind == "normal"
+    assert rules["vision.tower.patch_embed.bias"].kind == "const"

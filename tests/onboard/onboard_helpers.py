@@ -8,8 +8,27 @@ import torch
 import transformers
 
 
+def _glm5_next_cfg(text: dict, vision: dict | None = None):
+    """GLM-5.3-Flash (glm5_next): a text config plus a one-block vision tower (skipped by onboarding)."""
+    vc = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=text["hidden_size"],
+              projection_intermediate_size=32)
+    vc.update(vision or {})
+    return transformers.Glm5NextConfig(text_config=text, vision_config=vc)
+
+
 def tiny_cfg(model_type: str, **kw):
     """A tiny transformers config of a family (never downloads)."""
+    if model_type == "glm5_next":
+        base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+                    num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                    n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8,
+                    v_head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=16, index_kpool=4,
+                    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+                    indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense"] + ["sparse"] * 3,
+                    linear_head_dim=8, linear_num_heads=2, hc_mult=3, hc_sinkhorn_iters=5,
+                    max_position_embeddings=128, pad_token_id=0)
+        base.update(kw)
+        return _glm5_next_cfg(base)
     if model_type == "qwen3_moe":
         base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
@@ -25,9 +44,14 @@ def tiny_cfg(model_type: str, **kw):
     return transformers.DeepseekV3Config(**base)
 
 
-def save_tiny(model_type: str, out, **kw):
+def save_tiny(model_type: str, out, seed: int | None = None, **kw):
+    """A tiny checkpoint written by transformers; kimi_k25 (vision + text) takes its shapes and weights from
+    `seed` (random_checkpoint)."""
+    if model_type == "kimi_k25":
+        return random_checkpoint(model_type, out, fresh_seed() if seed is None else seed, **kw)
     cfg = tiny_cfg(model_type, **kw)
-    cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.DeepseekV3ForCausalLM
+    cls = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "glm5_next": transformers.Glm5NextForConditionalGeneration
+           }.get(model_type, transformers.DeepseekV3ForCausalLM)
     m = cls(cfg).float()
     m.save_pretrained(str(out))
     return out
@@ -73,6 +97,28 @@ def _random_cfg(model_type: str, rnd: random.Random):
             shared_expert_intermediate_size=c([16, 24]),
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": c([0.25, 0.5])},
             **common)
+    if model_type == "glm5_next":  # KDA : NoPE MLA with a KPool indexer, shared-indexer layers, mHC, clamped SwiGLU
+        kinds = ["linear_attention"] * c([1, 2]) + ["indexed_attention"] * 2 + ["linear_attention"] * c([0, 1])
+        first = kinds.index("indexed_attention")
+        idx = ["full"] * len(kinds)
+        idx[first + 1] = c(["full", "shared"])
+        dense = c([0, 1])
+        P = c([2, 4])
+        E, groups = c([4, 8]), c([1, 2])
+        common.update(num_hidden_layers=len(kinds))
+        H = c([2, 4])
+        # 16 / 32 indexer heads: a block's score is exactly 0 (a tie torch.topk breaks its own way) only when
+        # every head's ReLU is 0
+        return _glm5_next_cfg(dict(
+            num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=c([16, 32]), q_lora_rank=c([16, 24]),
+            qk_rope_head_dim=0, qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]),
+            index_n_heads=c([16, 32]), index_head_dim=c([16, 32]), index_kpool=P, index_topk=P * c([2, 3]),
+            layer_types=kinds, indexer_types=idx,  # (the tail always selected: a KPool query then has a key)
+            mlp_layer_types=["dense"] * dense + ["sparse"] * (len(kinds) - dense),
+            linear_num_heads=c([2, 4]), linear_head_dim=c([8, 16]), linear_lower_bound=c([-5.0, -2.0, None]),
+            hc_mult=c([2, 3, 4]), hc_sinkhorn_iters=c([3, 20]), swiglu_limit=c([0.3, 0.6]),
+            n_routed_experts=E, n_shared_experts=1, n_group=groups, topk_group=1 if groups == 1 else c([1, 2]),
+            routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), **common))
     mla = dict(num_attention_heads=c([2, 4]), kv_lora_rank=c([16, 32]), qk_rope_head_dim=c([4, 8]),
                qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]))
     mla["num_key_value_heads"] = mla["num_attention_heads"]
@@ -88,6 +134,22 @@ def _random_cfg(model_type: str, rnd: random.Random):
             linear_num_heads=c([2, 4]), linear_head_dim=c([8, 16]), layer_types=types,
             mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense), routed_scaling_factor=c([1.0, 2.5]),
             model_max_length=128, **{k: v for k, v in common.items() if k != "max_position_embeddings"})
+    if model_type == "kimi_k25":  # MoonViT + projector in front of a deepseek_v3 text model
+        V = common["vocab_size"]
+        text = _random_cfg("deepseek_v3", rnd).to_dict()
+        # a q_lora_rank: transformers 5.24's kimi_k25 save / load renames match the text model's
+        # "self_attn.q_proj" as the vision "attn.q_proj" (the real checkpoints have a q latent)
+        text.update(vocab_size=V, q_lora_rank=c([16, 24]))
+        D, heads = c([16, 32]), c([2, 4])
+        side = c([4, 6, 8])  # the position table: image grids (2..6 patches a side) above and below it
+        vision = dict(patch_size=c([14, 16]), pos_emb_height=side, pos_emb_width=side, num_attention_heads=heads,
+                      num_hidden_layers=c([1, 2]), hidden_size=D, intermediate_size=c([24, 40]),
+                      hidden_act=c(["gelu_pytorch_tanh", "gelu"]),
+                      rope_parameters={"rope_type": "axial", "rope_theta": c([100.0, 10000.0])})
+        return transformers.Kimi_K25Config(
+            text_config=text, vision_config=vision, projection_hidden_size=D,
+            projection_layer_norm_eps=c([1e-5, 1e-3]), image_token_id=V - 4, video_token_id=V - 3,
+            vision_start_token_id=V - 2, vision_end_token_id=V - 1, tie_word_embeddings=c([True, False]))
     E, groups = c([4, 8]), c([1, 2])
     q_ranks = [16, 24] if model_type in ("deepseek_v32", "glm_moe_dsa") else [None, 16, 24]  # indexer reads q latent
     kw = dict(**mla, q_lora_rank=c(q_ranks), n_routed_experts=E, n_shared_experts=1,
@@ -114,16 +176,29 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
     `overrides` are set on the drawn config (e.g. rope_parameters)."""
     rnd = random.Random(seed)
     cfg = _random_cfg(model_type, rnd)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+    for k, v in overrides.items():  # (glm5_next: on its text config; kimi_k25: text_config={field: value})
+        if model_type == "kimi_k25" and k == "text_config":
+            for kk, vv in v.items():
+                setattr(cfg.text_config, kk, vv)
+        else:
+            setattr(cfg.text_config if model_type == "glm5_next" else cfg, k, v)
     torch.manual_seed(seed)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    if model_type == "glm5_next":
+        m = transformers.Glm5NextForConditionalGeneration(cfg).float()
+    elif model_type == "kimi_k25":
+        m = transformers.Kimi_K25ForConditionalGeneration(cfg).float()
+    else:
+        m = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
+            elif name.endswith("_hc.scale"):  # hyper-connection logit scales: mixing well away from uniform
+                p.copy_(1.0 + 0.5 * noise)
+            elif "index_kpool_compress" in name:  # KPool pooling logits: far from a plain mean
+                p.copy_(0.3 * noise)
             elif name.endswith(("A_log", "dt_bias")):
                 p.copy_(0.5 * noise)
             else:

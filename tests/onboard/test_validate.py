@@ -13,7 +13,8 @@ from moeadapt.onboard import names as names_mod
 from moeadapt.onboard import onboard, read_family_dir
 from moeadapt.onboard.validate import TOL, validate_checkpoint
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next", "minimax_m2"]
+FAMILIES = ["qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "glm_moe_dsa", "qwen3_next", "minimax_m2",
+            "glm5_next"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -26,7 +27,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
     fam = read_family_dir(d)
-    if model_type in ("deepseek_v32", "glm_moe_dsa"):  # the indexer really selects: every document but the shortest exceeds top-k
+    if model_type in ("deepseek_v32", "glm_moe_dsa", "glm5_next"):  # the indexer really selects: every document but the shortest exceeds top-k
         assert sorted(v["lengths"])[1] > fam.spec.index_topk
 
 
@@ -48,6 +49,8 @@ def _eps(layer: int, module: str, eps: float):
     ("deepseek_v3", _perturb(1, "attn.wkv_b.weight"), 1),
     ("deepseek_v3", _eps(1, "attn.kv_norm", 1e-1), 1),
     ("qwen3_moe", _eps(0, "ffn_norm", 1e-1), 0),
+    ("glm5_next", _perturb(1, "ffn_hc.fn"), 1),  # a hyper-connection's mixing weights
+    ("glm5_next", _eps(0, "attn.o_norm", 1e-1), 0),  # the KDA output norm
 ])
 def test_broken_model_fails_naming_the_layer(model_type, tamper, layer, tmp_path):
     seed = fresh_seed()

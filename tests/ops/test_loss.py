@@ -77,9 +77,8 @@ def test_no_grad_gives_the_loss_only(seed, backend):
 
 
 def test_model_loss_through_ops_loss_matches_logits_path(seed):
-    from tests.conftest import micro_spec
-
     from moeadapt.models.model import build_model, materialize
+    from tests.conftest import micro_spec
 
     model = materialize(build_model(micro_spec(n_layers=2), "meta"), "cpu", seed=seed % 1000)
     x = torch.randint(0, 264, (4, 12))

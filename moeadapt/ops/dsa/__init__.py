@@ -17,12 +17,15 @@ import torch
 from .reference import (
     indexer_kl_loss_reference,
     indexer_scores_reference,
+    kpool_indexer_reference,
     lightning_indexer_reference,
     sparse_attention_reference,
 )
 
 __all__ = [
     "lightning_indexer",
+    "kpool_indexer",
+    "kpool_indexer_reference",
     "sparse_attention",
     "indexer_kl_loss",
     "lightning_indexer_reference",
@@ -101,6 +104,44 @@ def lightning_indexer(
 
         return lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
     return lightning_indexer_reference(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
+
+
+def kpool_indexer(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    topk: int,
+    select_tail: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Select whole blocks of keys per query by the lightning indexer score of pooled block keys (KPool).
+
+    Args:
+        q_idx, k_idx, w_idx, cu_seqlens: as for `lightning_indexer`.
+        gate: [B, T, DI] per-token, per-channel pooling logits (x W_pool); ape: [P, DI] their offsets by the
+            position inside a block; P = ape.shape[0] is the block size.
+        topk: tokens selected per query in whole blocks (a multiple of P): topk // P blocks.
+        select_tail: also select the query's own incomplete block.
+    Returns:
+        indices [B, T, topk + (P - 1 if select_tail else 0)] int32, ascending, -1 padded (see
+        `reference.kpool_indexer_reference` for the exact rule). No gradient.
+    Every backend runs the reference (there is no fused KPool kernel yet); it scores T / P block keys per
+    query in query blocks, so memory stays O(256 * HI * T / P).
+    """
+    _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens)
+    _backend(backend, q_idx)
+    B, T, _, DI = q_idx.shape
+    if tuple(gate.shape) != (B, T, DI):
+        raise _shape_err("gate", gate, f"[B, T, DI] = {(B, T, DI)}")
+    if ape.dim() != 2 or ape.shape[1] != DI or ape.shape[0] < 1:
+        raise _shape_err("ape", ape, f"[P, DI] with DI = {DI}")
+    if topk % ape.shape[0]:
+        raise ValueError(f"topk={topk} is not a multiple of the block size P={ape.shape[0]}; KPool selects whole "
+                         "blocks")
+    return kpool_indexer_reference(q_idx, k_idx, w_idx, gate, ape, topk, select_tail, cu_seqlens)
 
 
 def _check_attention(q, k, v, indices) -> None:

@@ -25,6 +25,8 @@ __all__ = [
     "lightning_indexer_reference",
     "sparse_attention_reference",
     "indexer_kl_loss_reference",
+    "kpool_keys_reference",
+    "kpool_indexer_reference",
 ]
 
 
@@ -204,3 +206,84 @@ def indexer_kl_loss_reference(
     kl_BTK = torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq_BTK), torch.zeros_like(p))
     kl_BT = kl_BTK.sum(-1)
     return (kl_BT.sum() / has_key_BT.sum().clamp(min=1)).float()
+
+
+def kpool_keys_reference(k_idx: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """KPool block keys [B, T // P, DI]: each complete block of P = ape.shape[0] tokens pooled per channel,
+    key[b, p, c] = sum_j softmax_j(gate[b, pP + j, c] + ape[j, c]) * k_idx[b, pP + j, c] (an incomplete last
+    block is dropped). k_idx, gate [B, T, DI]; fp32 (fp64 kept); differentiable."""
+    B, T, DI = k_idx.shape
+    P = ape.shape[0]
+    n = T // P
+    dt = torch.float64 if k_idx.dtype == torch.float64 else torch.float32
+    k_BNPD = k_idx[:, : n * P].to(dt).reshape(B, n, P, DI)
+    logits_BNPD = gate[:, : n * P].to(dt).reshape(B, n, P, DI) + ape.to(dt)
+    return (torch.softmax(logits_BNPD, dim=2) * k_BNPD).sum(2)
+
+
+def _kpool_one(q_idx, k_idx, w_idx, gate, ape, topk, select_tail, block):
+    """kpool_indexer_reference on one sequence (positions 0..T-1 of the given rows)."""
+    B, T, _, _ = q_idx.shape
+    P = ape.shape[0]
+    dev = q_idx.device
+    keys_BND = kpool_keys_reference(k_idx, gate, ape)
+    n = keys_BND.shape[1]
+    kp = min(topk // P, n)  # blocks selected per query
+    width = topk + (P - 1 if select_tail else 0)
+    out_BTW = torch.full((B, T, width), -1, dtype=torch.long, device=dev)
+    blk = torch.arange(n, device=dev)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        pos_Q = torch.arange(t0, t1, device=dev)
+        n_vis_Q = (pos_Q + 1) // P  # complete blocks that end at or before the query
+        parts = []
+        if kp:
+            scores_BQN = indexer_scores_reference(q_idx[:, t0:t1], keys_BND, w_idx[:, t0:t1])
+            scores_BQN = scores_BQN.masked_fill(blk[None, None] >= n_vis_Q[None, :, None], float("-inf"))
+            order_BQN = torch.sort(scores_BQN, dim=-1, descending=True, stable=True).indices[..., :kp]
+            real = torch.arange(kp, device=dev)[None, None] < n_vis_Q.clamp(max=kp)[None, :, None]
+            tok = order_BQN[..., None] * P + torch.arange(P, device=dev)  # [B, Q, kp, P]
+            parts.append(torch.where(real[..., None], tok, -1).flatten(-2))
+        if select_tail:  # the query's own incomplete block: tokens n_vis * P .. t
+            tail_QJ = (n_vis_Q * P)[:, None] + torch.arange(P - 1, device=dev)
+            parts.append(torch.where(tail_QJ <= pos_Q[:, None], tail_QJ, -1)[None].expand(B, -1, -1))
+        if not parts:
+            continue
+        sel = torch.cat(parts, -1)
+        sel = torch.where(sel < 0, T, sel).sort(-1).values  # ascending, the unused slots (T) last
+        out_BTW[:, t0:t1, : sel.shape[-1]] = torch.where(sel == T, -1, sel)
+    return out_BTW
+
+
+@torch.no_grad()
+def kpool_indexer_reference(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    topk: int,
+    select_tail: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    block: int = 256,
+) -> torch.Tensor:
+    """KPool indexer (GLM-5.3-Flash): the lightning indexer over pooled block keys instead of token keys.
+
+    Each sequence is cut into blocks of P = ape.shape[0] tokens from its start; a complete block's key is
+    `kpool_keys_reference`. A query t scores the complete blocks that end at or before t,
+    I[t, p] = sum_j w[t,j] relu(q_idx[t,j] . key[p]), keeps the min(topk // P, visible) best (equal scores:
+    the lower block wins) and attends to all their tokens; with `select_tail` also to the tokens of its own
+    incomplete block (n_vis * P .. t, so at most P - 1 of them). q_idx [B,T,HI,DI], k_idx and gate [B,T,DI],
+    w_idx [B,T,HI] (scaled as for `lightning_indexer`), ape [P,DI].
+    Returns [B, T, topk + (P - 1 if select_tail else 0)] int32 token positions, ascending, -1 padded."""
+    T = q_idx.shape[1]
+    if cu_seqlens is None:
+        return _kpool_one(q_idx, k_idx, w_idx, gate, ape, topk, select_tail, block).to(torch.int32)
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        o = _kpool_one(q_idx[:, s0:s1], k_idx[:, s0:s1], w_idx[:, s0:s1], gate[:, s0:s1], ape, topk, select_tail,
+                       block)
+        outs.append(torch.where(o >= 0, o + s0, -1))
+    out = torch.cat(outs, 1) if outs else q_idx.new_full((q_idx.shape[0], T, 0), -1, dtype=torch.long)
+    return out.to(torch.int32)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .reference import chunk_kda_reference, naive_recurrent_kda
+from .reference import chunk_kda_reference, kda_gate, naive_recurrent_kda
 
 if TYPE_CHECKING:
     from .triton_kda import KDALaunch
@@ -74,6 +74,7 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     beta_is_logits: bool = False,
+    gate_lower_bound: float | None = None,
     launch: KDALaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention, chunked (64) form.
@@ -100,6 +101,10 @@ def chunk_kda(
             g = -exp(A_log[h]) * softplus(g + dt_bias[h]).
         dt_bias: [HV*K] or [HV,K] bias of the gate (only with A_log).
         beta_is_logits: beta holds logits; sigmoid is applied inside.
+        gate_lower_bound: b < 0 (only with A_log): the lower-bounded gate
+            g = b * sigmoid(exp(A_log[h]) * (g + dt_bias[h])) instead of the softplus one. The reference
+            and recurrent backends apply it inside; for "triton" / "fla" the gate is formed first by
+            PyTorch (reference.kda_gate, differentiable) and the kernel takes the decay as plain g.
         launch: the Triton kernels' launch parameters (triton_kda.KDALaunch; None: triton_kda.LAUNCH, the
             measured defaults); only with backend "triton" / "auto" on CUDA.
 
@@ -107,10 +112,17 @@ def chunk_kda(
         o [B,T,HV,V] in v's dtype, and the final state [N,HV,K,V] (float32) or None.
     """
     _validate(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, backend)
-    opts = dict(use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, beta_is_logits=beta_is_logits)
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if gate_lower_bound is not None and (A_log is None or not gate_lower_bound < 0):
+        raise ValueError(f"gate_lower_bound={gate_lower_bound} needs A_log (the gate is formed inside the op) "
+                         "and must be < 0; pass A_log [HV] and a negative bound, or None")
     if backend == "auto":
         backend = "triton" if q.is_cuda else "reference"
+    if gate_lower_bound is not None and backend in ("triton", "fla"):  # no fused lower-bounded gate yet
+        g, A_log, dt_bias, gate_lower_bound = kda_gate(g, A_log, dt_bias, gate_lower_bound), None, None, None
+    opts = dict(use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias, beta_is_logits=beta_is_logits)
+    if gate_lower_bound is not None:
+        opts["gate_lower_bound"] = gate_lower_bound
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if launch is not None and backend != "triton":
         raise ValueError(f"launch= configures the Triton kernels; backend {backend!r} does not run them.")
     if backend == "reference":

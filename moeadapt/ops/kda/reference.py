@@ -17,8 +17,9 @@ o_t = scale * S^T q_t.
 
 Fused options (every backend takes them): `use_qk_l2norm` L2-normalises q and k
 over K; `A_log` [HV] (+ `dt_bias` [HV*K] or [HV,K]) turns the passed g into the raw
-pre-activation of g = -exp(A_log[h]) * softplus(g + dt_bias[h]); `beta_is_logits`
-applies sigmoid to beta.
+pre-activation of g = -exp(A_log[h]) * softplus(g + dt_bias[h]), or with
+`gate_lower_bound` b < 0 of the lower-bounded gate g = b * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))
+(GLM-5.3-Flash; the decay per step stays >= exp(b)); `beta_is_logits` applies sigmoid to beta.
 """
 
 from __future__ import annotations
@@ -36,16 +37,21 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h, :]) with g_raw [..., HV, K]; float32 or better."""
+def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None,
+             lower_bound: float | None = None) -> torch.Tensor:
+    """g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h, :]) with g_raw [..., HV, K]; float32 or better.
+    With `lower_bound` b (< 0): g = b * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h, :])), in (b, 0)."""
     HV, K = g_raw.shape[-2:]
     dt = g_raw.float() if g_raw.dtype != torch.float64 else g_raw
     if dt_bias is not None:
         dt = dt + dt_bias.reshape(HV, K).to(dt.dtype)
-    return -torch.exp(A_log.to(dt.dtype)).reshape(HV, 1) * F.softplus(dt)
+    a = torch.exp(A_log.to(dt.dtype)).reshape(HV, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * dt)
+    return -a * F.softplus(dt)
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits):
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits, gate_lower_bound=None):
     """Apply the fused options, cast to the compute dtype, scale q, expand q/k to value heads."""
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     H, K, HV = q.shape[2], q.shape[3], v.shape[2]
@@ -53,7 +59,7 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_log
     q, k, v, beta = q.to(cdt), k.to(cdt), v.to(cdt), beta.to(cdt)
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    g = kda_gate(g, A_log, dt_bias).to(cdt) if A_log is not None else g.to(cdt)
+    g = kda_gate(g, A_log, dt_bias, gate_lower_bound).to(cdt) if A_log is not None else g.to(cdt)
     if beta_is_logits:
         beta = torch.sigmoid(beta)
     if HV != H:
@@ -78,11 +84,12 @@ def _per_sequence(fn, q, k, v, g, beta, initial_state, output_final_state, cu_se
 
 def naive_recurrent_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False,
+    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False, gate_lower_bound=None,
 ):
     """Step-by-step KDA; returns (o [B,T,HV,V] in v's dtype, final state [B|N,HV,K,V] or None)."""
     out_dtype = v.dtype
-    q, k, v, g, beta, cdt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits)
+    q, k, v, g, beta, cdt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits,
+                                      gate_lower_bound)
 
     def run(q, k, v, g, beta, h0):
         B, T, HV, K = k.shape
@@ -184,11 +191,12 @@ def _chunk_dense(q, k, v, g, beta, h0):
 
 def chunk_kda_reference(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False,
+    *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False, gate_lower_bound=None,
 ):
     """Chunked (64) KDA in the WY/UT form; same contract as `naive_recurrent_kda`."""
     out_dtype = v.dtype
-    q, k, v, g, beta, cdt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits)
+    q, k, v, g, beta, cdt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, A_log, dt_bias, beta_is_logits,
+                                      gate_lower_bound)
     h0 = None if initial_state is None else initial_state.to(cdt)
     o, S = _per_sequence(_chunk_dense, q, k, v, g, beta, h0, output_final_state, cu_seqlens)
     return o.to(out_dtype), (S if output_final_state else None)

@@ -275,12 +275,21 @@ def swiglu(gate_up_NF2: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return torch.nn.functional.silu(g_NF) * u_NF
 
 
-def swiglu_pair(gate_NF: torch.Tensor, up_NF: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def swiglu_pair(gate_NF: torch.Tensor, up_NF: torch.Tensor, backend: str = "auto",
+                limit: float | None = None) -> torch.Tensor:
     """a_NF = silu(gate) · up for separate gate and up tensors [N, F] (the model's w1 and w3 outputs); the Triton
-    path as `swiglu`'s (one pass each way, silu recomputed in the backward)."""
+    path as `swiglu`'s (one pass each way, silu recomputed in the backward).
+
+    limit: the clamped SwiGLU (GLM-5.3-Flash) silu(min(gate, limit)) · clamp(up, -limit, limit); every backend
+    runs it with torch's ops (no fused clamped kernel yet)."""
     if gate_NF.dim() != 2 or gate_NF.shape != up_NF.shape:
         raise ValueError(f"swiglu_pair needs gate and up of one shape [N, F]; got {tuple(gate_NF.shape)} and "
                          f"{tuple(up_NF.shape)}")
+    if limit is not None:
+        if not limit > 0:
+            raise ValueError(f"swiglu_pair limit={limit} must be > 0 (or None for the unclamped SwiGLU)")
+        _resolve(backend, gate_NF.device, "swiglu")
+        return torch.nn.functional.silu(gate_NF.clamp(max=limit)) * up_NF.clamp(-limit, limit)
     if _resolve(backend, gate_NF.device, "swiglu") == "triton":
         from .triton_swiglu import swiglu_pair_triton
 
