@@ -391,6 +391,9 @@ class DataSpec(_Strict):
     tokenizer: str = Field(default="auto", description="'auto' (tokenizer.json of train.init_from if present, "
                            "else byte-level), 'byte', or a path holding tokenizer.json")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="held-out share when eval is unset")
+    pack_documents: bool = Field(default=False, description="keep the documents packed into a row apart: each "
+                                 "sees only itself (the model gets position_ids that restart per document) and "
+                                 "a document's last token takes no loss; false: a row's documents see each other")
     # image + text records (a `vision:` model): each image is resized, aspect kept, to H x W multiples of
     # patch_size * merge_size with min_pixels <= H * W <= max_pixels
     min_pixels: int = Field(default=28 * 28, gt=0)

@@ -4,6 +4,10 @@ Records are `{"text": "..."}` (loss on every token) or `{"messages": [{"role", "
 (loss only on assistant turns). Documents are tokenised, joined with <eos> and packed into rows of
 seq_len + 1 tokens; row i gives input = row[:-1], labels = row[1:] with -100 where no loss is taken.
 `builtin:NAME` reads `moeadapt/data/builtin/NAME.jsonl`, which ships with the package.
+`pack_documents` (data.pack_documents: true) packs the same rows and also gives each token's position inside
+its document (position_ids, 0 at a document start and at every row start): the model then keeps the documents
+of a row apart (models/documents.py), and the last token of a document takes no loss (its target, the next
+document's first token, is not visible to it).
 """
 
 from __future__ import annotations
@@ -111,11 +115,27 @@ def encode_record(rec: dict, tok, fmt: str = "auto") -> tuple[list[int], list[bo
 
 def pack(records: list[dict], tok, seq_len: int, fmt: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """-> inputs [N, seq_len], labels [N, seq_len] (int64; labels -100 where no loss)."""
-    ids, mask = [], []
+    return pack_documents(records, tok, seq_len, fmt, boundaries=False)[:2]
+
+
+def _encode_all(records: list[dict], tok, fmt: str) -> tuple[list[int], list[bool], list[int]]:
+    """Every record's tokens and loss flags joined, and where each document starts."""
+    ids, mask, starts = [], [], []
     for rec in records:
         i, m = encode_record(rec, tok, fmt)
+        starts.append(len(ids))
         ids += i
         mask += m
+    return ids, mask, starts
+
+
+def pack_documents(records: list[dict], tok, seq_len: int, fmt: str = "auto", boundaries: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """-> inputs, labels, position_ids [N, seq_len] (int64). position_ids: each token's position inside its
+    document, restarting at 0 at every document start and at every row start (the part of a document that
+    runs into the next row is a document of that row); labels: -100 where no loss, and at each document's
+    last token (its target starts the next document). boundaries=False: `pack`'s rows, position_ids None."""
+    ids, mask, starts = _encode_all(records, tok, fmt)
     n = (len(ids) - 1) // seq_len
     if n < 1:
         raise ValueError(f"the data holds {len(ids)} tokens, fewer than one row of seq_len={seq_len}; "
@@ -125,13 +145,28 @@ def pack(records: list[dict], tok, seq_len: int, fmt: str = "auto") -> tuple[tor
     inputs = ids_t[:-1].view(n, seq_len)
     labels = ids_t[1:].clone()
     labels[~mask_t[1:]] = -100
-    return inputs, labels.view(n, seq_len)
+    if not boundaries:
+        return inputs, labels.view(n, seq_len), None
+    first = torch.zeros(n * seq_len + 1, dtype=torch.bool)
+    first[[s for s in starts if s <= n * seq_len]] = True
+    labels[first[1:]] = -100  # the token before a document start
+    first = first[:-1].view(n, seq_len)
+    first[:, 0] = True
+    t = torch.arange(seq_len).expand(n, seq_len)
+    last_start = torch.where(first, t, 0).cummax(1).values  # the start of each token's document in its row
+    return inputs, labels.view(n, seq_len), t - last_start
 
 
 @dataclass
 class PackedDataset:
     inputs: torch.Tensor
     labels: torch.Tensor
+    position_ids: torch.Tensor | None = None  # packed documents (pack_documents), else one document per row
+
+    def batch(self, idx) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Rows `idx` (a tensor of indices or a slice): inputs, labels and the model's other inputs."""
+        extra = {} if self.position_ids is None else {"position_ids": self.position_ids[idx]}
+        return self.inputs[idx], self.labels[idx], extra
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -162,9 +197,9 @@ class Sampler:
         self.pos += step
         return idx
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.next_indices()
-        return self.ds.inputs[idx], self.ds.labels[idx]
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """inputs, labels [B, T] and the model's other inputs ({"position_ids": ...} for packed documents)."""
+        return self.ds.batch(self.next_indices())
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed}
@@ -185,8 +220,9 @@ def build_datasets(data_spec, tok, seq_len: int, seed: int) -> tuple[PackedDatas
             raise ValueError(f"{data_spec.train} has too few records ({len(recs)}) to hold out an eval split; "
                              "set data.eval")
         recs, ev = recs[:-n_ev], recs[-n_ev:]
-    train_ds = PackedDataset(*pack(recs, tok, seq_len, data_spec.format))
-    eval_ds = PackedDataset(*pack(ev, tok, seq_len, data_spec.format))
+    docs = data_spec.pack_documents
+    train_ds = PackedDataset(*pack_documents(recs, tok, seq_len, data_spec.format, boundaries=docs))
+    eval_ds = PackedDataset(*pack_documents(ev, tok, seq_len, data_spec.format, boundaries=docs))
     check_targets(train_ds, data_spec.train)
     check_targets(eval_ds, data_spec.eval or f"the held-out end of {data_spec.train}")
     return train_ds, eval_ds

@@ -268,7 +268,7 @@ def build_mm_datasets(data: DataSpec, tok, vspec: VisionSpec, seq_len: int) -> t
 
 class MultimodalSampler:
     """The text Sampler's order (deterministic shuffle per epoch, rank slices, resumable) over multimodal rows;
-    `next()` -> (inputs [B, T], labels [B, T], ImageBatch | None)."""
+    `next()` -> (inputs [B, T], labels [B, T], {"images": ImageBatch | None}), the text Sampler's form."""
 
     def __init__(self, ds: MultimodalDataset, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         from .dataset import Sampler
@@ -276,8 +276,9 @@ class MultimodalSampler:
         self._order = Sampler(ds, batch_size, seed, rank, world)
         self.ds = ds
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor, ImageBatch | None]:
-        return self.ds.rows(self._order.next_indices())
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        x, y, images = self.ds.rows(self._order.next_indices())
+        return x, y, {"images": images}
 
     def state(self) -> dict:
         return self._order.state()

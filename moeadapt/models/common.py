@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
-from ..ops.kda.short_conv import causal_conv_silu
+from ..ops.kda.short_conv import causal_conv_silu, conv_with_history
 from ..ops.moe import swiglu_pair
 
 
@@ -120,9 +120,10 @@ def rope_softmax_mscale(scaling) -> float:
 
 
 def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, dim/2] for non-interleaved (half-split) rotary embeddings (YaRN when `scaling`)."""
+    """cos/sin tables [T, dim/2] for non-interleaved (half-split) rotary embeddings (YaRN when `scaling`);
+    positions [B, T] (packed documents: per row) give tables [B, T, dim/2]."""
     inv_freq, att = rope_inv_freq(dim, theta, scaling, positions_T.device)
-    ang = positions_T.float()[:, None] * inv_freq[None, :]
+    ang = positions_T.float()[..., None] * inv_freq
     if att == 1.0:
         return ang.cos(), ang.sin()
     return ang.cos() * att, ang.sin() * att
@@ -130,12 +131,13 @@ def rope_cos_sin(positions_T: torch.Tensor, dim: int, theta: float, scaling=None
 
 def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
     """Rotate the last dim of x [..., T, (heads,) R*2] with the half-split convention (not interleaved).
-    x is [B, T, R*2] or [B, T, H, R*2]; R = 0 (no rope channels) returns x."""
+    x is [B, T, R*2] or [B, T, H, R*2]; cos / sin [T, R] (every row alike) or [B, T, R] (per row); R = 0 (no
+    rope channels) returns x."""
     if x.shape[-1] == 0:
         return x
     x1, x2 = _acc(x).chunk(2, dim=-1)
     if x.dim() == 4:
-        cos_TR, sin_TR = cos_TR[:, None, :], sin_TR[:, None, :]
+        cos_TR, sin_TR = cos_TR[..., None, :], sin_TR[..., None, :]
     out = torch.cat([x1 * cos_TR - x2 * sin_TR, x1 * sin_TR + x2 * cos_TR], dim=-1)
     return out.to(x.dtype)
 
@@ -165,7 +167,10 @@ class CausalConv1d(nn.Module):
 
     Under context parallelism (`cp`, an ops.cp_comm.CPLayout set by parallel/), x holds this rank's pieces of
     the sequence and each piece starts from the previous piece's last k - 1 inputs instead of zeros (the torch
-    conv1d composition over the pieces with their tails)."""
+    conv1d composition over the pieces with their tails). With packed documents (`positions` [B, T], each
+    token's position inside its document: models/documents.py) a token sees only its min(position, k - 1)
+    predecessors, so the conv restarts at every document start, also across a cp piece boundary (there by k
+    shifted multiply-adds in torch)."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -174,16 +179,19 @@ class CausalConv1d(nn.Module):
         self.backend = "auto"
         self.cp = None
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        if self.cp is not None and self.kernel > 1:
-            B, T, C = x_BTC.shape
-            w = self.weight.to(x_BTC.dtype)
-            J = self.cp.pieces_per_rank
-            tails_JBNC = predecessor_tails(x_BTC, self.kernel - 1, self.cp)
-            x_JBTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2)
-            y = F.conv1d(x_JBTC.flatten(0, 1).transpose(1, 2), w, groups=C)  # [J*B, C, T/J]
-            return F.silu(y.transpose(1, 2).unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
-        return causal_conv_silu(x_BTC, self.weight, backend=self.backend)
+    def forward(self, x_BTC: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.kernel - 1
+        if n == 0 or self.cp is None:
+            return causal_conv_silu(x_BTC, self.weight, backend=self.backend, positions=positions)
+        B, T, C = x_BTC.shape
+        w = self.weight.to(x_BTC.dtype)
+        J = self.cp.pieces_per_rank
+        tails_JBNC = predecessor_tails(x_BTC, n, self.cp)
+        x_NTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2).flatten(0, 1)
+        pos_NT = None if positions is None else positions.view(B, J, T // J).transpose(0, 1).flatten(0, 1)
+        y = conv_with_history(x_NTC, w, pos_NT)  # [J*B, T/J, C]
+        return F.silu(y.unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)
+

@@ -9,6 +9,8 @@ attention runs in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, 
 only; then o <- o * sigmoid(x W_gate) per head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
 Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
+Packed documents (`docs`, models/documents.py): RoPE restarts per document (the model's cos / sin) and a query
+selects keys of its own document only (the ops' cu_seqlens: one process runs the batch as one varlen row).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..config import ModelSpec
 from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
+from .documents import Documents, flat_rows
 
 
 class DSAAttention(nn.Module):
@@ -91,10 +94,10 @@ class DSAAttention(nn.Module):
         return q_idx, k_idx, w_idx
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: dict | None = None,
-                chunk: int = 0, **_) -> tuple[torch.Tensor, dict]:
+                chunk: int = 0, docs: Documents | None = None, **_) -> tuple[torch.Tensor, dict]:
         """shared: the forward's {(layer, micro-batch chunk): top-k indices} of the layers with an indexer, read
         by the index_shared_layers (keyed by layer, so a recompute under activation checkpointing reads the
-        same selection)."""
+        same selection). docs: packed documents (cos / sin are then per row, [B, T, rope / 2])."""
         B, T, _ = x_BTD.shape
         H, nope, r, kvl = self.n_heads, self.nope, self.rope, self.kvl
         q, q_lat = self._queries(x_BTD)
@@ -112,6 +115,10 @@ class DSAAttention(nn.Module):
         q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
         q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
         k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
+        flat = docs is not None and self.cp is None  # packed documents, one process: one varlen row of B * T
+        cu = docs.flat_cu_seqlens if flat else None
+        if flat:
+            q_full, k_full = flat_rows(q_full), flat_rows(k_full)
         v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
 
         want_kl = (self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled()
@@ -128,24 +135,26 @@ class DSAAttention(nn.Module):
             o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale, backend=self.backend)
         else:
             q_idx, k_idx, w_idx = self.indexer(x_BTD.detach(), q_lat.detach(), cos, sin)
+            if flat:
+                q_idx, k_idx, w_idx = flat_rows(q_idx), flat_rows(k_idx), flat_rows(w_idx)
             if self.kpool and self.cp is not None:
                 raise NotImplementedError(f"DSA layer {self.layer_id} has a KPool indexer (index_kpool), which "
                                           "context parallelism does not cover yet; set parallel.cp: 1")
             if self.kpool:
+                gate = self.kpool_gate(x_BTD.detach())
+                gate = flat_rows(gate) if flat else gate
                 with torch.no_grad():
-                    indices = kpool_indexer(q_idx, k_idx, w_idx, self.kpool_gate(x_BTD.detach()), self.kpool_ape,
-                                            self.spec.index_topk, self.spec.index_kpool_select_tail,
-                                            backend=self.backend)
+                    indices = kpool_indexer(q_idx, k_idx, w_idx, gate, self.kpool_ape, self.spec.index_topk,
+                                            self.spec.index_kpool_select_tail, cu, backend=self.backend)
                 if shared is not None:
                     shared[(self.layer_id, chunk)] = indices
                 o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
                                          backend=self.backend)
             elif self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
-                o_lat, _, kl = dsa_attention_cp(q_full, k_full, q_idx, k_idx, w_idx, self.spec.index_topk, self.cp,
-                                                kvl, scale=self.softmax_scale, backend=self.backend, kl_loss=want_kl)
+                o_lat, kl = self._attend_cp(q_full, k_full, q_idx, k_idx, w_idx, want_kl, docs)
             else:
                 with torch.no_grad():
-                    indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, backend=self.backend)
+                    indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, cu, backend=self.backend)
                 if shared is not None:
                     shared[(self.layer_id, chunk)] = indices
                 o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
@@ -153,8 +162,22 @@ class DSAAttention(nn.Module):
                 if want_kl:
                     kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
                                          scale=self.softmax_scale, backend=self.backend)
+        o_lat = o_lat.reshape(B, T, H, kvl)
         o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if self.w_gate is not None:
             o = o * torch.sigmoid(self.w_gate(x_BTD)).unsqueeze(-1).to(o.dtype)
         aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux
+
+    def _attend_cp(self, q_full, k_full, q_idx, k_idx, w_idx, want_kl: bool, docs: Documents | None):
+        """dsa_attention_cp over the batch; with packed documents row by row, each with its global boundaries
+        (the KL loss: the mean of the rows' means, all rows having the same number of queries)."""
+        run = dict(scale=self.softmax_scale, backend=self.backend, kl_loss=want_kl)
+        topk, cp, kvl = self.spec.index_topk, self.cp, self.kvl
+        if docs is None:
+            o_lat, _, kl = dsa_attention_cp(q_full, k_full, q_idx, k_idx, w_idx, topk, cp, kvl, **run)
+            return o_lat, kl
+        rows = [dsa_attention_cp(q_full[b:b + 1], k_full[b:b + 1], q_idx[b:b + 1], k_idx[b:b + 1], w_idx[b:b + 1],
+                                 topk, cp, kvl, cu_seqlens=cu, **run) for b, cu in enumerate(docs.cu_rows)]
+        kl = sum(r[2] for r in rows) / len(rows) if want_kl else None
+        return torch.cat([r[0] for r in rows]), kl

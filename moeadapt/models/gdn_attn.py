@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.kda import chunk_kda
 from .common import CausalConv1d, _acc
+from .documents import Documents, run_kda
 
 
 class GatedRMSNorm(nn.Module):
@@ -81,22 +81,25 @@ class GatedDeltaNet(nn.Module):
             dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+    def forward(self, x_BTD: torch.Tensor, docs: Documents | None = None, **_) -> tuple[torch.Tensor, dict]:
+        """docs: packed documents (models/documents.py): the conv and the state restart at each document start."""
         B, T, _ = x_BTD.shape
         HK, HV, Dk, Dv = self.HK, self.HV, self.Dk, self.Dv
+        pos = None if docs is None else docs.position_ids
         if self.split:
-            mixed = self.conv1d(self.in_proj_qkv(x_BTD))
+            mixed = self.conv1d(self.in_proj_qkv(x_BTD), pos)
             z, b, a = self.in_proj_z(x_BTD), self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)
         else:
             r = HV // HK
             qkvz = self.in_proj_qkvz(x_BTD).view(B, T, HK, 2 * Dk + 2 * r * Dv)
             q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=-1)
             b, a = torch.split(self.in_proj_ba(x_BTD).view(B, T, HK, 2 * r), [r, r], dim=-1)
-            mixed = self.conv1d(torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1))
+            mixed = self.conv1d(torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1),
+                                pos)
         q, k, v = torch.split(mixed, [HK * Dk, HK * Dk, HV * Dv], dim=-1)
         q, k, v = q.view(B, T, HK, Dk), k.view(B, T, HK, Dk), v.reshape(B, T, HV, Dv)
         g_raw = a.reshape(B, T, HV, 1).expand(B, T, HV, Dk)  # one decay per head, broadcast over the key channels
-        o, _ = chunk_kda(q, k, v, g_raw, b.reshape(B, T, HV).float(), backend=self.backend, use_qk_l2norm=True,
-                         A_log=self.A_log, dt_bias=self.dt_bias[:, None].expand(HV, Dk), beta_is_logits=True)
+        o = run_kda(q, k, v, g_raw, b.reshape(B, T, HV).float(), docs, backend=self.backend, use_qk_l2norm=True,
+                    A_log=self.A_log, dt_bias=self.dt_bias[:, None].expand(HV, Dk), beta_is_logits=True)
         o = self.norm(o.to(x_BTD.dtype), z.reshape(B, T, HV, Dv))
         return self.out_proj(o.reshape(B, T, HV * Dv)), {}

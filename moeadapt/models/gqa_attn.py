@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ModelSpec
 from .common import RMSNorm, apply_rope, rope_cos_sin
+from .documents import Documents
 
 
 class GQAAttention(nn.Module):
@@ -35,7 +36,7 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(HK * Dh if self.norm_full else Dh, eps=spec.norm_eps) if spec.gqa_qk_norm else None
         self.backend = "auto"  # SDPA picks its kernel; kept so set_backend() treats every layer alike
 
-    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+    def forward(self, x_BTD: torch.Tensor, docs: Documents | None = None, **_) -> tuple[torch.Tensor, dict]:
         B, T, _ = x_BTD.shape
         H, HK, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         gate = None
@@ -51,7 +52,8 @@ class GQAAttention(nn.Module):
         elif self.q_norm is not None:
             q_BTHK, k_BTHK = self.q_norm(q_BTHK), self.k_norm(k_BTHK)
         rd = self.rope_dim
-        cos, sin = rope_cos_sin(torch.arange(T, device=x_BTD.device), rd, self.theta, self.rope_scaling)
+        pos = torch.arange(T, device=x_BTD.device) if docs is None else docs.position_ids
+        cos, sin = rope_cos_sin(pos, rd, self.theta, self.rope_scaling)
         if rd == Dh:
             q_BTHK, k_BTHK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTHK, cos, sin)
         else:  # partial RoPE: the first rd channels rotate, the rest pass through
@@ -60,7 +62,12 @@ class GQAAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHK))
         if HK != H:
             k, v = k.repeat_interleave(H // HK, dim=1), v.repeat_interleave(H // HK, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5)
+        if docs is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5)
+        else:  # causal within each document
+            same_BTT = docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :]
+            mask = (same_BTT & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()).unsqueeze(1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=Dh ** -0.5)
         o = o.transpose(1, 2).reshape(B, T, H * Dh)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(B, T, H * Dh))

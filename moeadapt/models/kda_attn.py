@@ -5,7 +5,8 @@ beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
 g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection), or
 with spec.kda_gate_lower_bound b the lower-bounded g = b * sigmoid(exp(A_log[h]) * (x W_f_a W_f_b + dt_bias));
 output: per-head RMSNorm gated by sigmoid(x W_g_a W_g_b), then o_proj. Owns only its own parameters.
-Under context parallelism (`cp` set by parallel/) the state crosses ranks through ops/kda/cp.py.
+Under context parallelism (`cp` set by parallel/) the state crosses ranks through ops/kda/cp.py. With packed
+documents (`docs`, models/documents.py) the convs and the state restart at every document start.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import torch
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.kda import chunk_kda
-from ..ops.kda.cp import chunk_kda_cp
 from .common import CausalConv1d, RMSNorm
+from .documents import Documents, run_kda
 
 
 class KDAAttention(nn.Module):
@@ -54,22 +54,20 @@ class KDAAttention(nn.Module):
             dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def forward(self, x_BTD: torch.Tensor, **_) -> tuple[torch.Tensor, dict]:
+    def forward(self, x_BTD: torch.Tensor, docs: Documents | None = None, **_) -> tuple[torch.Tensor, dict]:
         B, T, _ = x_BTD.shape
         H, K = self.n_heads, self.head_dim
-        q = self.q_conv(self.q_proj(x_BTD)).view(B, T, H, K)
-        k = self.k_conv(self.k_proj(x_BTD)).view(B, T, H, K)
-        v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
+        pos = None if docs is None else docs.position_ids
+        q = self.q_conv(self.q_proj(x_BTD), pos).view(B, T, H, K)
+        k = self.k_conv(self.k_proj(x_BTD), pos).view(B, T, H, K)
+        v = self.v_conv(self.v_proj(x_BTD), pos).view(B, T, H, K)
         g_raw = self.f_b(self.f_a(x_BTD)).view(B, T, H, K)
         beta_logits = self.b_proj(x_BTD).float()
         opts = dict(backend=self.backend, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias,
                     beta_is_logits=True)
         if self.gate_lower_bound is not None:
             opts["gate_lower_bound"] = self.gate_lower_bound
-        if self.cp is not None:
-            o = chunk_kda_cp(q, k, v, g_raw, beta_logits, self.cp, **opts)
-        else:
-            o, _ = chunk_kda(q, k, v, g_raw, beta_logits, **opts)
+        o = run_kda(q, k, v, g_raw, beta_logits, docs, self.cp, **opts)
         gate_logits = self.g_b(self.g_a(x_BTD)).view(B, T, H, K)
         o = self.o_norm(o.to(x_BTD.dtype), gate=gate_logits)  # norm(o) * sigmoid(gate) in one pass
         return self.o_proj(o.reshape(B, T, H * K)), {}

@@ -22,6 +22,7 @@ from torch import nn
 from ..config import ModelSpec
 from ..ops.loss import linear_cross_entropy
 from .common import CausalConv1d, RMSNorm, SwiGLU, rope_cos_sin
+from .documents import Documents
 from .dsa_attn import DSAAttention
 from .gdn_attn import GatedDeltaNet
 from .gqa_attn import GQAAttention
@@ -49,17 +50,25 @@ class Block(nn.Module):
         self.ffn_hc = HyperConnection(spec) if hc else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                micro_batches: int = 1, shared: dict | None = None) -> tuple[torch.Tensor, dict]:
+                micro_batches: int = 1, shared: dict | None = None,
+                docs: Documents | None = None) -> tuple[torch.Tensor, dict]:
         """micro_batches > 1: x holds several micro-batches along B; attention (and its aux losses) runs per
         micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts). `shared`: the
-        forward's DSA top-k selections, for layers that reuse an earlier layer's (spec.index_shared_layers)."""
+        forward's DSA top-k selections, for layers that reuse an earlier layer's (spec.index_shared_layers).
+        docs: the batch's packed documents (models/documents.py; cos / sin are then per row, [B, T, R])."""
         h, mix = self.attn_hc(x) if self.attn_hc is not None else (x, None)
         h = self.attn_norm(h)
         if micro_batches == 1:
-            a, attn_aux = self.attn(h, cos=cos, sin=sin, shared=shared)
+            a, attn_aux = self.attn(h, cos=cos, sin=sin, shared=shared, docs=docs)
         else:
-            parts = [self.attn(c, cos=cos, sin=sin, shared=shared, chunk=j)
-                     for j, c in enumerate(h.chunk(micro_batches, dim=0))]
+            m = micro_batches
+
+            def rows(t):  # RoPE tables per row (packed documents) split with the rows; shared ones are shared
+                return t.chunk(m) if t.dim() == 3 else [t] * m
+
+            mbs = zip(h.chunk(m), rows(cos), rows(sin), docs.chunk(m) if docs is not None else [None] * m)
+            parts = [self.attn(c, cos=co, sin=si, shared=shared, chunk=j, docs=d)
+                     for j, (c, co, si, d) in enumerate(mbs)]
             a = torch.cat([p[0] for p in parts], dim=0)
             attn_aux = {k: sum(p[1][k] for p in parts) / micro_batches for k in parts[0][1]}
         x = x + a if mix is None else self.attn_hc.merge(a, x, mix)
@@ -130,12 +139,18 @@ class HybridMoEModel(nn.Module):
                 m.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                return_logits: bool = True, micro_batches: int = 1, images: ImageBatch | None = None) -> ModelOutput:
+                return_logits: bool = True, micro_batches: int = 1, images: ImageBatch | None = None,
+                position_ids: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, T]; labels [B, T] with -100 where no loss is taken (already shifted: label[t] is
         the target for position t). micro_batches = M > 1 merges M micro-batches stacked along B: the experts
         see all their tokens in one grouped GEMM, while the loss is the mean of the M per-micro-batch means
         (what gradient accumulation over them would optimise). images: the batch's pictures, packed, in the order of
-        their placeholder tokens in input_ids (row by row); a model with a vision tower only."""
+        their placeholder tokens in input_ids (row by row); a model with a vision tower only.
+        position_ids [B, T]: packed documents (models/documents.py): each token's position inside its document,
+        0 where one starts; each document then sees only itself (KDA state, convs, attention and RoPE restart
+        at its start). Under context parallelism they are split like input_ids. None: one document per row.
+        The labels are the caller's: the last token of a document should not target the next one's first
+        (data.pack_documents masks it)."""
         B, T = input_ids.shape
         cp = self.cp  # under context parallelism input_ids / labels are this rank's pieces of each sequence
         T_seq = T * cp.size if cp is not None else T
@@ -150,7 +165,17 @@ class HybridMoEModel(nn.Module):
         elif images is not None:
             raise ValueError(f"model {self.spec.name!r} has no vision tower but the batch holds images; "
                              "use a model with a `vision:` section (e.g. the tiny-vl preset)")
-        pos = cp.local_positions(T_seq, input_ids.device) if cp is not None else torch.arange(T, device=x.device)
+        docs = None
+        if position_ids is not None:
+            if position_ids.shape != input_ids.shape:
+                raise ValueError(f"position_ids {list(position_ids.shape)} must have input_ids' shape "
+                                 f"{list(input_ids.shape)} (under context parallelism: this rank's pieces of both)")
+            docs = Documents.from_position_ids(position_ids.to(x.device), T_seq, cp)
+            pos = docs.position_ids
+        elif cp is not None:
+            pos = cp.local_positions(T_seq, input_ids.device)
+        else:
+            pos = torch.arange(T, device=x.device)
         cos, sin = rope_cos_sin(pos, self.spec.qk_rope_head_dim, self.spec.rope_theta, self.spec.rope_scaling)
         aux_total = x.new_zeros((), dtype=torch.float32)
         aux_log: dict[str, float] = {}
@@ -159,7 +184,7 @@ class HybridMoEModel(nn.Module):
         if self.spec.hc_mult > 1:  # hyper-connections: N copies of the embedding as the residual streams
             x = x.unsqueeze(2).expand(-1, -1, self.spec.hc_mult, -1)
         for layer in self.layers:
-            x, info = layer(x, cos, sin, micro_batches, shared)
+            x, info = layer(x, cos, sin, micro_batches, shared, docs)
             for k, v in info["aux"].items():
                 aux_total = aux_total + v.float()
                 aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()

@@ -104,12 +104,13 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, ru
     tot, cnt = 0.0, 0
     for b in range(rank, -(-nb // world) * world, world):
         i = b * bs if b < nb else 0
-        x, y = ds.inputs[i:i + bs].to(device), ds.labels[i:i + bs].to(device)
+        x, y, extra = ds.batch(slice(i, i + bs))
+        x, y = x.to(device), y.to(device)
         k = int((y != -100).sum()) if b < nb else 0  # the whole rows' tokens (before the cp split)
         if run is not None:
             x, y = run.local_part(x), run.local_part(y)
         with _autocast(device, cfg.train.dtype):
-            out = model(x, y, return_logits=False)
+            out = model(x, y, return_logits=False, **_model_inputs(extra, run, device))
         if k:
             tot += float(out.loss) * k
             cnt += k
@@ -200,6 +201,25 @@ def _discard_step(lp: Loop) -> None:
             m.tokens_per_expert.zero_()
 
 
+def _stack(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Micro-batches (inputs, labels, the model's other inputs) stacked along the batch: one forward's rows."""
+    extra = {k: ImageBatch.cat(v) if k == "images" else torch.cat(v)
+             for k, v in ((k, [p[2][k] for p in parts]) for k in parts[0][2])}
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), extra
+
+
+def _model_inputs(extra: dict, run, device) -> dict:
+    """The batch's other model inputs on the device: position_ids split over cp like the tokens (`run`'s
+    local_part; None: whole), images whole."""
+    out = {}
+    if extra.get("position_ids") is not None:
+        pos = extra["position_ids"].to(device)
+        out["position_ids"] = run.local_part(pos) if run is not None else pos
+    if extra.get("images") is not None:
+        out["images"] = extra["images"].to(device)
+    return out
+
+
 def train_step(lp: Loop) -> StepStats:
     """One optimizer step over grad_accum_steps micro-batches. `skipped` is set (and nothing applied) when the
     loss or the gradient norm is NaN/Inf, or when the step's batch (over all ranks) has no target token."""
@@ -208,20 +228,15 @@ def train_step(lp: Loop) -> StepStats:
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
     n_fwd = t.grad_accum_steps // per_fwd
     st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
-    batches = []
-    for _ in range(n_fwd):
-        parts = [lp.sampler.next() for _ in range(per_fwd)]  # (inputs, labels[, images])
-        images = ImageBatch.cat([b[2] for b in parts]) if len(parts[0]) > 2 else None
-        batches.append((torch.cat([b[0] for b in parts]), torch.cat([b[1] for b in parts]), images))
+    batches = [_stack([lp.sampler.next() for _ in range(per_fwd)]) for _ in range(n_fwd)]
     if run.mean(float(sum(int((y != -100).sum()) for _, y, _ in batches))) == 0:  # every rank agrees
         _discard_step(lp)
         st.skipped = "no_targets"
         return st
-    for xb, yb, images in batches:
+    for xb, yb, extra in batches:
         x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
         with _autocast(device, t.dtype):
-            out = model(x, y, return_logits=False, micro_batches=per_fwd,
-                        images=images.to(device) if images is not None else None)
+            out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
             loss = out.loss + out.aux_loss
         if not run.all_finite(loss):  # every rank takes the same branch
             _discard_step(lp)
@@ -488,6 +503,9 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
         raise TrainingError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
                             "raise vocab_size or use a matching tokenizer")
     vl = cfg.model.vision is not None
+    if vl and cfg.data.pack_documents:
+        raise TrainingError("data.pack_documents keeps packed text documents apart, but a vision-language model "
+                            "reads one record per row; set data.pack_documents: false")
     if vl:  # image + text records, one per row (data/multimodal.py)
         train_ds, eval_ds = build_mm_datasets(cfg.data, tok, cfg.model.vision, t.seq_len)
         if train_ds.skipped and not quiet:

@@ -59,3 +59,39 @@ def test_builtin_data_is_reproducible(tmp_path):
     generate(tmp_path)
     for name in ("tinystories.jsonl", "recall_qa.jsonl"):
         assert (tmp_path / name).read_bytes() == (BUILTIN_DIR / name).read_bytes()
+
+
+def _stream_positions(recs, tok, seq_len):
+    """The expected position_ids and document-end flags, walking the joined token stream one token at a time."""
+    start, end = [], []
+    for r in recs:
+        n = len(encode_record(r, tok)[0])
+        start += [True] + [False] * (n - 1)
+        end += [False] * (n - 1) + [True]
+    rows = (len(start) - 1) // seq_len
+    pos, c = [], 0
+    for i in range(rows * seq_len):
+        c = 0 if i % seq_len == 0 or start[i] else c + 1
+        pos.append(c)
+    return [pos[i * seq_len:(i + 1) * seq_len] for i in range(rows)], end[:rows * seq_len]
+
+
+def test_pack_documents_gives_positions_per_document(seed):
+    import random
+
+    from moeadapt.data.dataset import pack_documents
+
+    rng, tok = random.Random(seed), ByteTokenizer()
+    recs = [{"text": "x" * rng.randint(0, 12)} if rng.random() < 0.7 else
+            {"messages": [{"role": "user", "content": "q" * rng.randint(1, 5)},
+                          {"role": "assistant", "content": "a" * rng.randint(1, 5)}]} for _ in range(30)]
+    seq_len = rng.randint(5, 17)
+    x, y, pos = pack_documents(recs, tok, seq_len)
+    x0, y0 = pack(recs, tok, seq_len)
+    want_pos, ends = _stream_positions(recs, tok, seq_len)
+    assert torch.equal(x, x0) and pos.tolist() == want_pos
+    # labels: pack's, and -100 at every document's last token (its target is the next document's first)
+    ends_t = torch.tensor(ends).view(x.shape)
+    assert bool((y[ends_t] == -100).all()) and torch.equal(y[~ends_t], y0[~ends_t])
+    assert int(ends_t.sum()) > 3 and bool((y0[ends_t] != -100).any())  # the text documents' ends did take loss
+    assert pack_documents(recs, tok, seq_len, boundaries=False)[2] is None

@@ -107,9 +107,9 @@ def full_grads(model, dims) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference(model, x, y):
+def reference(model, x, y, **kw):
     ref = copy.deepcopy(model)
-    out = ref(x, y, return_logits=False)
+    out = ref(x, y, return_logits=False, **kw)
     (out.loss + out.aux_loss).backward()
     return ref, float(out.loss), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
 

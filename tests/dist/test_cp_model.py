@@ -1,5 +1,7 @@
 """The model under context parallelism (models/ wiring, no FSDP): every rank runs its pieces of each sequence;
-the loss and every gradient (averaged over ranks) equal the single-process run (fp32, 1e-5)."""
+the loss and every gradient (averaged over ranks) equal the single-process run (fp32, 1e-5). Packed batches:
+documents that start exactly at a piece boundary, that cross one, and one-token documents, split with the
+sequence (position_ids; the single-process packed run equals each document alone: tests/models/test_documents)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,25 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
-def _check(rank, world, seq, balanced, lora, checkpointing):
+def packed_positions(rows: int, seq: int, n_pieces: int, seed: int) -> torch.Tensor:
+    """position_ids [rows, seq]: row 0 has a document starting at the first piece boundary and one crossing
+    the next (from 3 tokens before it); every row a one-token document and random others."""
+    g = torch.Generator().manual_seed(seed)
+    piece = seq // n_pieces
+    pos = torch.empty(rows, seq, dtype=torch.long)
+    for b in range(rows):
+        starts = {0, int(torch.randint(1, seq, (1,), generator=g)), int(torch.randint(1, seq, (1,), generator=g))}
+        one = int(torch.randint(1, seq - 1, (1,), generator=g))
+        starts |= {one, one + 1}
+        if b == 0:
+            starts |= {piece, 2 * piece - 3}
+        cut = sorted(starts) + [seq]
+        for s, e in zip(cut, cut[1:]):
+            pos[b, s:e] = torch.arange(e - s)
+    return pos
+
+
+def _check(rank, world, seq, balanced, lora, checkpointing, packed=False):
     from moeadapt.models.model import set_context_parallel
     from moeadapt.models.router import Router
     from moeadapt.ops.cp_comm import CPLayout
@@ -26,18 +46,20 @@ def _check(rank, world, seq, balanced, lora, checkpointing):
     model = build(spec, lora)
     x, y = batch(spec, 2, seq)
     y[0, 5:9] = -100  # unequal valid-token counts across ranks: the loss must weight by tokens
-    _, ref_loss, ref_grads = reference(model, x, y)
-    what = f"cp={world} T={seq} balanced={balanced} lora={lora} ac={checkpointing}"
-
     layout = CPLayout(dist.group.WORLD, rank, world, balanced)
+    pos = packed_positions(2, seq, layout.n_pieces, seq) if packed else None
+    _, ref_loss, ref_grads = reference(model, x, y, position_ids=pos)
+    what = f"cp={world} T={seq} balanced={balanced} lora={lora} ac={checkpointing} packed={packed}"
+
     cp_model = copy.deepcopy(model)
     set_context_parallel(cp_model, layout)
     for m in cp_model.modules():
         if isinstance(m, Router):
             m.global_counts_reduce = dist.all_reduce
-    if checkpointing:
-        apply_activation_checkpointing(cp_model, "full")
-    out = cp_model(layout.split(x), layout.split(y), return_logits=False)
+    if checkpointing:  # True: full recompute, or the mode
+        apply_activation_checkpointing(cp_model, "full" if checkpointing is True else checkpointing)
+    out = cp_model(layout.split(x), layout.split(y), return_logits=False,
+                   position_ids=layout.split(pos) if packed else None)
     (out.loss + out.aux_loss).backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
@@ -62,3 +84,15 @@ def test_model_cp_two_ranks():
 
 def test_model_cp_four_ranks():
     spawn(_cases, 4, [(56, True, True, False)])
+
+
+def test_model_cp_packed_documents_two_ranks():
+    """Full fine-tuning and LoRA, a balanced and a contiguous layout, without activation checkpointing, with full
+    recompute and with selective checkpointing (the recompute reruns the cp collectives)."""
+    spawn(_cases, 2, [(52, True, False, False, True), (60, False, True, True, True),
+                      (52, True, True, "selective", True)])
+
+
+@pytest.mark.slow
+def test_model_cp_packed_documents_four_ranks():
+    spawn(_cases, 4, [(72, True, True, False, True), (72, True, False, True, True)])

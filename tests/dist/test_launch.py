@@ -131,12 +131,19 @@ def test_process_group_timeout_raises_instead_of_hanging(monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_train_with_cp_matches_one_process(tmp_path):
-    """cp=2 on 2 ranks reads the same rows as one process and splits them in time: same losses."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_torchrun_train_with_cp_matches_one_process(tmp_path, pack):
+    """cp=2 on 2 ranks reads the same rows as one process and splits them in time: same losses. pack: short
+    documents with data.pack_documents (position_ids split over the cp ranks with the tokens)."""
     spec = micro_spec(index_topk=6).model_dump()
+    data = {"train": "builtin:tinystories", "format": "text"}
+    if pack:
+        short = tmp_path / "short.jsonl"
+        short.write_text("".join(json.dumps({"text": "ab" * (i % 9 + 1)}) + "\n" for i in range(120)))
+        data = {"train": str(short), "format": "text", "pack_documents": True, "eval_fraction": 0.25}
     losses = {}
     for name, nproc, par in (("cp2", 2, {"cp": 2}), ("one", 1, {})):
-        cfg = {"model": spec, "data": {"train": "builtin:tinystories", "format": "text"},
+        cfg = {"model": spec, "data": data,
                "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 36, "lr": 3e-3, "log_every": 1,
                          "eval_batches": 1, "output_dir": str(tmp_path / name), "device": "cpu"},
                "parallel": par}

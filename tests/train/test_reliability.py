@@ -233,9 +233,9 @@ def test_batches_without_targets_are_skipped_and_counted(tmp_path, monkeypatch):
         n = 0
 
         def next(self):
-            x, y = super().next()
+            x, y, extra = super().next()
             MaskEveryOther.n += 1
-            return (x, torch.full_like(y, -100)) if MaskEveryOther.n % 2 == 0 else (x, y)
+            return (x, torch.full_like(y, -100), extra) if MaskEveryOther.n % 2 == 0 else (x, y, extra)
 
     monkeypatch.setattr(trainer, "Sampler", MaskEveryOther)
     r = api.train(cfg(tmp_path, steps=6), quiet=True)

@@ -132,3 +132,41 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
     assert s["tokens_per_s_steady"] > 1.5 * s["tokens_per_s"]
     short = api.train(cfg(tmp_path / "short", steps=trainer.STEADY_SKIP), quiet=True)
     assert short.tokens_per_s_steady is None
+
+
+def test_pack_documents_reach_the_model(tmp_path, monkeypatch):
+    """data.pack_documents: every train and eval forward gets position_ids of its rows (merged micro-batches
+    included) that restart inside rows."""
+    from moeadapt.models.model import HybridMoEModel
+
+    seen, orig = [], HybridMoEModel.forward
+
+    def spy(self, input_ids, *a, **kw):
+        seen.append((input_ids.shape, kw.get("position_ids")))
+        return orig(self, input_ids, *a, **kw)
+
+    monkeypatch.setattr(HybridMoEModel, "forward", spy)
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"text": "ab" * (i % 7 + 1)}) + "\n" for i in range(80)))
+    c = cfg(tmp_path, steps=2, eval_batches=1, micro_batch_size=2, grad_accum_steps=2, merge_microbatches=True)
+    c = c.model_copy(update={"data": c.data.model_copy(update={"pack_documents": True, "train": str(data),
+                                                                "eval_fraction": 0.25})})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: one thread is many times faster on a loaded machine
+    try:
+        r = api.train(c, quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert r.final_loss == r.final_loss and len(seen) == 4  # eval, 2 steps, eval
+    assert all(p is not None and p.shape == s for s, p in seen)
+    assert all(bool((p[:, 1:] == 0).any()) for _, p in seen)  # documents start inside rows
+
+
+def test_pack_documents_with_a_vision_model_is_an_error(tmp_path):
+    from moeadapt.config.presets import get_preset
+
+    c = cfg(tmp_path, steps=1)
+    c = c.model_copy(update={"model": get_preset("tiny-vl"),
+                             "data": c.data.model_copy(update={"pack_documents": True})})
+    with pytest.raises(TrainingError, match="data.pack_documents: false"):
+        api.train(c, quiet=True)

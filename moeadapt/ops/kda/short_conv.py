@@ -6,6 +6,8 @@ left padding, first T outputs). The reference is the torch composition the layer
 (`triton_conv.py`) is one pass each way on [B, T, C] with no transposes.
 
 Shapes: x [B, T, C] (any strides), w [C, 1, KW] (nn.Conv1d's depthwise layout); y [B, T, C] in x's dtype.
+Packed documents: `positions` [B, T] (each token's position inside its document, models/documents.py) keep a
+token's window inside its document: the input i steps back counts only where i <= positions[b, t].
 """
 
 from __future__ import annotations
@@ -16,22 +18,45 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "reference", "triton")
 
 
-def causal_conv_silu_reference(x_BTC: torch.Tensor, w_C1K: torch.Tensor) -> torch.Tensor:
+def causal_conv_silu_reference(x_BTC: torch.Tensor, w_C1K: torch.Tensor,
+                               positions_BT: torch.Tensor | None = None) -> torch.Tensor:
     T, KW = x_BTC.shape[1], w_C1K.shape[-1]
+    if positions_BT is not None:
+        return F.silu(conv_with_history(F.pad(x_BTC, (0, 0, KW - 1, 0)), w_C1K.to(x_BTC.dtype), positions_BT))
     y = F.conv1d(x_BTC.transpose(1, 2), w_C1K.to(x_BTC.dtype), padding=KW - 1, groups=x_BTC.shape[-1])
     return F.silu(y[..., :T].transpose(1, 2))
 
 
-def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def conv_with_history(x_NTC: torch.Tensor, w_C1K: torch.Tensor, positions_NT: torch.Tensor | None) -> torch.Tensor:
+    """The causal conv (no SiLU) of rows that carry their KW - 1 inputs of history in front (zeros, or the
+    previous cp piece's tail): x [N, KW - 1 + T, C] -> [N, T, C]. With positions [N, T], the input i steps back
+    counts only where i <= the output token's position (KW shifted multiply-adds)."""
+    KW = w_C1K.shape[-1]
+    n, T = KW - 1, x_NTC.shape[1] - (KW - 1)
+    if positions_NT is None:
+        return F.conv1d(x_NTC.transpose(1, 2), w_C1K, groups=x_NTC.shape[-1]).transpose(1, 2)
+    y = x_NTC[:, n:] * w_C1K[:, 0, n]
+    for i in range(1, KW):  # y[t] += w[n - i] x[t - i] inside the document
+        seen = (positions_NT >= i).unsqueeze(-1).to(x_NTC.dtype)
+        y = y + x_NTC[:, n - i:n - i + T] * w_C1K[:, 0, n - i] * seen
+    return y
+
+
+def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "auto",
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """silu(causal depthwise conv) of x [B, T, C] with w [C, 1, KW]; backend "auto" (Triton on CUDA, reference
-    elsewhere), "reference" or "triton" (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    elsewhere), "reference" or "triton" (CUDA, or CPU under TRITON_INTERPRET=1). positions [B, T] int: packed
+    documents (the module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     if x_BTC.dim() != 3 or w_C1K.dim() != 3 or w_C1K.shape[0] != x_BTC.shape[-1] or w_C1K.shape[1] != 1:
         raise ValueError(f"causal_conv_silu needs x [B, T, C] and w [C, 1, KW] with the same C, got x "
                          f"{list(x_BTC.shape)} and w {list(w_C1K.shape)}.")
+    if positions is not None and (tuple(positions.shape) != tuple(x_BTC.shape[:2]) or positions.is_floating_point()):
+        raise ValueError(f"positions must be an integer tensor [B, T] = {list(x_BTC.shape[:2])}, got "
+                         f"{positions.dtype} {list(positions.shape)}.")
     if backend == "reference" or (backend == "auto" and (x_BTC.device.type != "cuda" or x_BTC.dtype == torch.float64)):
-        return causal_conv_silu_reference(x_BTC, w_C1K)
+        return causal_conv_silu_reference(x_BTC, w_C1K, positions)
     from .triton_conv import conv_silu_fwd
 
-    return conv_silu_fwd(x_BTC, w_C1K)
+    return conv_silu_fwd(x_BTC, w_C1K, None if positions is None else positions.to(torch.int32).contiguous())

@@ -6,6 +6,8 @@ see one op, not a Triton launch they cannot trace). Reads the projection output 
 (unit channel stride): no transposes, no padded copy, no separate SiLU pass. Forward saves only x; the backward
 recomputes the pre-activation from x (KW shifted reads, served by L1/L2) and writes dx plus per-time-block
 partial weight gradients in fp32, summed by one torch reduction. Math in fp32, storage in x's dtype.
+Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
+j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
 
 Shape suffixes: B batch, T time, C channels (heads x head dim), KW kernel width.
 No `from __future__ import annotations` here: torch.library infers the op schemas from real annotations.
@@ -22,17 +24,21 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, s_xb, s_xt, s_yb, s_yt,
-                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_yt,
+                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
     xb = x_ptr + b * s_xb
+    if HAS_POS:
+        pos = tl.load(p_ptr + b * T + t, mask=t < T, other=0)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(KW):  # y[t] = sum_j w[KW-1-j] x[t-j]: conv1d with KW-1 left zeros, first T outputs
         tj = t - j
         m = (tj >= 0) & (tj < T)
+        if HAS_POS:  # x[t-j] is in t's document
+            m = m & (pos >= j)
         xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :], other=0.0)
         wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * wv[None, :]
@@ -42,8 +48,8 @@ def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, T, C, s_xb, s_xt, s_yb, s_yt,
 
 
 @triton.jit
-def _conv_silu_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt, s_dxb, s_dxt,
-                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_silu_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt, s_dxb,
+                          s_dxt, KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
     pid_t = tl.program_id(0)
     t = pid_t * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -54,10 +60,14 @@ def _conv_silu_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, T, C, s_xb, s_x
     dx = tl.zeros([BT, BC], dtype=tl.float32)
     for s in tl.static_range(KW):  # dx[t] = sum_s w[KW-1-s] dpre[t+s]; dpre recomputed at each shift s
         ts = t + s
+        if HAS_POS:
+            pos = tl.load(p_ptr + b * T + ts, mask=ts < T, other=0)
         pre = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(KW):
             tj = ts - j
             m = (tj >= 0) & (tj < T)
+            if HAS_POS:
+                m = m & (pos >= j)
             xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :], other=0.0)
             wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
             pre += xv.to(tl.float32) * wv[None, :]
@@ -66,11 +76,16 @@ def _conv_silu_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, T, C, s_xb, s_x
         sig = tl.sigmoid(pre)
         dpre = dyv * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
         ws = tl.load(w_ptr + c * KW + (KW - 1 - s), mask=cm, other=0.0).to(tl.float32)
-        dx += dpre * ws[None, :]
+        if HAS_POS:  # x[t] reaches output t+s only inside one document
+            dx += tl.where((pos >= s)[:, None], dpre * ws[None, :], 0.0)
+        else:
+            dx += dpre * ws[None, :]
         if s == 0:  # weight gradient of this time block: dw[KW-1-j] = sum_t dpre[t] x[t-j]
             for j in tl.static_range(KW):
                 tj = t - j
                 m = (tj >= 0) & (tj < T)
+                if HAS_POS:
+                    m = m & (pos >= j)
                 xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
                              other=0.0).to(tl.float32)
                 dw = tl.sum(dpre * xv, axis=0)
@@ -86,25 +101,28 @@ def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("moeadapt::causal_conv_silu_fwd", mutates_args=())
-def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype."""
+def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype; positions:
+    int32 [B, T] contiguous (packed documents) or None."""
     x = _unit_channel_stride(x)
     B, T, C = x.shape
     y = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if x.numel():
         grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
-        _conv_silu_fwd_kernel[grid](x, w.contiguous(), y, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                                    KW=w.shape[-1], BT=BLOCK_T, BC=BLOCK_C, num_warps=NUM_WARPS)
+        _conv_silu_fwd_kernel[grid](x, w.contiguous(), y, x if positions is None else positions, T, C, x.stride(0),
+                                    x.stride(1), y.stride(0), y.stride(1), KW=w.shape[-1], BT=BLOCK_T, BC=BLOCK_C,
+                                    HAS_POS=positions is not None, num_warps=NUM_WARPS)
     return y
 
 
 @conv_silu_fwd.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
 @torch.library.custom_op("moeadapt::causal_conv_silu_bwd", mutates_args=())
-def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] in x's dtype, dw [C, 1, KW] in w's dtype) of conv_silu_fwd for the output gradient dy."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
@@ -114,14 +132,16 @@ def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[t
     dw_part = torch.empty((B * nt, KW, C), device=x.device, dtype=torch.float32)
     if x.numel():
         _conv_silu_bwd_kernel[(nt, triton.cdiv(C, BLOCK_C), B)](
-            x, w.contiguous(), dy, dx, dw_part, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-            dx.stride(0), dx.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C, num_warps=NUM_WARPS)
+            x, w.contiguous(), dy, dx, dw_part, x if positions is None else positions, T, C, x.stride(0), x.stride(1),
+            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C,
+            HAS_POS=positions is not None, num_warps=NUM_WARPS)
     dw = dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype)
     return dx, dw
 
 
 @conv_silu_bwd.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty(w.shape, device=w.device, dtype=w.dtype)
 
 
@@ -130,9 +150,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dy: torch.Tensor):
-    x, w = ctx.saved_tensors
-    dx, dw = conv_silu_bwd(x, w, dy)
-    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None)
+    x, w, positions = ctx.saved_tensors
+    dx, dw = conv_silu_bwd(x, w, dy, positions)
+    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
 
 
 conv_silu_fwd.register_autograd(_backward, setup_context=_setup_context)
