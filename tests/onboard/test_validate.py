@@ -52,6 +52,11 @@ def _eps(layer: int, module: str, eps: float):
     ("qwen3_moe", _eps(0, "ffn_norm", 1e-1), 0),
     ("glm5_next", _perturb(1, "ffn_hc.fn"), 1),  # a hyper-connection's mixing weights
     ("glm5_next", _eps(0, "attn.o_norm", 1e-1), 0),  # the KDA output norm
+    # every other family: one tensor perturbed, one epsilon changed
+    *[(f, _perturb(0, "attn_norm.weight"), 0) for f in ("deepseek_v32", "glm_moe_dsa", "kimi_linear", "qwen3_next",
+                                                       "minimax_m2")],
+    *[(f, _eps(0, "ffn_norm", 1e-1), 0) for f in ("deepseek_v32", "glm_moe_dsa", "kimi_linear", "qwen3_next",
+                                                 "minimax_m2")],
 ])
 def test_broken_model_fails_naming_the_layer(model_type, tamper, layer, tmp_path):
     seed = fresh_seed()
