@@ -54,22 +54,15 @@ def _portable(t: torch.Tensor, is_expert: bool, dims: ParallelDims) -> torch.Ten
     if isinstance(t, DTensor):
         names = t.device_mesh.mesh_dim_names or ()
         if "dp_shard_in_ep" not in names:
-            raise ValueError(f"expert tensor sharded over {names}; the checkpoint layout expects dp_shard_in_ep")
+            raise ValueError(f"expert tensor sharded over {names}; the checkpoint layout expects dp_shard_in_ep "
+                             "(parallelize_model's fully_shard of the experts): change _portable with the layout")
         shard_pl = t.placements[names.index("dp_shard_in_ep")]
         if not (isinstance(shard_pl, Shard) and shard_pl.dim == 0):
             raise ValueError(f"expert tensor placed {shard_pl} over dp_shard_in_ep; the checkpoint layout expects "
-                             "FSDP's Shard(0)")
+                             "FSDP's Shard(0): change _portable with the layout")
     gshape = torch.Size((t.shape[0] * dims.ep, *t.shape[1:]))
     return DTensor.from_local(local.detach(), _ckpt_mesh(dims), [Replicate(), Shard(0), shard_pl],
-                              run_check=False, shape=gshape, stride=_contiguous_stride(gshape))
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
+                              run_check=False, shape=gshape, stride=torch.empty(gshape, device="meta").stride())
 
 
 def _ckpt_mesh(dims: ParallelDims) -> DeviceMesh:

@@ -54,7 +54,7 @@ def _steps(spec, model, dims, params, opt, sched, start: int, n: int) -> list[fl
 
 def _save_run(rank, world, root: str):
     # full: ep=4 (one expert shard per rank); LoRA: ep=2 x dp_shard_in_ep=2 (each ep shard FSDP-sharded over
-    # two ranks: the save gathers it and DCP writes it once)
+    # two ranks: each rank writes its own half)
     _save_one(rank, world, str(Path(root) / "full"), False, dict(dp_shard=4, ep=4))
     _save_one(rank, world, str(Path(root) / "lora"), True, dict(dp_shard=4, ep=2))
     _mem_save(rank, world, str(Path(root) / "mem"))
@@ -205,6 +205,21 @@ def _mem_load(rank, world, root: str):
         for k, v in want.items():
             assert v.dtype == got[k].dtype and torch.equal(v, got[k]), f"{k} differs after the world 4 -> 2 load"
     (Path(root) / f"load_rank{rank}.json").write_text(json.dumps({"extra": extra, "local": _local_bytes(model, opt)}))
+    _layout_errors(dims)
+
+
+def _layout_errors(dims) -> None:
+    """An expert tensor laid out other than FSDP's Shard(0) over dp_shard_in_ep is refused, not mis-saved."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moeadapt.parallel.checkpoint import _portable
+
+    bad_dim = DTensor.from_local(torch.zeros(2, 3), dims.expert_fsdp_mesh(), [Shard(1)], run_check=False)
+    with pytest.raises(ValueError, match=r"placed Shard\(dim=1\) over dp_shard_in_ep; .* expects FSDP's Shard\(0\)"):
+        _portable(bad_dim, True, dims)
+    bad_mesh = DTensor.from_local(torch.zeros(2, 3), dims.dense_fsdp_mesh(), [Shard(0)], run_check=False)
+    with pytest.raises(ValueError, match=r"sharded over \('dp_shard',\); .* expects dp_shard_in_ep"):
+        _portable(bad_mesh, True, dims)
 
 
 # What a rank may hold beyond its checkpointed state while saving / loading it: one tensor's write buffer or
