@@ -58,7 +58,7 @@ def _portable(t: torch.Tensor, is_expert: bool, dims: ParallelDims) -> torch.Ten
                              "(parallelize_model's fully_shard of the experts): change _portable with the layout")
         shard_pl = t.placements[names.index("dp_shard_in_ep")]
         if not (isinstance(shard_pl, Shard) and shard_pl.dim == 0):
-            raise ValueError(f"expert tensor placed {shard_pl} over dp_shard_in_ep; the checkpoint layout expects "
+            raise ValueError(f"expert tensor placed {shard_pl!r} over dp_shard_in_ep; the checkpoint layout expects "
                              "FSDP's Shard(0): change _portable with the layout")
     gshape = torch.Size((t.shape[0] * dims.ep, *t.shape[1:]))
     return DTensor.from_local(local.detach(), _ckpt_mesh(dims), [Replicate(), Shard(0), shard_pl],
