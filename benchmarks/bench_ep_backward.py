@@ -9,7 +9,8 @@ Per step (median over --steps after --warmup): `step` = dispatch -> experts -> c
 spent waiting on the dispatcher's collectives (counts exchange, forward and backward all-to-alls), summed
 from the profiler's `_c10d_functional::wait_tensor` events (functional collectives and their autograd
 backward) and `ep_wait` ranges (this checkout's `_Exchange.wait`, wrapped here): the same measure for any
-checkout. Spawns its own ranks (no torchrun).
+checkout. `sync_ms`: the layer's one host sync (counts all-to-all + the copy of the split sizes), as the
+dispatcher times it. Spawns its own ranks (no torchrun).
 """
 
 from __future__ import annotations
@@ -74,13 +75,17 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                               if e.key in ("_c10d_functional::wait_tensor", "ep_wait")) * 1e-6)
         return sorted(ts)[len(ts) // 2], sorted(bs)[len(bs) // 2]
 
+    n_steps = args.warmup + args.steps
     compute, _ = timed(lambda: experts(rows, offs).sum().backward())
     out = []
     for c in (1, args.chunks):
-        disp = EPDispatcher(group, c)
+        timing: dict = {}
+        disp = EPDispatcher(group, c, timing=timing)
         step, blocked = timed(lambda d=disp: d(experts, z, ids, w, E, backend="reference").sum().backward())
+        syncs = timing.get("syncs", 0)  # recorded by this checkout's dispatcher only
         out.append({"chunks": c, "step_ms": round(1e3 * step, 1), "compute_ms": round(1e3 * compute, 1),
-                    "blocked_ms": round(1e3 * blocked, 1), "rank": rank})
+                    "blocked_ms": round(1e3 * blocked, 1), "rank": rank, "host_syncs_per_step": syncs / n_steps,
+                    "sync_ms": round(1e3 * timing["sync_s"] / syncs, 2) if syncs else None})
     if rank == 0:
         print(json.dumps({"repo": str(Path(args.repo).resolve()), "world": world, "T": T, "K": K, "E": E, "L": L,
                           "F": F}))

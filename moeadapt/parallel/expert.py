@@ -13,8 +13,9 @@ Expert weight gradients are scaled by 1/ep in autograd (see parallelize.py "Grad
 Overlap: the local tokens are cut into `chunks`; chunk i+1's dispatch all-to-all is in flight while chunk
 i's experts compute, and chunk i's combine all-to-all is in flight while chunk i+1 computes. The backward
 mirrors it: every chunk's output-gradient all-to-all starts as soon as the gradients exist (chunk i's
-arrives while chunk i+1's experts run backward), and each chunk's input-gradient all-to-all is waited for
-while the previous chunk's experts run backward (`_Exchange` and the autograd Functions that start / wait).
+arrives while chunk i+1's experts run backward), and each chunk's input-gradient all-to-all starts when
+its rows' gradient exists and is waited for after every chunk's experts (chunk i's travels while chunk
+i-1's experts run backward). `_Exchange` and the autograd Functions below start and wait.
 All chunks' counts travel in one small all-to-all: one host sync per layer (EPDispatcher says why).
 Must not touch routing (router.py) or parameters beyond slicing them.
 
