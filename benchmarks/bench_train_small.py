@@ -187,7 +187,7 @@ def bench_a2a(args, device: torch.device) -> list[dict]:
     _log(f"\nEP dispatcher alone, forward: {world} ranks ({device.type}), {T} tokens/rank x top-{K}, E={E}, "
          f"latent {L}, ffn {F}; comm only = permute + both all-to-alls + unpermute with identity experts; "
          f"compute only = the local experts on {M} rows; hidden = (comm + compute - total) / comm (GPU);\n"
-         f"host wait = time the host blocks on a dispatch all-to-all (meaningful with gloo/CPU, ~0 with NCCL)\n")
+         f"host wait = time the host blocks on the forward all-to-alls (meaningful with gloo/CPU, ~0 with NCCL)\n")
     _log("| a2a_chunks | total (ms) | comm only (ms) | compute only (ms) | comm hidden | host wait (ms) |")
     _log("|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -11,8 +11,11 @@ It is written to `.step_NNNNNNN.tmp` by all ranks and renamed by rank 0 after a 
 the newest (the single-process reader `train.checkpoint.latest_checkpoint` finds it).
 
 Layout independence: a non-expert tensor is a DTensor over the dense mesh and DCP reshards it by itself.
-An expert tensor is saved as a DTensor of the *global* shape [E, ...] sharded over the ep mesh dimension
-(this rank's E/ep experts, gathered over dp_shard_in_ep first), so any ep / FSDP degree can read it back.
+An expert tensor (and its AdamW state) is saved and loaded as a view of this rank's own storage: a DTensor
+of the *global* shape [E, ...] over the expert mesh reordered to ("dp_replicate", "ep", "dp_shard_in_ep")
+with placements (Replicate, Shard(0), FSDP's dp_shard_in_ep placement): dim 0 cut into ep blocks of E/ep
+experts, each cut again the way FSDP cut it. DCP writes each rank's box and reads back into it in place, so
+no rank ever gathers experts (or their optimizer state) beyond its shard; any ep / FSDP degree reads it.
 Must not decide when to save (the trainer does).
 """
 
@@ -26,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..io import atomic_write_text, replace_dir
 from ..models.model import checkpoint_tensors
@@ -41,24 +45,34 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 
 def _portable(t: torch.Tensor, is_expert: bool, dims: ParallelDims) -> torch.Tensor:
-    """The tensor as it is saved: experts (ep > 1) become an ep-sharded DTensor of global shape [E, ...]."""
+    """The tensor as it is saved / loaded: an expert tensor (ep > 1) becomes a DTensor of global shape [E, ...]
+    that shares this rank's storage (module docstring); every other tensor is itself."""
     if not (is_expert and dims.ep > 1):
         return t
-    local = t.full_tensor() if isinstance(t, DTensor) else t
-    return DTensor.from_local(local.detach(), dims.expert_mesh["ep"], [Shard(0)], run_check=False)
+    local = t.to_local() if isinstance(t, DTensor) else t
+    shard_pl = Replicate()  # along dp_shard_in_ep: FSDP's placement, or a whole copy when not FSDP-wrapped
+    if isinstance(t, DTensor):
+        names = t.device_mesh.mesh_dim_names or ()
+        if "dp_shard_in_ep" not in names:
+            raise ValueError(f"expert tensor sharded over {names}; the checkpoint layout expects dp_shard_in_ep "
+                             "(parallelize_model's fully_shard of the experts): change _portable with the layout")
+        shard_pl = t.placements[names.index("dp_shard_in_ep")]
+        if not (isinstance(shard_pl, Shard) and shard_pl.dim == 0):
+            raise ValueError(f"expert tensor placed {shard_pl!r} over dp_shard_in_ep; the checkpoint layout expects "
+                             "FSDP's Shard(0): change _portable with the layout")
+    gshape = torch.Size((t.shape[0] * dims.ep, *t.shape[1:]))
+    return DTensor.from_local(local.detach(), _ckpt_mesh(dims), [Replicate(), Shard(0), shard_pl],
+                              run_check=False, shape=gshape, stride=torch.empty(gshape, device="meta").stride())
 
 
-def _shard_like(full_local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full_local` in the layout of `like` (an FSDP DTensor or a plain tensor)."""
-    if not isinstance(like, DTensor):
-        return full_local
-    t, mesh = full_local, like.device_mesh
-    coord = mesh.get_coordinate()
-    for i, pl in enumerate(like.placements):
-        if isinstance(pl, Shard):
-            pieces = torch.chunk(t, mesh.size(i), dim=pl.dim)
-            t = pieces[coord[i]] if coord[i] < len(pieces) else t.narrow(pl.dim, 0, 0)
-    return t
+def _ckpt_mesh(dims: ParallelDims) -> DeviceMesh:
+    """The expert mesh's ranks as ("dp_replicate", "ep", "dp_shard_in_ep"): ep outer, FSDP inner, the order in
+    which EP slicing and then fully_shard cut dim 0. Layout only: no process groups (nothing communicates)."""
+    if "_ckpt_mesh" not in dims.__dict__:
+        ranks = dims.expert_mesh.mesh.transpose(1, 2).contiguous()
+        dims.__dict__["_ckpt_mesh"] = DeviceMesh(dims.expert_mesh.device_type, ranks, _init_backend=False,
+                                                 mesh_dim_names=("dp_replicate", "ep", "dp_shard_in_ep"))
+    return dims.__dict__["_ckpt_mesh"]
 
 
 def _state(model: nn.Module, optimizer, dims: ParallelDims) -> tuple[dict, dict]:
@@ -117,8 +131,8 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
     if want != have:
         raise ValueError(f"checkpoint {path} does not fit this run: missing {sorted(want - have)[:6]}, unexpected "
                          f"{sorted(have - want)[:6]}; resume with the same model and lora config")
-    sd = {f"model.{n}": (_portable(torch.zeros_like(t), True, dims) if n in experts and dims.ep > 1 else t.detach())
-          for n, t in own.items()}
+    # every target is this rank's own storage (experts: viewed at their global shape): DCP reads in place
+    sd = {f"model.{n}": _portable(t.detach(), n in experts, dims) for n, t in own.items()}
     names = {id(p): n for n, p in model.named_parameters()}
     opt_targets = []
     for group in optimizer.param_groups:
@@ -126,32 +140,20 @@ def load_distributed(path: str | Path, model: nn.Module, optimizer, scheduler, d
             n = names[id(p)]
             for key in sorted(k for k in saved if k.startswith(f"optim.{n}.") and "." not in k[len(f"optim.{n}."):]):
                 k = key[len(f"optim.{n}."):]
-                size = saved[key].size
-                if len(size) == 0:
-                    tgt = torch.zeros((), dtype=saved[key].properties.dtype)
-                else:
-                    tgt = _portable(torch.zeros_like(p.detach()), n in experts, dims)
-                sd[key] = tgt
-                opt_targets.append((p, n, k, key))
+                if len(saved[key].size) == 0:
+                    state = torch.zeros((), dtype=saved[key].properties.dtype)
+                else:  # AdamW's own layout: like the parameter (a DTensor shard of it under FSDP)
+                    state = torch.zeros_like(p.detach())
+                sd[key] = _portable(state, n in experts and state.dim() > 0, dims)
+                opt_targets.append((p, k, state))
     for key, tgt in sd.items():
         if tuple(tgt.shape) != tuple(saved[key].size) and len(saved[key].size) > 0:
             raise ValueError(f"checkpoint {path}: {key} has shape {tuple(saved[key].size)}, this run's is "
                              f"{tuple(tgt.shape)}; resume with the model and lora config (e.g. lora.rank) the run "
                              "was saved with, or start a new output_dir")
     dcp.load(sd, storage_reader=SafeReader(str(path)))
-    with torch.no_grad():
-        for n, t in own.items():
-            if n in experts and dims.ep > 1:
-                loaded = sd[f"model.{n}"].to_local()
-                dst = t.to_local() if isinstance(t, DTensor) else t
-                dst.copy_(_shard_like(loaded, t))
-        for p, n, k, key in opt_targets:
-            v = sd[key]
-            if v.dim() > 0 and n in experts and dims.ep > 1:
-                local = _shard_like(v.to_local(), p)
-                v = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else local.clone()
-            optimizer.state.setdefault(p, {})[k] = v
+    for p, k, state in opt_targets:
+        optimizer.state.setdefault(p, {})[k] = state
     for g, lr in zip(optimizer.param_groups, meta["lrs"]):
         g["lr"] = lr
     scheduler.load_state_dict(meta["scheduler"])

@@ -44,7 +44,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         shard_experts(model, spec.ep, dims.ep_rank)
         for m in model.modules():
             if isinstance(m, LatentMoE):
-                m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing)
+                m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing,
+                                            dropless=getattr(m.dispatcher, "dropless", False))
     apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
     for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
         if isinstance(m, GroupedLoRALinear):
