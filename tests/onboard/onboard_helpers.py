@@ -269,3 +269,24 @@ def present_targets(model, targets: list[str]) -> list[str]:
         model = build_model(model_spec_from_dir(model), "meta")
     names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, GroupedLinear))]
     return [t for t in targets if any(_matches(n, [t]) for n in names)]
+
+
+def perturb(name: str, scale: float = 0.05):
+    """A `tamper` for the validators: fixed noise added to our parameter `name` (a broken copy of a checkpoint)."""
+    def tamper(m):
+        with torch.no_grad():
+            p = m.get_parameter(name)
+            p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    return tamper
+
+
+def random_adapters(model, lora, generator: torch.Generator | None = None, scale: float | None = None):
+    """Inject `lora` into `model` and fill every adapter tensor with noise (scale * N(0, 1); N(0, 1) when scale is
+    None), so that the adapter really changes the model."""
+    from moeadapt.lora import inject_lora
+
+    inject_lora(model, lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=generator) * (1.0 if scale is None else scale))

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import transformers
+from onboard_helpers import perturb
 
 from moeadapt.models.vision import patchify
 from moeadapt.onboard import OnboardError
@@ -57,20 +58,12 @@ def test_vision_tower_matches_transformers(seed, tmp_path):
     assert spec.projector == "glm" and spec.qk_norm and spec.temporal_patch_size == 2 and spec.image_token_id == 60
 
 
-def _perturb(name: str):
-    def tamper(m):
-        with torch.no_grad():
-            p = m.get_parameter(name)
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
-    return tamper
-
-
 def test_broken_copy_fails_naming_the_part(seed, tmp_path, monkeypatch):
     d = tiny_glm5_next(tmp_path / "ckpt", seed)
     last = glm5_next_vision_spec(json.loads((d / "config.json").read_text())).n_layers - 1
     for name, part in [(f"tower.blocks.{last}.fc3.weight", f"block {last}"),
                        ("tower.patch_embed.weight", "patch embedding"), ("projector.downsample.weight", "projector")]:
-        v = validate_glm5_next_vision(d, seed=seed, tamper=_perturb(name))
+        v = validate_glm5_next_vision(d, seed=seed, tamper=perturb(name))
         assert not v["passed"] and v["first_bad_part"] == part, (name, v["where"])
         assert v["where"].startswith(f"the vision {part} is the first part to diverge")
     monkeypatch.setattr(g5, "_glm_rope_rows", lambda heads, head: torch.arange(heads * head))

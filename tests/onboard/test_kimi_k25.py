@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from onboard_helpers import _random_cfg, save_tiny
+from onboard_helpers import _random_cfg, perturb, random_adapters, save_tiny
 from safetensors.torch import load_file, save_file
 
 from moeadapt.cli import main
@@ -45,14 +45,6 @@ def test_kimi_k25_validates_against_transformers(seed, tmp_path):
     assert v["passed"] and v["layers"] == 1 and len(v["vision_parts"]) == len(labels), v["where"]
 
 
-def _perturb(name: str):
-    def tamper(m):
-        with torch.no_grad():
-            p = m.get_parameter(name)
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
-    return tamper
-
-
 def test_broken_vision_copy_fails_naming_the_part(seed, tmp_path):
     """Our copy of the weights with one vision tensor perturbed: FAIL, naming that part of the tower."""
     d = _ckpt(tmp_path, seed)
@@ -61,7 +53,7 @@ def test_broken_vision_copy_fails_naming_the_part(seed, tmp_path):
     for name, part in [(f"vision.tower.blocks.{last}.fc1.weight", f"block {last}"),
                        ("vision.tower.pos_embed", "patch embedding + position table"),
                        ("vision.projector.fc1.weight", "merger + projector")]:
-        v = validate_checkpoint(d, fam, tamper=_perturb(name))
+        v = validate_checkpoint(d, fam, tamper=perturb(name))
         assert not v["passed"] and v["first_bad_part"] == part, (name, v["where"])
         assert v["where"].startswith(f"the vision {part} is the first part to diverge")
         ok = [p for p in v["vision_parts"] if p[0] != part][:[p[0] for p in v["vision_parts"]].index(part)]
@@ -164,19 +156,15 @@ def test_attention_adapter_loads_in_peft(seed, tmp_path):
     import transformers
 
     from moeadapt.config import LoRASpec
-    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.lora import export_peft
     from moeadapt.onboard import onboard_model, peft_maps
 
     d = _ckpt(tmp_path, seed)
     ours, _ = onboard_model(d, dtype=torch.float32)
     spec = ours.spec
     lora = LoRASpec(rank=2, alpha=4.0, targets=["attn.wq_b", "attn.wkv_b", "attn.wo"])
-    inject_lora(ours, lora)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    random_adapters(ours, lora, g, 0.2)
     out = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(d))
     ids = torch.randint(0, spec.vision.image_token_id, (1, 16), generator=g)
     hf = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32,

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 import transformers
-from onboard_helpers import present_targets, save_tiny
+from onboard_helpers import present_targets, random_adapters, save_tiny
 
 from moeadapt.config import LoRASpec
 from moeadapt.io import load_tensors, save_tensors
-from moeadapt.lora import export_peft, inject_lora, load_peft, lora_modules
+from moeadapt.lora import export_peft, load_peft, lora_modules
 from moeadapt.lora.peft import PREFIX
 from moeadapt.onboard import onboard_model, peft_maps
 
@@ -27,12 +27,8 @@ def _adapted(ckpt, seed=0):
     with torch.no_grad():
         base = ours(IDS).logits.float()
     lora = LoRASpec(rank=4, alpha=8.0, targets=present_targets(ours, TARGETS))
-    inject_lora(ours, lora)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    random_adapters(ours, lora, g, 0.2)
     return ours.eval(), lora, base
 
 

@@ -8,7 +8,14 @@ import warnings
 
 import pytest
 import torch
-from onboard_helpers import fresh_seed, fused_copy, hf_model, present_targets, random_checkpoint
+from onboard_helpers import (
+    fresh_seed,
+    fused_copy,
+    hf_model,
+    present_targets,
+    random_adapters,
+    random_checkpoint,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -87,7 +94,7 @@ def test_random_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     import warnings as w
 
     from moeadapt.config import LoRASpec
-    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.lora import export_peft
     from moeadapt.onboard import peft_maps
 
     seed = fresh_seed()
@@ -99,11 +106,7 @@ def test_random_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     with torch.no_grad():
         base = ours.eval()(ids).logits.float()
     lora = LoRASpec(rank=2, alpha=4.0, targets=present_targets(ours, TARGETS[model_type]))
-    inject_lora(ours, lora)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    random_adapters(ours, lora, g, 0.1)
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
         out = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(ckpt))
@@ -123,17 +126,13 @@ def test_random_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
 
 def test_dense_ffn_adapter_is_a_warning_and_kept_for_us(tmp_path):
     from moeadapt.config import LoRASpec
-    from moeadapt.lora import export_peft, inject_lora, lora_modules
+    from moeadapt.lora import export_peft, lora_modules
     from moeadapt.onboard import peft_maps
 
     ckpt = random_checkpoint("deepseek_v3", tmp_path / "ckpt", fresh_seed(), first_k_dense_replace=1)
     ours, _ = onboard_model(ckpt, dtype=torch.float32)
     lora = LoRASpec(rank=2, targets=["attn.wo", "ffn.w1", "shared.w2", "experts.w3"])
-    inject_lora(ours, lora)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.normal_()
+    random_adapters(ours, lora)
     with pytest.warns(UserWarning, match=r"cannot be represented for peft .*mlp\.gate_proj"):
         out = export_peft(ours, lora, tmp_path / "a", **peft_maps(ckpt))
     side = json.loads((out / "moeadapt_adapter.json").read_text())
@@ -154,7 +153,7 @@ def test_target_without_a_checkpoint_module_is_a_warning(tmp_path):
     o_proj, not MLA's; the dense FFN's gate_proj, not the shared expert's) are given by their full names in the
     transformers model (block_sparse_moe. -> mlp.)."""
     from moeadapt.config import LoRASpec
-    from moeadapt.lora import export_peft, inject_lora, lora_modules
+    from moeadapt.lora import export_peft, lora_modules
     from moeadapt.onboard import peft_maps
 
     seed = fresh_seed()
@@ -163,11 +162,7 @@ def test_target_without_a_checkpoint_module_is_a_warning(tmp_path):
                              mlp_layer_types=lambda c: ["dense"] + ["sparse"] * (c.num_hidden_layers - 1))
     ours, _ = onboard_model(ckpt, dtype=torch.float32)
     lora = LoRASpec(rank=2, targets=["attn.wq_idx", "attn.o_proj", "attn.f_a", "experts.w2", "ffn.w1"])
-    inject_lora(ours, lora)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.normal_()
+    random_adapters(ours, lora)
     with pytest.warns(UserWarning, match=r"the checkpoint has no such module \(\['layers\.\d+\.attn\.wq_idx"):
         out = export_peft(ours, lora, tmp_path / "a", **peft_maps(ckpt))
     side = json.loads((out / "moeadapt_adapter.json").read_text())
@@ -193,7 +188,7 @@ def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
 
     from moeadapt.cli import main
     from moeadapt.config import LoRASpec
-    from moeadapt.lora import export_peft, inject_lora
+    from moeadapt.lora import export_peft
     from moeadapt.onboard import peft_maps
 
     seed = fresh_seed()
@@ -205,12 +200,8 @@ def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
     ours, _ = onboard_model(ckpt, dtype=torch.float32)
     targets = TARGETS[model_type] + ["ffn.w1", "shared.w3"]  # dense FFN / shared expert too: merged by us
     lora = LoRASpec(rank=2, alpha=4.0, targets=present_targets(ours, targets))
-    inject_lora(ours, lora)
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    random_adapters(ours, lora, g, 0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the dense-FFN adapters peft cannot place (kept in the side file)
         adapter = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(ckpt))

@@ -6,7 +6,7 @@ first N blocks built from the same files."""
 import pytest
 import torch
 import yaml
-from onboard_helpers import fresh_seed, fused_copy, random_checkpoint
+from onboard_helpers import fresh_seed, fused_copy, perturb, random_checkpoint
 
 from moeadapt.cli import main
 from moeadapt.onboard import names as names_mod
@@ -33,11 +33,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
 
 
 def _perturb(layer: int, name: str):
-    def tamper(m):
-        with torch.no_grad():
-            p = m.get_parameter(f"layers.{layer}.{name}")
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
-    return tamper
+    return perturb(f"layers.{layer}.{name}")
 
 
 def _eps(layer: int, module: str, eps: float):
