@@ -87,15 +87,8 @@ def test_sharded_build_equals_world1_and_trains_the_same(seed):
     spawn(_same_as_world1, 4, seed % 10_000)
 
 
-class _Rows:
-    def __init__(self, x, y):
-        self.inputs, self.labels = x, y
-
-    def __len__(self):
-        return len(self.inputs)
-
-
 def _eval_all_ranks(rank, world):
+    from moeadapt.data.dataset import PackedDataset
     from moeadapt.parallel import DistributedRun
     from moeadapt.train.local import LocalRun
     from moeadapt.train.trainer import evaluate
@@ -104,7 +97,7 @@ def _eval_all_ranks(rank, world):
     cfg = _cfg(spec, False, dict(dp_shard=world, ep=2), 5, micro_batch_size=2, eval_batches=3)
     x, y = batch(spec, 10, 16, seed=9)  # 5 batches: rank 0 takes 0, 2, 4; rank 1 takes 1, 3 and a blank
     y[3, 5:] = -100  # an uneven token count per batch: the mean is per token, not per batch
-    ds = _Rows(x, y)
+    ds = PackedDataset(x, y)
     run = DistributedRun(cfg, torch.device("cpu"))
     got = evaluate(_build(cfg, run), ds, cfg, torch.device("cpu"), run=run)
     ref = evaluate(_build(cfg, LocalRun(cfg, torch.device("cpu"))), ds, cfg, torch.device("cpu"), n_batches=5)
