@@ -82,6 +82,7 @@ def test_model_cp_two_ranks():
     spawn(_cases, 2, [(52, True, False, False), (70, False, True, True)])
 
 
+@pytest.mark.slow  # the 4-rank model proof in CI is test_cp_grads.py::test_cp4_and_cp2_ep2
 def test_model_cp_four_ranks():
     spawn(_cases, 4, [(56, True, True, False)])
 

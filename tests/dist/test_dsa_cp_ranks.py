@@ -63,5 +63,6 @@ def test_dsa_cp_two_ranks():
                       (3, SHAPE, True, [0, 10, 17, 40, 72])])  # documents cross the 18-token pieces
 
 
+@pytest.mark.slow  # the 4-rank model proof in CI is test_cp_grads.py::test_cp4_and_cp2_ep2
 def test_dsa_cp_four_ranks():
     spawn(_check, 4, [(4, SHAPE, True, [0, 5, 30, 31, 72]), (5, SHAPE, False, None)])

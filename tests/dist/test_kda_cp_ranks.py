@@ -75,5 +75,6 @@ def test_kda_cp_two_ranks():
     spawn(_check, 2, CASES_2)
 
 
+@pytest.mark.slow  # the 4-rank model proof in CI is test_cp_grads.py::test_cp4_and_cp2_ep2
 def test_kda_cp_four_ranks():
     spawn(_check, 4, CASES_4)

@@ -196,7 +196,9 @@ TRITON_CASES = [  # B, T, H, HV, K, V, cu_seqlens, fused
 
 
 @needs_triton
-@pytest.mark.parametrize("case", TRITON_CASES)
+# CI runs cases 0 and 3 under the interpreter; the rest (~80 s) before a release
+@pytest.mark.parametrize("case", [c if i in (0, 3) else pytest.param(c, marks=pytest.mark.slow)
+                                  for i, c in enumerate(TRITON_CASES)])
 def test_triton_matches_reference(seed, case, launch=None, decay=1.0, g_scale=None):
     """The Triton kernels (launch: a triton_kda.KDALaunch, None = the defaults) against the float64 reference."""
     B, T, H, HV, K, V, cu, fused = case
@@ -225,6 +227,7 @@ def test_triton_matches_reference(seed, case, launch=None, decay=1.0, g_scale=No
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_strong_decay_and_no_final_state(seed):
     inp = make_inputs(1, 96, 1, 1, 16, 16, dtype=torch.float32, decay=30.0, h0=False)
     o1, _ = chunk_kda(**inp, backend="triton")
@@ -244,7 +247,8 @@ def test_triton_strong_decay_and_no_final_state(seed):
 @pytest.mark.parametrize(
     "case, decay",
     [((1, 40, 1, 2, 16, 16, [0, 17, 40], True), 1.0), ((1, 36, 2, 2, 16, 16, None, False), 30.0),
-     ((2, 70, 2, 2, 16, 16, None, False), 1.0), ((1, 100, 1, 1, 32, 16, [0, 64, 65, 100], True), 1.0)],
+     pytest.param((2, 70, 2, 2, 16, 16, None, False), 1.0, marks=pytest.mark.slow),
+     pytest.param((1, 100, 1, 1, 32, 16, [0, 64, 65, 100], True), 1.0, marks=pytest.mark.slow)],
 )
 def test_triton_odd_lengths_and_strong_decay(seed, case, decay):
     """The token-parallel diagonal blocks and the off-diagonal dots at odd lengths, varlen and strong decay."""
@@ -252,6 +256,7 @@ def test_triton_odd_lengths_and_strong_decay(seed, case, decay):
 
 
 @needs_triton
+@pytest.mark.slow
 def test_triton_mixed_decay(seed):
     """Weak decay on some channels / chunks and strong on others in one call (K=64: two forward K-blocks)."""
     T, K = 150, 64
@@ -262,7 +267,7 @@ def test_triton_mixed_decay(seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("case", [TRITON_CASES[1], TRITON_CASES[4]])
+@pytest.mark.parametrize("case", [TRITON_CASES[1], pytest.param(TRITON_CASES[4], marks=pytest.mark.slow)])
 def test_triton_fused_wu(seed, case):
     """w / u inside _fwd_intra (KDALaunch.fuse_wu) instead of the separate _fwd_wu kernel."""
     from moeadapt.ops.kda.triton_kda import LAUNCH
@@ -271,7 +276,7 @@ def test_triton_fused_wu(seed, case):
 
 
 @needs_triton
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_triton_k128(seed, split):
     """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, strong decay; the state
     recurrences with K whole or as two 64-row blocks."""

@@ -23,8 +23,9 @@ needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rc,lean", [("none", False), ("selective", False), ("full", False),
-                                     ("none", True), ("selective", True)])
+# one case per path in CI (35-51 s each interpreted); the other recompute modes before a release
+@pytest.mark.parametrize("rc,lean", [("none", False), *[pytest.param(r, le, marks=pytest.mark.slow) for r, le in
+                                     [("selective", False), ("full", False), ("selective", True)]], ("none", True)])
 def test_kernel_path_fused_grouped_lora_within_10pct_on_cpu(rc, lean):
     """lean=False: the fused [x | s x A] path; lean=True: lean_lora.py, which CUDA runs where fused would
     (ops/moe/path.py). Not lean + full recompute: at this toy scale (vocab 264 over hidden 64) that
