@@ -15,8 +15,10 @@ from tests.conftest import micro_spec
 def test_values_and_gradients(seed):
     rnd = random.Random(seed)
     lim = rnd.choice([0.3, 1.0, 2.5])
-    g = (2 * torch.randn(rnd.choice([3, 17]), rnd.choice([4, 9]), dtype=torch.float64)).requires_grad_()
-    u = (2 * torch.randn(g.shape, dtype=torch.float64)).requires_grad_()
+    g = 2 * lim * torch.randn(rnd.choice([3, 17]), rnd.choice([4, 9]), dtype=torch.float64)
+    u = 2 * lim * torch.randn(g.shape, dtype=torch.float64)
+    g[0, 0], u[0, 1] = lim + 1.0, -lim - 1.0  # at least one entry of each side beyond the limit
+    g, u = g.requires_grad_(), u.requires_grad_()
     got = swiglu_pair(g, u, backend="torch", limit=lim)
     gc, uc = torch.minimum(g, torch.tensor(lim, dtype=g.dtype)), torch.clamp(u, -lim, lim)
     want = gc / (1 + torch.exp(-gc)) * uc
