@@ -88,6 +88,9 @@ def test_example_accuracy_rises_above_chance(tmp_path, monkeypatch, seed):
     print(f"answer accuracy before {before:.3f} -> after {after:.3f} (chance {chance:.3f}); after by question: "
           + " ".join(f"{k} {v:.3f}" for k, v in r.accuracy_after.items() if k != "accuracy"))
     assert after > max(before, chance) + 0.15, (before, after, r.accuracy_after)
+    # the picture is read, not guessed: colour (chance 1/4) and left / right (chance 1/2) come from the image
+    # tokens alone (measured 0.97-1.00 on seeds 0, 11, 22; count stays near chance at this length)
+    assert r.accuracy_after["colour"] > 0.8 and r.accuracy_after["position"] > 0.8, r.accuracy_after
 
 
 STEPS_SHORT = 120
