@@ -19,6 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "moeadapt" / "assets" / "tiny-base"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny, and on shared cores two OpenMP threads wait on each other at
+    every op (measured: the eval/generate test 130 s with 2 threads vs 13 s with 1, on 2 busy cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _data(tmp_path, n_train=24, n_eval=8):
     shapes.write_split(tmp_path / "d", "train", n_train, 1, turns=1)
     shapes.write_split(tmp_path / "d", "eval", n_eval, 2, turns=1)
@@ -79,7 +89,6 @@ def test_example_accuracy_rises_above_chance(tmp_path, monkeypatch, seed):
     pictures are the built-in ones."""
     monkeypatch.setenv("MOEADAPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(ROOT)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     r = api.finetune(ROOT / "examples" / "finetune_tiny_vl.yaml",
                      {"train.output_dir": str(tmp_path / "run"), "train.steps": STEPS_SHORT, "train.seed": seed},
                      quiet=True)
