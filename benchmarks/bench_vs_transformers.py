@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -167,8 +166,8 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
     cuda = device.type == "cuda"
     return {"step_s": srt[len(srt) // 2], "step_min_s": srt[0], "step_max_s": srt[-1], "warmup_s": warm_s,
             "loss_first": losses[0], "loss_last": losses[-1],
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan"),
-            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")}
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,  # None: not measured
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None}
 
 
 # ------------------------------------------------------------------ ours: the trainer's step
@@ -220,15 +219,30 @@ def run_ours(args, mode: str) -> dict:
 
 
 # ------------------------------------------------------------------ the peer: transformers + peft
-def peer_kda_impl(device: torch.device) -> str:
-    if importlib.util.find_spec("fla") is None:
-        return "transformers torch fallback (fla not importable)"
-    import importlib.metadata as md
+def _resolved(fn) -> str:
+    """The module of the implementation transformers picked for a kernel-or-fallback function (its wrapper keeps
+    it in a closure cell named `implementation`)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    impl = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("implementation") if code else None
+    return getattr(impl, "__module__", "?") if impl is not None else "?"
 
-    if device.type != "cuda":
-        raise SystemExit("fla is importable but there is no GPU: transformers would call fla's Triton KDA kernels "
-                         "on CPU; run the peer on a GPU, or without fla on the path for the torch fallback")
-    return f"fla-core {md.version('fla-core')}"
+
+def peer_kernels(device: torch.device) -> dict:
+    """Which KDA and short-conv code transformers runs; fla's Triton kernels cannot run on CPU."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as mk
+
+    out = {"kda": _resolved(mk.chunk_kimi_delta_attention), "short_conv": _resolved(mk.causal_conv1d_fn)}
+    if out["kda"].startswith("fla"):
+        import importlib.metadata as md
+
+        if device.type != "cuda":
+            raise SystemExit("fla is importable but there is no GPU: transformers would call fla's Triton KDA "
+                             "kernels on CPU; run the peer on a GPU, or without fla on the path for its torch fallback")
+        out["kda"] += f" (fla-core {md.version('fla-core')})"
+    for k, v in out.items():
+        if v.startswith("transformers."):
+            out[k] = "transformers torch fallback"
+    return out
 
 
 def run_peer(args, mode: str) -> dict:
@@ -237,7 +251,7 @@ def run_peer(args, mode: str) -> dict:
     from moeadapt.data.dataset import Sampler
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kda_impl = peer_kda_impl(device)
+    kernels = peer_kernels(device)
     spec = our_spec(args)
     cfg = peer_config(spec, args.peer_experts)
     cuda = device.type == "cuda"
@@ -284,7 +298,7 @@ def run_peer(args, mode: str) -> dict:
             "trainable": n_train, "build_s": build_s, "tokens_per_step": args.mb * args.seq, "world": 1,
             "precision": (("bf16 base + fp32 adapters" if mode == "lora" else "fp32 weights") + ", bf16 autocast"
                           if cuda else "fp32 (CPU)"),
-            "kda": kda_impl, "attn_implementation": inner.config._attn_implementation,
+            **kernels, "attn_implementation": inner.config._attn_implementation,
             "experts_implementation": inner.config._experts_implementation,
             "peer_moe_intermediate_size": cfg.moe_intermediate_size, "peer_n_shared_experts": cfg.num_shared_experts,
             **res}
@@ -314,7 +328,10 @@ def _versions() -> dict:
     return out
 
 
-def spawn(args, side: str, mode: str) -> dict:
+def spawn(args, side: str, mode: str, deadline: float) -> dict:
+    cap = int(min(args.child_timeout, deadline - time.monotonic()))
+    if cap < 30:
+        return {"side": side, "mode": mode, "error": f"not run: --budget {args.budget}s spent", "wall_s": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         res = Path(tmp) / "row.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", f"{side}:{mode}", "--result", str(res),
@@ -324,7 +341,7 @@ def spawn(args, side: str, mode: str) -> dict:
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:
-            p = subprocess.run(cmd, timeout=args.child_timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            p = subprocess.run(cmd, timeout=cap, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
             log, rc = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
@@ -334,12 +351,16 @@ def spawn(args, side: str, mode: str) -> dict:
         if rc == 0 and res.exists():
             return {**json.loads(res.read_text()), "wall_s": wall}
         lines = [ln for ln in log.strip().splitlines() if ln.strip()]
-        why = f"timed out after {args.child_timeout}s" if rc == "timeout" else (lines[-1] if lines else f"rc {rc}")
+        why = f"timed out after {cap}s" if rc == "timeout" else (lines[-1] if lines else f"rc {rc}")
         return {"side": side, "mode": mode, "error": why[-300:], "wall_s": wall}
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def _fmt(v, spec: str) -> str:
-    return "–" if v is None or v != v else format(v, spec)
+    return "–" if v is None else format(v, spec)
 
 
 def table(rows: list[dict]) -> str:
@@ -353,10 +374,10 @@ def table(rows: list[dict]) -> str:
         ratio_t = ratio_m = "–"
         if r["side"] == "ours" and peer:
             ratio_t = f"**{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x**"
-            if r["peak_gib"] == r["peak_gib"]:
+            if r["peak_gib"] is not None and peer["peak_gib"]:
                 ratio_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x"
-        out.append(f"| {r['mode']} | {r['side']} | {r['model']} | {r['params_total'] / 1e9:.3f}B / "
-                   f"{r['params_active'] / 1e9:.3f}B | {r['trainable'] / 1e6:.1f}M | {r['tokens_per_s']:,.0f} | "
+        out.append(f"| {r['mode']} | {r['side']} | {r['model']} | {_count(r['params_total'])} / "
+                   f"{_count(r['params_active'])} | {_count(r['trainable'])} | {r['tokens_per_s']:,.0f} | "
                    f"{1e3 * r['step_s']:.1f} ({1e3 * r['step_min_s']:.1f}-{1e3 * r['step_max_s']:.1f}) | "
                    f"{_fmt(r['peak_gib'], '.1f')} | {ratio_t} | {ratio_m} |")
     return "\n".join(out)
@@ -376,13 +397,14 @@ def plot(rows: list[dict], path: Path, title: str) -> str:
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "peak_gib", "peak memory (GiB)")):
         for j, (side, color) in enumerate((("ours", "C0"), ("peer", "C1"))):
             xs = [i + (j - 0.5) * 0.38 for i, m in enumerate(modes)]
-            ys = [next((r[key] for r in ok if r["side"] == side and r["mode"] == m), 0.0) for m in modes]
-            ys = [0.0 if y != y else y for y in ys]
+            ys = [next((r[key] for r in ok if r["side"] == side and r["mode"] == m), None) or 0.0 for m in modes]
             bars = ax.bar(xs, ys, 0.38, color=color, label="moeadapt" if side == "ours" else "transformers + peft")
             ax.bar_label(bars, fmt="%.0f" if key == "tokens_per_s" else "%.1f", fontsize=8)
         ax.set_xticks(range(len(modes)), ["LoRA r=16" if m == "lora" else "full FT" for m in modes])
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
+    if not any(r["peak_gib"] for r in ok):
+        axes[1].text(0.5, 0.5, "no CUDA: peak memory not measured", ha="center", transform=axes[1].transAxes)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -409,6 +431,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny dimensions (the `tiny` preset, seq 64) for a CPU "
                    "smoke run of both sides")
     p.add_argument("--child-timeout", type=int, default=300, help="seconds one subprocess may run")
+    p.add_argument("--budget", type=int, default=450, help="seconds for all subprocesses together: the last ones "
+                   "get what is left (none under 30 s), so the table is printed within a device time cap")
     p.add_argument("--out", default=None, help="write bench_vs_transformers.json (+ .png) into this directory")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -428,21 +452,29 @@ def main() -> None:
             f"mb {args.mb}, {args.warmup} warm-up + {args.steps} timed steps (median); {versions}")
     print(head + "\nmatching:\n  " + "\n  ".join(matching_lines(spec, cfg)), flush=True)
     sides = ["ours", "peer"] if args.part == "all" else [args.part]
-    rows = [spawn(args, side, mode) for mode in modes for side in sides]
+    out = Path(args.out) if args.out else None
+    deadline, rows = time.monotonic() + args.budget, []
+    for mode in modes:
+        for side in sides:
+            rows.append(spawn(args, side, mode, deadline))
+            if out:  # after every run: what finished survives a kill of this process
+                out.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(out / "bench_vs_transformers.json", json.dumps(
+                    {"args": vars(args), "versions": versions, "matching": matching_lines(spec, cfg), "rows": rows},
+                    indent=1))
     print("\n" + head + "\n")
     print(table(rows))
     for r in rows:
         if r["side"] == "peer" and "error" not in r:
-            print(f"peer {r['mode']}: KDA {r['kda']}, attention {r['attn_implementation']}, experts "
+            print(f"peer {r['mode']}: KDA {r['kda']}, short conv {r['short_conv']}, attention {r['attn_implementation']}, experts "
                   f"{r['experts_implementation']}, {r['precision']}; loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
         elif "error" not in r:
             print(f"ours {r['mode']}: {r['precision']}; loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "bench_vs_transformers.json", json.dumps(
-            {"args": vars(args), "versions": versions, "matching": matching_lines(spec, cfg), "rows": rows}, indent=1))
-        print(plot(rows, out / "bench_vs_transformers.png", head[:160]))
+    if out:
+        where = versions.get("gpu", "CPU")
+        print(plot(rows, out / "bench_vs_transformers.png",
+                   f"{spec.name} (moeadapt) vs KimiLinearForCausalLM (transformers {versions['transformers']} + peft "
+                   f"{versions['peft']}, experts {args.peer_experts}); seq {args.seq} x mb {args.mb}; {where}"))
     if any("error" in r for r in rows):
         sys.exit(1)
 
