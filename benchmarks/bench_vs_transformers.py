@@ -6,8 +6,8 @@ Ours: the `small` preset through the code path `moeadapt train` / `moeadapt fine
 (train/build.py's build_meta -> materialize_shards, the trainer's AdamW(fused) + warmup/cosine schedule, its
 Sampler over a PackedDataset of random tokens, and trainer.train_step: bf16 autocast, fp32 trainable
 parameters, a bf16 frozen base under LoRA, grad clipping 1.0, the router-bias update; LoRA = the default
-targets: KDA / DSA projections and the grouped expert adapters). `torchrun --nproc_per_node 1` runs it
-under FSDP2 instead, as the trainer would.
+targets: KDA / DSA projections and the grouped expert adapters). One process per run, plain `python3` (the
+trainer's LocalRun), as `moeadapt finetune` runs on one GPU.
 
 The peer: transformers' `KimiLinearForCausalLM` (KDA through fla-core's chunk_kda when fla is importable,
 transformers' own PyTorch fallback otherwise; the short convolutions through transformers' torch fallback
@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -210,6 +211,7 @@ def run_ours(args, mode: str) -> dict:
 
     res = timed_steps(step, run.device, args.warmup, args.steps)
     run.finish()
+    shutil.rmtree(out_dir, ignore_errors=True)  # nothing is saved there; train.output_dir must name a directory
     return {"side": "ours", "mode": mode, "model": f"moeadapt {spec.name}", "params_total": counts["total"],
             "params_active": counts["active_per_token"], "trainable": n_train, "build_s": build_s,
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
@@ -250,6 +252,7 @@ def run_peer(args, mode: str) -> dict:
 
     from moeadapt.data.dataset import Sampler
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config-built model: nothing to fetch
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernels = peer_kernels(device)
     spec = our_spec(args)
@@ -308,6 +311,7 @@ def child(args) -> None:
     side, mode = args.child.split(":")
     row = (run_ours if side == "ours" else run_peer)(args, mode)
     row["tokens_per_s"] = row["tokens_per_step"] / row["step_s"]
+    row["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(json.dumps(row), flush=True)
     if int(os.environ.get("RANK", "0")) == 0:
         atomic_write_text(args.result, json.dumps(row))
@@ -323,9 +327,7 @@ def _versions() -> dict:
             out[d] = md.version(d)
         except md.PackageNotFoundError:
             out[d] = None
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
-    return out
+    return out  # no CUDA call here: the parent holds no context on the GPU the runs measure
 
 
 def spawn(args, side: str, mode: str, deadline: float) -> dict:
@@ -471,7 +473,7 @@ def main() -> None:
         elif "error" not in r:
             print(f"ours {r['mode']}: {r['precision']}; loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     if out:
-        where = versions.get("gpu", "CPU")
+        where = next((r["device"] for r in rows if "device" in r), "?")
         print(plot(rows, out / "bench_vs_transformers.png",
                    f"{spec.name} (moeadapt) vs KimiLinearForCausalLM (transformers {versions['transformers']} + peft "
                    f"{versions['peft']}, experts {args.peer_experts}); seq {args.seq} x mb {args.mb}; {where}"))
