@@ -29,15 +29,19 @@ How the peer's config is matched to our ModelSpec (`peer_config`; printed at run
     expert's width (n_shared_experts x moe_intermediate_size on the peer). Our LatentMoE runs the experts in
     latent_dim (1024 for `small`) behind a down / up projection; Kimi Linear has no latent, its experts see
     the hidden size. `--peer-experts full` (default: the issue's baseline) keeps the expert FFN width
-    (768), so each peer expert holds hidden/latent = 2x our expert's parameters (5.0B total, ~1.1B active);
-    `--peer-experts matched` sets the peer's expert width to 768 x latent/hidden = 384 so every expert (and the
-    routed part of the active parameters) holds as many parameters as ours, the shared expert keeping 1536.
-  Both models' total and active-per-token parameter counts (and trainable counts) are printed and saved.
+    (768), so each peer expert holds hidden/latent = 2x our expert's parameters; `--peer-experts matched` sets
+    the peer's expert width to 768 x latent/hidden = 384 so every expert (and the routed part of the active
+    parameters) holds as many parameters as ours, the shared expert keeping 1536.
+  Counts (`small`, counted on meta): ours 2.91B total / 0.93B active per token, LoRA 86.4M trainable; the peer
+  `full` 5.10B / 1.14B, 107.6M trainable; `matched` 2.84B / 0.86B, 89.9M trainable (peft's all-linear also
+  covers the shared expert, the dense FFN and the KDA gate projections, which our default targets leave out).
+  Both models' counts are printed and saved with every run.
 
 Run (one H200, ~5-8 minutes for everything; the peer's first fla calls autotune unless `.fla_cache` is carried):
-    . benchmarks/gpu_env.sh                                   # carry .whl: the wheels listed in .whl/LIST.txt
+    . benchmarks/gpu_env.sh        # carry .whl holding the wheels of .wt/peer_whl (LIST.txt there lists them)
     python3 benchmarks/bench_vs_transformers.py --part all --steps 5 --warmup 2 --out $OUT/vs_hf
-CPU smoke run (tiny dimensions on both sides, < 1 minute; the peer on transformers' torch fallback):
+CPU smoke run (tiny dimensions on both sides, ~1.5 CPU-minutes for the four runs; the peer on transformers'
+torch fallback, which it needs: fla's kernels are Triton-only; `--modes lora` halves it):
     python benchmarks/bench_vs_transformers.py --tiny
 """
 
