@@ -313,11 +313,18 @@ def run_peer(args, mode: str) -> dict:
 
 def child(args) -> None:
     side, mode = args.child.split(":")
-    row = (run_ours if side == "ours" else run_peer)(args, mode)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    try:
+        row = (run_ours if side == "ours" else run_peer)(args, mode)
+    except BaseException as e:  # the parent reports why (an OOM, a missing package) in its table
+        if main_rank:
+            atomic_write_text(args.result, json.dumps({"side": side, "mode": mode,
+                                                       "error": " ".join(f"{type(e).__name__}: {e}".split())[:300]}))
+        raise
     row["tokens_per_s"] = row["tokens_per_step"] / row["step_s"]
     row["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(json.dumps(row), flush=True)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main_rank:
         atomic_write_text(args.result, json.dumps(row))
 
 
@@ -346,19 +353,16 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--tiny"] if args.tiny else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, timeout=cap, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-            log, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            log, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""), "timeout"
-        sys.stdout.write(log[-6000:])
+        try:  # the run's output goes straight to ours: what it printed survives a kill of this process
+            rc = subprocess.run(cmd, timeout=cap).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
         wall = time.perf_counter() - t0
-        if rc == 0 and res.exists():
-            return {**json.loads(res.read_text()), "wall_s": wall}
-        lines = [ln for ln in log.strip().splitlines() if ln.strip()]
-        why = f"timed out after {cap}s" if rc == "timeout" else (lines[-1] if lines else f"rc {rc}")
-        return {"side": side, "mode": mode, "error": why[-300:], "wall_s": wall}
+        row = json.loads(res.read_text()) if res.exists() else {}
+        if rc == 0 and "error" not in row and row:
+            return {**row, "wall_s": wall}
+        why = f"timed out after {cap}s" if rc == "timeout" else row.get("error", f"exit status {rc}")
+        return {"side": side, "mode": mode, "error": why, "wall_s": wall}
 
 
 def _count(n: int) -> str:
@@ -451,6 +455,8 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):
         p.error(f"--modes {args.modes}: choose from {', '.join(MODES)}")
+    if min(args.rank, args.seq, args.mb, args.steps) < 1 or args.warmup < 0:
+        p.error("--rank, --seq, --mb and --steps must be >= 1 and --warmup >= 0")
     spec = our_spec(args)
     cfg = peer_config(spec, args.peer_experts)
     versions = _versions()
