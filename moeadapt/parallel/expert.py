@@ -310,7 +310,10 @@ class EPDispatcher:
         bounds = [T * i // C for i in range(C + 1)]
         lays = [_send_layout(ids_TK[a:b], n_experts, R, cap) for a, b in zip(bounds, bounds[1:])]
         need = torch.stack([p for *_, p in lays]).max()
-        self.peak = need if self.peak is None or self.peak.device != need.device else torch.maximum(self.peak, need)
+        if self.peak is None or self.peak.device != need.device:
+            self.peak = torch.zeros((), dtype=torch.int64, device=need.device)
+        # the same op whether or not peak existed: a selective-checkpoint recompute replays the forward's ops
+        self.peak = torch.maximum(self.peak, need)
         # one fixed-size counts exchange for every chunk: to rank r goes [C, El]
         send_RCE = torch.stack([c for _, _, c, _ in lays], 1)
         t0 = time.perf_counter()
@@ -364,7 +367,8 @@ def _combine_choices(y_SL: torch.Tensor, slot_N: torch.Tensor, w_TK: torch.Tenso
 
 
 def ep_dispatchers(model: nn.Module) -> list[EPDispatcher]:
-    return [m.dispatcher for m in model.modules() if isinstance(m, LatentMoE) and isinstance(m.dispatcher, EPDispatcher)]
+    """Every EP dispatcher of the model's MoE layers, in module order (the same on every rank)."""
+    return [m.dispatcher for m in model.modules() if isinstance(getattr(m, "dispatcher", None), EPDispatcher)]
 
 
 def reset_capacity(model: nn.Module) -> None:
