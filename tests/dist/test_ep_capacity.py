@@ -189,6 +189,13 @@ def _trainer(rank, world, seed):
             errs.append((g - r).abs().max().item() / (r.abs().max().item() + 1e-30 if rel else 1.0))
         return max(errs)
 
+    # the planner sizes the exchange buffers with the runtime's capacity (plan/memory.py `ep_capacity`)
+    from moeadapt.plan.memory import Plan, ep_capacity
+
+    plan = Plan(gpus=2, dp_replicate=1, dp_shard=2, cp=1, ep=2, recompute="full", micro_batch=per, seq_len=seq,
+                a2a_chunks=2, ep_capacity_factor=cfg.parallel.ep_capacity_factor)
+    assert {d.cap for d in ep_dispatchers(model)} == {ep_capacity(spec, plan)}, "planner and runtime capacities"
+
     def tiny():
         for d in ep_dispatchers(model):
             d.cap = 4
@@ -231,3 +238,14 @@ def _trainer(rank, world, seed):
 
 def test_trainer_reruns_an_overflowing_step_exactly(seed):
     spawn(_trainer, 2, seed % 10_000)
+
+
+def test_capacity_rows_rule():
+    from moeadapt.parallel.expert import capacity_rows
+
+    # 4096 tokens, top-8, ep 8, 2 chunks: 2048 * 8 / 8 = 2048 balanced rows per pair, x 1.5 = 3072 (a multiple of 64)
+    assert capacity_rows(4096, 8, 8, 2, 1.5) == 3072
+    assert capacity_rows(1000, 6, 4, 3, 1.3) == 704  # ceil(1000/3) = 334 tokens: 334 * 6 / 4 * 1.3 = 651.3 -> 704
+    assert capacity_rows(12, 2, 2, 2, 1.5) == 12  # never more than a chunk's choices (6 * 2): no routing exceeds it
+    with pytest.raises(ValueError, match="parallel.ep_capacity_factor=0 must be > 0"):
+        capacity_rows(12, 2, 2, 1, 0)
