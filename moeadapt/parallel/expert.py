@@ -276,14 +276,15 @@ class EPDispatcher:
     rank agrees even when one rank's batch is short), and changed only by `check_capacity`; every rank of
     the group must hold the same `cap` (all_to_all with equal splits). `peak` (device, int64) is the running
     max of rows sent to one rank by one chunk, read and reset by `check_capacity`. An activation-checkpoint
-    recompute sees the same counts: it neither changes `cap` nor `peak`."""
+    recompute sees the same counts: it neither changes `cap` nor `peak`. Dropped choices (id -1, a
+    capacity-limited router) take no slot, so one path serves dropless and capacity routers alike."""
 
-    def __init__(self, group: dist.ProcessGroup, chunks: int = 1, timing: dict | None = None, dropless: bool = False,
+    def __init__(self, group: dist.ProcessGroup, chunks: int = 1, timing: dict | None = None,
                  capacity_factor: float = 1.5, tokens: int | None = None, top_k: int | None = None):
         if not capacity_factor > 0:
             raise ValueError(f"parallel.ep_capacity_factor={capacity_factor} must be > 0 (e.g. 1.5: room for "
                              "1.5x the balanced share of rows per rank pair)")
-        self.group, self.chunks, self.dropless = group, max(1, chunks), dropless
+        self.group, self.chunks = group, max(1, chunks)
         self.ep = dist.get_world_size(group)
         self.capacity_factor = capacity_factor
         self.cap: int | None = None

@@ -48,7 +48,6 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         for m in model.modules():
             if isinstance(m, LatentMoE):
                 m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing,
-                                            dropless=getattr(m.dispatcher, "dropless", False),
                                             capacity_factor=spec.ep_capacity_factor, tokens=tokens_per_forward,
                                             top_k=m.spec.n_experts_per_tok)
     apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)

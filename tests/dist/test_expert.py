@@ -58,7 +58,7 @@ def _run(group, chunks, seed, log):
     wexp = torch.randn(E // 2, L, generator=torch.Generator().manual_seed(seed + 100 + rank), dtype=torch.float64)
     experts = _Experts(wexp, log)
     timing: dict = {}
-    y = ep_mod.EPDispatcher(group, chunks, timing=timing, dropless=True)(experts, z, ids, w, E, backend="reference")
+    y = ep_mod.EPDispatcher(group, chunks, timing=timing)(experts, z, ids, w, E, backend="reference")
     log.append(("forward_done", -1))
     y.backward(torch.ones_like(y) + torch.arange(T, dtype=y.dtype)[:, None])
     return y.detach(), z.grad, experts.w.grad, timing
