@@ -34,6 +34,9 @@ class LocalRun:
     def local_part(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def capacity_overflow(self, model: nn.Module) -> str | None:
+        return None  # no expert-parallel exchange in one process
+
     def mean(self, value: float) -> float:
         return value
 
