@@ -203,11 +203,11 @@ class Loop:
 
 @dataclass
 class StepStats:
-    loss: float
+    loss: float  # a device scalar until train_step's one host read at the end of the step
     grad_norm: torch.Tensor
     tokens: int
     skipped: str | None = None  # "nonfinite_loss" / "nonfinite_grad" / "no_targets": nothing was applied
-    aux: dict[str, float] = field(default_factory=dict)
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # device scalars: read back only on log steps
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer, still on the device
     drops: dict[int, float] = field(default_factory=dict)
 
@@ -249,30 +249,29 @@ def _set_rng_state(state: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> StepStats:
-    """Forward + backward of the step's forwards, gradients accumulated; `skipped` = "nonfinite_loss" (and the
-    gradients dropped) when a loss is NaN/Inf."""
+def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats, torch.Tensor]:
+    """Forward + backward of the step's forwards, gradients accumulated, with no host sync: the loss stays a
+    device scalar, and whether every loss was finite is returned as a device bool (train_step reads both once,
+    at the end of the step; a NaN loss only makes NaN gradients, which that read then drops)."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     n_fwd = len(batches)
-    st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
+    st = StepStats(loss=torch.zeros((), device=device), grad_norm=torch.zeros(()), tokens=0)
+    finite = torch.ones((), dtype=torch.bool, device=device)
     for xb, yb, extra in batches:
         x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
         with _autocast(device, t.dtype):
             out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
             loss = out.loss + out.aux_loss
-        if not run.all_finite(loss):  # every rank takes the same branch
-            _discard_step(lp)
-            st.skipped = "nonfinite_loss"
-            return st
+        finite &= torch.isfinite(loss.detach())
         (loss / n_fwd).backward()
-        st.loss += float(out.loss.detach()) / n_fwd
+        st.loss = st.loss + out.loss.detach().float() / n_fwd
         for k, v in out.aux.items():
             st.aux[k] = st.aux.get(k, 0.0) + v / n_fwd
         for m in out.moe:  # counts stay on the device: read back only on log steps
             st.counts[m["layer"]] = st.counts.get(m["layer"], 0) + m["counts"].float()
             st.drops[m["layer"]] = st.drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
         st.tokens += x.numel()  # this rank's; summed over ranks when logged
-    return st
+    return st, finite
 
 
 def train_step(lp: Loop) -> StepStats:
@@ -293,21 +292,20 @@ def train_step(lp: Loop) -> StepStats:
         return st
     rng = _rng_state(device)
     while True:  # once, unless an EP exchange overflowed: then again on the same batches and RNG state
-        st = _forward_backward(lp, batches, per_fwd)
+        st, finite = _forward_backward(lp, batches, per_fwd)
         notice = run.capacity_overflow(model)  # every rank agrees (all-reduced); None in one process
-        if notice is None or st.skipped:
+        if notice is None:
             break
         lp.say(f"[yellow]step {lp.step + 1}: {notice}")
         _discard_step(lp)
         _set_rng_state(rng, device)
-    if st.skipped:
-        return st
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
-    if not bool(torch.isfinite(st.grad_norm)):  # the same global value on every rank
+    # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite
+    st.loss, loss_ok, grad_ok = run.step_verdict(st.loss, finite, st.grad_norm)
+    if not (loss_ok and grad_ok):  # the same verdict on every rank
         _discard_step(lp)
-        st.skipped = "nonfinite_grad"
+        st.skipped = "nonfinite_loss" if not loss_ok else "nonfinite_grad"
         return st
-    st.loss = run.mean(st.loss)
     lp.opt.step()
     lp.sched.step()
     lp.opt.zero_grad(set_to_none=True)
@@ -416,7 +414,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
     device, peak = lp.run.device, peak_flops(lp.run.device)
     rec = {"kind": "train", "step": step, "loss": st.loss, "lr": lp.sched.get_last_lr()[0],
-           "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": v for k, v in st.aux.items()}}
+           "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": float(v) for k, v in st.aux.items()}}
     if peak:
         rec["mfu"] = tps * lp.flops_per_token / peak / lp.run.world  # tps counts every rank; MFU is per GPU
     if device.type == "cuda":
