@@ -196,9 +196,10 @@ class _IndexerTies:
         return hook
 
 
-def _kimi_k25_images(images: list[torch.Tensor], patch: int) -> dict:
+def _kimi_k25_images(images: list[torch.Tensor], v) -> dict:
     """Kimi_K25ImageProcessor's output for images [C, H, W] already resized and normalised: pixel_values
     [N, C, p, p] (each image's patches in raster order, images one after another), image_grid_thw [I, 3]."""
+    patch = v.patch_size
     px, grid = [], []
     for im in images:
         C, H, W = im.shape
@@ -216,11 +217,35 @@ def _kimi_k25_parts(hf: nn.Module) -> list[tuple[str, nn.Module, str]]:
             + [("final norm", vt.final_layernorm, "patches"), ("merger + projector", proj, "tokens")])
 
 
+def _glm5_next_images(images: list[torch.Tensor], v) -> dict:
+    """Glm5NextImageProcessor's output for images [C, H, W] already resized and normalised: pixel_values
+    [N, C * T * p * p] (each image's patches in merge-block order, as ours, every patch repeated over the T
+    frames of the Conv3d kernel after its channel), image_grid_thw [I, 3] (t = 1 for an image)."""
+    from ..models.vision import patchify
+    from .glm5_vision import glm5_next_pixel_values
+
+    px = torch.cat([glm5_next_pixel_values(patchify(im, v.patch_size, v.merge_size), v) for im in images])
+    grid = [[1, im.shape[1] // v.patch_size, im.shape[2] // v.patch_size] for im in images]
+    return {"pixel_values": px, "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
+
+
+def _glm5_next_parts(hf: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(part, transformers module, what its output holds) of the GLM-5.3-Flash vision side, in forward order."""
+    v = hf.model.visual
+    return ([("patch embedding", v.patch_embed, "packed")]
+            + [(f"block {i}", b, "packed") for i, b in enumerate(v.blocks)]
+            + [("final norm", v.post_layernorm, "packed"), ("projector", v.merger, "tokens")])
+
+
 # model_type -> (the processor's image inputs, the vision parts compared, ModuleList prefixes that are not the
-# text model's decoder layers, the text tokens around each image's placeholders: config attribute names)
+# text model's decoder layers, the text tokens around each image's placeholders: config attribute names).
+# A part holds "patches" (in raster order: permuted to ours before the comparison), "packed" (patches already in
+# our merge-block order) or "tokens" (merged, projected image tokens).
 _VISION_INPUTS = {
     "kimi_k25": (_kimi_k25_images, _kimi_k25_parts, ("model.vision_tower",),
                  ("vision_start_token_id", "vision_end_token_id")),
+    "glm5_next": (_glm5_next_images, _glm5_next_parts, ("model.visual",),
+                  ("image_start_token_id", "image_end_token_id")),
 }
 
 
@@ -247,7 +272,10 @@ def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_ty
             grids.append((gh, gw))
     images = [torch.randn(v.in_channels, gh * v.patch_size, gw * v.patch_size, generator=g) for gh, gw in grids]
     marks = [t for t in (getattr(hf_cfg, a, None) for a in around) if t is not None and t < spec.vocab_size]
-    special = {v.image_token_id, *marks, getattr(hf_cfg, "video_token_id", None)}
+    # no random text token may be a placeholder or open a video span (GLM tells images from video by the span)
+    special = {v.image_token_id, *marks, *(getattr(hf_cfg, a, None) for a in (
+        "video_token_id", "video_start_token_id", "video_end_token_id", "vision_start_token_id",
+        "vision_end_token_id", "image_start_token_id", "image_end_token_id"))}
     text = [t for t in torch.randint(0, spec.vocab_size, (4 * L,), generator=g).tolist() if t not in special]
     n_text = max(n_images + 2, L - sum(gh * gw // 4 + len(marks) for gh, gw in grids))
     cuts = sorted(torch.randperm(n_text - 1, generator=g)[:n_images].add(1).tolist())
@@ -258,7 +286,7 @@ def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_ty
     ids += text[prev:n_text]
     ours = ImageBatch(torch.cat([patchify(im, v.patch_size, v.merge_size) for im in images]),
                       torch.tensor(grids, dtype=torch.long))
-    return torch.tensor([ids]), make(images, v.patch_size), ours
+    return torch.tensor([ids]), make(images, v), ours
 
 
 def _raster_to_ours(grid_hw: torch.Tensor, merge: int) -> torch.Tensor:

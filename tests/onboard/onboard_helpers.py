@@ -9,11 +9,15 @@ import transformers
 
 
 def _glm5_next_cfg(text: dict, vision: dict | None = None):
-    """GLM-5.3-Flash (glm5_next): a text config plus a one-block vision tower (skipped by onboarding)."""
+    """GLM-5.3-Flash (glm5_next): a text config plus a one-block vision tower, its placeholder tokens (image, the
+    image span's start / end, video ones) the last ids of the vocabulary."""
     vc = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=text["hidden_size"],
               projection_intermediate_size=32)
     vc.update(vision or {})
-    return transformers.Glm5NextConfig(text_config=text, vision_config=vc)
+    V = text["vocab_size"]
+    return transformers.Glm5NextConfig(text_config=text, vision_config=vc, image_token_id=V - 4,
+                                       video_token_id=V - 3, image_start_token_id=V - 2, image_end_token_id=V - 1,
+                                       video_start_token_id=V - 6, video_end_token_id=V - 5)
 
 
 def tiny_cfg(model_type: str, **kw):
