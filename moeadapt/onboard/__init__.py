@@ -195,7 +195,8 @@ def report(result: dict, console=None) -> None:
                       f"{v['lengths']} random tokens (seed {v['seed']}), float32, vs {v['reference']}")
         if v.get("vision_parts"):
             console.print("  each document holds random images of different sizes, their placeholder tokens among "
-                          "the text (the lengths are the text budgets)")
+                          "the text (the lengths are the text budgets); each vision part is compared, the text "
+                          "model on transformers' image tokens")
         for part, d, m in v.get("vision_parts") or []:
             console.print(f"  vision {part}: max |Δh| = {d:.2e} (max |h| = {m:.2e})")
         for i, (d, m) in enumerate(v["per_layer"]):
@@ -204,6 +205,10 @@ def report(result: dict, console=None) -> None:
             console.print(f"  indexer: {v['tie_aligned'][0]} of {v['tie_aligned'][1]} query rows differed from "
                           "transformers only among keys of equal score (torch.topk breaks ties arbitrarily); "
                           "compared with our selection there")
+        if v.get("max_abs_diff_end_to_end") is not None:
+            console.print(f"  end to end (our image tokens into our text model): max |logit diff| = "
+                          f"{v['max_abs_diff_end_to_end']:.2e} (float32 rounding of the tokens, amplified by the "
+                          "text model; not gated)")
         ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
         console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}"
                       f"; per layer relative to max(1, max |h|)){'; ' + v['where'] if v['where'] else ''}")

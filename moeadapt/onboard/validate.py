@@ -7,7 +7,10 @@ every block's output and the logits in float32 (our ops on the reference backend
 differs by more than the tolerance is named. A vision-language family (a `vision` spec) runs on image + text
 documents: random images of different sizes, laid out as the family's transformers processor writes them
 (`_VISION_INPUTS`), their placeholder tokens in the text; the tower's parts (embedding, each block, final norm,
-merger + projector) are compared as well and the first diverging part is named. Must not write anything.
+merger + projector) are compared as well and the first diverging part is named. The text model reads
+transformers' image tokens in the compared run (`_feed_tokens`: float32 rounding of two towers, amplified by the
+text blocks, would otherwise blur the text comparison); our end-to-end logits are reported beside, not gated.
+Must not write anything.
 transformers is an optional dependency: only this module imports it.
 """
 
@@ -302,6 +305,25 @@ def _raster_to_ours(grid_hw: torch.Tensor, merge: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def _feed_tokens(ours: nn.Module, tokens: torch.Tensor):
+    """Our projector's output replaced by `tokens` (transformers' image tokens of the same images): the text
+    model and the placement of the image tokens are then compared on the same input. Float32 rounding makes the
+    two towers' tokens differ by ~1e-6 relative, which a text model's blocks amplify (GLM-5.3's KDA layers: up to
+    ~1e-4 in the logits of tiny random checkpoints); the towers themselves are compared part by part."""
+    def hook(_m, _args, out):
+        if out.shape != tokens.shape:
+            raise OnboardError(f"our projector gives {tuple(out.shape)} image tokens, transformers "
+                               f"{tuple(tokens.shape)}: the merger / projector map is wrong")
+        return tokens.to(out.dtype)
+
+    h = ours.vision.projector.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        h.remove()
+
+
+@contextlib.contextmanager
 def _record_vision(hf: nn.Module, ours: nn.Module, model_type: str, got_hf: list, got_ours: list):
     def keep(dst):
         def hook(_m, args, output=None):
@@ -368,7 +390,7 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
     g = torch.Generator().manual_seed(seed)
     lengths = sorted({T, max(2, 2 * T // 3 - 1), max(2, T // 3 + 1)}, reverse=True)
     per_layer = [[0.0, 0.0] for _ in range(n)]  # max |Δh|, max |h_ref| over the documents
-    logit_diff, logit_max = 0.0, 0.0
+    logit_diff, logit_max, e2e_diff = 0.0, 0.0, 0.0
     hf_blocks, our_blocks = _blocks(hf, n, exclude=vis[2] if vis else ()), _blocks(ours, n)
     ties = _IndexerTies(ours, hf, n) if has_indexer else None
     parts = [[label, 0.0, 0.0] for label, _, _ in vis[1](hf)] if vis else []  # vision: max |Δ|, max |h_ref|
@@ -379,8 +401,11 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
         v_got: list[torch.Tensor] = []
         if vis:  # two images of different sizes in the first and last document, one in the middle one
             ids, hf_images, images = _image_doc(part.spec, hf.config, L, 1 if d == 1 else 2, g, fam.model_type)
+            with torch.no_grad():  # transformers' image tokens: our text model reads them too (see below)
+                hf_tokens = torch.cat(hf.model.get_image_features(**hf_images).pooler_output).float()
             seen = contextlib.ExitStack()
             seen.enter_context(_record_vision(hf, ours, fam.model_type, v_ref, v_got))
+            seen.enter_context(_feed_tokens(ours, hf_tokens))  # after the recorder: it records our own tokens
         else:
             ids, hf_images, images, seen = (torch.randint(0, part.spec.vocab_size, (1, L), generator=g), {}, None,
                                             contextlib.nullcontext())
@@ -399,6 +424,10 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             per_layer[i][1] = max(per_layer[i][1], a.abs().max().item())
         logit_diff = max(logit_diff, (ref - got).abs().max().item())
         logit_max = max(logit_max, ref.abs().max().item())
+        if vis:  # our model end to end: its own image tokens into its text model
+            with torch.no_grad():
+                own = ours(ids, images=images).logits.float()
+            e2e_diff = max(e2e_diff, (ref - own).abs().max().item())
     bad = [i for i, (d, m) in enumerate(per_layer) if not d / max(1.0, m) <= tol]  # NaN counts as bad
     bad_parts = [p for p in parts if not p[1] / max(1.0, p[2]) <= tol]
     passed = not bad and not bad_parts and logit_diff <= tol
@@ -414,4 +443,5 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             "max_abs_diff": logit_diff, "max_abs_logit": logit_max, "tolerance": tol, "passed": bool(passed),
             "per_layer": [tuple(x) for x in per_layer], "first_bad_layer": first, "where": where,
             "tie_aligned": (ties.aligned, ties.rows) if ties else None,
-            "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None}
+            "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None,
+            "max_abs_diff_end_to_end": e2e_diff if vis else None}
