@@ -124,7 +124,8 @@ def test_onboard_validate_with_images(seed, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     res = onboard(d, validate=True, seed=seed)
     v, s = res["validation"], res["spec"]
-    print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "vision_parts", "per_layer")})
+    print({k: v[k] for k in ("max_abs_diff", "max_abs_diff_end_to_end", "max_abs_logit", "lengths", "vision_parts",
+                             "per_layer")})
     assert v["passed"], v["where"]
     assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1
     assert v["reference"].endswith("Glm5NextForConditionalGeneration")
@@ -134,6 +135,8 @@ def test_onboard_validate_with_images(seed, tmp_path):
     assert all(m > 0.05 for _, _, m in v["vision_parts"])  # every part really carried image features
     assert (s.vision.n_layers, s.vision.patch_size, s.vision.image_token_id) == (
         vc["depth"], vc["patch_size"], cfg["image_token_id"])
+    # our tokens into our text model: float32 rounding of the towers, amplified by the KDA blocks (~5e-6 - 1e-4)
+    assert v["max_abs_diff_end_to_end"] <= 10 * TOL
     c = res["check"]
     assert c["mapped"] == c["tensors"] and not c["ignored"]
     assert any(r.ours.startswith("vision.") and r.sources[0].startswith("model.visual.") for r in res["rules"])
@@ -167,6 +170,25 @@ def test_image_documents_are_what_transformers_reads(seed):
         assert t[at + 1:at + 1 + n] == [V - 4] * n and t[at + 1 + n] == V - 1
     assert t.count(V - 4) == ours.n_tokens
     torch.testing.assert_close(hf["pixel_values"], glm5_next_pixel_values(ours.pixel_values, vs))
+
+
+def test_image_token_count_mismatch_is_named(seed):
+    """The text model reads transformers' image tokens; a projector giving a different number of them is an error
+    naming the merger / projector map."""
+    from torch import nn
+
+    from moeadapt.onboard.validate import _feed_tokens
+
+    m = nn.Module()
+    m.vision = nn.Module()
+    m.vision.projector = nn.Identity()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+    with _feed_tokens(m, x[:4] + 1):
+        with pytest.raises(OnboardError, match=r"our projector gives \(6, 8\) image tokens, transformers \(4, 8\)"):
+            m.vision.projector(x)
+    with _feed_tokens(m, x + 1):
+        torch.testing.assert_close(m.vision.projector(x), x + 1)
+    torch.testing.assert_close(m.vision.projector(x), x)  # the hook is gone afterwards
 
 
 def test_broken_vision_copy_fails_naming_the_part(seed, tmp_path):
