@@ -2,9 +2,11 @@
 tensors (`model.visual.*`), and a validation of the tower + projector alone against transformers'
 Glm5NextVisionModel on random images.
 
-Owns only the vision side: the text model of glm5_next is mapped in families.py / names.py (a family reader
-attaches `glm5_next_vision_spec(cfg)` as its spec's `vision` and adds `glm5_next_vision_rules(spec)` to its
-rules). The tower: a Conv3d patch kernel over `temporal_patch_size` frames (an image fills them all), RMSNorms,
+Owns only the vision side: the text model of glm5_next is mapped in families.py / names.py; `_glm5_next` attaches
+`read_glm5_next_vision(reader)` as its spec's `vision` (the vision fields reported with the rest of the config)
+and `build_rules` adds `glm5_next_vision_rules(spec)` under `vision.`, so onboarding, training and
+`validate.validate_checkpoint` (image + text documents) see the whole model; `validate_glm5_next_vision` checks
+the tower + projector alone. The tower: a Conv3d patch kernel over `temporal_patch_size` frames (an image fills them all), RMSNorms,
 per-head q / k RMSNorm, 2-D RoPE with the row and column frequencies in consecutive quarters of the head
 (`_glm_rope_rows` permutes q / k rows and the q / k norm weights onto our layout), clamped SwiGLU MLPs; the
 projector: post-norm, a 2 x 2 stride-2 convolution, proj, LayerNorm, GELU, clamped SwiGLU (tower.py

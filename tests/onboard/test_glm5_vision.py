@@ -1,7 +1,10 @@
 """glm5_next (GLM-5.3-Flash) vision tower + projector alone against transformers' Glm5NextVisionModel on random
 images: a tiny random checkpoint (shapes and weights from the `seed` fixture) passes at 1e-4 in float32; our copy
 with one vision tensor perturbed FAILS naming the part; the RoPE row map and the SwiGLU clamp each matter; the
-config reader names what it cannot map; the pixel layout is the processor's."""
+config reader names what it cannot map; the pixel layout is the processor's. The whole vision-language model
+(tower + projector + text model) against Glm5NextForConditionalGeneration on image + text documents: onboard +
+validate pass, a perturbed vision tensor or the removed RoPE row map fails naming the part, a LoRA step trains
+with the tower frozen, the HF export gives the checkpoint's tensors back."""
 
 import json
 import random
@@ -252,3 +255,22 @@ def test_lora_step_on_the_checkpoint_keeps_vision_frozen(seed, tmp_path):
     inject_lora(m, LoRASpec(rank=2, alpha=4))
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and not n.startswith("vision.") for n in trainable)
+
+
+def test_hf_export_round_trips_the_vision_tensors(seed, tmp_path):
+    """Our model written back in the checkpoint's format (merge-adapter --format hf): every tensor, the vision
+    ones with their q / k rows and norm weights permuted back, equals the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from moeadapt.onboard import onboard_model
+    from moeadapt.onboard.export import save_hf_dir
+
+    d = _vl(tmp_path, seed)
+    ours, _ = onboard_model(d, dtype=torch.float32)
+    out = save_hf_dir(ours, d, tmp_path / "back")
+    want, got = load_file(str(d / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(got) == set(want) and any(k.startswith("model.visual.") for k in got)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, bad[:5]
+    q = want["model.visual.blocks.0.attn.qkv.weight"]
+    assert not torch.equal(ours.get_parameter("vision.tower.blocks.0.attn.qkv.weight"), q)  # permuted in ours
