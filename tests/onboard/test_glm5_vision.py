@@ -274,3 +274,26 @@ def test_hf_export_round_trips_the_vision_tensors(seed, tmp_path):
     assert not bad, bad[:5]
     q = want["model.visual.blocks.0.attn.qkv.weight"]
     assert not torch.equal(ours.get_parameter("vision.tower.blocks.0.attn.qkv.weight"), q)  # permuted in ours
+
+
+def test_family_reader_reports_vision_fields(seed):
+    """read_family on a glm5_next config: the VisionSpec attached; a vision field it cannot map is named with the
+    rest of the config (or a note under --allow-unmapped); without a vision_config the model is text-only."""
+    from onboard_helpers import _random_cfg
+
+    from moeadapt.onboard import read_family
+
+    cfg = _random_cfg("glm5_next", random.Random(seed)).to_dict()
+    fam = read_family(cfg)
+    assert fam.spec.vision is not None and fam.spec.vision.n_layers == cfg["vision_config"]["depth"]
+    assert fam.spec.vision.image_token_id == cfg["image_token_id"] and not fam.skip_prefixes
+    for change, needle in [({"window_size": 4}, r"vision_config\.window_size \(not understood\)"),
+                           ({"hidden_act": "gelu"}, r"vision_config\.hidden_act='gelu' \(the MLPs are SwiGLU\)")]:
+        bad = json.loads(json.dumps(cfg))
+        bad["vision_config"].update(change)
+        with pytest.raises(OnboardError, match=needle):
+            read_family(bad)
+        notes = read_family(bad, allow_unmapped=True).notes
+        assert any(n.startswith("ignored: vision_config.") for n in notes), notes
+    text_only = {k: v for k, v in cfg.items() if k != "vision_config"}
+    assert read_family(text_only).spec.vision is None
