@@ -206,7 +206,7 @@ def report(result: dict, console=None) -> None:
                           "transformers only among keys of equal score (torch.topk breaks ties arbitrarily); "
                           "compared with our selection there")
         if v.get("max_abs_diff_end_to_end") is not None:
-            console.print(f"  end to end (our image tokens into our text model): max |logit diff| = "
+            console.print(f"  end to end (our image tokens into our text model, first document): max |logit diff| = "
                           f"{v['max_abs_diff_end_to_end']:.2e} (float32 rounding of the tokens, amplified by the "
                           "text model; not gated)")
         ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"

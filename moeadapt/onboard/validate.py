@@ -9,7 +9,8 @@ documents: random images of different sizes, laid out as the family's transforme
 (`_VISION_INPUTS`), their placeholder tokens in the text; the tower's parts (embedding, each block, final norm,
 merger + projector) are compared as well and the first diverging part is named. The text model reads
 transformers' image tokens in the compared run (`_feed_tokens`: float32 rounding of two towers, amplified by the
-text blocks, would otherwise blur the text comparison); our end-to-end logits are reported beside, not gated.
+text blocks, would otherwise blur the text comparison); our end-to-end logits on the first document are reported
+beside, not gated.
 Must not write anything.
 transformers is an optional dependency: only this module imports it.
 """
@@ -424,7 +425,7 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             per_layer[i][1] = max(per_layer[i][1], a.abs().max().item())
         logit_diff = max(logit_diff, (ref - got).abs().max().item())
         logit_max = max(logit_max, ref.abs().max().item())
-        if vis:  # our model end to end: its own image tokens into its text model
+        if vis and d == 0:  # our model end to end (the longest document, two images): its own image tokens
             with torch.no_grad():
                 own = ours(ids, images=images).logits.float()
             e2e_diff = max(e2e_diff, (ref - own).abs().max().item())
