@@ -135,7 +135,7 @@ def test_onboard_validate_with_images(seed, tmp_path):
     vc = cfg["vision_config"]
     assert [p[0] for p in v["vision_parts"]] == (["patch embedding"] + [f"block {i}" for i in range(vc["depth"])]
                                                  + ["final norm", "projector"])
-    assert all(m > 0.05 for _, _, m in v["vision_parts"])  # every part really carried image features
+    assert all(m > 0.02 for _, _, m in v["vision_parts"])  # every part really carried image features
     assert (s.vision.n_layers, s.vision.patch_size, s.vision.image_token_id) == (
         vc["depth"], vc["patch_size"], cfg["image_token_id"])
     # our tokens into our text model: float32 rounding of the towers, amplified by the KDA blocks (~5e-6 - 1e-4)
@@ -297,3 +297,13 @@ def test_family_reader_reports_vision_fields(seed):
         assert any(n.startswith("ignored: vision_config.") for n in notes), notes
     text_only = {k: v for k, v in cfg.items() if k != "vision_config"}
     assert read_family(text_only).spec.vision is None
+
+
+def test_sliced_reads_match_the_whole_load(seed, tmp_path):
+    """FSDP's boxes of the vision tensors (RoPE-permuted qkv rows, permuted q / k norm weights, the Conv3d patch
+    kernel, the downsample kernel) equal the whole-tensor load."""
+    from test_sliced_read import _check_all_boxes
+
+    src = _check_all_boxes(_vl(tmp_path, seed), seed)
+    assert src.loader.rule("vision.tower.blocks.0.attn.qkv.weight").row_perm is not None
+    assert src.loader.rule("vision.tower.blocks.0.attn.q_norm.weight").row_perm is not None
