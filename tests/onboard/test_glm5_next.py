@@ -4,6 +4,7 @@ checkpoint (shapes from a fresh, printed seed) each of the family's features is 
 truncated model validates; the vision tower is mapped (test_glm5_vision.py validates it with the text model)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_features_each_matter(tmp_path, capsys):
     assert v["passed"] and v["layers"] == dsa + 1, v["where"]
     assert main(["onboard", str(d)]) == 0
     out = capsys.readouterr().out
-    assert "vision tower: 1 layers" in out and "kpool_indexer" in out
+    assert re.search(r"vision tower: [12] layers", out) and "kpool_indexer" in out  # random_checkpoint: depth 1 or 2
 
 
 def test_mtp_layer_is_skipped_and_vision_tensors_mapped(tmp_path):
