@@ -9,8 +9,10 @@ Per step (median over --steps after --warmup): `step` = dispatch -> experts -> c
 spent waiting on the dispatcher's collectives (counts exchange, forward and backward all-to-alls), summed
 from the profiler's `_c10d_functional::wait_tensor` events (functional collectives and their autograd
 backward) and `ep_wait` ranges (this checkout's `_Exchange.wait`, wrapped here): the same measure for any
-checkout. `sync_ms`: the layer's one host sync (counts all-to-all + the copy of the split sizes), as the
-dispatcher times it. Spawns its own ranks (no torchrun).
+checkout. `host_syncs_per_step`: host reads of device values inside the dispatcher, as it counts them (1 per
+layer in the variable-size exchange, 0 in the fixed-capacity one); `sync_ms`: that sync (counts all-to-all +
+the copy of the split sizes, older checkouts); `counts_ms`: the fixed-size counts all-to-all (the host waits
+for it on gloo; on NCCL it is stream-ordered). Spawns its own ranks (no torchrun).
 """
 
 from __future__ import annotations
@@ -82,10 +84,11 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         timing: dict = {}
         disp = EPDispatcher(group, c, timing=timing)
         step, blocked = timed(lambda d=disp: d(experts, z, ids, w, E, backend="reference").sum().backward())
-        syncs = timing.get("syncs", 0)  # recorded by this checkout's dispatcher only
+        syncs = timing.get("syncs", 0)  # recorded by the dispatcher (checkouts that count them)
         out.append({"chunks": c, "step_ms": round(1e3 * step, 1), "compute_ms": round(1e3 * compute, 1),
                     "blocked_ms": round(1e3 * blocked, 1), "rank": rank, "host_syncs_per_step": syncs / n_steps,
-                    "sync_ms": round(1e3 * timing["sync_s"] / syncs, 2) if syncs else None})
+                    "sync_ms": round(1e3 * timing["sync_s"] / syncs, 2) if syncs and "sync_s" in timing else None,
+                    "counts_ms": round(1e3 * timing["counts_s"] / n_steps, 2) if "counts_s" in timing else None})
     if rank == 0:
         print(json.dumps({"repo": str(Path(args.repo).resolve()), "world": world, "T": T, "K": K, "E": E, "L": L,
                           "F": F}))

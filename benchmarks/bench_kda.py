@@ -251,7 +251,6 @@ def sweep(shape):
         dict(local_BK2=32, intra2_warps=4),
         dict(local_warps=4),
         dict(dh_warps=4, dv_warps=4),
-        dict(fuse_wu=True),
         dict(local_BK=64),
         dict(h_BV=16),
         dict(h_BV=32),

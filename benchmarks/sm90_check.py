@@ -13,7 +13,6 @@ so the kernels are real JITFunctions) compiles each distinct launch ahead of tim
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json  # noqa: E402
 import os
 import subprocess  # noqa: E402
@@ -159,10 +158,7 @@ def run_kda(a):
     g = (-torch.rand(B, T, H, D)).requires_grad_()
     beta = torch.rand(B, T, H).to(dt).requires_grad_()
     h0 = torch.zeros(B, H, D, D).requires_grad_()
-    from moeadapt.ops.kda.triton_kda import LAUNCH
-
-    launch = dataclasses.replace(LAUNCH, fuse_wu=a.fuse_wu)
-    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton", launch=launch)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
     (o.float().sum() + ht.sum()).backward()
 
 
@@ -173,7 +169,6 @@ def main():
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--fuse-wu", action="store_true", help="kda: w / u inside _fwd_intra (KDALaunch.fuse_wu)")
     a, rest = p.parse_known_args()
     a.pytest_args = rest  # op=pytest: everything else goes to pytest
     if rest and a.op != "pytest":

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
 
 @pytest.fixture
 def seed():
-    """A fresh seed per test, printed so a failure can be replayed (MOEADAPT_TEST_SEED=<seed> replays it)."""
+    """A fresh seed per test, printed so a failure can be replayed (MOEADAPT_TEST_SEED=s fixes it)."""
     s = int(os.environ.get("MOEADAPT_TEST_SEED") or random.SystemRandom().randrange(2**31))
     print(f"seed={s} (MOEADAPT_TEST_SEED={s} replays it)")
     torch.manual_seed(s)

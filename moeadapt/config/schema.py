@@ -7,6 +7,7 @@ Must not import torch or any other part of moeadapt (config is the root of the i
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -418,10 +419,21 @@ class ParallelSpec(_Strict):
                                       "input in (pinned) host memory instead of on the GPU")
     reshard_after_forward: bool = True
     a2a_chunks: int = Field(default=1, ge=1)
+    ep_capacity_factor: float = Field(default=1.5, description="EP exchange rows per rank pair and chunk, as a "
+                                      "multiple of the balanced share T*K/ep (rounded up to 64); an overflow "
+                                      "grows it and re-runs the step, so results stay exact")
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp
+
+    @model_validator(mode="after")
+    def _capacity_factor_positive(self) -> ParallelSpec:
+        f = self.ep_capacity_factor
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"parallel.ep_capacity_factor={f} must be a finite number > 0 (the default 1.5 leaves "
+                             "room for 1.5x the balanced share of rows per EP rank pair); e.g. 1.5 or 2.0")
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_full(self) -> ParallelSpec:

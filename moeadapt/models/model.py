@@ -213,7 +213,6 @@ class HybridMoEModel(nn.Module):
                 per_tok = F.cross_entropy(logits.to(acc).view(-1, logits.shape[-1]), labels.reshape(-1),
                                           ignore_index=-100, reduction="none")
                 loss = (per_tok * weight).sum()
-        aux_log = {k: float(v) for k, v in aux_log.items()}  # one device sync per aux loss, not per layer
         return ModelOutput(logits if return_logits else None, loss, aux_total, aux_log, moe_stats)
 
 

@@ -48,7 +48,10 @@ class GroupedExperts(nn.Module):
 
     `lora_path` (LoRA'd experts only) limits the fused passes `expert_lora_path` may pick: "auto" (lean_lora
     where it runs, else the folded input passes of fused_lora, else each projection through grouped_lora),
-    "fold" (never lean), "layers" (never lean nor folded: each projection on its own)."""
+    "fold" (never lean), "layers" (never lean nor folded: each projection on its own).
+    `forward` accepts more rows than offsets[-1] (the EP exchange's padding, parallel/expert.py): they belong
+    to no expert, no real row's output nor any weight gradient depends on them, and their own outputs are
+    unspecified (zeros on the reference path, unwritten by the kernels)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, limit: float | None = None):
         super().__init__()

@@ -11,8 +11,8 @@ shared-indexer layers), kimi_linear (KDA + NoPE MLA + MoE), qwen3_moe (GQA + MoE
 type), qwen3_next (Gated DeltaNet "gdn" + gated GQA), qwen3_5_moe (Qwen3.5-MoE's text model: qwen3_next with split
 DeltaNet projections, under model.language_model.; vision tower skipped), minimax_m2 (GQA + sigmoid-routed MoE),
 glm5_next's text model (GLM-5.3-Flash: KDA with a lower-bounded gate + NoPE MLA with a KPool indexer and
-shared-indexer layers, clamped SwiGLU, hyper-connection residual streams; its vision tower is skipped here,
-glm5_vision.py maps it on its own), kimi_k25 (MoonViT vision tower + 2 x 2 merger + MLP projector in front of a
+shared-indexer layers, clamped SwiGLU, hyper-connection residual streams; with its vision tower + projector,
+mapped by glm5_vision.py, in front), kimi_k25 (MoonViT vision tower + 2 x 2 merger + MLP projector in front of a
 deepseek_v3 text model; images only, no video), and our own format (config.json with a "moeadapt" key).
 """
 
@@ -461,10 +461,12 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
     """GLM-5.3-Flash (transformers' glm5_next), text model: 3 KDA (lower-bounded gate) : 1 DSA over NoPE MLA
     (no rope channels) with a KPool indexer that always selects the query's own incomplete block, 'shared'
     indexer layers, clamped SwiGLU everywhere, hc_mult hyper-connection residual streams. The fields live in
-    `text_config` (or at the top level of a flat config); the vision tower is not mapped (skipped, with a note)."""
-    top = r.cfg
+    `text_config` (or at the top level of a flat config). With a `vision_config`, the vision tower + projector
+    (glm5_vision.py: its VisionSpec and its `model.visual.*` name map) sit in front of the text model; images
+    only: video clips (their placeholder spans, the frames of the patch kernel beyond one image) are not used."""
+    top, top_r = r.cfg, r
     tie = None
-    # the multimodal wrapper's fields: placeholder token ids of the (unmapped) vision tower
+    # the multimodal wrapper's fields: placeholder token ids (the image one is the VisionSpec's; video unused)
     r.used.update({"text_config", "vision_config", "image_token_id", "video_token_id", "image_start_token_id",
                    "image_end_token_id", "video_start_token_id", "video_end_token_id"})
     if isinstance(top.get("text_config"), dict):
@@ -473,10 +475,12 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
         sub = _Reader(top["text_config"], "text_config")
         r.children.append(sub)
         r = sub
+    vision = None
     if top.get("vision_config"):
-        fam.notes.append("vision tower (vision_config, model.visual.*) not mapped: its weights are skipped; "
-                         "moeadapt serves the text model")
-        fam.skip_prefixes["model.visual."] = "vision tower (not mapped: text model only)"
+        from .glm5_vision import read_glm5_next_vision  # it imports this module: read here, not at import
+
+        vision = read_glm5_next_vision(top_r)
+        fam.notes.append("glm5_next: images only (video clips and their placeholder spans are not used)")
     _silu(r)
     kw = _common(r)
     if tie is not None:
@@ -527,6 +531,8 @@ def _glm5_next(r: _Reader, fam: Family) -> dict:
                          "key; moeadapt gives it zero attention output where transformers' eager attention "
                          "averages every position of the sequence (future ones included), so --validate differs "
                          "there")
+    if vision is not None:
+        kw["vision"] = vision
     fam.prefix = "model.language_model."
     fam.hf_class = "Glm5NextForConditionalGeneration"
     # transformers skips the multi-token-prediction layer GLM-5.3-Flash ships after the last one (layers.45.*)

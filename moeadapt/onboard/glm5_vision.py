@@ -2,9 +2,11 @@
 tensors (`model.visual.*`), and a validation of the tower + projector alone against transformers'
 Glm5NextVisionModel on random images.
 
-Owns only the vision side: the text model of glm5_next is mapped in families.py / names.py (a family reader
-attaches `glm5_next_vision_spec(cfg)` as its spec's `vision` and adds `glm5_next_vision_rules(spec)` to its
-rules). The tower: a Conv3d patch kernel over `temporal_patch_size` frames (an image fills them all), RMSNorms,
+Owns only the vision side: the text model of glm5_next is mapped in families.py / names.py; `_glm5_next` attaches
+`read_glm5_next_vision(reader)` as its spec's `vision` (the vision fields reported with the rest of the config)
+and `build_rules` adds `glm5_next_vision_rules(spec)` under `vision.`, so onboarding, training and
+`validate.validate_checkpoint` (image + text documents) see the whole model; `validate_glm5_next_vision` checks
+the tower + projector alone. The tower: a Conv3d patch kernel over `temporal_patch_size` frames (an image fills them all), RMSNorms,
 per-head q / k RMSNorm, 2-D RoPE with the row and column frequencies in consecutive quarters of the head
 (`_glm_rope_rows` permutes q / k rows and the q / k norm weights onto our layout), clamped SwiGLU MLPs; the
 projector: post-norm, a 2 x 2 stride-2 convolution, proj, LayerNorm, GELU, clamped SwiGLU (tower.py
@@ -36,6 +38,21 @@ def glm5_next_vision_spec(cfg: dict, allow_unmapped: bool = False) -> VisionSpec
     """The VisionSpec of a glm5_next config.json (its `vision_config`, the image token, the text hidden size).
     Raises OnboardError naming every vision field that is not understood or cannot be honoured."""
     r = _Reader(cfg, "glm5_next")
+    spec = read_glm5_next_vision(r)
+    v = r.children[-1]
+    left = sorted(k for k in v.cfg if k not in v.used and k not in HARMLESS)
+    problems = [f"vision_config.{k} (not understood)" for k in left] + [f"vision_config.{p}" for p in v.unsupported]
+    if problems and not allow_unmapped:
+        raise OnboardError(f"glm5_next config: {len(problems)} vision field(s) cannot be mapped onto VisionSpec: "
+                           + "; ".join(problems) + ". Fix the config or pass --allow-unmapped")
+    return spec
+
+
+def read_glm5_next_vision(r: _Reader) -> VisionSpec:
+    """The VisionSpec read through `r`, the reader of the config's top level: its `vision_config` becomes a child
+    reader of `r`, so the fields it leaves unread (or cannot honour) are reported when `r` finishes (families.py
+    `_glm5_next`); `image_token_id` is read from the top level."""
+    cfg = r.cfg
     v = _sub_reader(r, "vision_config")
     text = cfg.get("text_config") or cfg  # flat (text-only layout) configs keep the text fields at the top
     D, H = v.need("hidden_size"), v.need("num_heads", "num_attention_heads")
@@ -54,11 +71,6 @@ def glm5_next_vision_spec(cfg: dict, allow_unmapped: bool = False) -> VisionSpec
               swiglu_limit=v.get("swiglu_limit", default=10.0), norm_eps=float(v.get("rms_norm_eps", default=1e-5)))
     v.get("attention_bias")  # biases of qkv / proj / MLP: absent ones are zeros (glm5_next_vision_rules)
     v.used |= _VISION_HARMLESS
-    left = sorted(k for k in v.cfg if k not in v.used and k not in HARMLESS)
-    problems = [f"vision_config.{k} (not understood)" for k in left] + [f"vision_config.{p}" for p in v.unsupported]
-    if problems and not allow_unmapped:
-        raise OnboardError(f"glm5_next config: {len(problems)} vision field(s) cannot be mapped onto VisionSpec: "
-                           + "; ".join(problems) + ". Fix the config or pass --allow-unmapped")
     try:
         return VisionSpec(**kw, hidden_size=D, n_heads=H, rope_theta=float(vp.get("rope_theta", 10000.0)),
                           image_token_id=r.need("image_token_id"), norm="rmsnorm", qk_norm=True, mlp_act="swiglu",

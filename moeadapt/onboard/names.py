@@ -242,6 +242,8 @@ def _build_rules(fam: Family) -> list[Rule]:
         if fam.model_type == "kimi_k25" and name.startswith("vision."):
             rules.append(_kimi_k25_vision_rule(fam, name, shape))
             continue
+        if fam.model_type == "glm5_next" and name.startswith("vision."):
+            continue  # the tower's rules come all at once from glm5_vision.py (below)
         pre = fam.prefix
         top = {"embed.weight": f"{pre}embed_tokens.weight", "norm.weight": f"{pre}norm.weight",
                "lm_head.weight": "lm_head.weight"}
@@ -279,6 +281,11 @@ def _build_rules(fam: Family) -> list[Rule]:
             elif rel == "attn.wkv_a.weight":
                 r.row_perm = _rope_rows(1, spec.kv_lora_rank + rope, spec.kv_lora_rank, rope)
         rules.append(r)
+    if fam.model_type == "glm5_next" and spec.vision is not None:  # the tower + projector under model.visual.
+        from .glm5_vision import glm5_next_vision_rules  # it imports this module
+
+        bias = (fam.raw.get("vision_config") or {}).get("attention_bias", True)
+        rules += glm5_next_vision_rules(spec.vision, spec.hidden_size, bias, prefix="vision.")
     if fam.model_type == "kimi_k25":  # the deepseek_v3 text model lives under language_model.
         for r in rules:
             if not r.ours.startswith("vision."):

@@ -7,7 +7,11 @@ every block's output and the logits in float32 (our ops on the reference backend
 differs by more than the tolerance is named. A vision-language family (a `vision` spec) runs on image + text
 documents: random images of different sizes, laid out as the family's transformers processor writes them
 (`_VISION_INPUTS`), their placeholder tokens in the text; the tower's parts (embedding, each block, final norm,
-merger + projector) are compared as well and the first diverging part is named. Must not write anything.
+merger + projector) are compared as well and the first diverging part is named. The text model reads
+transformers' image tokens in the compared run (`_feed_tokens`: float32 rounding of two towers, amplified by the
+text blocks, would otherwise blur the text comparison); our end-to-end logits on the first document are reported
+beside, not gated.
+Must not write anything.
 transformers is an optional dependency: only this module imports it.
 """
 
@@ -196,9 +200,10 @@ class _IndexerTies:
         return hook
 
 
-def _kimi_k25_images(images: list[torch.Tensor], patch: int) -> dict:
+def _kimi_k25_images(images: list[torch.Tensor], v) -> dict:
     """Kimi_K25ImageProcessor's output for images [C, H, W] already resized and normalised: pixel_values
     [N, C, p, p] (each image's patches in raster order, images one after another), image_grid_thw [I, 3]."""
+    patch = v.patch_size
     px, grid = [], []
     for im in images:
         C, H, W = im.shape
@@ -216,11 +221,35 @@ def _kimi_k25_parts(hf: nn.Module) -> list[tuple[str, nn.Module, str]]:
             + [("final norm", vt.final_layernorm, "patches"), ("merger + projector", proj, "tokens")])
 
 
+def _glm5_next_images(images: list[torch.Tensor], v) -> dict:
+    """Glm5NextImageProcessor's output for images [C, H, W] already resized and normalised: pixel_values
+    [N, C * T * p * p] (each image's patches in merge-block order, as ours, every patch repeated over the T
+    frames of the Conv3d kernel after its channel), image_grid_thw [I, 3] (t = 1 for an image)."""
+    from ..models.vision import patchify
+    from .glm5_vision import glm5_next_pixel_values
+
+    px = torch.cat([glm5_next_pixel_values(patchify(im, v.patch_size, v.merge_size), v) for im in images])
+    grid = [[1, im.shape[1] // v.patch_size, im.shape[2] // v.patch_size] for im in images]
+    return {"pixel_values": px, "image_grid_thw": torch.tensor(grid, dtype=torch.long)}
+
+
+def _glm5_next_parts(hf: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(part, transformers module, what its output holds) of the GLM-5.3-Flash vision side, in forward order."""
+    v = hf.model.visual
+    return ([("patch embedding", v.patch_embed, "packed")]
+            + [(f"block {i}", b, "packed") for i, b in enumerate(v.blocks)]
+            + [("final norm", v.post_layernorm, "packed"), ("projector", v.merger, "tokens")])
+
+
 # model_type -> (the processor's image inputs, the vision parts compared, ModuleList prefixes that are not the
-# text model's decoder layers, the text tokens around each image's placeholders: config attribute names)
+# text model's decoder layers, the text tokens around each image's placeholders: config attribute names).
+# A part holds "patches" (in raster order: permuted to ours before the comparison), "packed" (patches already in
+# our merge-block order) or "tokens" (merged, projected image tokens).
 _VISION_INPUTS = {
     "kimi_k25": (_kimi_k25_images, _kimi_k25_parts, ("model.vision_tower",),
                  ("vision_start_token_id", "vision_end_token_id")),
+    "glm5_next": (_glm5_next_images, _glm5_next_parts, ("model.visual",),
+                  ("image_start_token_id", "image_end_token_id")),
 }
 
 
@@ -247,7 +276,10 @@ def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_ty
             grids.append((gh, gw))
     images = [torch.randn(v.in_channels, gh * v.patch_size, gw * v.patch_size, generator=g) for gh, gw in grids]
     marks = [t for t in (getattr(hf_cfg, a, None) for a in around) if t is not None and t < spec.vocab_size]
-    special = {v.image_token_id, *marks, getattr(hf_cfg, "video_token_id", None)}
+    # no random text token may be a placeholder or open a video span (GLM tells images from video by the span)
+    special = {v.image_token_id, *marks, *(getattr(hf_cfg, a, None) for a in (
+        "video_token_id", "video_start_token_id", "video_end_token_id", "vision_start_token_id",
+        "vision_end_token_id", "image_start_token_id", "image_end_token_id"))}
     text = [t for t in torch.randint(0, spec.vocab_size, (4 * L,), generator=g).tolist() if t not in special]
     n_text = max(n_images + 2, L - sum(gh * gw // 4 + len(marks) for gh, gw in grids))
     cuts = sorted(torch.randperm(n_text - 1, generator=g)[:n_images].add(1).tolist())
@@ -258,7 +290,7 @@ def _image_doc(spec, hf_cfg, L: int, n_images: int, g: torch.Generator, model_ty
     ids += text[prev:n_text]
     ours = ImageBatch(torch.cat([patchify(im, v.patch_size, v.merge_size) for im in images]),
                       torch.tensor(grids, dtype=torch.long))
-    return torch.tensor([ids]), make(images, v.patch_size), ours
+    return torch.tensor([ids]), make(images, v), ours
 
 
 def _raster_to_ours(grid_hw: torch.Tensor, merge: int) -> torch.Tensor:
@@ -271,6 +303,25 @@ def _raster_to_ours(grid_hw: torch.Tensor, merge: int) -> torch.Tensor:
         out.append(off + pos[:, 0] * w + pos[:, 1])
         off += h * w
     return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _feed_tokens(ours: nn.Module, tokens: torch.Tensor):
+    """Our projector's output replaced by `tokens` (transformers' image tokens of the same images): the text
+    model and the placement of the image tokens are then compared on the same input. Float32 rounding makes the
+    two towers' tokens differ by ~1e-6 relative, which a text model's blocks amplify (GLM-5.3's KDA layers: up to
+    ~1e-4 in the logits of tiny random checkpoints); the towers themselves are compared part by part."""
+    def hook(_m, _args, out):
+        if out.shape != tokens.shape:
+            raise OnboardError(f"our projector gives {tuple(out.shape)} image tokens, transformers "
+                               f"{tuple(tokens.shape)}: the merger / projector map is wrong")
+        return tokens.to(out.dtype)
+
+    h = ours.vision.projector.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        h.remove()
 
 
 @contextlib.contextmanager
@@ -340,7 +391,7 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
     g = torch.Generator().manual_seed(seed)
     lengths = sorted({T, max(2, 2 * T // 3 - 1), max(2, T // 3 + 1)}, reverse=True)
     per_layer = [[0.0, 0.0] for _ in range(n)]  # max |Δh|, max |h_ref| over the documents
-    logit_diff, logit_max = 0.0, 0.0
+    logit_diff, logit_max, e2e_diff = 0.0, 0.0, 0.0
     hf_blocks, our_blocks = _blocks(hf, n, exclude=vis[2] if vis else ()), _blocks(ours, n)
     ties = _IndexerTies(ours, hf, n) if has_indexer else None
     parts = [[label, 0.0, 0.0] for label, _, _ in vis[1](hf)] if vis else []  # vision: max |Δ|, max |h_ref|
@@ -351,8 +402,11 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
         v_got: list[torch.Tensor] = []
         if vis:  # two images of different sizes in the first and last document, one in the middle one
             ids, hf_images, images = _image_doc(part.spec, hf.config, L, 1 if d == 1 else 2, g, fam.model_type)
+            with torch.no_grad():  # transformers' image tokens: our text model reads them too (see below)
+                hf_tokens = torch.cat(hf.model.get_image_features(**hf_images).pooler_output).float()
             seen = contextlib.ExitStack()
             seen.enter_context(_record_vision(hf, ours, fam.model_type, v_ref, v_got))
+            seen.enter_context(_feed_tokens(ours, hf_tokens))  # after the recorder: it records our own tokens
         else:
             ids, hf_images, images, seen = (torch.randint(0, part.spec.vocab_size, (1, L), generator=g), {}, None,
                                             contextlib.nullcontext())
@@ -371,6 +425,10 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             per_layer[i][1] = max(per_layer[i][1], a.abs().max().item())
         logit_diff = max(logit_diff, (ref - got).abs().max().item())
         logit_max = max(logit_max, ref.abs().max().item())
+        if vis and d == 0:  # our model end to end (the longest document, two images): its own image tokens
+            with torch.no_grad():
+                own = ours(ids, images=images).logits.float()
+            e2e_diff = max(e2e_diff, (ref - own).abs().max().item())
     bad = [i for i, (d, m) in enumerate(per_layer) if not d / max(1.0, m) <= tol]  # NaN counts as bad
     bad_parts = [p for p in parts if not p[1] / max(1.0, p[2]) <= tol]
     passed = not bad and not bad_parts and logit_diff <= tol
@@ -386,4 +444,5 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             "max_abs_diff": logit_diff, "max_abs_logit": logit_max, "tolerance": tol, "passed": bool(passed),
             "per_layer": [tuple(x) for x in per_layer], "first_bad_layer": first, "where": where,
             "tie_aligned": (ties.aligned, ties.rows) if ties else None,
-            "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None}
+            "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None,
+            "max_abs_diff_end_to_end": e2e_diff if vis else None}

@@ -31,9 +31,12 @@ from .expert import EPDispatcher, shard_experts
 from .mesh import ParallelDims
 
 
-def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None) -> nn.Module:
+def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None,
+                      tokens_per_forward: int | None = None) -> nn.Module:
     """In place; call after LoRA injection and before building the optimizer: on the meta-built model (the
-    scale-true build, train/build.py: then `to_empty` + parallel.shards.fill_shards) or on a materialised one."""
+    scale-true build, train/build.py: then `to_empty` + parallel.shards.fill_shards) or on a materialised one.
+    tokens_per_forward (this rank's tokens in one forward, the trainer's micro-batch) sizes the EP exchange's
+    capacity on every rank alike; None: each EP layer sizes it at its first call."""
     spec = dims.spec
     if spec.cp > 1:  # each rank holds pieces of every sequence; KDA / DSA exchange states and keys
         set_context_parallel(model, dims.cp_layout())
@@ -45,7 +48,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         for m in model.modules():
             if isinstance(m, LatentMoE):
                 m.dispatcher = EPDispatcher(dims.ep_group, spec.a2a_chunks, timing=dispatch_timing,
-                                            dropless=getattr(m.dispatcher, "dropless", False))
+                                            capacity_factor=spec.ep_capacity_factor, tokens=tokens_per_forward,
+                                            top_k=m.spec.n_experts_per_tok)
     apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
     for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
         if isinstance(m, GroupedLoRALinear):

@@ -1,7 +1,8 @@
 """What the trainer needs from parallel/ when launched by torchrun: one object, one call per hook.
 
 Owns: `DistributedRun` — joins the process group, builds the meshes from `cfg.parallel`, parallelizes the
-model, reduces the logged loss, agrees on skipping a non-finite step, clips gradients over both meshes,
+model, reduces the logged loss, agrees on skipping a non-finite step and on re-running one whose EP exchange
+overflowed, clips gradients over both meshes,
 all-reduces router counts, saves / loads DCP checkpoints, loads `init_from` and exports the model shard by
 shard (parallel/sharded_io.py: no rank ever holds the whole model), and gathers the LoRA adapters onto rank 0. The trainer keeps the loop and talks to this object only through
 the methods `train.local.LocalRun` (the single-process run) has too.
@@ -9,12 +10,15 @@ the methods `train.local.LocalRun` (the single-process run) has too.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import RunConfig
 from .checkpoint import load_distributed, save_distributed
+from .expert import check_capacity
 from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
 from .sharded_io import export_sharded, gather_adapters, load_init_from
@@ -44,7 +48,16 @@ class DistributedRun:
         return self.rank == 0
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        return parallelize_model(model, self.dims)
+        t = self.cfg.train  # every rank's EP exchange is sized for the same tokens per forward
+        per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
+        return parallelize_model(model, self.dims, tokens_per_forward=t.micro_batch_size * per_fwd * t.seq_len
+                                 // self.cfg.parallel.cp)
+
+    def capacity_overflow(self, model: nn.Module) -> str | None:
+        """Once per step (and evaluation): did an EP exchange overflow its capacity on any rank since the last
+        call? Then the capacities have grown and the returned notice says so: the caller re-runs the work.
+        Collective (one small all-reduce, one host read)."""
+        return check_capacity(model)
 
     def mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -56,6 +69,15 @@ class DistributedRun:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor,
+                     grad_norm: torch.Tensor) -> tuple[float, bool, bool]:
+        """(mean loss over ranks, every rank's losses finite, global gradient norm finite): one all-reduce and
+        one host read per step. Collective; every rank gets the same verdict."""
+        t = torch.stack([loss.double(), (~losses_finite).double()])
+        dist.all_reduce(t)
+        v = torch.cat([t, grad_norm.double().reshape(1).to(t.device)]).tolist()
+        return v[0] / self.world, v[1] == 0, math.isfinite(v[2])
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""

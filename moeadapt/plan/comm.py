@@ -8,8 +8,10 @@ Stated hardware (H200 SXM nodes of 8 GPUs; override with `Hardware(...)`):
     an all-to-all over ep ranks sends (ep - 8) / ep of its bytes over IB when ep > 8;
   * bf16 dense peak 989 TFLOP/s per GPU at 40% MFU for the GEMMs;
   * FSDP collectives overlap with compute (prefetch): only the part beyond 85% of compute is exposed;
-    the EP all-to-all sits on the critical path between router and experts: exposed in full, times the
-    routing straggler factor (max/mean rank load, 1.3 by default; see `moeadapt simulate-routing`);
+    the EP all-to-all sits on the critical path between router and experts: exposed in full. It moves the
+    runtime's fixed [ep, cap, L] buffers (parallel/expert.py: padding included, the same bytes for every
+    rank pair whatever the routing), so the routing straggler factor (max/mean rank load, 1.3 by default;
+    see `moeadapt simulate-routing`) slows the expert compute, not the all-to-all;
   * context parallelism: DSA layers all-gather the kv latent + RoPE part and the index keys (and reduce-scatter
     their gradient), GQA layers their k/v, KDA layers all-gather each piece's fp32 (final state, transition)
     [H, K, V + K] (backward: [H, K, V]), 2 pieces per rank, 15 us latency per collective; exposed in full.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
-from .memory import Plan, param_counts
+from .memory import Plan, ep_rows_per_token, param_counts
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
     n_moe = sum(spec.is_moe_layer(i) for i in range(spec.n_layers))
     L = spec.latent_dim or spec.hidden_size
     a2a_passes = 6 if plan.recompute == "full" else 4  # dispatch + combine, forward (+ recompute) + backward
-    a2a_layer = t * spec.n_experts_per_tok * L * act_bytes * (ep - 1) / ep if ep > 1 else 0.0
+    rows = ep_rows_per_token(spec, plan) or 0.0  # every chunk's ep * cap rows per local token, padding included
+    a2a_layer = t * rows * L * act_bytes * (ep - 1) / ep if ep > 1 else 0.0
     a2a = a2a_passes * n_moe * a2a_layer
     # context parallelism: DSA gathers the kv latent + index keys of the whole sequence, GQA its k/v (ring);
     # KDA all-gathers (S_loc, M) of the 2 pieces per rank (ops/kda/cp.py): small, latency-bound
@@ -90,9 +93,9 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
     fsdp_s = ag / (_bw(n, hw) * 1e9) + rs / (_bw(n, hw) * 1e9) / grad_accum
     if ep > hw.gpus_per_node:
         ib_frac = (ep - hw.gpus_per_node) / ep
-        a2a_s = straggler * a2a * (ib_frac / (hw.ib_GBps * 1e9) + (1 - ib_frac) / (hw.nvlink_GBps * 1e9))
+        a2a_s = a2a * (ib_frac / (hw.ib_GBps * 1e9) + (1 - ib_frac) / (hw.nvlink_GBps * 1e9))
     else:
-        a2a_s = straggler * a2a / (hw.nvlink_GBps * 1e9)
+        a2a_s = a2a / (hw.nvlink_GBps * 1e9)
     cp_s = cp_bytes / (_bw(plan.cp, hw) * 1e9) + cp_lat
     exposed_fsdp = max(0.0, fsdp_s - hw.fsdp_overlap * compute_s)
     step_s = compute_s + exposed_fsdp + a2a_s + cp_s

@@ -24,8 +24,10 @@ allocated), and the bytes each rank holds at the step's peak:
               i are freed by then, blocks below still kept). Phases are evaluated one by one with the parameter
               gradients alive in each (none in forward, blocks >= i in backward i) and the largest is the peak
               (`peak_phase` in the result);
-  a2a         dispatch + combine send/receive buffers of one MoE layer, latent width, times the routing
-              straggler factor (max/mean rank load);
+  a2a         dispatch + combine send/receive buffers of one MoE layer, latent width: the runtime's fixed
+              [ep, cap, L] per chunk (parallel/expert.py `capacity_rows`, from `ep_capacity_factor` and
+              `a2a_chunks`), independent of the routing skew; under EP the experts' saved tensors also count
+              those padded rows (`ep_rows_per_token`);
   reserve     allocator fragmentation and workspaces: a fraction of the rest plus a fixed CUDA context.
 Element sizes: bf16 activations on GPU (`act_bytes=2`, autocast; the residual stream and norm outputs stay
 fp32), fp32 on CPU (`act_bytes=4`). Two op paths: `backend="reference"` (CPU: the plain-PyTorch KDA / DSA / MoE
@@ -63,6 +65,8 @@ class Plan:
     micro_batch: int
     seq_len: int
     offload: bool = False  # full recompute only: block inputs in host memory (parallel.offload_activations)
+    a2a_chunks: int = 1  # parallel.a2a_chunks
+    ep_capacity_factor: float = 1.5  # parallel.ep_capacity_factor
 
     @property
     def shard(self) -> int:
@@ -257,12 +261,14 @@ def _keep_swiglu(acc, who: str, S: float, ref: bool, ref_widths: int = 3) -> Non
 
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
                targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None,
-               expert_lora: str | None = None, fused_buffer: bool = True) -> _Acc:
+               expert_lora: str | None = None, fused_buffer: bool = True, expert_rows: float | None = None) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
     block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`. Kernel path: `expert_lora` forces the
     grouped LoRA backend ("lean" | "fused" | "triton" | "torch"; "fused" never lean); None = what ops/moe
     `expert_lora_path` picks on CUDA for these rows per expert (`fused_buffer`: the layer owns its [W | Bᵀ]
-    buffer, i.e. no FSDP)."""
+    buffer, i.e. no FSDP). expert_rows: rows the experts' GEMMs and SwiGLU run over per local token (None: K;
+    under EP the fixed-capacity exchange's padded rows, `ep_rows_per_token`); the reference path's padded
+    [E, C, in] buffers follow the real rows (K)."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
     # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
@@ -412,6 +418,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         _lin_in(acc, "w2 input", S, int(tr("ffn.w2")), False)
         return acc
     E, Kt, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
+    Kx = expert_rows or Kt
     L = spec.latent_dim or d
     S = spec.n_shared_experts * (spec.shared_intermediate_size or F)
     sh = ("ffn.shared.w1", "ffn.shared.w3")
@@ -474,35 +481,35 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         #          once, h = s x [A1 | A3] (2 rank wide, padded to 8), w1 / w3 outputs (the SwiGLU inputs, below),
         #          acat = [a | s a A2] (w2's input), and w2's GEMM output under selective
         if lean:
-            acc.keep("experts x (permuted rows, lean)", Kt * L)
-            acc.keep("experts h = s x [A1 | A3] (lean)", Kt * ((2 * rank + 7) // 8 * 8))
-            acc.keep("experts.w2 acat [a | s a A] (lean)", Kt * (F + (rank + 7) // 8 * 8))
+            acc.keep("experts x (permuted rows, lean)", Kx * L)
+            acc.keep("experts h = s x [A1 | A3] (lean)", Kx * ((2 * rank + 7) // 8 * 8))
+            acc.keep("experts.w2 acat [a | s a A] (lean)", Kx * (F + (rank + 7) // 8 * 8))
             # selective keeps the three torch._grouped_mm outputs inside lean's autograd Functions (w1 / w3 in
             # the gather Function, w2 in the SwiGLU one); measured on the H200: without the w1 / w3 ones the
             # selective + LoRA row missed by -13.6% (3.0 GiB = 8192 tokens x 15 layers x 8 x 2 x 768 x 2 B)
-            acc.gemm("experts.w1, w3 grouped mm outs (lean)", Kt * 2 * F)
-            acc.gemm("experts.w2 grouped mm out (lean)", Kt * L)
+            acc.gemm("experts.w1, w3 grouped mm outs (lean)", Kx * 2 * F)
+            acc.gemm("experts.w2 grouped mm out (lean)", Kx * L)
         for w in (() if lean else ("w1", "w3", "w2")):
             name = "ffn.experts." + w
             if name in targets and not full:
                 if be == "fused":
-                    acc.keep(f"experts.{w} xcat [x | s x A] (fused)", Kt * (ins[w] + (rank + 7) // 8 * 8))
-                    acc.gemm(f"experts.{w} fused grouped mm out", Kt * outs[w])
+                    acc.keep(f"experts.{w} xcat [x | s x A] (fused)", Kx * (ins[w] + (rank + 7) // 8 * 8))
+                    acc.gemm(f"experts.{w} fused grouped mm out", Kx * outs[w])
                     continue
-                acc.keep(f"experts.{w} x A", Kt * rank)
+                acc.keep(f"experts.{w} x A", Kx * rank)
                 if be == "torch":
-                    acc.gemm(f"experts.{w} base + lora grouped mm outs", Kt * (2 * outs[w] + rank))
+                    acc.gemm(f"experts.{w} base + lora grouped mm outs", Kx * (2 * outs[w] + rank))
             else:
-                acc.gemm(f"experts.{w} grouped mm out", Kt * outs[w])
+                acc.gemm(f"experts.{w} grouped mm out", Kx * outs[w])
                 if not full:  # frozen base: torch._grouped_mm saves only the weight
                     continue
             if w == "w2" or not x_shared:
-                acc.keep(f"experts.{w} input", Kt * ins[w])
+                acc.keep(f"experts.{w} input", Kx * ins[w])
                 x_shared = x_shared or w != "w2"
     if lean:  # lean: the SwiGLU product is acat's first F columns (kept above)
-        acc.keep("w1 out, w3 out (swiglu inputs, lean)", Kt * 2 * F, gemm_out=1.0)
+        acc.keep("w1 out, w3 out (swiglu inputs, lean)", Kx * 2 * F, gemm_out=1.0)
     else:
-        _keep_swiglu(acc, "experts ", Kt * F, ref)
+        _keep_swiglu(acc, "experts ", Kx * F, ref)
     if ref:
         # forward transient of the reference experts at their last GEMM (w2), on top of everything saved so far:
         # the permuted rows z_NL (a local of the dispatcher; the padded copies, not z, are saved) and the swiglu
@@ -537,6 +544,29 @@ def layer_activation_bytes(spec: ModelSpec, i: int, tokens: int, seq: int, recom
     return tokens * (acc.sel if recompute == "selective" else acc.none)
 
 
+def ep_capacity(spec: ModelSpec, plan: Plan) -> int:
+    """Rows per (source, destination, chunk) of the runtime's EP exchange for this plan (parallel/expert.py
+    `capacity_rows`: the same rule); 0 without EP."""
+    if plan.ep == 1 or not spec.n_routed_experts:
+        return 0
+    from ..parallel.expert import capacity_rows
+
+    t = plan.micro_batch * plan.seq_len // plan.cp
+    return capacity_rows(t, spec.n_experts_per_tok, plan.ep, plan.a2a_chunks, plan.ep_capacity_factor)
+
+
+def ep_rows_per_token(spec: ModelSpec, plan: Plan) -> float | None:
+    """Rows the experts run over per local token under EP: every chunk's [ep * cap] received buffer, padding
+    included (the grouped GEMM skips rows past the real ones, the SwiGLU and the saved tensors do not);
+    None without EP (K rows per token)."""
+    cap = ep_capacity(spec, plan)
+    if not cap:
+        return None
+    t = plan.micro_batch * plan.seq_len // plan.cp
+    C = max(1, min(plan.a2a_chunks, t))
+    return C * plan.ep * cap / t
+
+
 def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: str = "kernel",
                      lora_targets: tuple = (), rank: int = 0, weight_casts: tuple = (),
                      fp32_stream: bool | None = None, expert_lora: str | None = None) -> dict:
@@ -557,8 +587,9 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     full = not lora_targets
     tg = lora_targets or (frozenset(),) * spec.n_layers
     f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
+    rows = ep_rows_per_token(spec, plan)
     accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s, expert_lora,
-                       fused_buffer=plan.shard == 1) for i in range(spec.n_layers)]
+                       fused_buffer=plan.shard == 1, expert_rows=rows) for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     if backend == "kernel":  # ops.loss chunked: one chunk of logits in the compute dtype (its gradient in
@@ -624,7 +655,7 @@ def cp_buffer_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2) -> float:
 
 
 def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_bytes: int = 2,
-                     straggler: float = 1.3, backend: str = "kernel", reserve_frac: float = 0.06,
+                     backend: str = "kernel", reserve_frac: float = 0.06,
                      context_bytes: float = 1.0 * GiB, base_bytes: int = 2, expert_lora: str | None = None) -> dict:
     """Per-GPU bytes at the peak of a step, by term (see the module docstring). base_bytes: frozen-base
     parameter bytes (2 = bf16 on GPU, 4 = fp32 on CPU). expert_lora: force the grouped LoRA backend of the
@@ -654,9 +685,9 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
                            casts, fp32_stream=act_bytes == 2 and n == 1, expert_lora=expert_lora)
     t = act["tokens_per_gpu"]
     a2a = 0.0
-    if spec.n_routed_experts and plan.ep > 1:
-        L = spec.latent_dim or spec.hidden_size
-        a2a = 4 * t * spec.n_experts_per_tok * L * act_bytes * straggler  # dispatch+combine, send+recv
+    if spec.n_routed_experts and plan.ep > 1:  # one layer's fixed [ep, cap, L] buffers, every chunk at once:
+        L = spec.latent_dim or spec.hidden_size  # dispatch + combine, send + receive
+        a2a = 4 * ep_rows_per_token(spec, plan) * t * L * act_bytes
     # parameter gradients alive in each phase (zero_grad(set_to_none=True): none in forward; in backward of
     # block i those of blocks >= i and of the root; all of them in the optimizer step)
     if lora is not None:

@@ -65,7 +65,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, ranks: list[int] | None = 
     dev = torch.device(device)
     rows = [_simulate_rank(cfg, world, r, dev) for r in (ranks if ranks is not None else [0])]
     plan = Plan(world, par.dp_replicate, par.dp_shard, par.cp, par.ep, par.activation_checkpointing,
-                cfg.train.micro_batch_size, cfg.train.seq_len)
+                cfg.train.micro_batch_size, cfg.train.seq_len, a2a_chunks=par.a2a_chunks,
+                ep_capacity_factor=par.ep_capacity_factor)
     base_bytes = 2 if (cfg.lora is not None and dev.type == "cuda") else 4
     planned = state_bytes(cfg.model, plan, cfg.lora, base_bytes)
     r0 = next((r for r in rows if r["rank"] == 0), None)

@@ -8,6 +8,8 @@ so the loop itself has no single- / multi-process branches. Must not know about 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,6 +36,9 @@ class LocalRun:
     def local_part(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def capacity_overflow(self, model: nn.Module) -> str | None:
+        return None  # no expert-parallel exchange in one process
+
     def mean(self, value: float) -> float:
         return value
 
@@ -42,6 +47,12 @@ class LocalRun:
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(loss))
+
+    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor,
+                     grad_norm: torch.Tensor) -> tuple[float, bool, bool]:
+        """(loss, every loss finite, gradient norm finite) in one host read."""
+        v = torch.stack([loss.float(), losses_finite.float(), grad_norm.float()]).tolist()
+        return v[0], v[1] > 0, math.isfinite(v[2])
 
     def clip(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))

@@ -86,6 +86,18 @@ def _autocast(device: torch.device, dtype: str):
     return contextlib.nullcontext()
 
 
+def _exact(run, model, fn):
+    """fn() again while an expert-parallel exchange overflowed its capacity during it (the capacity has grown
+    by then: `run.capacity_overflow`), so what fn computed is the dropless result. Collective under torchrun."""
+    while True:
+        out = fn()
+        notice = run.capacity_overflow(model) if run is not None else None
+        if notice is None:
+            return out
+        if run.is_main:
+            console.print(f"[yellow]{notice}")
+
+
 @torch.no_grad()
 def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, run=None) -> float:
     """Mean loss per target token over the first `n_batches` (default eval_batches) micro-batches of every
@@ -93,10 +105,19 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, ru
     a cp group take the same rows, each its pieces; their losses are shares x cp, so the sum over the group
     counts each row cp times, as it counts its targets). Every rank runs the same number of forwards (FSDP and
     EP forwards are collective): one past the end repeats batch 0 at weight 0. A multimodal eval set is
-    evaluated by `evaluate_vl` (train/vl.py)."""
+    evaluated by `evaluate_vl` (train/vl.py). Re-run whole when an EP exchange overflowed (`_exact`)."""
     if isinstance(ds, MultimodalDataset):
-        return evaluate_vl(model, ds, cfg.train.micro_batch_size, device, n_batches or cfg.train.eval_batches,
-                           lambda: _autocast(device, cfg.train.dtype))["loss"]
+        return _exact(run, model, lambda: evaluate_vl(model, ds, cfg.train.micro_batch_size, device,
+                                                      n_batches or cfg.train.eval_batches,
+                                                      lambda: _autocast(device, cfg.train.dtype)))["loss"]
+    tot, cnt = _exact(run, model, lambda: _eval_sums(model, ds, cfg, device, n_batches, run))
+    if run is not None:
+        tot, cnt = run.sum([tot, cnt])
+    return tot / max(cnt, 1)
+
+
+def _eval_sums(model, ds, cfg: RunConfig, device, n_batches: int | None, run) -> tuple[float, int]:
+    """This rank's (loss x targets, targets) over its eval batches (see `evaluate`)."""
     world, rank = (run.data_world, run.data_rank) if run is not None else (1, 0)
     model.eval()
     bs = cfg.train.micro_batch_size
@@ -114,10 +135,8 @@ def evaluate(model, ds, cfg: RunConfig, device, n_batches: int | None = None, ru
         if k:
             tot += float(out.loss) * k
             cnt += k
-    if run is not None:
-        tot, cnt = run.sum([tot, cnt])
     model.train()
-    return tot / max(cnt, 1)
+    return tot, cnt
 
 
 def lr_lambda(cfg: RunConfig):
@@ -184,11 +203,11 @@ class Loop:
 
 @dataclass
 class StepStats:
-    loss: float
+    loss: float  # a device scalar until train_step's one host read at the end of the step
     grad_norm: torch.Tensor
     tokens: int
     skipped: str | None = None  # "nonfinite_loss" / "nonfinite_grad" / "no_targets": nothing was applied
-    aux: dict[str, float] = field(default_factory=dict)
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # device scalars: read back only on log steps
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer, still on the device
     drops: dict[int, float] = field(default_factory=dict)
 
@@ -220,9 +239,47 @@ def _model_inputs(extra: dict, run, device) -> dict:
     return out
 
 
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats, torch.Tensor]:
+    """Forward + backward of the step's forwards, gradients accumulated, with no host sync: the loss stays a
+    device scalar, and whether every loss was finite is returned as a device bool (train_step reads both once,
+    at the end of the step; a NaN loss only makes NaN gradients, which that read then drops)."""
+    t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
+    n_fwd = len(batches)
+    st = StepStats(loss=torch.zeros((), device=device), grad_norm=torch.zeros(()), tokens=0)
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    for xb, yb, extra in batches:
+        x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
+        with _autocast(device, t.dtype):
+            out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
+            loss = out.loss + out.aux_loss
+        finite &= torch.isfinite(loss.detach())
+        (loss / n_fwd).backward()
+        st.loss = st.loss + out.loss.detach().float() / n_fwd
+        for k, v in out.aux.items():
+            st.aux[k] = st.aux.get(k, 0.0) + v / n_fwd
+        for m in out.moe:  # counts stay on the device: read back only on log steps
+            st.counts[m["layer"]] = st.counts.get(m["layer"], 0) + m["counts"].float()
+            st.drops[m["layer"]] = st.drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
+        st.tokens += x.numel()  # this rank's; summed over ranks when logged
+    return st, finite
+
+
 def train_step(lp: Loop) -> StepStats:
     """One optimizer step over grad_accum_steps micro-batches. `skipped` is set (and nothing applied) when the
-    loss or the gradient norm is NaN/Inf, or when the step's batch (over all ranks) has no target token."""
+    loss or the gradient norm is NaN/Inf, or when the step's batch (over all ranks) has no target token.
+    When an expert-parallel exchange overflowed its capacity (read once, after the backward: the capacity
+    grows), the gradients are dropped and the same micro-batches run again from the same RNG state, so the
+    step applied is always the dropless one."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     # merge_microbatches: one forward over all micro-batches (experts batched), else one per micro-batch
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
@@ -233,29 +290,22 @@ def train_step(lp: Loop) -> StepStats:
         _discard_step(lp)
         st.skipped = "no_targets"
         return st
-    for xb, yb, extra in batches:
-        x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
-        with _autocast(device, t.dtype):
-            out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
-            loss = out.loss + out.aux_loss
-        if not run.all_finite(loss):  # every rank takes the same branch
-            _discard_step(lp)
-            st.skipped = "nonfinite_loss"
-            return st
-        (loss / n_fwd).backward()
-        st.loss += float(out.loss.detach()) / n_fwd
-        for k, v in out.aux.items():
-            st.aux[k] = st.aux.get(k, 0.0) + v / n_fwd
-        for m in out.moe:  # counts stay on the device: read back only on log steps
-            st.counts[m["layer"]] = st.counts.get(m["layer"], 0) + m["counts"].float()
-            st.drops[m["layer"]] = st.drops.get(m["layer"], 0.0) + m["drop_rate"] / n_fwd
-        st.tokens += x.numel()  # this rank's; summed over ranks when logged
-    st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
-    if not bool(torch.isfinite(st.grad_norm)):  # the same global value on every rank
+    rng = _rng_state(device)
+    while True:  # once, unless an EP exchange overflowed: then again on the same batches and RNG state
+        st, finite = _forward_backward(lp, batches, per_fwd)
+        notice = run.capacity_overflow(model)  # every rank agrees (all-reduced); None in one process
+        if notice is None:
+            break
+        lp.say(f"[yellow]step {lp.step + 1}: {notice}")
         _discard_step(lp)
-        st.skipped = "nonfinite_grad"
+        _set_rng_state(rng, device)
+    st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
+    # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite
+    st.loss, loss_ok, grad_ok = run.step_verdict(st.loss, finite, st.grad_norm)
+    if not (loss_ok and grad_ok):  # the same verdict on every rank
+        _discard_step(lp)
+        st.skipped = "nonfinite_loss" if not loss_ok else "nonfinite_grad"
         return st
-    st.loss = run.mean(st.loss)
     lp.opt.step()
     lp.sched.step()
     lp.opt.zero_grad(set_to_none=True)
@@ -364,7 +414,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
     device, peak = lp.run.device, peak_flops(lp.run.device)
     rec = {"kind": "train", "step": step, "loss": st.loss, "lr": lp.sched.get_last_lr()[0],
-           "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": v for k, v in st.aux.items()}}
+           "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": float(v) for k, v in st.aux.items()}}
     if peak:
         rec["mfu"] = tps * lp.flops_per_token / peak / lp.run.world  # tps counts every rank; MFU is per GPU
     if device.type == "cuda":

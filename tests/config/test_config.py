@@ -91,3 +91,12 @@ def test_model_directory_needs_a_reader(tmp_path):
     with pytest.raises(ConfigError, match="is a directory; read it with moeadapt.onboard.resolve_model"):
         resolve_model(str(tmp_path / "m"))
     assert resolve_model(str(tmp_path / "m"), from_dir=lambda p: get_preset("tiny")) == get_preset("tiny")
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, float("nan"), float("inf")])
+def test_ep_capacity_factor_must_be_positive_and_finite(tmp_path, bad):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(write(tmp_path, {"model": "tiny", "parallel": {"ep": 2, "dp_shard": 2,
+                                                                        "ep_capacity_factor": bad}}))
+    assert "parallel.ep_capacity_factor=" in str(e.value) and "must be a finite number > 0" in str(e.value)
+    assert ParallelSpec(ep_capacity_factor=2.0).ep_capacity_factor == 2.0 and ParallelSpec().ep_capacity_factor == 1.5

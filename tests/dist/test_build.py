@@ -197,7 +197,8 @@ def _memory(rank, world, big, out_dir):
     runs = {}  # one set of meshes (process groups) per ep degree
 
     def train(spec, lora, ep, dump=None):
-        cfg = _cfg(spec, lora, dict(dp_shard=world, ep=ep), 7)
+        # the config's tokens per forward are the batch's: they size the EP exchange (parallel/expert.py)
+        cfg = _cfg(spec, lora, dict(dp_shard=world, ep=ep), 7, seq_len=16, micro_batch_size=2)
         x, y = batch(spec, 2 * world, 16, seed=1)
         run = runs.setdefault(ep, DistributedRun(cfg, torch.device("cpu")))
         model = _build(cfg, run)

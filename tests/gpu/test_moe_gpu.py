@@ -14,15 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeadapt.ops.moe import (
-    grouped_lora,
-    grouped_mm,
-    offsets_from_counts,
-    permute,
-    swiglu,
-    swiglu_pair,
-    unpermute,
-)
+from moeadapt.ops import moe as ops
+from moeadapt.ops.moe import grouped_lora, grouped_mm, offsets_from_counts, permute, unpermute
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -42,6 +35,19 @@ def _routing(T, K, E, zipf=False, drop=0.05):
     ids = torch.multinomial(p.expand(T, E), K, replacement=False)
     ids[torch.rand(T, K, device=DEV) < drop] = -1
     return ids
+
+
+def _lora_case(E, I, O, R):
+    """Grouped-LoRA inputs, bf16: Zipf routing of 2048 tokens top-4 (one expert empty), rows x [N, I], A [E, I, R],
+    B [E, R, O], a frozen base [E, O, I] and an output gradient [N, O]."""
+    ids = _routing(2048, 4, E, zipf=True)
+    counts = torch.bincount(ids[ids >= 0], minlength=E)
+    N = int(counts.sum())
+    x = torch.randn(N, I, device=DEV, dtype=torch.bfloat16)
+    A = (torch.randn(E, I, R, device=DEV) / I**0.5).bfloat16()
+    B = (torch.randn(E, R, O, device=DEV) / R**0.5).bfloat16()
+    w_EOI = (torch.randn(E, O, I, device=DEV) / I**0.5).bfloat16()
+    return counts, offsets_from_counts(counts), x, A, B, w_EOI, torch.randn(N, O, device=DEV, dtype=torch.bfloat16)
 
 
 def _rel(a, b):
@@ -94,15 +100,8 @@ def test_grouped_mm_gpu(gen, backend, E, I, O, zipf, dtype):
 @pytest.mark.parametrize("with_base", [False, True])
 def test_grouped_lora_gpu(gen, backend, with_base):
     E, I, O, R = 32, 512, 768, 16
-    ids = _routing(2048, 4, E, zipf=True)
-    counts = torch.bincount(ids[ids >= 0], minlength=E)
-    offs = offsets_from_counts(counts)
-    N = int(counts.sum())
-    x = torch.randn(N, I, device=DEV, dtype=torch.bfloat16)
-    A = (torch.randn(E, I, R, device=DEV) / I**0.5).bfloat16()
-    B = (torch.randn(E, R, O, device=DEV) / R**0.5).bfloat16()
-    w = (torch.randn(E, O, I, device=DEV) / I**0.5).bfloat16().transpose(1, 2) if with_base else None
-    dy = torch.randn(N, O, device=DEV, dtype=torch.bfloat16)
+    counts, offs, x, A, B, w_EOI, dy = _lora_case(E, I, O, R)
+    w = w_EOI.transpose(1, 2) if with_base else None
     res = {}
     for be in (backend, "reference"):
         xl, Al, Bl = (t.clone().requires_grad_(True) for t in (x, A, B))
@@ -119,7 +118,7 @@ def test_swiglu_gpu(gen):
     res = {}
     for be in ("triton", "reference"):
         x = gu.clone().requires_grad_(True)
-        a = swiglu(x, backend=be)
+        a = ops.swiglu(x, backend=be)
         a.backward(da)
         res[be] = (a, x.grad)
     for a, b in zip(res["triton"], res["reference"]):
@@ -132,7 +131,7 @@ def test_swiglu_pair_gpu(gen):
     u = torch.randn(5000, 1024, device=DEV, dtype=torch.bfloat16)
     da = torch.randn(5000, 1024, device=DEV, dtype=torch.bfloat16)
     gg, uu = g.clone().requires_grad_(True), u.clone().requires_grad_(True)
-    a = swiglu_pair(gg, uu, backend="triton")
+    a = ops.swiglu_pair(gg, uu, backend="triton")
     a.backward(da)
     g32, u32 = g.float().requires_grad_(True), u.float().requires_grad_(True)
     a32 = torch.nn.functional.silu(g32) * u32
@@ -152,7 +151,7 @@ def test_auto_backends_gpu(gen):
     y = grouped_lora(xs, A, B, offs, 2.0, w_EIO=w)
     y_ref = grouped_lora(xs, A, B, offs, 2.0, w_EIO=w, backend="reference")
     assert _rel(y, y_ref) < 2e-2
-    out = unpermute(swiglu(torch.cat([y, y], 1)), ri, torch.rand(1024, 4, device=DEV), 1024)
+    out = unpermute(ops.swiglu(torch.cat([y, y], 1)), ri, torch.rand(1024, 4, device=DEV), 1024)
     assert out.shape == (1024, 128) and torch.isfinite(out.float()).all()
 
 
@@ -164,17 +163,9 @@ def test_grouped_lora_fused_gpu(gen, dx, persistent):
     from moeadapt.ops.moe import fused_lora
 
     E, I, O, R = 32, 512, 768, 16
-    ids = _routing(2048, 4, E, zipf=True)
-    counts = torch.bincount(ids[ids >= 0], minlength=E)
-    offs = offsets_from_counts(counts)
-    N = int(counts.sum())
-    x = torch.randn(N, I, device=DEV, dtype=torch.bfloat16)
-    A = (torch.randn(E, I, R, device=DEV) / I**0.5).bfloat16()
-    B = (torch.randn(E, R, O, device=DEV) / R**0.5).bfloat16()
-    w_EOI = (torch.randn(E, O, I, device=DEV) / I**0.5).bfloat16()
+    counts, offs, x, A, B, w_EOI, dy = _lora_case(E, I, O, R)
     w_cat = fused_lora.make_cat_buffer(w_EOI, R) if persistent else None
     w = w_cat[:, :, :I].transpose(1, 2) if persistent else w_EOI.transpose(1, 2)
-    dy = torch.randn(N, O, device=DEV, dtype=torch.bfloat16)
     res = {}
     for be in ("fused", "reference"):
         xl, Al, Bl = (t.float().clone().requires_grad_(True) if be == "reference" else t.clone().requires_grad_(True)
@@ -224,7 +215,7 @@ def _check_experts(c, run):
             xs, ri_ref, _ = permute(zz, c.ids, c.E, backend="reference")
             assert torch.equal(ri_ref, c.ri)
             gu = grouped_lora(xs, a1, b1, c.offs, 2.0, w_EIO=c.w1.float().transpose(1, 2), backend="reference")
-            y = grouped_lora(swiglu(gu, backend="reference"), a2, b2, c.offs, 2.0,
+            y = grouped_lora(ops.swiglu(gu, backend="reference"), a2, b2, c.offs, 2.0,
                              w_EIO=c.w2.float().transpose(1, 2), backend="reference")
         y.backward(c.dy.to(y.dtype))
         res[be] = (y, zz.grad, a1.grad, b1.grad, a2.grad, b2.grad)
@@ -268,3 +259,31 @@ def test_lean_lora_gpu(gen, monkeypatch, dx, col_split, zipf):
     _check_experts(c, lambda zz, a1, b1, a2, b2: lean_lora.lean_lora_experts(
         zz, c.ri, c.K, c.offs, c.w1, a1, b1, 2.0, c2[:, :, :c.Fh].transpose(1, 2), a2, b2, 2.0, wcat_d=c2, dx=dx))
     assert torch.equal(c2[:, :, :c.Fh], c.w2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_grouped_mm_and_lora_ignore_rows_past_offsets_gpu(gen, backend):
+    """The EP exchange's padding rows (past offsets[-1], here NaN) reach no real output or weight gradient, on
+    the compiled Triton kernels and torch._grouped_mm, bf16 against an fp32 reference on the real rows."""
+    E, I, O, R, pad = 16, 256, 384, 16, 77
+    counts, offs, x, A, B, w_EOI, dy = _lora_case(E, I, O, R)
+    N = x.shape[0]
+    x = torch.cat([x, torch.full((pad, I), float("nan"), device=DEV, dtype=x.dtype)])
+    w = w_EOI.transpose(1, 2)
+    for name in ("grouped_mm", "grouped_lora"):
+        res = {}
+        for be in (backend, "reference"):
+            xl, Al, Bl, wl = (t.detach().clone() for t in (x, A, B, w))
+            if be == "reference":
+                xl, Al, Bl, wl = xl[:N].float(), Al.float(), Bl.float(), wl.float()
+            for t in (xl, Al, Bl, wl):
+                t.requires_grad_(True)
+            y = (grouped_mm(xl, wl, offs, backend=be) if name == "grouped_mm"
+                 else grouped_lora(xl, Al, Bl, offs, 2.0, w_EIO=wl, backend=be))
+            y[:N].backward(dy.to(y.dtype))
+            res[be] = [y[:N], xl.grad[:N], wl.grad] + ([Al.grad, Bl.grad] if name == "grouped_lora" else [])
+        for a, b in zip(res[backend], res["reference"]):
+            if a is None:  # a frozen base gets no gradient on this path
+                continue
+            assert torch.isfinite(a).all(), f"{name} {backend}: a padding row's NaN reached a real value"
+            assert _rel(a, b) < 2e-2, name

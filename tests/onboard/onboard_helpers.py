@@ -9,11 +9,15 @@ import transformers
 
 
 def _glm5_next_cfg(text: dict, vision: dict | None = None):
-    """GLM-5.3-Flash (glm5_next): a text config plus a one-block vision tower (skipped by onboarding)."""
+    """GLM-5.3-Flash (glm5_next): a text config plus a one-block vision tower, its placeholder tokens (image, the
+    image span's start / end, video ones) the last ids of the vocabulary."""
     vc = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=text["hidden_size"],
               projection_intermediate_size=32)
     vc.update(vision or {})
-    return transformers.Glm5NextConfig(text_config=text, vision_config=vc)
+    V = text["vocab_size"]
+    return transformers.Glm5NextConfig(text_config=text, vision_config=vc, image_token_id=V - 4,
+                                       video_token_id=V - 3, image_start_token_id=V - 2, image_end_token_id=V - 1,
+                                       video_start_token_id=V - 6, video_end_token_id=V - 5)
 
 
 def tiny_cfg(model_type: str, **kw):
@@ -136,7 +140,7 @@ def _random_cfg(model_type: str, rnd: random.Random):
         H = c([2, 4])
         # 16 / 32 indexer heads: a block's score is exactly 0 (a tie torch.topk breaks its own way) only when
         # every head's ReLU is 0
-        return _glm5_next_cfg(dict(
+        text = dict(
             num_attention_heads=H, num_key_value_heads=H, kv_lora_rank=c([16, 32]), q_lora_rank=c([16, 24]),
             qk_rope_head_dim=0, qk_nope_head_dim=c([8, 16]), v_head_dim=c([8, 16]),
             index_n_heads=c([16, 32]), index_head_dim=c([16, 32]), index_kpool=P, index_topk=P * c([2, 3]),
@@ -145,7 +149,14 @@ def _random_cfg(model_type: str, rnd: random.Random):
             linear_num_heads=c([2, 4]), linear_head_dim=c([8, 16]), linear_lower_bound=c([-5.0, -2.0, None]),
             hc_mult=c([2, 3, 4]), hc_sinkhorn_iters=c([3, 20]), swiglu_limit=c([0.3, 0.6]),
             n_routed_experts=E, n_shared_experts=1, n_group=groups, topk_group=1 if groups == 1 else c([1, 2]),
-            routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), **common))
+            routed_scaling_factor=c([1.0, 2.5]), norm_topk_prob=c([True, False]), **common)
+        # the vision tower: SwiGLU limits the activations reach, with or without the qkv / proj / MLP biases
+        D = c([16, 32])
+        vision = dict(depth=c([1, 2]), hidden_size=D, num_heads=c([2, 4]), intermediate_size=c([24, 40]),
+                      patch_size=c([14, 16]), projection_intermediate_size=c([32, 56]), swiglu_limit=c([0.5, 1.0]),
+                      rms_norm_eps=c([1e-5, 1e-6]), attention_bias=c([True, False]),
+                      rope_parameters={"rope_type": "axial", "rope_theta": c([100.0, 10000.0])})
+        return _glm5_next_cfg(text, vision)
     if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):  # qwen3_next with split DeltaNet projections
         kinds = ["linear_attention"] * c([1, 2]) + ["full_attention", "linear_attention"]
         HK = c([1, 2])
@@ -213,6 +224,11 @@ def _random_cfg(model_type: str, rnd: random.Random):
     return transformers.DeepseekV3Config(**kw)
 
 
+# the placeholder tokens of glm5_next's multimodal config (random_checkpoint sets them on its top level)
+_GLM5_NEXT_TOP = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+                  "video_start_token_id", "video_end_token_id")
+
+
 def random_checkpoint(model_type: str, out, seed: int, **overrides):
     """A tiny random checkpoint written by transformers, its shapes and weights drawn from `seed`: norms away
     from 1, router biases non-zero, so a wrong epsilon, a missed norm or a swapped tensor shows in the logits.
@@ -224,7 +240,8 @@ def random_checkpoint(model_type: str, out, seed: int, **overrides):
             for kk, vv in v.items():
                 setattr(cfg.text_config, kk, vv)
             continue
-        target = cfg if model_type == "kimi_k25" else (getattr(cfg, "text_config", None) or cfg)
+        top = model_type == "kimi_k25" or (model_type == "glm5_next" and k in _GLM5_NEXT_TOP)
+        target = cfg if top else (getattr(cfg, "text_config", None) or cfg)
         setattr(target, k, v(target) if callable(v) else v)
     torch.manual_seed(seed)
     if model_type == "glm5_next":

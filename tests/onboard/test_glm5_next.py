@@ -1,9 +1,10 @@
 """glm5_next (GLM-5.3-Flash) text model: transformers' default config maps field by field; on a tiny random
 checkpoint (shapes from a fresh, printed seed) each of the family's features is needed to match transformers
 (the hyper-connections' Sinkhorn, the gate lower bound, the always-selected tail, the SwiGLU clamp), the
-truncated model validates, and the vision tower is skipped with a notice."""
+truncated model validates; the vision tower is mapped (test_glm5_vision.py validates it with the text model)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -16,8 +17,19 @@ from moeadapt.onboard import OnboardError, read_family, read_family_dir
 from moeadapt.onboard.validate import validate_checkpoint
 
 
+def _default_cfg() -> dict:
+    """transformers' default glm5_next config, its vision tower ending in the text width (the defaults disagree:
+    out_hidden_size 1536 vs hidden_size 4096, so transformers' own model cannot take an image with them)."""
+    cfg = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    cfg["vision_config"]["out_hidden_size"] = cfg["text_config"]["hidden_size"]
+    return cfg
+
+
 def test_default_config_maps_every_field():
-    fam = read_family(transformers.AutoConfig.for_model("glm5_next").to_dict())
+    raw = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    with pytest.raises(OnboardError, match=r"vision_config\.out_hidden_size=1536 \(the projector ends in the LM"):
+        read_family(raw)
+    fam = read_family(_default_cfg())
     s = fam.spec
     types = s.resolved_layer_types()
     assert len(types) == 45 and types[:4] == ["kda", "kda", "kda", "dsa"] and s.first_k_dense == 3
@@ -26,24 +38,30 @@ def test_default_config_maps_every_field():
     assert (s.kda_n_heads, s.kda_head_dim, s.n_routed_experts, s.index_topk) == (64, 128, 288, 2048)
     assert s.mla_norm_eps == s.norm_eps == 1e-5 and s.index_norm_eps == 1e-6 and not s.attn_output_gate
     assert fam.prefix == "model.language_model." and fam.hf_class == "Glm5NextForConditionalGeneration"
-    assert any("vision tower" in n for n in fam.notes) and "model.visual." in fam.skip_prefixes
+    v = s.vision
+    assert not fam.skip_prefixes and (v.n_layers, v.hidden_size, v.n_heads, v.temporal_patch_size) == (24, 1024, 16, 2)
+    assert v.projector == "glm" and v.image_token_id == raw["image_token_id"] and v.swiglu_limit == 10.0
 
 
 @pytest.mark.slow
 def test_real_size_parameter_count_is_transformers():
-    """Every parameter of transformers' text model (+ lm_head) has its counterpart: the counts agree exactly."""
-    s = read_family(transformers.AutoConfig.for_model("glm5_next").to_dict()).spec
-    cfg = transformers.AutoConfig.for_model("glm5_next").text_config
+    """Every parameter of transformers' text model (+ lm_head) and vision tower has its counterpart: the counts
+    agree exactly."""
+    from transformers.models.glm5_next import modeling_glm5_next as m
+
+    s = read_family(_default_cfg()).spec
+    cfg = transformers.AutoConfig.for_model("glm5_next")
+    cfg.vision_config.out_hidden_size = cfg.text_config.hidden_size
     with torch.device("meta"):
-        hf = transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextModel(cfg)
-    want = sum(p.numel() for p in hf.parameters()) + cfg.vocab_size * cfg.hidden_size
+        hf = [m.Glm5NextTextModel(cfg.text_config), m.Glm5NextVisionModel(cfg.vision_config)]
+    want = sum(p.numel() for h in hf for p in h.parameters()) + cfg.text_config.vocab_size * s.hidden_size
     assert count_parameters(build_model(s, "meta"), s)["total"] == want  # 313.3e9
 
 
 def test_text_config_fields_are_checked():
     """An unknown text_config field, and a 'shared' indexer layer with no full DSA layer just before it (which
     transformers refuses too), are named."""
-    cfg = transformers.AutoConfig.for_model("glm5_next").to_dict()
+    cfg = _default_cfg()
     cfg["text_config"]["frobnicate"] = 1
     with pytest.raises(OnboardError, match=r"text_config\.frobnicate \(not understood\)"):
         read_family(cfg)
@@ -73,12 +91,12 @@ def test_features_each_matter(tmp_path, capsys):
     assert v["passed"] and v["layers"] == dsa + 1, v["where"]
     assert main(["onboard", str(d)]) == 0
     out = capsys.readouterr().out
-    assert "vision tower (not mapped: text model only)" in out and "kpool_indexer" in out
+    assert re.search(r"vision tower: [12] layers", out) and "kpool_indexer" in out  # random_checkpoint: depth 1 or 2
 
 
-def test_mtp_layer_and_vision_tensors_are_skipped(tmp_path):
-    """The checkpoint's extra multi-token-prediction layer (after the last layer, as GLM-5.3-Flash ships it) and
-    its vision tower are skipped, each with its reason; any other stray tensor is still an error."""
+def test_mtp_layer_is_skipped_and_vision_tensors_mapped(tmp_path):
+    """The checkpoint's extra multi-token-prediction layer (after the last layer, as GLM-5.3-Flash ships it) is
+    skipped with its reason, the vision tower's tensors are mapped; any other stray tensor is still an error."""
     from safetensors.torch import load_file, save_file
 
     from moeadapt.onboard import onboard
@@ -88,10 +106,10 @@ def test_mtp_layer_and_vision_tensors_are_skipped(tmp_path):
     t = load_file(str(f))
     t["model.language_model.layers.4.shared_head.norm.weight"] = torch.ones(32)
     save_file(t, str(f), metadata={"format": "pt"})
-    ign = onboard(d)["check"]["ignored"]
-    assert "multi-token-prediction" in ign["model.language_model.layers.4.shared_head.norm.weight"]
-    assert all("vision tower" in why for n, why in ign.items() if n.startswith("model.visual."))
-    assert any(n.startswith("model.visual.") for n in ign)
+    c = onboard(d)["check"]
+    assert list(c["ignored"]) == ["model.language_model.layers.4.shared_head.norm.weight"]
+    assert "multi-token-prediction" in c["ignored"]["model.language_model.layers.4.shared_head.norm.weight"]
+    assert c["mapped"] == c["tensors"] - 1 and any(k.startswith("model.visual.") for k in t)
     t["model.language_model.stray.weight"] = torch.ones(2)
     save_file(t, str(f), metadata={"format": "pt"})
     with pytest.raises(OnboardError, match="map to nothing.*stray"):

@@ -16,6 +16,7 @@ from moeadapt.ops.kda.short_conv import causal_conv_silu, causal_conv_silu_refer
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_triton = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"  # where the Triton backend's inputs live
 
 
 def _loop_reference(x, w):
@@ -32,7 +33,8 @@ def _loop_reference(x, w):
 
 
 def _rel(a, b):
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp(min=1e-30))
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 def test_reference_is_the_definition(seed):
@@ -67,17 +69,17 @@ def test_triton_strided_input_and_expanded_cotangents(seed):
     B, T, C, KW = 2, 21, 40, 4
     base = torch.randn(B, T, 3 * C, dtype=torch.float64)
     w64 = torch.randn(C, 1, KW, dtype=torch.float64)
-    for dy in (torch.randn(1, 1, C, dtype=torch.float64).expand(B, T, C),
-               torch.randn(B, T, 1, dtype=torch.float64).expand(B, T, C)):
+    for small in (torch.randn(1, 1, C, dtype=torch.float64), torch.randn(B, T, 1, dtype=torch.float64)):
+        dy = small.expand(B, T, C)
         xr, wr = base[..., C:2 * C].clone().requires_grad_(), w64.clone().requires_grad_()
         causal_conv_silu_reference(xr, wr).backward(dy)
-        wide = base.float().requires_grad_()
-        w = w64.float().requires_grad_()
+        wide = base.float().to(DEV).requires_grad_()
+        w = w64.float().to(DEV).requires_grad_()
         x = wide[..., C:2 * C]
         assert x.stride(1) == 3 * C
         y = causal_conv_silu(x, w, backend="triton")
         assert _rel(y.detach(), causal_conv_silu_reference(xr.detach(), wr.detach())) < 1e-5
-        y.backward(dy.float())
+        y.backward(small.float().to(DEV).expand(B, T, C))
         assert _rel(wide.grad[..., C:2 * C], xr.grad) < 1e-5
         assert float(wide.grad[..., :C].abs().max()) == 0.0
         assert _rel(w.grad, wr.grad) < 1e-5
@@ -86,9 +88,9 @@ def test_triton_strided_input_and_expanded_cotangents(seed):
 @needs_triton
 def test_triton_bf16_storage(seed):
     B, T, C, KW = 2, 33, 64, 4
-    x = torch.randn(B, T, C).bfloat16().requires_grad_()
-    w = (torch.randn(C, 1, KW) * 0.5).requires_grad_()  # fp32 parameter, bf16 activations (autocast's layout)
-    dy = torch.randn(B, T, C).bfloat16()
+    x = torch.randn(B, T, C, device=DEV).bfloat16().requires_grad_()
+    w = (torch.randn(C, 1, KW, device=DEV) * 0.5).requires_grad_()  # fp32 parameter, bf16 activations (autocast)
+    dy = torch.randn(B, T, C, device=DEV).bfloat16()
     y = causal_conv_silu(x, w, backend="triton")
     y.backward(dy)
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -105,7 +107,8 @@ def test_custom_op_registration(seed):
     and selective activation checkpointing rely on."""
     from moeadapt.ops.kda.triton_conv import conv_silu_fwd
 
-    x, w = torch.randn(2, 9, 16, requires_grad=True), torch.randn(16, 1, 4, requires_grad=True)
+    x = torch.randn(2, 9, 16, device=DEV, requires_grad=True)
+    w = torch.randn(16, 1, 4, device=DEV, requires_grad=True)
     torch.library.opcheck(conv_silu_fwd, (x, w))
 
 
@@ -130,9 +133,9 @@ def test_selective_checkpoint_sees_the_op(seed):
         seen.append(op)
         return _selective_policy(ctx, op, *a, **k)
 
-    x = torch.randn(2, 13, 24, requires_grad=True)
-    w = torch.randn(24, 1, 4, requires_grad=True)
-    proj = torch.randn(24, 24, requires_grad=True)
+    x = torch.randn(2, 13, 24, device=DEV, requires_grad=True)
+    w = torch.randn(24, 1, 4, device=DEV, requires_grad=True)
+    proj = torch.randn(24, 24, device=DEV, requires_grad=True)
 
     def f(x, w, proj):
         return causal_conv_silu(x @ proj, w, backend="triton").square().sum()

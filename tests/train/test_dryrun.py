@@ -50,6 +50,23 @@ def test_hybrid_2p8t_lora_128_ranks_agrees_with_plan(ep):
     assert cpu_s < 60, f"dry run took {cpu_s:.0f} s of CPU"
 
 
+@pytest.mark.slow
+def test_hybrid_2p8t_one_million_tokens_example_agrees_with_plan():
+    """examples/hybrid_2p8t_lora_1m.yaml (dp_shard 2 x cp 64, ep 32, 1,048,576 tokens): the dry run's rank-0 bytes
+    equal the planner's memory breakdown of that plan within 2%."""
+    from pathlib import Path
+
+    from moeadapt.config import load_run_config
+
+    cfg = load_run_config(Path(__file__).resolve().parents[2] / "examples" / "hybrid_2p8t_lora_1m.yaml")
+    res = dry_run(cfg, 128, quiet=True)
+    mb = memory_breakdown(cfg.model, Plan(128, 1, 2, 64, 32, "full", 1, 1_048_576), cfg.lora)
+    r0 = res["ranks"][0]
+    for k in ("weights", "optimizer"):
+        assert abs(r0[k] / mb[k] - 1) < 0.02, (k, r0[k], mb[k])
+    assert all(abs(v - 1) < 0.02 for v in res["runtime_over_planner"].values()), res["runtime_over_planner"]
+
+
 def test_dry_run_rejects_a_world_that_is_not_the_plan(tmp_path):
     cfg = build_run_config({"model": micro_spec().model_dump(), "parallel": {"dp_shard": 4, "ep": 2}})
     with pytest.raises(ValueError, match=r"--world 8 but the config's parallel section gives .* = 4"):

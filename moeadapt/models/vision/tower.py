@@ -321,7 +321,8 @@ class VisionModel(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, ConvPatchEmbed)):
                 nn.init.normal_(m.weight, std=std)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:  # the glm projector's linears have none
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
             elif isinstance(m, RMSNorm):

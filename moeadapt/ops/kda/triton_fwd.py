@@ -22,12 +22,12 @@ def _load_g(g, o_g, mask, A_log, dt_bias, i_hv, ck, K: tl.constexpr, USE_GATE: t
 
 @triton.jit
 def _fwd_intra(
-    g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DPREC: tl.constexpr, USE_GATE: tl.constexpr, FUSE_WU: tl.constexpr,
+    g, q, k, beta, Aqk, Ti, cu, cidx, A_log, dt_bias,
+    H, HV, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    DPREC: tl.constexpr, USE_GATE: tl.constexpr,
 ):
-    """Per (chunk, head): Akk, Aqk, Ti, and with FUSE_WU also w, u, kd, qg, gl (else `_fwd_wu` does those).
+    """Per (chunk, head): Akk, Aqk, Ti (then `_fwd_wu` reads Ti back for w, u, kd, qg, gl).
     The off-diagonal 16x16 blocks by reference-row dots; the diagonal ones were written by the token-parallel
     `_fwd_diag` (Akk with beta into the Ti buffer, Aqk) and are read back here."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -87,9 +87,6 @@ def _fwd_intra(
     E2 = tl.dot(Em, Em, input_precision=PREC)
     b_Ti = tl.dot(tl.dot(eye - Em, eye + E2, input_precision=PREC), X, input_precision=PREC)
     tl.store(Ti + o_A, b_Ti, mask=rmask[:, None])
-    if FUSE_WU:
-        _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
-            H, HV, K, V, BT, BK, BV, PREC, USE_GATE)
 
 
 @triton.jit
@@ -120,24 +117,12 @@ def _wu_v(b_Ti, v, b_beta, u, tok, rmask, cv, i_hv, HV, V: tl.constexpr, PREC: t
 
 
 @triton.jit
-def _wu(b_Ti, g, q, k, v, b_beta, w, u, kd, qg, gl, tok, rows, rmask, i_c, i_h, i_hv, A_log, dt_bias,
-        H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        PREC: tl.constexpr, USE_GATE: tl.constexpr):
-    """w = Ti (beta k e^G), u = Ti (beta v), k e^(gam-G), q e^G and gam for one (chunk, head)."""
-    for kb in range(0, K, BK):
-        _wu_k(b_Ti, g, q, k, b_beta, w, kd, qg, gl, tok, rows, rmask, kb + tl.arange(0, BK), i_c, i_h, i_hv,
-              A_log, dt_bias, H, HV, K, BT, PREC, USE_GATE)
-    for vb in range(0, V, BV):
-        _wu_v(b_Ti, v, b_beta, u, tok, rmask, vb + tl.arange(0, BV), i_hv, HV, V, PREC)
-
-
-@triton.jit
 def _fwd_wu(
     g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A_log, dt_bias,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr,
 ):
-    """Per (chunk, head, block), after `_fwd_intra` with FUSE_WU=False, Ti read back: blocks 0..K/BK-1
+    """Per (chunk, head, block), after `_fwd_intra`, Ti read back: blocks 0..K/BK-1
     give w = Ti (beta k e^G), k e^(gam-G), q e^G and gam on BK channels; the next V/BV give u = Ti (beta v)."""
     i_c, i_hv, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)

@@ -13,8 +13,8 @@ blocks inside the per-chunk kernels, elementwise or by reference-row dots, were 
 H200, benchmarks/bench_kda.py.)
 
 Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
-`_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; inside `_fwd_intra` with
-KDALaunch.fuse_wu), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
+`_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; a separate kernel so that `_fwd_intra`
+compiles without register spills for sm_90), `_fwd_h` (per sequence and V-block: the state recurrence, storing the state entering
 each chunk and d), `_fwd_o` (per chunk: output); `_bwd_dh` (reverse recurrence: dS per chunk and dd),
 `_bwd_dv` (dv, dAqk, dAkk), `_bwd_wy` (state and WY terms of dq, dk, dg), `_bwd_intra` (intra-chunk pair
 terms, dg = reverse cumsum). The gate (A_log, dt_bias) is fused wherever g is read. The forward keeps the
@@ -67,7 +67,6 @@ class KDALaunch:
     dh_split: bool = False
     stages: int = 3  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
     fp32_stages: int = 1  # float32 tiles pipelined 3 deep overflow sm_90 shared memory at K = V = 128
-    fuse_wu: bool = False  # w, u, k e^(gam-G), q e^G inside _fwd_intra, or in _fwd_wu (Ti read back)
     wu_warps: int = 8
     wu_BK: int = 64
     wu_BV: int = 64
@@ -149,16 +148,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         )
         del Gc
         _fwd_intra[(NC, HV)](
-            g, q, k, v, beta, Aqk, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=cfg["intra_BK"], BV=cfg["BV"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            USE_GATE=gate, FUSE_WU=cfg["fuse_wu"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+            g, q, k, beta, Aqk, Ti, cu, cidx, A32, b32,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+            USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
         )
-        if not cfg["fuse_wu"]:
-            _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
-                g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
-                H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-                num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
-            )
+        _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
+            g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+            num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
+        )
         h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
         o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
         _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](

@@ -192,6 +192,8 @@ def grouped_mm(x_sorted_NI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.
         x_sorted_NI: [N, I] expert-major rows.
         w_EIO: [E, I, O] (may be a transposed view of an [E, O, I] parameter).
         offsets_E: [E] int32 cumulative END offsets: expert e owns rows [offsets[e-1], offsets[e]).
+            Rows past offsets[-1] belong to no expert (they never reach y's other rows nor dW); their outputs
+            are zeros on the reference path and left unwritten by the kernels.
     Returns: y_NO [N, O]. Differentiable w.r.t. x and w; dW is skipped when w is frozen.
     """
     _check_grouped(x_sorted_NI, w_EIO, offsets_E, "grouped_mm")

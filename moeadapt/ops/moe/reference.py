@@ -54,7 +54,7 @@ def _rows_to_padded(offsets_E: torch.Tensor, num_rows: int) -> tuple[torch.Tenso
     counts_E = offsets_E - starts_E
     expert_N = torch.repeat_interleave(torch.arange(len(counts_E), device=offsets_E.device), counts_E)
     expert_N = expert_N[:num_rows]
-    slot_N = torch.arange(num_rows, device=offsets_E.device) - starts_E[expert_N]
+    slot_N = torch.arange(expert_N.shape[0], device=offsets_E.device) - starts_E[expert_N]
     capacity = int(counts_E.max()) if len(counts_E) else 0
     return expert_N, slot_N, capacity
 
