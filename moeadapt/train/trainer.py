@@ -86,15 +86,19 @@ def _autocast(device: torch.device, dtype: str):
     return contextlib.nullcontext()
 
 
-def _exact(run, model, fn):
+def _exact(run, model, fn, retry=None):
     """fn() again while an expert-parallel exchange overflowed its capacity during it (the capacity has grown
-    by then: `run.capacity_overflow`), so what fn computed is the dropless result. Collective under torchrun."""
+    by then: `run.capacity_overflow`), so what fn computed is the dropless result. `retry(notice)` runs before
+    each re-run (say so, drop what fn left behind); by default rank 0 prints the notice. Collective under
+    torchrun."""
     while True:
         out = fn()
         notice = run.capacity_overflow(model) if run is not None else None
         if notice is None:
             return out
-        if run.is_main:
+        if retry is not None:
+            retry(notice)
+        elif run.is_main:
             console.print(f"[yellow]{notice}")
 
 
@@ -291,14 +295,13 @@ def train_step(lp: Loop) -> StepStats:
         st.skipped = "no_targets"
         return st
     rng = _rng_state(device)
-    while True:  # once, unless an EP exchange overflowed: then again on the same batches and RNG state
-        st, finite = _forward_backward(lp, batches, per_fwd)
-        notice = run.capacity_overflow(model)  # every rank agrees (all-reduced); None in one process
-        if notice is None:
-            break
+
+    def retry(notice: str) -> None:  # an EP exchange overflowed: again on the same batches and RNG state
         lp.say(f"[yellow]step {lp.step + 1}: {notice}")
         _discard_step(lp)
         _set_rng_state(rng, device)
+
+    st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
     # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite
     st.loss, loss_ok, grad_ok = run.step_verdict(st.loss, finite, st.grad_norm)
