@@ -1,6 +1,8 @@
-"""Triton kernels for chunked KDA (forward and backward) behind one autograd.Function.
+"""Triton kernels for chunked KDA (forward and backward) behind the custom ops `moeadapt::chunk_kda_fwd` / `_bwd`.
 
-Owns the kernels and `chunk_kda_triton`; imports only torch/triton. The math is the
+Owns the kernels, `chunk_kda_triton` and the torch.library registration (register_fake, register_autograd), so
+selective activation checkpointing keeps the forward's outputs and torch.compile traces one op each way; imports
+only torch/triton. The math is the
 chunk form of `reference.py` (chunk BT=64, sub-chunks BC=16). Per chunk, with G the
 in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
@@ -24,13 +26,13 @@ for sm_90 without a GPU and prints registers / spills.
 Sequences are always handled in varlen form (dense batches become B sequences of T).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
+import json
 
 import torch
 import triton
+from torch import Tensor
 
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
@@ -72,6 +74,10 @@ class KDALaunch:
     wu_BV: int = 64
     BH: int = 16  # heads per program of the token-parallel diagonal kernels
     diag_warps: int = 4
+
+    def __post_init__(self):
+        # the canonical string the custom ops take (their arguments are tensors, scalars and strings); not a field
+        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self)))
 
 
 LAUNCH = KDALaunch()
@@ -121,129 +127,206 @@ def _cfg(K, V, dtype, HV, launch: KDALaunch) -> dict:
     return c
 
 
-class ChunkKDAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
-        B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        dev = q.device
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        gate = A_log is not None
-        A32 = A_log.float().contiguous() if gate else beta
-        b32 = (dt_bias.float().reshape(-1).contiguous() if dt_bias is not None else
-               torch.zeros(HV * K, device=dev)) if gate else beta
-        cu, cidx, coff, NC = _prep_varlen(B, T, cu_seqlens, dev)
-        N = cu.numel() - 1
-        cfg = _cfg(K, V, q.dtype, HV, launch)
-        Tt = B * T
-        Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
-        Ti = torch.empty_like(Aqk)
-        w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
-        u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
-        gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
-        Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-        _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-            q, k, Gc, beta, Aqk, Ti, cu, cidx,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-        )
-        del Gc
-        _fwd_intra[(NC, HV)](
-            g, q, k, beta, Aqk, Ti, cu, cidx, A32, b32,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
-        )
-        _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
-            g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-            num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
-        )
-        h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
-        o = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)
-        _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
-            qg, h, vn, Aqk, o, cu, cidx, scale,
-            H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["o_warps"],
-        )
-        ctx.save_for_backward(
-            q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff,
-            h, vn, A32 if gate else None, b32 if gate else None,
-        )
-        ctx.launch = launch
-        ctx.dt_bias_shape = None if dt_bias is None else (dt_bias.shape, dt_bias.dtype)
-        ctx.A_dtype = A_log.dtype if gate else None
-        ctx.meta = (B, T, H, HV, K, V, NC, N, scale)
-        return o.view(B, T, HV, V), ht
+@functools.lru_cache(maxsize=32)
+def _launch_of(key: str) -> KDALaunch:
+    """The KDALaunch a canonical string (KDALaunch.key) names; parsed once per distinct string."""
+    return KDALaunch(**json.loads(key))
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h0, cu, cidx, coff, h, vn, A32, b32 = ctx.saved_tensors
-        gate = A32 is not None
-        if not gate:
-            A32 = b32 = beta
-        B, T, H, HV, K, V, NC, N, scale = ctx.meta
-        dev = q.device
-        cfg = _cfg(K, V, q.dtype, HV, ctx.launch)
-        Tt = B * T
-        # cotangents may arrive expanded (stride 0, from `.sum()`) or strided: the kernels index them densely
-        do = do.contiguous()
-        dht = None if dht is None else dht.contiguous()
-        dh = torch.empty_like(h)
-        dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
-        dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-        BVh = _state_bv(cfg, N * HV, V, dev)
-        _bwd_dh[(triton.cdiv(V, BVh), N * HV)](
-            qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
-            cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=BVh, PREC=cfg["PREC"],
-            HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
-        )
-        dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
-        dk = torch.empty_like(dq)
-        dg = torch.empty_like(dq)
-        dv = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
-        dRu = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
-        dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
-        dAkk = torch.empty_like(dAqk)
-        BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
-        db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
-        db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
-        db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
-        _bwd_dv[(NC, HV)](
-            v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
-            HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
-        )
-        _bwd_wy[(NC, HV, K // BK)](
-            q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
-            num_stages=cfg["stages"], num_warps=cfg["local_warps"],
-        )
-        Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-        db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
-        _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-            q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-        )
-        del Gc
-        db0 += db3
-        dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
-        _bwd_intra[(NC, HV, K // BK2)](
-            q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-            USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
-        )
-        dA_log = ddt = None
-        if gate:
-            dA_log = dA.sum((0, 1)).to(ctx.A_dtype)
-            if ctx.dt_bias_shape is not None:
-                shape, dtype = ctx.dt_bias_shape
-                ddt = dg.sum(0).reshape(shape).to(dtype)
-        dbeta = db0 + db1.sum(0) + db2.sum(0)
-        if HV != H:
-            dq = dq.view(Tt, H, HV // H, K).sum(2)
-            dk = dk.view(Tt, H, HV // H, K).sum(2)
-        shp = lambda x, n: x.view(B, T, n, -1)  # noqa: E731
-        return (
-            shp(dq, H).to(q.dtype), shp(dk, H).to(k.dtype), shp(dv, HV).to(v.dtype), shp(dg, HV).to(g.dtype),
-            dbeta.view(B, T, HV).to(beta.dtype), None, dh0, None, None, dA_log, ddt, None,
-        )
+
+def _gate_params(A_log, dt_bias, beta, HV, K):
+    """(USE_GATE, A_log in fp32, dt_bias flat in fp32); without the gate both are beta (an unread pointer)."""
+    if A_log is None:
+        return False, beta, beta
+    b32 = dt_bias.float().reshape(-1).contiguous() if dt_bias is not None else torch.zeros(HV * K, device=beta.device)
+    return True, A_log.float().contiguous(), b32
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """The stand-in for an absent tensor output (a custom op returns tensors): shape [0], float32."""
+    return torch.empty(0, device=like.device, dtype=torch.float32)
+
+
+@torch.library.custom_op("moeadapt::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
+    output_final_state: bool, cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, launch: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor]:
+    """Chunked KDA forward. q, k [B,T,H,K], v [B,T,HV,V], g [B,T,HV,K], beta [B,T,HV] (contiguous), h0 float32
+    [N,HV,K,V] or None, cu_seqlens [N+1] or None, A_log [HV] / dt_bias (fused gate) or None, launch: a
+    KDALaunch.key. Returns (o [B,T,HV,V], ht float32 [N,HV,K,V] (shape [0] unless output_final_state), then what
+    chunk_kda_bwd reads: Aqk, Ti [B*T,HV,64] fp32, w, u, kd, qg [B*T,HV,K|V], gl fp32 [NC,HV,K], h [NC,HV,K,V],
+    vn [B*T,HV,V], cu int32 [N+1], cidx int32 [max(NC,1),2], coff int32 [N+1]) with NC the number of 64-token
+    chunks."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    gate, A32, b32 = _gate_params(A_log, dt_bias, beta, HV, K)
+    cu, cidx, coff, NC = _prep_varlen(B, T, cu_seqlens, dev)
+    N = cu.numel() - 1
+    cfg = _cfg(K, V, q.dtype, HV, _launch_of(launch))
+    Tt = B * T
+    Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
+    Ti = torch.empty_like(Aqk)
+    w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
+    u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
+    gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
+    Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+    _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+        q, k, Gc, beta, Aqk, Ti, cu, cidx,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
+    )
+    del Gc
+    _fwd_intra[(NC, HV)](
+        g, q, k, beta, Aqk, Ti, cu, cidx, A32, b32,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+        USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+    )
+    _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
+        g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+        num_stages=cfg["stages"], num_warps=cfg["wu_warps"],
+    )
+    h, vn, ht = _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state)
+    o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    _fwd_o[(triton.cdiv(V, cfg["o_BV"]), NC, HV)](
+        qg, h, vn, Aqk, o, cu, cidx, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"],
+        num_warps=cfg["o_warps"],
+    )
+    # the index tensors may be _prep_dense's cached ones or cu_seqlens itself: an op's outputs are its own
+    cu, cidx, coff = cu.clone(), cidx.clone(), coff.clone()
+    return o, (ht if ht is not None else _empty(q)), Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff
+
+
+@chunk_kda_fwd.register_fake
+def _(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _cfg(K, V, q.dtype, HV, _launch_of(launch))  # the head-dim check
+    Tt = B * T
+    if cu_seqlens is None:
+        N, NC = B, B * ((T + BT - 1) // BT)
+    else:  # the chunk count depends on cu_seqlens' values
+        N, NC = cu_seqlens.shape[0] - 1, torch.library.get_ctx().new_dynamic_size()
+    f32, dt = torch.float32, q.dtype
+    new = functools.partial(torch.empty, device=q.device)
+    ht = new(N, HV, K, V, dtype=f32) if output_final_state else new(0, dtype=f32)
+    return (new(B, T, HV, V, dtype=v.dtype), ht, new(Tt, HV, BT, dtype=f32), new(Tt, HV, BT, dtype=f32),
+            new(Tt, HV, K, dtype=dt), new(Tt, HV, V, dtype=dt), new(Tt, HV, K, dtype=dt), new(Tt, HV, K, dtype=dt),
+            new(NC, HV, K, dtype=f32), new(NC, HV, K, V, dtype=dt), new(Tt, HV, V, dtype=dt),
+            new(N + 1, dtype=torch.int32), new(torch.sym_max(NC, 1), 2, dtype=torch.int32),
+            new(N + 1, dtype=torch.int32))
+
+
+@torch.library.custom_op("moeadapt::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, Aqk: Tensor, Ti: Tensor, w: Tensor, u: Tensor,
+    kd: Tensor, qg: Tensor, gl: Tensor, h: Tensor, vn: Tensor, cu: Tensor, cidx: Tensor, coff: Tensor,
+    h0: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None, scale: float,
+    launch: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of chunk_kda_fwd for the cotangents do [B,T,HV,V] and dht [N,HV,K,V] (None: zero), from its
+    inputs and saved outputs: (dq, dk, dv, dg, dbeta in their inputs' dtypes, dh0 float32 [N,HV,K,V],
+    dA_log [HV], ddt_bias like dt_bias); dh0 / dA_log / ddt_bias are shape [0] where h0 / A_log / dt_bias
+    is None."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NC, N = gl.shape[0], cu.numel() - 1
+    dev = q.device
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    gate, A32, b32 = _gate_params(A_log, dt_bias, beta, HV, K)
+    cfg = _cfg(K, V, q.dtype, HV, _launch_of(launch))
+    Tt = B * T
+    # cotangents may arrive expanded (stride 0, from `.sum()`) or strided: the kernels index them densely
+    do = do.contiguous()
+    dht = None if dht is None else dht.contiguous()
+    dh = torch.empty_like(h)
+    dd = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
+    BVh = _state_bv(cfg, N * HV, V, dev)
+    _bwd_dh[(triton.cdiv(V, BVh), N * HV)](
+        qg, kd, w, gl, Aqk, do, dh, dd, dht if dht is not None else dd, dh0 if dh0 is not None else dd,
+        cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=BVh, PREC=cfg["PREC"],
+        HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
+    )
+    dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dg = torch.empty_like(dq)
+    dv = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
+    dRu = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
+    dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
+    dAkk = torch.empty_like(dAqk)
+    BK, BK2 = cfg["local_BK"], cfg["local_BK2"]
+    db0 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
+    db1 = torch.empty(K // BK, Tt, HV, device=dev, dtype=torch.float32)
+    db2 = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32)
+    _bwd_dv[(NC, HV)](
+        v, beta, Ti, vn, dd, do, dv, dRu, db0, dAqk, dAkk, cu, cidx, scale,
+        HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
+    )
+    _bwd_wy[(NC, HV, K // BK)](
+        q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
+        num_stages=cfg["stages"], num_warps=cfg["local_warps"],
+    )
+    Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
+    db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
+    _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
+        q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
+    )
+    del Gc
+    db0 += db3
+    dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
+    _bwd_intra[(NC, HV, K // BK2)](
+        q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+        USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
+    )
+    dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate else _empty(q)
+    ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate and dt_bias is not None else _empty(q)
+    dbeta = db0 + db1.sum(0) + db2.sum(0)
+    if HV != H:
+        dq = dq.view(Tt, H, HV // H, K).sum(2)
+        dk = dk.view(Tt, H, HV // H, K).sum(2)
+    return (dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.view(B, T, HV, V).to(v.dtype),
+            dg.view(B, T, HV, K).to(g.dtype), dbeta.view(B, T, HV).to(beta.dtype),
+            dh0 if dh0 is not None else _empty(q), dA_log, ddt)
+
+
+@chunk_kda_bwd.register_fake
+def _(q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff, h0, A_log, dt_bias, do, dht, scale,
+      launch):
+    def like(x):
+        return torch.empty(x.shape, device=x.device, dtype=x.dtype) if x is not None else _empty(q)
+
+    return like(q), like(k), like(v), like(g), like(beta), like(h0), like(A_log), like(dt_bias)
+
+
+def _kda_setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, A_log, dt_bias, *output[2:])
+    ctx.scale, ctx.launch, ctx.o_meta = scale, launch, (output[0].shape, output[0].dtype)
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)  # no zero cotangents for the saved tensors (or an unused o / final state)
+
+
+def _kda_backward(ctx, do, dht, *_):
+    q, k, v, g, beta, h0, A_log, dt_bias, *saved = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        shape, dtype = ctx.o_meta
+        do = torch.zeros(shape, device=q.device, dtype=dtype)
+    if dht is not None and dht.numel() == 0:  # the shape-[0] stand-in of an absent final state
+        dht = None
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_kda_bwd(
+        q, k, v, g, beta, *saved, h0, A_log, dt_bias, do, dht, ctx.scale, ctx.launch)
+    return (dq, dk, dv, dg, dbeta, None, dh0 if h0 is not None else None, None, None,
+            dA_log if A_log is not None else None, ddt if dt_bias is not None else None, None)
+
+
+chunk_kda_fwd.register_autograd(_kda_backward, setup_context=_kda_setup_context)
 
 
 def _state_bv(cfg, NH, V, device):
@@ -294,8 +377,8 @@ def chunk_kda_triton(
     if beta_is_logits:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     h0 = None if initial_state is None else initial_state.float().contiguous()  # kernels index it densely
-    o, ht = ChunkKDAFunction.apply(
-        q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias if A_log is not None else None,
-        launch,
-    )
-    return o, ht
+    # contiguous here, not only inside the op: the op's autograd then saves the tensors the kernels read
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o, ht, *_ = chunk_kda_fwd(q, k, v, g, beta, float(scale), h0, bool(output_final_state), cu_seqlens, A_log,
+                              dt_bias if A_log is not None else None, launch.key)
+    return o, (ht if output_final_state else None)
