@@ -1,7 +1,8 @@
 """Triton sparse attention (SFA forward, SFAG backward) behind `sparse_attention(backend="triton")`.
 
-Owns the fused kernels and their autograd.Function; the math is
-`reference.sparse_attention_reference`.
+Owns the fused kernels and their registration as the torch.library custom ops `moeadapt::sparse_attn_fwd` / `_bwd`
+(register_fake, register_autograd: selective activation checkpointing keeps the forward's o and lse, torch.compile
+traces one op each way); the math is `reference.sparse_attention_reference`.
 
 Forward: one program per (query, KV head, block of BLOCK_H query heads). It
 walks the query's selected keys BLOCK_K at a time, gathers those K/V rows once
@@ -32,8 +33,8 @@ benchmarks/bench_dsa.py; variants that lost there (forward flags, a fused one-pa
 dk-dv passes, a per-slot validity mask in pass 2) were removed.
 """
 
-from __future__ import annotations
-
+import functools
+import json
 import math
 import os
 import warnings
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -405,18 +407,21 @@ def _v_from_k(k: torch.Tensor, v: torch.Tensor, d1: int) -> bool:
     )
 
 
-def _prep(q, k, v, d1):
-    """Unit-stride last dims; detects v = k[..., :D1] (read once, dv folded into dk)."""
+def _prep(q, k, v, d1, v_from_k=None):
+    """Unit-stride last dims; v = k[..., :D1] (read once, dv folded into dk) when v is None or v_from_k, or with
+    v_from_k=None when v is detected as that view."""
     q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
-    vk = _v_from_k(k, v, d1)
+    if v is None or v_from_k:
+        return q, k, k[..., :d1], True
+    vk = _v_from_k(k, v, d1) if v_from_k is None else False
     v = v if (vk or v.stride(-1) == 1) else v.contiguous()
     return q, k, v, vk
 
 
 def _common(q, k, v, indices):
     B, T, HQ, D = q.shape
-    HK, DV = k.shape[2], v.shape[-1]
+    HK, DV = k.shape[2], (v.shape[-1] if v is not None else _split_d(D)[0])
     G = HQ // HK
     idx = indices.contiguous()
     idx = idx if idx.dim() == 4 else idx[:, :, None, :]
@@ -449,14 +454,16 @@ def _gluon_module(q, k, v, indices, gluon: bool = True):
     return gluon_sparse_attn if gluon_sparse_attn.supported(q, k, v, indices) else None
 
 
-def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True):
+def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True, v_from_k: bool | None = None):
     """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200, T = 32768: 388-398 vs
-    294-297 TFLOP/s for this one), else FWD_CONFIG; an explicit cfg always runs the Triton kernel."""
-    if cfg is None and (gws := _gluon_module(q, k, v, indices, gluon)) is not None:
+    294-297 TFLOP/s for this one), else FWD_CONFIG; an explicit cfg always runs the Triton kernel.
+    v=None or v_from_k=True: v is k[..., :D1] (MLA's shared latent); v_from_k=None: detected (`_v_from_k`)."""
+    B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
+    v_sel = k[..., :d1] if (v is None or v_from_k) else v
+    if cfg is None and (v_from_k is not False) and (gws := _gluon_module(q, k, v_sel, indices, gluon)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
     cfg = cfg or FWD_CONFIG
-    B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
-    q, k, v, vk = _prep(q, k, v, d1)
+    q, k, v, vk = _prep(q, k, v, d1, v_from_k)
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
@@ -475,12 +482,12 @@ def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True):
     return o, lse
 
 
-def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None, gluon: bool = True):
+def sfa_backward(q, k, v, indices, o, lse, do, scale, cfg=None, gluon: bool = True, v_from_k: bool | None = None):
     """dq, dk, dv (None when v = k[..., :DV]) by the two-pass P/dS backward; cfg: BWD_CONFIG or a changed copy;
-    gluon: pass 1 by the Gluon kernel where it applies."""
+    gluon: pass 1 by the Gluon kernel where it applies; v / v_from_k as for sfa_forward."""
     cfg = cfg or BWD_CONFIG
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
-    q, k, v, vk = _prep(q, k, v, d1)
+    q, k, v, vk = _prep(q, k, v, d1, v_from_k)
     do = do.contiguous()
     o = o.contiguous()  # same layout as do: the kernel reads both with do's strides
     dq = torch.empty_like(q)
@@ -580,29 +587,84 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
-class SparseAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, indices, scale, gluon, fwd_cfg, bwd_cfg):
-        o, lse = sfa_forward(q, k, v, indices, scale, fwd_cfg, gluon)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale, ctx.gluon, ctx.bwd_cfg = scale, gluon, bwd_cfg
-        return o
+def _cfg_key(cfg: dict | None) -> str | None:
+    """A launch configuration as the canonical string the custom ops take (None: the defaults)."""
+    return None if cfg is None else json.dumps(cfg, sort_keys=True)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, indices, o, lse = ctx.saved_tensors
-        dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, ctx.scale, ctx.bwd_cfg, ctx.gluon)
-        return dq, dk, dv, None, None, None, None, None
+
+@functools.lru_cache(maxsize=32)
+def _cfg_of(key: str | None) -> dict | None:
+    """The configuration a `_cfg_key` string names (parsed once per string; read-only)."""
+    return None if key is None else json.loads(key)
+
+
+@torch.library.custom_op("moeadapt::sparse_attn_fwd", mutates_args=())
+def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, scale: float, gluon: bool,
+                    fwd_cfg: str | None, bwd_cfg: str | None) -> tuple[Tensor, Tensor]:
+    """(o [B,T,HQ,DV] in q's dtype, lse [B,T,HQ] fp32) of sparse attention; v None: v is k[..., :D1] (MLA's
+    shared latent, read once); fwd_cfg: a `_cfg_key` string or None (FWD_CONFIG, or the Gluon kernel where it
+    applies); bwd_cfg: the backward's (sparse_attn_bwd), only carried to it."""
+    return sfa_forward(q, k, v, indices, scale, _cfg_of(fwd_cfg), gluon, v_from_k=v is None)
+
+
+@sparse_attn_fwd.register_fake
+def _(q, k, v, indices, scale, gluon, fwd_cfg, bwd_cfg):
+    B, T, HQ, D = q.shape
+    DV = v.shape[-1] if v is not None else _split_d(int(D))[0]
+    return (torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype),
+            torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
+
+
+@torch.library.custom_op("moeadapt::sparse_attn_bwd", mutates_args=())
+def sparse_attn_bwd(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                    scale: float, gluon: bool, cfg: str | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of sparse_attn_fwd for the cotangent do, in q / k / v's dtypes; with v None dv is folded into
+    dk and returned as a shape-[0] stand-in. cfg: a `_cfg_key` string or None (BWD_CONFIG)."""
+    dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, scale, _cfg_of(cfg), gluon, v_from_k=v is None)
+    return dq, dk, (dv if dv is not None else torch.empty(0, device=q.device, dtype=q.dtype))
+
+
+@sparse_attn_bwd.register_fake
+def _(q, k, v, indices, o, lse, do, scale, gluon, cfg):
+    def like(x):
+        return torch.empty(x.shape, device=x.device, dtype=x.dtype)
+
+    return like(q), like(k), (like(v) if v is not None else torch.empty(0, device=q.device, dtype=q.dtype))
+
+
+def _sfa_setup_context(ctx, inputs, output) -> None:
+    q, k, v, indices, scale, gluon, fwd_cfg, bwd_cfg = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, indices, o, lse)
+    ctx.scale, ctx.gluon, ctx.bwd_cfg = scale, gluon, bwd_cfg
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _sfa_backward(ctx, do, _dlse):
+    q, k, v, indices, o, lse = ctx.saved_tensors
+    if do is None:
+        return (None,) * 8
+    dq, dk, dv = sparse_attn_bwd(q, k, v, indices, o, lse, do, ctx.scale, ctx.gluon, ctx.bwd_cfg)
+    return dq, dk, (dv if v is not None else None), None, None, None, None, None
+
+
+sparse_attn_fwd.register_autograd(_sfa_backward, setup_context=_sfa_setup_context)
 
 
 def sparse_attention_triton(q, k, v, indices, scale=None, *, gluon: bool = True, fwd_cfg: dict | None = None,
                             bwd_cfg: dict | None = None):
     """Triton SFA/SFAG; same contract as `sparse_attention_reference`. gluon: the Gluon kernels where they apply
     (sm_90, bf16 MLA shapes); fwd_cfg / bwd_cfg: launch configurations (None: FWD_CONFIG / BWD_CONFIG; an
-    explicit fwd_cfg runs the Triton forward)."""
+    explicit fwd_cfg runs the Triton forward). v = k[..., :DV] (MLA) is detected eagerly and passed to the ops as
+    v=None (one read of each row, dv folded into dk); under torch.compile, which cannot compare data pointers,
+    v goes in as its own tensor (same values, dk and dv apart)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale} must be finite")
     if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
         q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
-    return SparseAttentionFunction.apply(q, k, v, indices, scale, bool(gluon), fwd_cfg, bwd_cfg)
+    if not torch.compiler.is_compiling() and _v_from_k(k, v, _split_d(q.shape[-1])[0]):
+        v = None
+    o, _ = sparse_attn_fwd(q, k, v, indices, scale, bool(gluon), _cfg_key(fwd_cfg), _cfg_key(bwd_cfg))
+    return o
