@@ -1,6 +1,7 @@
 """Triton indexer KL loss behind `indexer_kl_loss(backend="triton")`, fused with its backward.
 
-Owns the two KL kernels; the math is `reference.indexer_kl_loss_reference`.
+Owns the two KL kernels and the custom op `moeadapt::indexer_kl_fwd` (loss and its unit-gradient terms; the
+backward only scales them); the math is `reference.indexer_kl_loss_reference`.
 
 1. target kernel, one program per (query, KV head, head block), like the SFA
    forward: pass 1 gets each head's log-sum-exp over the selected keys, pass 2
@@ -14,12 +15,11 @@ Owns the two KL kernels; the math is `reference.indexer_kl_loss_reference`.
    does), so nothing of size [T, K, DI] is ever stored.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .triton_indexer import pad_head_dim
 from .triton_sparse_attn import LOG2E, _common, _launch_args, _mm, _prep, use_ieee
@@ -151,38 +151,58 @@ def kl_target_triton(q, k, indices, scale, cfg=None):
     return p / p.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
-class IndexerKLFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, indices, q_idx, k_idx, w_idx, scale):
-        with torch.no_grad():
-            p = kl_target_triton(q.detach(), k.detach(), indices, scale)
-        B, T, HI, DI = q_idx.shape
-        bhi = max(16, triton.next_power_of_2(HI))
-        qi = q_idx.reshape(B * T, HI, DI).contiguous()
-        ki = k_idx.contiguous()
-        wi = w_idx.reshape(B * T, HI).contiguous()
-        idx = indices.contiguous()
-        loss_r = torch.empty(B * T, device=q_idx.device, dtype=torch.float32)
-        dq = torch.empty(B * T, bhi, DI, device=q_idx.device, dtype=torch.float32)
-        dw = torch.empty(B * T, bhi, device=q_idx.device, dtype=torch.float32)
-        dk = torch.zeros(B, k_idx.shape[1], DI, device=q_idx.device, dtype=torch.float32)  # Tk keys
-        _kl_indexer_kernel[(B * T,)](
-            qi, ki, wi, idx, p, loss_r, dq, dk, dw,
-            qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), wi.stride(0), idx.stride(1), p.stride(1),
-            dk.stride(0), T, HI, idx.shape[-1],
-            DI=DI, BLOCK_HI=bhi, BLOCK_K=32, IEEE=use_ieee(qi), num_warps=4,
-        )
-        n = (indices >= 0).any(-1).sum().clamp(min=1).float()
-        ctx.save_for_backward(dq[:, :HI].reshape(q_idx.shape), dk, dw[:, :HI].reshape(w_idx.shape), n)
-        ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
-        return loss_r.sum() / n
+@torch.library.custom_op("moeadapt::indexer_kl_fwd", mutates_args=())
+def indexer_kl_fwd(q: Tensor, k: Tensor, indices: Tensor, q_idx: Tensor, k_idx: Tensor, w_idx: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss fp32 scalar, then its gradients for a unit upstream gradient: dq_idx like q_idx, dk_idx fp32
+    [B,Tk,DI], dw_idx like w_idx, all fp32) of the indexer KL loss; q, k get no gradient."""
+    p = kl_target_triton(q, k, indices, scale)
+    B, T, HI, DI = q_idx.shape
+    bhi = max(16, triton.next_power_of_2(HI))
+    qi = q_idx.reshape(B * T, HI, DI).contiguous()
+    ki = k_idx.contiguous()
+    wi = w_idx.reshape(B * T, HI).contiguous()
+    idx = indices.contiguous()
+    loss_r = torch.empty(B * T, device=q_idx.device, dtype=torch.float32)
+    dq = torch.empty(B * T, bhi, DI, device=q_idx.device, dtype=torch.float32)
+    dw = torch.empty(B * T, bhi, device=q_idx.device, dtype=torch.float32)
+    dk = torch.zeros(B, k_idx.shape[1], DI, device=q_idx.device, dtype=torch.float32)  # Tk keys
+    _kl_indexer_kernel[(B * T,)](
+        qi, ki, wi, idx, p, loss_r, dq, dk, dw,
+        qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1), wi.stride(0), idx.stride(1), p.stride(1),
+        dk.stride(0), T, HI, idx.shape[-1],
+        DI=DI, BLOCK_HI=bhi, BLOCK_K=32, IEEE=use_ieee(qi), num_warps=4,
+    )
+    n = (indices >= 0).any(-1).sum().clamp(min=1).float()
+    return (loss_r.sum() / n, (dq[:, :HI] / n).reshape(q_idx.shape), dk / n,
+            (dw[:, :HI] / n).reshape(w_idx.shape))
 
-    @staticmethod
-    def backward(ctx, g):
-        dq, dk, dw, n = ctx.saved_tensors
-        s = g / n
-        dtq, dtk, dtw = ctx.dtypes
-        return None, None, None, (dq * s).to(dtq), (dk * s).to(dtk), (dw * s).to(dtw), None
+
+@indexer_kl_fwd.register_fake
+def _(q, k, indices, q_idx, k_idx, w_idx, scale):
+    def f32(*shape):
+        return torch.empty(*shape, device=q_idx.device, dtype=torch.float32)
+
+    return f32(()), f32(q_idx.shape), f32(k_idx.shape), f32(w_idx.shape)
+
+
+def _kl_setup_context(ctx, inputs, output) -> None:
+    _, _, _, q_idx, k_idx, w_idx, _ = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _kl_backward(ctx, g, *_):
+    if g is None:
+        return (None,) * 7
+    dq, dk, dw = ctx.saved_tensors
+    dtq, dtk, dtw = ctx.dtypes
+    return None, None, None, (dq * g).to(dtq), (dk * g).to(dtk), (dw * g).to(dtw), None
+
+
+indexer_kl_fwd.register_autograd(_kl_backward, setup_context=_kl_setup_context)
 
 
 def indexer_kl_loss_triton(q, k, indices, q_idx, k_idx, w_idx, scale=None):
@@ -191,4 +211,4 @@ def indexer_kl_loss_triton(q, k, indices, q_idx, k_idx, w_idx, scale=None):
     if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
         q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
     q_idx, k_idx = pad_head_dim(q_idx, k_idx)  # differentiable: grads are sliced back
-    return IndexerKLFunction.apply(q, k, indices, q_idx, k_idx, w_idx, scale)
+    return indexer_kl_fwd(q.detach(), k.detach(), indices, q_idx, k_idx, w_idx, scale)[0]
