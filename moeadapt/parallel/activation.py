@@ -3,9 +3,12 @@
 Owns: wrapping `Block.forward` (the instance attribute, so parameter names stay unchanged for checkpoints)
 in non-reentrant `torch.utils.checkpoint`, which passes the block's `(x, info)` output through as is.
   full:      keep only the block input; recompute the whole block in backward.
-  selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels) and of
-             collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, KDA
-             intermediates) — `create_selective_checkpoint_contexts` with the policy below.
+  selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels), of our
+             Triton KDA, sparse-attention and indexer-KL forwards (the custom ops moeadapt::chunk_kda_fwd, with
+             every tensor its backward reads, moeadapt::sparse_attn_fwd and moeadapt::indexer_kl_fwd) and of
+             collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, the KDA short
+             conv moeadapt::causal_conv_silu_fwd) — `create_selective_checkpoint_contexts` with the policy
+             below. The Triton ops register on import: `_save_ops()` looks them up when a policy first runs.
   offload (with full): the kept block input goes to host memory (pinned on CUDA) and comes back for the
              recompute, so device memory holds no per-block activation between forward and backward.
 A recompute must not count routed tokens twice: the router's `tokens_per_expert` buffer is restored
@@ -39,6 +42,19 @@ _SAVE_OPS = _ops("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._gro
                  "aten._scaled_dot_product_cudnn_attention", "aten._scaled_mm",
                  "_c10d_functional.all_to_all_single", "_c10d_functional.wait_tensor",
                  "_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")
+# our Triton forwards (torch.library custom ops, registered when their modules are imported)
+_TRITON_SAVE_OPS = ("moeadapt.chunk_kda_fwd", "moeadapt.sparse_attn_fwd", "moeadapt.indexer_kl_fwd")
+
+
+@functools.cache
+def _triton_save_ops() -> frozenset:
+    """The Triton forward ops SAC keeps; imports their modules (Triton present) so that they are registered."""
+    try:
+        from ..ops.dsa import triton_kl, triton_sparse_attn  # noqa: F401
+        from ..ops.kda import triton_kda  # noqa: F401
+    except ImportError:  # no Triton: nothing of ours to keep
+        return frozenset()
+    return frozenset(_ops(*_TRITON_SAVE_OPS))
 
 
 def _ignore_profiler_ops_in_sac() -> None:
@@ -54,7 +70,8 @@ def _ignore_profiler_ops_in_sac() -> None:
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in _SAVE_OPS or op in _triton_save_ops()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _KeepRouterCounts:

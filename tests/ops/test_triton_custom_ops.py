@@ -1,0 +1,257 @@
+"""The Triton KDA, sparse-attention and indexer-KL kernels as torch.library custom ops: torch.library's checks
+(schema, fake tensors, autograd registration, AOT dispatch), selective activation checkpointing keeping their
+forward outputs (each forward runs once per layer over forward + backward; full recompute runs it twice), and
+torch.compile (aot_eager, fullgraph) through them giving the eager values.
+
+Tiny shapes (one 64-token chunk): the Triton interpreter runs every program in Python on CPU.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+pytestmark = pytest.mark.skipif(
+    not (HAVE_TRITON and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")),
+    reason="Triton needs CUDA or TRITON_INTERPRET=1",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _leaves(*xs):
+    return [x.to(DEV).requires_grad_() for x in xs]
+
+
+def _kda_inputs(T=8, cu=None, gate=False):
+    """Op arguments of moeadapt::chunk_kda_fwd (B = 1, one head, K = V = 16) with leaves that need grad."""
+    from moeadapt.ops.kda.triton_kda import LAUNCH
+
+    q, v = torch.randn(1, T, 1, 16), torch.randn(1, T, 1, 16)
+    k = F.normalize(torch.randn(1, T, 1, 16), dim=-1)
+    g = torch.randn(1, T, 1, 16) if gate else -torch.rand(1, T, 1, 16)
+    N = 1 if cu is None else len(cu) - 1
+    q, k, v, g, beta, h0 = _leaves(q, k, v, g, torch.rand(1, T, 1), torch.randn(N, 1, 16, 16))
+    A_log, dt_bias = _leaves(torch.randn(1) * 0.5, torch.randn(1, 16) * 0.5) if gate else (None, None)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    return q, k, v, g, beta, 0.25, h0, True, cu, A_log, dt_bias, LAUNCH.key
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_kda_opcheck(seed, varlen):
+    from moeadapt.ops.kda.triton_kda import chunk_kda_fwd
+
+    args = _kda_inputs(cu=[0, 3, 8] if varlen else None, gate=varlen)
+    torch.library.opcheck(chunk_kda_fwd, args)
+
+
+def test_kda_launch_key_round_trips():
+    """The launch travels to the ops as KDALaunch.key and comes back equal (a changed copy included)."""
+    from moeadapt.ops.kda.triton_kda import LAUNCH, _launch_of
+
+    changed = dataclasses.replace(LAUNCH, h_BV=16, h_split=False, dot_prec="ieee")
+    assert _launch_of(LAUNCH.key) == LAUNCH and _launch_of(changed.key) == changed != LAUNCH
+    assert changed.key != LAUNCH.key
+
+
+def _attn_inputs(T=12, HQ=2, D=32, DV=16, topk=8, shared=False):
+    """q, k, v (v = k[..., :DV] when shared: MLA's latent, D1 = 32 > DV is not shared), causal indices."""
+    q, k = _leaves(torch.randn(1, T, HQ, D), torch.randn(1, T, 1, D))
+    v = k[..., :DV] if shared else _leaves(torch.randn(1, T, 1, DV))[0]
+    idx = torch.full((1, T, topk), -1, dtype=torch.int32)
+    for t in range(T):
+        sel = torch.randperm(t + 1)[:topk].sort().values
+        idx[0, t, : sel.numel()] = sel.int()
+    return q, k, v, idx.to(DEV)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["v", "v_is_k_latent"])
+def test_sparse_attention_opcheck(seed, shared):
+    from moeadapt.ops.dsa.triton_sparse_attn import sparse_attn_fwd
+
+    q, k, v, idx = _attn_inputs(D=32 if shared else 48, DV=32 if shared else 16, shared=shared)
+    torch.library.opcheck(sparse_attn_fwd, (q, k, None if shared else v, idx, 0.3, True, None, None))
+
+
+def test_indexer_kl_opcheck(seed):
+    from moeadapt.ops.dsa.triton_kl import indexer_kl_fwd
+
+    q, k, _, idx = _attn_inputs(D=16)
+    q_idx, k_idx, w_idx = _leaves(torch.randn(1, 12, 2, 16), torch.randn(1, 12, 16), torch.rand(1, 12, 2))
+    torch.library.opcheck(indexer_kl_fwd, (q.detach(), k.detach(), idx, q_idx, k_idx, w_idx, 0.3))
+
+
+# ------------------------------------------------------------------ selective activation checkpointing
+
+
+class _KDABlock(nn.Module):
+    def __init__(self, C=16):
+        super().__init__()
+        self.proj = nn.Linear(C, 4 * C + 1)
+        self.out = nn.Linear(C, C)
+
+    def forward(self, x):
+        from moeadapt.ops.kda.triton_kda import chunk_kda_triton
+
+        B, T, C = x.shape
+        q, k, v, g, beta = self.proj(x).split([C, C, C, C, 1], -1)
+        o, _ = chunk_kda_triton(q[:, :, None], k[:, :, None], v[:, :, None], -F.softplus(g)[:, :, None],
+                                torch.sigmoid(beta), use_qk_l2norm=True)
+        return x + self.out(o.reshape(B, T, C))
+
+
+class _DSABlock(nn.Module):
+    """MLA form: one latent kv row per token, v its leading channels; plus the indexer KL loss."""
+
+    def __init__(self, C=16, HQ=2, D=32):
+        super().__init__()
+        self.HQ, self.D = HQ, D
+        self.q = nn.Linear(C, HQ * D)
+        self.kv = nn.Linear(C, D + 16)  # 32 latent + 16 rope channels: D1 = 32 = DV, v = kv[..., :32]
+        self.out = nn.Linear(HQ * 32, C)
+        self.qi, self.ki, self.wi = nn.Linear(C, 2 * 16), nn.Linear(C, 16), nn.Linear(C, 2)
+
+    def forward(self, x):
+        from moeadapt.ops.dsa.triton_kl import indexer_kl_loss_triton
+        from moeadapt.ops.dsa.triton_sparse_attn import sparse_attention_triton
+
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.HQ, self.D)
+        q = F.pad(q, (0, 16))  # D = 48 = 32 + 16 like kv
+        kv = self.kv(x)[:, :, None]
+        o = sparse_attention_triton(q, kv, kv[..., :32], self.idx, scale=0.3)
+        q_idx, k_idx, w_idx = self.qi(x).view(B, T, 2, 16), self.ki(x), self.wi(x)
+        self.kl = indexer_kl_loss_triton(q, kv, self.idx, q_idx, k_idx, w_idx, scale=0.3)
+        return x + self.out(o.reshape(B, T, -1))
+
+
+class _Net(nn.Module):
+    def __init__(self, block, n=1):
+        super().__init__()
+        self.layers = nn.ModuleList([block() for _ in range(n)])
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def _count_calls(monkeypatch, module, name):
+    """Counts calls of module.name (a function the op's implementation calls once per forward)."""
+    calls = [0]
+    fn = getattr(module, name)
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return fn(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _run_modes(monkeypatch, make, counted, extra_loss=lambda m: 0.0):
+    """{mode: (calls of each counted function, loss, grads)} for the same model and input under none / selective /
+    full activation checkpointing."""
+    from moeadapt.parallel import apply_activation_checkpointing
+
+    state = make().state_dict()
+    x = torch.randn(1, 12, 16, device=DEV)
+    res = {}
+    for mode in ("none", "selective", "full"):
+        model = make().to(DEV)
+        model.load_state_dict(state)
+        apply_activation_checkpointing(model, mode)
+        calls = [_count_calls(monkeypatch, mod, name) for mod, name in counted]
+        xx = x.clone().requires_grad_()
+        out = model(xx)
+        loss = out.square().mean() + extra_loss(model)
+        loss.backward()
+        res[mode] = ([c[0] for c in calls], loss.detach(),
+                     [xx.grad] + [p.grad for p in model.parameters()])
+        monkeypatch.undo()
+    return res
+
+
+def _assert_same_as_none(res):
+    for mode in ("selective", "full"):
+        torch.testing.assert_close(res[mode][1], res["none"][1], rtol=1e-6, atol=1e-7)
+        for i, (a, b) in enumerate(zip(res[mode][2], res["none"][2])):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{mode}, grad {i}: {m}")
+
+
+def test_selective_keeps_the_kda_forward(seed, monkeypatch):
+    """Selective recompute runs the KDA Triton forward once per layer over forward + backward (full: twice), and
+    its loss and gradients equal the un-checkpointed run."""
+    from moeadapt.ops.kda import triton_kda
+
+    res = _run_modes(monkeypatch, lambda: _Net(_KDABlock), [(triton_kda, "_run_fwd_h")])
+    assert {m: r[0] for m, r in res.items()} == {"none": [1], "selective": [1], "full": [2]}
+    _assert_same_as_none(res)
+
+
+def test_selective_keeps_the_sparse_attention_and_kl_forwards(seed, monkeypatch):
+    from moeadapt.ops.dsa import triton_kl, triton_sparse_attn
+
+    _, _, _, idx = _attn_inputs()
+
+    def make():
+        m = _Net(_DSABlock)
+        m.layers[0].idx = idx
+        return m
+
+    res = _run_modes(monkeypatch, make, [(triton_sparse_attn, "sfa_forward"), (triton_kl, "kl_target_triton")],
+                     extra_loss=lambda m: m.layers[0].kl)
+    assert {m: r[0] for m, r in res.items()} == {"none": [1, 1], "selective": [1, 1], "full": [2, 2]}
+    _assert_same_as_none(res)
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def _compiled_matches_eager(fn, leaves):
+    loss = fn(*leaves)
+    ref = torch.autograd.grad(loss, leaves)
+    torch._dynamo.reset()
+    cf = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    loss_c = cf(*leaves)
+    got = torch.autograd.grad(loss_c, leaves)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, i=i: f"grad {i}: {m}")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_compile_through_chunk_kda(seed, varlen):
+    """fullgraph aot_eager through chunk_kda_triton (the fake impls; varlen: a data-dependent chunk count)."""
+    from moeadapt.ops.kda.triton_kda import chunk_kda_triton
+
+    q, k, v, g, beta, _, h0, _, cu, A_log, dt_bias, _ = _kda_inputs(cu=[0, 5, 8] if varlen else None, gate=varlen)
+    w = torch.randn(1, 8, 1, 16, device=DEV)
+
+    def fn(*xs):
+        o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu,
+                                 A_log=xs[6] if varlen else None, dt_bias=xs[7] if varlen else None)
+        return (o * w).sum() + ht.square().sum()
+
+    _compiled_matches_eager(fn, [q, k, v, g, beta, h0] + ([A_log, dt_bias] if varlen else []))
+
+
+def test_compile_through_sparse_attention(seed):
+    from moeadapt.ops.dsa.triton_sparse_attn import sparse_attention_triton
+
+    q, k, v, idx = _attn_inputs(D=48, DV=16)
+    w = torch.randn(1, 12, 2, 16, device=DEV)
+
+    def fn(q, k, v):
+        return (sparse_attention_triton(q, k, v, idx, scale=0.3) * w).sum()
+
+    _compiled_matches_eager(fn, [q, k, v])
