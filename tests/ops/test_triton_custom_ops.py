@@ -185,7 +185,7 @@ def _assert_same_as_none(res):
     for mode in ("selective", "full"):
         torch.testing.assert_close(res[mode][1], res["none"][1], rtol=1e-6, atol=1e-7)
         for i, (a, b) in enumerate(zip(res[mode][2], res["none"][2])):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"{mode}, grad {i}: {m}")
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m, i=i, mode=mode: f"{mode}, grad {i}: {m}")
 
 
 def test_selective_keeps_the_kda_forward(seed, monkeypatch):
