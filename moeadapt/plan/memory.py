@@ -32,7 +32,7 @@ allocated), and the bytes each rank holds at the step's peak:
 Element sizes: bf16 activations on GPU (`act_bytes=2`, autocast; the residual stream and norm outputs stay
 fp32), fp32 on CPU (`act_bytes=4`). Two op paths: `backend="reference"` (CPU: the plain-PyTorch KDA / DSA / MoE
 reference ops, whose einsums and padded expert bmm's save large intermediates) and `backend="kernel"` (GPU:
-Triton KDA / sparse attention / KL autograd Functions and their save_for_backward sets, torch._grouped_mm or
+Triton KDA / sparse attention / KL custom ops and what their autograd saves, torch._grouped_mm or
 fused Triton LoRA experts). docs/onboard_plan.md "Activation model" lists both.
 """
 
@@ -185,8 +185,8 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
 #   * RMSNorm saves its input (for dx), 1/rms and, only when its weight is trainable, the normalised copy.
 #   * convolution saves its input whatever requires grad (autograd's convolution formula saves both operands).
 #   * selective recompute (parallel/activation.py) keeps the *output of every GEMM-like op* in the block
-#     (mm / addmm / bmm / grouped mm / flash attention), needed by backward or not, under no_grad too, plus the
-#     block input; on the CPU reference path that includes the bmm's inside the reference ops' einsums
+#     (mm / addmm / bmm / grouped mm / flash attention; the Triton KDA, sparse-attention and indexer-KL forward
+#     ops), needed by backward or not, under no_grad too, plus the block input; on the CPU reference path that includes the bmm's inside the reference ops' einsums
 #     (attention scores, the indexer's dense scores, the padded expert GEMMs).
 # On GPU (act_bytes=2, bf16 autocast) a trainable linear whose input is fp32 (norm outputs: the residual stream
 # is fp32) saves its own bf16 cast of that input: one copy per consumer, not one per tensor.
@@ -314,14 +314,18 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("chunk_kda reference internals", H * (54.25 * K + 196.5 + K * K / 64) - (0 if full else HK), "f")
             acc.gemm("chunk_kda reference bmm outputs", H * (2 * REF_KDA_CHUNK + 2.5 * K), "f")
         else:
-            # l2norm in PyTorch (fp32 copies of q, k and their norms), then ChunkKDAFunction.save_for_backward:
-            # q, k, v, g, beta, A_qk and T_inv (64 per token per head, fp32), w, kd, qg, u, per-chunk gate
-            # and (save_h) the chunk states h (K*V/64 per token per head) and v_new
+            # l2norm in PyTorch (fp32 copies of q, k and their norms), then moeadapt::chunk_kda_fwd's autograd
+            # saves q, k, v, g, beta (its inputs) and its outputs A_qk and T_inv (64 per token per head, fp32),
+            # w, kd, qg, u, per-chunk gate, the chunk states h (K*V/64 per token per head) and v_new; selective
+            # recompute keeps the op's outputs (parallel/activation.py), o included
             acc.keep("l2norm fp32 q,k + norms", 2 * HK + 2 * H, "f")
-            acc.keep("kernel q,k,v,g,w,kd,qg,u,v_new", 9 * HK)
-            acc.keep("kernel A_qk,T_inv,beta,gate", H * (2 * 64 + 1) + HK / 64 + H, "f")
-            acc.keep("kernel chunk states", HK * K / 64, "f")
-        acc.keep("o (o_norm input)", HK)
+            acc.keep("kernel q,k,v,g,w,kd,qg,u,v_new", 9 * HK, gemm_out=5 / 9)
+            nb = H * (2 * 64 + 1) + HK / 64 + H
+            acc.keep("kernel A_qk,T_inv,beta,gate", nb, "f", gemm_out=(H * 2 * 64 + HK / 64) / nb)
+            acc.keep("kernel chunk states", HK * K / 64, "f", gemm_out=1)
+            acc.gemm("chunk_kda_fwd outputs o, w, kd, qg, u, v_new", 6 * HK)
+            acc.gemm("chunk_kda_fwd outputs A_qk, T_inv, gate, chunk states", H * 2 * 64 + HK / 64 + HK * K / 64, "f")
+        acc.keep("o (o_norm input)", HK, gemm_out=0 if ref else 1)
         _norm(acc, "o_norm", HK, full, act_bytes != 2)
         acc.keep("o_norm out, sigmoid gate (mul inputs)", 2 * HK)
         acc.gemm("o_proj", d)
@@ -380,9 +384,11 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("gather indices int64 x2, mask", 2 * k * 8 + k, "b")
             acc.gemm("attention bmm (scores, o)", H * k + H * c, "f")
             acc.gemm("indexer dense scores (no_grad bmm)", (HI + 1) * seq, "f")
-        else:  # triton sparse attention: q, k, indices (int32), o, lse
+        else:  # triton sparse attention: q, k, indices (int32), o, lse; selective keeps the op's o and lse
             acc.keep("k_full, indices, lse", (c + r) + H, "f")
             acc.keep("indices", k * 4, "b")
+            acc.gemm("sparse_attn_fwd o", H * c)
+            acc.gemm("sparse_attn_fwd lse", H, "f")
         if full:
             acc.keep("o_lat (o bmm input)", H * c, gemm_out=1)
         acc.gemm("o bmm", H * vd)
@@ -404,7 +410,9 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                 acc.keep("kl: indices int64, masks", k * 8 + 2 * k + 1, "b")
                 acc.gemm("kl bmm (scores, weighted, target)", HI * k + k + H * k, "f")
             else:  # triton KL: gradients computed in forward and kept (dq, dk, dw)
-                acc.keep("kl: dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f")
+                acc.keep("kl: dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f", gemm_out=1)
+        if not ref and spec.index_loss_coef > 0:  # moeadapt::indexer_kl_fwd's outputs: selective keeps them
+            acc.gemm("indexer_kl_fwd dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f")
     # FFN
     _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
     if not spec.is_moe_layer(i):
