@@ -5,8 +5,8 @@ in non-reentrant `torch.utils.checkpoint`, which passes the block's `(x, info)` 
   full:      keep only the block input; recompute the whole block in backward.
   selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels), of our
              Triton KDA, sparse-attention and indexer-KL forwards (the custom ops moeadapt::chunk_kda_fwd, with
-             every tensor its backward reads, moeadapt::sparse_attn_fwd and moeadapt::indexer_kl_fwd) and of
-             collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, the KDA short
+             every tensor its backward reads, moeadapt::sparse_attn_fwd and moeadapt::indexer_kl_fwd), of the
+             MoE Triton GEMMs (moeadapt::grouped_mm_fwd, moeadapt::grouped_lora_fwd) and of collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, the KDA short
              conv moeadapt::causal_conv_silu_fwd) — `create_selective_checkpoint_contexts` with the policy
              below. The Triton ops register on import: `_save_ops()` looks them up when a policy first runs.
   offload (with full): the kept block input goes to host memory (pinned on CUDA) and comes back for the
@@ -43,7 +43,8 @@ _SAVE_OPS = _ops("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._gro
                  "_c10d_functional.all_to_all_single", "_c10d_functional.wait_tensor",
                  "_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")
 # our Triton forwards (torch.library custom ops, registered when their modules are imported)
-_TRITON_SAVE_OPS = ("moeadapt.chunk_kda_fwd", "moeadapt.sparse_attn_fwd", "moeadapt.indexer_kl_fwd")
+_TRITON_SAVE_OPS = ("moeadapt.chunk_kda_fwd", "moeadapt.sparse_attn_fwd", "moeadapt.indexer_kl_fwd",
+                    "moeadapt.grouped_mm_fwd", "moeadapt.grouped_lora_fwd")
 
 
 @functools.cache
@@ -52,6 +53,7 @@ def _triton_save_ops() -> frozenset:
     try:
         from ..ops.dsa import triton_kl, triton_sparse_attn  # noqa: F401
         from ..ops.kda import triton_kda  # noqa: F401
+        from ..ops.moe import triton_grouped_mm  # noqa: F401
     except ImportError:  # no Triton: nothing of ours to keep
         return frozenset()
     return frozenset(_ops(*_TRITON_SAVE_OPS))

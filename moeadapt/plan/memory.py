@@ -474,8 +474,8 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         #          xcat (J = in + rank rounded up to 8) and base + adapter are one torch._grouped_mm; xcat is what
         #          it saves, one per layer (w1 and w3 each keep their own copy of x), and SAC sees the aten GEMM
         #          inside the autograd Function, so selective keeps its output;
-        #   triton (the Triton LoRA kernel): saves x (w1 / w3 share it) and h = x A (rank wide); nothing
-        #          selective recognises as a GEMM;
+        #   triton (the Triton LoRA kernel, the custom op moeadapt::grouped_lora_fwd): saves x (w1 / w3 share
+        #          it) and h = x A (rank wide); selective keeps the op's outputs y and h;
         #   torch: three torch._grouped_mm (x A, (x A) B, base): x shared, x A kept; selective keeps all 3 outs
         ins = {"w1": L, "w3": L, "w2": F}
         outs = {"w1": F, "w3": F, "w2": L}
@@ -505,6 +505,8 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
                     acc.gemm(f"experts.{w} fused grouped mm out", Kx * outs[w])
                     continue
                 acc.keep(f"experts.{w} x A", Kx * rank)
+                if be == "triton":
+                    acc.gemm(f"experts.{w} triton lora outs (y, x A)", Kx * (outs[w] + rank))
                 if be == "torch":
                     acc.gemm(f"experts.{w} base + lora grouped mm outs", Kx * (2 * outs[w] + rank))
             else:

@@ -17,16 +17,19 @@ Weight gradient (`_grouped_wgrad_kernel`): dW[e] = alpha · x_eᵀ @ dy_e, one p
 Grouped LoRA backward (frozen base): dh = s·dy·Bᵀ; dx = dy·Wᵀ + dh·Aᵀ (one fused launch);
 dA = xᵀ·dh; dB = s·hᵀ·dy. ΔW = A·B is never formed.
 
+Both products are the torch.library custom ops `moeadapt::grouped_mm_fwd` / `_bwd` and
+`moeadapt::grouped_lora_fwd` (returning y and h = x·A) / `_bwd`, so selective activation checkpointing keeps
+their outputs and torch.compile traces them.
+
 Shape suffixes: N routed rows, I / O input / output width, E experts, R LoRA rank.
 """
-
-from __future__ import annotations
 
 import os
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 
 def _interpreting() -> bool:
@@ -274,56 +277,123 @@ def _t(w_EIO: torch.Tensor) -> torch.Tensor:
     return w_EIO.transpose(1, 2)
 
 
-class _GroupedMMFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_NI, w_EIO, offsets_E):
-        ctx.save_for_backward(x_NI, w_EIO, offsets_E)
-        return grouped_mm_fwd(x_NI, w_EIO, offsets_E)
-
-    @staticmethod
-    def backward(ctx, dy_NO):
-        x_NI, w_EIO, offsets_E = ctx.saved_tensors
-        dy_NO = dy_NO.contiguous()
-        dx = grouped_mm_fwd(dy_NO, _t(w_EIO), offsets_E, out_dtype=x_NI.dtype) if ctx.needs_input_grad[0] else None
-        dw = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+def _none(like: torch.Tensor) -> torch.Tensor:
+    """The shape-[0] stand-in for a gradient not asked for (a custom op returns tensors)."""
+    return torch.empty(0, device=like.device, dtype=like.dtype)
 
 
-class _GroupedLoRAFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO):
-        h_NR = grouped_mm_fwd(x_NI, A_EIR, offsets_E)
+@torch.library.custom_op("moeadapt::grouped_mm_fwd", mutates_args=())
+def grouped_mm_op(x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor) -> Tensor:
+    """y [N, O] = x @ w[e] per expert group (grouped_mm_fwd); rows past offsets[-1] are left unwritten."""
+    return grouped_mm_fwd(x_NI, w_EIO, offsets_E)
+
+
+@grouped_mm_op.register_fake
+def _(x_NI, w_EIO, offsets_E):
+    return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
+
+
+@torch.library.custom_op("moeadapt::grouped_mm_bwd", mutates_args=())
+def grouped_mm_bwd(dy_NO: Tensor, x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor, need_x: bool,
+                   need_w: bool) -> tuple[Tensor, Tensor]:
+    """(dx [N, I] in x's dtype, dw in w's layout and dtype) of grouped_mm_op; shape [0] where not needed."""
+    dy_NO = dy_NO.contiguous()
+    dx = grouped_mm_fwd(dy_NO, _t(w_EIO), offsets_E, out_dtype=x_NI.dtype) if need_x else _none(x_NI)
+    dw = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if need_w else _none(w_EIO)
+    return dx, dw
+
+
+@grouped_mm_bwd.register_fake
+def _(dy_NO, x_NI, w_EIO, offsets_E, need_x, need_w):
+    return (torch.empty_like(x_NI, memory_format=torch.contiguous_format) if need_x else _none(x_NI),
+            torch.empty_like(w_EIO) if need_w else _none(w_EIO))
+
+
+def _mm_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _mm_backward(ctx, dy_NO):
+    x_NI, w_EIO, offsets_E = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = grouped_mm_bwd(dy_NO, x_NI, w_EIO, offsets_E, need_x, need_w)
+    return (dx if need_x else None), (dw if need_w else None), None
+
+
+grouped_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
+
+
+@torch.library.custom_op("moeadapt::grouped_lora_fwd", mutates_args=())
+def grouped_lora_op(x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor, scaling: float,
+                    w_EIO: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(y [N, O] = scaling·(x·A_e)·B_e (+ x·W_e with w_EIO), h = x·A_e [N, R], which the backward reads)."""
+    h_NR = grouped_mm_fwd(x_NI, A_EIR, offsets_E)
+    if w_EIO is None:
+        y_NO = grouped_mm_fwd(h_NR, B_ERO, offsets_E, alpha=scaling)
+    else:
+        y_NO = grouped_mm_fwd(x_NI, w_EIO, offsets_E, x2_NR=h_NR, w2_ERO=B_ERO, beta=scaling)
+    return y_NO, h_NR
+
+
+@grouped_lora_op.register_fake
+def _(x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO):
+    return x_NI.new_empty(x_NI.shape[0], B_ERO.shape[2]), x_NI.new_empty(x_NI.shape[0], A_EIR.shape[2])
+
+
+@torch.library.custom_op("moeadapt::grouped_lora_bwd", mutates_args=())
+def grouped_lora_bwd(dy_NO: Tensor, x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor, h_NR: Tensor,
+                     w_EIO: Tensor | None, scaling: float, need_x: bool, need_a: bool, need_b: bool,
+                     need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dA, dB, dW) of grouped_lora_op, each in its input's layout and dtype; shape [0] where not needed
+    (dW also without w_EIO)."""
+    s = scaling
+    dy_NO = dy_NO.contiguous()
+    dh_NR = grouped_mm_fwd(dy_NO, _t(B_ERO), offsets_E, alpha=s, out_dtype=x_NI.dtype)
+    dx = _none(x_NI)
+    if need_x:
         if w_EIO is None:
-            y_NO = grouped_mm_fwd(h_NR, B_ERO, offsets_E, alpha=scaling)
+            dx = grouped_mm_fwd(dh_NR, _t(A_EIR), offsets_E)
         else:
-            y_NO = grouped_mm_fwd(x_NI, w_EIO, offsets_E, x2_NR=h_NR, w2_ERO=B_ERO, beta=scaling)
-        ctx.scaling = scaling
-        ctx.save_for_backward(x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO)
-        return y_NO
+            dx = grouped_mm_fwd(dy_NO, _t(w_EIO), offsets_E, x2_NR=dh_NR, w2_ERO=_t(A_EIR), out_dtype=x_NI.dtype)
+    dA = grouped_wgrad(x_NI, dh_NR, offsets_E, A_EIR) if need_a else _none(A_EIR)
+    dB = grouped_wgrad(h_NR, dy_NO, offsets_E, B_ERO, alpha=s) if need_b else _none(B_ERO)
+    dW = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if (need_w and w_EIO is not None) else _none(x_NI)
+    return dx, dA, dB, dW
 
-    @staticmethod
-    def backward(ctx, dy_NO):
-        x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO = ctx.saved_tensors
-        need_x, need_a, need_b, _, _, need_w = ctx.needs_input_grad
-        s = ctx.scaling
-        dy_NO = dy_NO.contiguous()
-        dh_NR = grouped_mm_fwd(dy_NO, _t(B_ERO), offsets_E, alpha=s, out_dtype=x_NI.dtype)
-        dx = None
-        if need_x:
-            if w_EIO is None:
-                dx = grouped_mm_fwd(dh_NR, _t(A_EIR), offsets_E)
-            else:
-                dx = grouped_mm_fwd(dy_NO, _t(w_EIO), offsets_E, x2_NR=dh_NR, w2_ERO=_t(A_EIR),
-                                    out_dtype=x_NI.dtype)
-        dA = grouped_wgrad(x_NI, dh_NR, offsets_E, A_EIR) if need_a else None
-        dB = grouped_wgrad(h_NR, dy_NO, offsets_E, B_ERO, alpha=s) if need_b else None
-        dW = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if (need_w and w_EIO is not None) else None
-        return dx, dA, dB, None, None, dW
+
+@grouped_lora_bwd.register_fake
+def _(dy_NO, x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO, scaling, need_x, need_a, need_b, need_w):
+    # dx of the no-base path is grouped_mm_fwd's output: x's dtype when x, A agree (the kernels' inputs do)
+    return (torch.empty_like(x_NI, memory_format=torch.contiguous_format) if need_x else _none(x_NI),
+            torch.empty_like(A_EIR) if need_a else _none(A_EIR), torch.empty_like(B_ERO) if need_b else _none(B_ERO),
+            torch.empty_like(w_EIO) if (need_w and w_EIO is not None) else _none(x_NI))
+
+
+def _lora_setup_context(ctx, inputs, output) -> None:
+    x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO = inputs
+    ctx.scaling = scaling
+    ctx.save_for_backward(x_NI, A_EIR, B_ERO, offsets_E, output[1], w_EIO)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _lora_backward(ctx, dy_NO, _dh):
+    x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO = ctx.saved_tensors
+    need_x, need_a, need_b, _, _, need_w = ctx.needs_input_grad
+    if dy_NO is None:
+        return None, None, None, None, None, None
+    dx, dA, dB, dW = grouped_lora_bwd(dy_NO, x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO, ctx.scaling, need_x,
+                                      need_a, need_b, need_w and w_EIO is not None)
+    return (dx if need_x else None, dA if need_a else None, dB if need_b else None, None, None,
+            dW if (need_w and w_EIO is not None) else None)
+
+
+grouped_lora_op.register_autograd(_lora_backward, setup_context=_lora_setup_context)
 
 
 def grouped_mm_triton(x_sorted_NI, w_EIO, offsets_E):
-    return _GroupedMMFn.apply(x_sorted_NI, w_EIO, offsets_E)
+    return grouped_mm_op(x_sorted_NI, w_EIO, offsets_E)
 
 
 def grouped_lora_triton(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO=None):
-    return _GroupedLoRAFn.apply(x_sorted_NI, A_EIR, B_ERO, offsets_E, float(scaling), w_EIO)
+    return grouped_lora_op(x_sorted_NI, A_EIR, B_ERO, offsets_E, float(scaling), w_EIO)[0]
