@@ -255,3 +255,68 @@ def test_compile_through_sparse_attention(seed):
         return (sparse_attention_triton(q, k, v, idx, scale=0.3) * w).sum()
 
     _compiled_matches_eager(fn, [q, k, v])
+
+
+# ------------------------------------------------------------------ MoE grouped GEMMs
+
+
+def _moe_inputs(N=8, E=2, I=16, O=16, R=4):
+    """x [N, I], base w as the model passes it (a transposed view of [E, O, I]), LoRA A, B, END offsets (every
+    row owned: the kernels leave rows past offsets[-1] unwritten)."""
+    x, w_EOI, A, B = _leaves(torch.randn(N, I), torch.randn(E, O, I), torch.randn(E, I, R), torch.randn(E, R, O))
+    offsets = torch.tensor([3, N], dtype=torch.int32, device=DEV)
+    return x, w_EOI, A, B, offsets
+
+
+def test_grouped_mm_opchecks(seed):
+    from moeadapt.ops.moe.triton_grouped_mm import grouped_lora_op, grouped_mm_op
+
+    x, w_EOI, A, B, offsets = _moe_inputs()
+    torch.library.opcheck(grouped_mm_op, (x, w_EOI.transpose(1, 2), offsets))
+    torch.library.opcheck(grouped_lora_op, (x, A, B, offsets, 0.5, w_EOI.detach().transpose(1, 2)))
+    torch.library.opcheck(grouped_lora_op, (x, A, B, offsets, 0.5, None))
+
+
+class _MoEBlock(nn.Module):
+    """x -> grouped_mm (trained base) -> grouped_lora (frozen base + adapter) over fixed expert groups."""
+
+    def __init__(self, C=16, E=2, R=4):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, C, C) * 0.3)  # [E, O, I]
+        self.w2 = nn.Parameter(torch.randn(E, C, C) * 0.3, requires_grad=False)
+        self.A = nn.Parameter(torch.randn(E, C, R) * 0.3)
+        self.B = nn.Parameter(torch.randn(E, R, C) * 0.3)
+
+    def forward(self, x):
+        from moeadapt.ops.moe.triton_grouped_mm import grouped_lora_triton, grouped_mm_triton
+
+        B, T, C = x.shape
+        offsets = torch.tensor([5, B * T], dtype=torch.int32, device=x.device)
+        h = torch.tanh(grouped_mm_triton(x.reshape(B * T, C), self.w1.transpose(1, 2), offsets))
+        y = grouped_lora_triton(h, self.A, self.B, offsets, 0.5, self.w2.transpose(1, 2))
+        return x + y.view(B, T, C)
+
+
+def test_selective_keeps_the_grouped_gemm_forwards(seed, monkeypatch):
+    """Each grouped-GEMM launch of the forward (base, LoRA x A, LoRA base + adapter) runs once under selective
+    recompute, twice under full; the backward's launches (dx of both, dh) are the same in every mode."""
+    from moeadapt.ops.moe import triton_grouped_mm
+
+    res = _run_modes(monkeypatch, lambda: _Net(_MoEBlock), [(triton_grouped_mm, "grouped_mm_fwd")])
+    fwd, bwd = 3, 3  # forward: base, h = x A, y; backward: dx of the base, dh, dx of the LoRA layer
+    assert {m: r[0] for m, r in res.items()} == {"none": [fwd + bwd], "selective": [fwd + bwd],
+                                                  "full": [2 * fwd + bwd]}
+    _assert_same_as_none(res)
+
+
+def test_compile_through_grouped_gemms(seed):
+    from moeadapt.ops.moe.triton_grouped_mm import grouped_lora_triton, grouped_mm_triton
+
+    x, w_EOI, A, B, offsets = _moe_inputs()
+    w2 = torch.randn(2, 16, 16, device=DEV)
+
+    def fn(x, w, A, B):
+        h = grouped_mm_triton(x, w.transpose(1, 2), offsets)
+        return grouped_lora_triton(h, A, B, offsets, 0.5, w2.transpose(1, 2)).square().sum()
+
+    _compiled_matches_eager(fn, [x, w_EOI, A, B])
