@@ -149,6 +149,7 @@ class HybridMoEModel(nn.Module):
         position_ids [B, T]: packed documents (models/documents.py): each token's position inside its document,
         0 where one starts; each document then sees only itself (KDA state, convs, attention and RoPE restart
         at its start). Under context parallelism they are split like input_ids. None: one document per row.
+        They may stay on the host (a CUDA model then reads the documents' boundaries without a device sync).
         The labels are the caller's: the last token of a document should not target the next one's first
         (data.pack_documents masks it)."""
         B, T = input_ids.shape
@@ -170,7 +171,7 @@ class HybridMoEModel(nn.Module):
             if position_ids.shape != input_ids.shape:
                 raise ValueError(f"position_ids {list(position_ids.shape)} must have input_ids' shape "
                                  f"{list(input_ids.shape)} (under context parallelism: this rank's pieces of both)")
-            docs = Documents.from_position_ids(position_ids.to(x.device), T_seq, cp)
+            docs = Documents.from_position_ids(position_ids, T_seq, cp, device=x.device)
             pos = docs.position_ids
         elif cp is not None:
             pos = cp.local_positions(T_seq, input_ids.device)

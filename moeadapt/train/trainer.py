@@ -42,6 +42,7 @@ from ..models.model import HybridMoEModel, checkpoint_tensors
 from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..models.vision import ImageBatch
+from ..ops.host import to_device
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
@@ -232,12 +233,15 @@ def _stack(parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 
 def _model_inputs(extra: dict, run, device) -> dict:
-    """The batch's other model inputs on the device: position_ids split over cp like the tokens (`run`'s
-    local_part; None: whole), images whole."""
+    """The batch's other model inputs: position_ids split over cp like the tokens (`run`'s local_part; None:
+    whole), left on the host without cp (the model reads the documents' boundaries there, with no device sync);
+    images whole, on the device."""
     out = {}
     if extra.get("position_ids") is not None:
-        pos = extra["position_ids"].to(device)
-        out["position_ids"] = run.local_part(pos) if run is not None else pos
+        pos = extra["position_ids"]
+        if getattr(run, "cp_layout", None) is not None:
+            pos = run.local_part(to_device(pos, device))
+        out["position_ids"] = pos
     if extra.get("images") is not None:
         out["images"] = extra["images"].to(device)
     return out
@@ -262,7 +266,8 @@ def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats,
     st = StepStats(loss=torch.zeros((), device=device), grad_norm=torch.zeros(()), tokens=0)
     finite = torch.ones((), dtype=torch.bool, device=device)
     for xb, yb, extra in batches:
-        x, y = run.local_part(xb.to(device)), run.local_part(yb.to(device))  # under cp: this rank's pieces
+        # sent without waiting for the device (ops/host.py); under cp: this rank's pieces
+        x, y = run.local_part(to_device(xb, device)), run.local_part(to_device(yb, device))
         with _autocast(device, t.dtype):
             out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
             loss = out.loss + out.aux_loss

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..host import to_device
+
 __all__ = [
     "indexer_scores_reference",
     "lightning_indexer_reference",
@@ -34,7 +36,7 @@ def _seq_starts(T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor
     """Start position of the sequence each row belongs to, [T] int64."""
     if cu_seqlens is None:
         return torch.zeros(T, dtype=torch.long, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    cu = to_device(cu_seqlens, device, torch.long)
     pos = torch.arange(T, device=device)
     seq = torch.searchsorted(cu[1:], pos, right=True)
     return cu[seq]

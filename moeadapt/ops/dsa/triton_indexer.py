@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..host import to_device
 from .triton_sparse_attn import use_ieee
 
 
@@ -170,7 +171,7 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=Non
     if cu_seqlens is None:
         starts = torch.zeros(T, dtype=torch.int32, device=dev)
     else:
-        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        cu = to_device(cu_seqlens, dev, torch.long)
         seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)
         starts = cu[seq].to(torch.int32)
     out = torch.empty(B, TQ, topk, dtype=torch.int32, device=dev)

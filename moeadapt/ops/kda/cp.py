@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..cp_comm import CPLayout, _all_gather
+from ..host import host_tensor
 from . import chunk_kda
 
 __all__ = ["chunk_kda_cp"]
@@ -140,13 +141,12 @@ def chunk_kda_cp(
         raise ValueError(f"cu_seqlens must hold the global boundaries, from 0 to the whole sequence's "
                          f"{T * layout.size} tokens (cp={layout.size} x {T} local), got {cu_seqlens.tolist()}")
     cu, first, last, single, fresh = _segments(cu_seqlens, layout, Tp)
-    cu = cu.to(q.device)
     N = cu.numel() - 1
     _, S_seg = chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, **run)
     _, M_seg = chunk_kda(q, k, zeros_v, g, beta, initial_state=eye.expand(N, HV, K, K).contiguous(),
                          output_final_state=True, cu_seqlens=cu, **run)
-    keep = torch.tensor(single, dtype=sdt, device=q.device).view(J, 1, 1, 1, 1)
+    keep = host_tensor(single, q.device, sdt).view(J, 1, 1, 1, 1)
     S_in = _FoldStates.apply(S_seg[last].unsqueeze(1), M_seg[first].unsqueeze(1) * keep, layout, fresh)
-    h0 = S_in.new_zeros(N, HV, K, V).index_copy(0, torch.tensor(first, device=q.device), S_in[:, 0])
+    h0 = S_in.new_zeros(N, HV, K, V).index_copy(0, host_tensor(first, q.device), S_in[:, 0])
     o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, **run)
     return o

@@ -34,6 +34,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ..host import host_tensor
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 
@@ -84,27 +85,31 @@ LAUNCH = KDALaunch()
 
 
 def _prep_varlen(B, T, cu_seqlens, device):
-    """cu (int32 [N+1]), chunk index pairs (int32 [NC,2]: sequence, chunk), chunk offsets (int32 [N+1])."""
+    """cu (int32 [N+1]), chunk index pairs (int32 [NC,2]: sequence, chunk), chunk offsets (int32 [N+1]). Host
+    boundaries (models/documents.py keeps them there) cost no device sync; device ones cost one read."""
     if cu_seqlens is None:
         return _prep_dense(B, T, str(device))
-    return _prep_lens(cu_seqlens.tolist(), cu_seqlens.to(device=device, dtype=torch.int32), device)
+    return _prep_bounds(tuple(cu_seqlens.tolist()), str(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _prep_dense(B, T, device):
-    bounds = [i * T for i in range(B + 1)]
-    return _prep_lens(bounds, torch.tensor(bounds, dtype=torch.int32).to(device), device)
+    return _prep_bounds(tuple(i * T for i in range(B + 1)), device)
 
 
-def _prep_lens(bounds, cu, device):
+@functools.lru_cache(maxsize=64)
+def _prep_bounds(bounds: tuple, device: str):
+    """The varlen index tensors of one set of boundaries, sent to the device without a sync; cached, so the
+    layers of one forward (which share their documents) build them once."""
     lens = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
     nchunks = [-(-n // BT) for n in lens]
     pairs = [(i, j) for i, nc in enumerate(nchunks) for j in range(nc)]
     offs = [0]
     for nc in nchunks:
         offs.append(offs[-1] + nc)
-    cidx = torch.tensor(pairs if pairs else [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(device)
-    coff = torch.tensor(offs, dtype=torch.int32).to(device)
+    cu = host_tensor(list(bounds), device, torch.int32)
+    cidx = host_tensor(pairs if pairs else [(0, 0)], device, torch.int32).reshape(-1, 2)
+    coff = host_tensor(offs, device, torch.int32)
     return cu, cidx, coff, len(pairs)
 
 

@@ -1,0 +1,110 @@
+"""GPU: the training step waits for the device once (the step's verdict), not per layer or per copy.
+
+`torch.cuda.set_sync_debug_mode("error")` raises on every operation that makes the host wait for the device
+(a device read, a blocking copy, nonzero, ...). The tiny model (KDA, gated DSA, LatentMoE) runs its forward and
+backward with packed documents under it, then a whole trainer step with AdamW, where only `step_verdict`'s one
+read is let through. The same forward with the documents' ids on the device must raise (the check can fail)."""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="run with TRITON_INTERPRET=0"),
+]
+
+ROWS, SEQ = 2, 256
+
+
+def _batch(spec, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, spec.vocab_size, (ROWS, SEQ + 1), generator=g)
+    pos = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    for r in range(ROWS):  # three documents per row, cut at random places
+        cuts = sorted(torch.randperm(SEQ - 2, generator=g)[:2].add(1).tolist())
+        for a, b in zip([0, *cuts], [*cuts, SEQ]):
+            pos[r, a:b] = torch.arange(b - a)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous(), pos
+
+
+def _model(seed):
+    from moeadapt.config import get_preset
+    from moeadapt.models.model import build_model, materialize
+
+    spec = get_preset("tiny")
+    model = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
+    model.set_backend("auto")
+    return spec, model.train()
+
+
+class _NoSync:
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(0)
+        return False
+
+
+def _fwd_bwd(model, x, y, pos):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, y, return_logits=False, position_ids=pos)
+    (out.loss + out.aux_loss).backward()
+    return out
+
+
+def test_forward_backward_with_packed_documents_never_waits(seed):
+    spec, model = _model(seed)
+    x, y, pos = _batch(spec, seed)
+    xd, yd = x.cuda(), y.cuda()
+    _fwd_bwd(model, xd, yd, pos)  # compiles and autotunes (those wait)
+    model.zero_grad(set_to_none=True)
+    with _NoSync():
+        _fwd_bwd(model, xd, yd, pos)
+    with pytest.raises(RuntimeError, match="synchroniz"), _NoSync():
+        _fwd_bwd(model, xd, yd, pos.cuda())  # boundaries read from the device: the check can fail
+
+
+def test_trainer_step_waits_once(seed):
+    from moeadapt.config import RunConfig
+    from moeadapt.train import trainer
+    from moeadapt.train.local import LocalRun
+    from moeadapt.train.metrics import NullLogger
+
+    spec, model = _model(seed)
+    cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
+        "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "grad_accum_steps": 2}})
+    batch = _batch(spec, seed)
+
+    class _Batches:
+        def next(self):
+            x, y, pos = batch
+            return x, y, {"position_ids": pos}
+
+    run = LocalRun(cfg, torch.device("cuda"))
+    reads = []
+    verdict = run.step_verdict
+
+    def one_read(*a):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads.append(1)
+            return verdict(*a)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    run.step_verdict = one_read
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    lp = trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      _Batches(), NullLogger(), None, 1.0, True)
+    st = trainer.train_step(lp)  # warm-up: compiles, autotunes, makes the optimizer state
+    assert st.skipped is None, st.skipped
+    reads.clear()
+    with _NoSync():
+        st = trainer.train_step(lp)
+    assert st.skipped is None and reads == [1]
