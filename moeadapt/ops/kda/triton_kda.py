@@ -200,7 +200,7 @@ def chunk_kda_fwd(
         H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"],
         num_warps=cfg["o_warps"],
     )
-    # the index tensors may be _prep_dense's cached ones or cu_seqlens itself: an op's outputs are its own
+    # the index tensors are _prep_bounds' cached ones (shared by the layers of a forward): an op's outputs are its own
     cu, cidx, coff = cu.clone(), cidx.clone(), coff.clone()
     return o, (ht if ht is not None else _empty(q)), Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff
 
