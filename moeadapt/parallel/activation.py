@@ -6,8 +6,9 @@ in non-reentrant `torch.utils.checkpoint`, which passes the block's `(x, info)` 
   selective: keep the outputs of GEMMs (mm / addmm / bmm / grouped mm / attention kernels), of our
              Triton KDA, sparse-attention and indexer-KL forwards (the custom ops moeadapt::chunk_kda_fwd, with
              every tensor its backward reads, moeadapt::sparse_attn_fwd and moeadapt::indexer_kl_fwd), of the
-             MoE Triton GEMMs (moeadapt::grouped_mm_fwd, moeadapt::grouped_lora_fwd) and of collectives; recompute the cheap rest (norms, activations, gates, the MoE permute, the KDA short
-             conv moeadapt::causal_conv_silu_fwd) — `create_selective_checkpoint_contexts` with the policy
+             MoE Triton GEMMs (moeadapt::grouped_mm_fwd, moeadapt::grouped_lora_fwd) and of collectives;
+             recompute the cheap rest (norms, activations, gates, the MoE permute, the KDA short conv
+             moeadapt::causal_conv_silu_fwd) — `create_selective_checkpoint_contexts` with the policy
              below. The Triton ops register on import: `_save_ops()` looks them up when a policy first runs.
   offload (with full): the kept block input goes to host memory (pinned on CUDA) and comes back for the
              recompute, so device memory holds no per-block activation between forward and backward.
