@@ -63,7 +63,9 @@ def test_planner_models_the_backend_cuda_auto_picks():
     fused = _layer_acc(spec, i, 4096, "kernel", 2, expert_lora="fused", **kw)  # the fused path's own saved set
     triton = _layer_acc(spec, i, 4096, "kernel", 2, expert_lora="triton", **kw)
     assert fused.none - triton.none == 2 * K * L  # w3's own copy of x (bf16); rank 16 is already a multiple of 8
-    assert fused.sel - triton.sel == 2 * K * (2 * F + L)  # the three fused GEMM outputs
+    # fused: the three fused GEMM outputs; triton: its custom op's outputs y and x A (moeadapt::grouped_lora_fwd),
+    # which selective keeps as well
+    assert fused.sel - triton.sel == 2 * K * (2 * F + L) - 2 * K * ((2 * F + L) + 3 * 16)
     no_fsdp = _layer_acc(spec, i, 4096, "kernel", 2, fused_buffer=False, **kw)
     assert (no_fsdp.none, no_fsdp.sel) == (triton.none, triton.sel)
     # lean_lora (the CUDA default where fused runs): x once instead of w1's and w3's [x | s x A], h two ranks wide,
