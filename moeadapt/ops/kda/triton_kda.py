@@ -92,8 +92,7 @@ def _prep_varlen(B, T, cu_seqlens, device):
     return _prep_bounds(tuple(cu_seqlens.tolist()), str(device))
 
 
-@functools.lru_cache(maxsize=64)
-def _prep_dense(B, T, device):
+def _prep_dense(B, T, device):  # cached by _prep_bounds
     return _prep_bounds(tuple(i * T for i in range(B + 1)), device)
 
 
