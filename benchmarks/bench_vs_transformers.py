@@ -207,13 +207,35 @@ def run_ours(args, mode: str) -> dict:
     model.train()
     build_s = time.perf_counter() - t0
 
+    # where the host stands at the step's one read (run.step_verdict): how long it took to issue the step's work,
+    # and how long it then waited for the device. A wait near zero means the step is bound by the host.
+    verdict, marks = run.step_verdict, {}
+
+    def timed_verdict(*a):
+        t = time.perf_counter()
+        v = verdict(*a)
+        marks.setdefault("issue", []).append(t - marks["start"])
+        marks.setdefault("wait", []).append(time.perf_counter() - t)
+        return v
+
+    run.step_verdict = timed_verdict
+
     def step() -> float:
+        marks["start"] = time.perf_counter()
         st = train_step(lp)
         if st.skipped:
             raise RuntimeError(f"our step was skipped ({st.skipped}); the timing would not be of a full step")
         return st.loss
 
     res = timed_steps(step, run.device, args.warmup, args.steps)
+    for k in ("issue", "wait"):  # medians over the timed steps
+        v = sorted(marks[k][args.warmup:])
+        res[f"host_{k}_s"] = v[len(v) // 2]
+    if args.profile:  # one more step under the profiler: CUDA time by kernel family (profile_step.py's grouping)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from profile_step import _triton_families, profile_one
+
+        res["profile"] = profile_one(step, run.device, _triton_families())
     run.finish()
     shutil.rmtree(out_dir, ignore_errors=True)  # nothing is saved there; train.output_dir must name a directory
     return {"side": "ours", "mode": mode, "model": f"moeadapt {spec.name}", "params_total": counts["total"],
@@ -351,6 +373,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
                "--seq", str(args.seq), "--mb", str(args.mb), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--rank", str(args.rank), "--preset", args.preset, "--peer-experts", args.peer_experts]
         cmd += ["--tiny"] if args.tiny else []
+        cmd += ["--profile"] if args.profile and side == "ours" else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -444,6 +467,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=450, help="seconds for all subprocesses together: the last ones "
                    "get what is left (none under 30 s), so the table is printed within a device time cap")
     p.add_argument("--out", default=None, help="write bench_vs_transformers.json (+ .png) into this directory")
+    p.add_argument("--profile", action="store_true", help="our side: profile one extra step and save its CUDA time "
+                   "by kernel family in the row")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

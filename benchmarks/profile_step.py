@@ -149,8 +149,13 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
             if e.device_type == torch.autograd.DeviceType.CPU and us and e.key.startswith("aten::"):
                 ops.append((e.key, str(e.input_shapes)[:80], e.count, us / 1e3))
         ops = sorted(ops, key=lambda r: -r[3])[:20]
+    # the host side: where the step's CPU time goes (a step whose host time exceeds its CUDA time is launch-bound;
+    # a blocking read such as aten::_local_scalar_dense shows here as the host waiting for the device)
+    host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total]
+    host = sorted(host, key=lambda r: -r[2])
     return {"families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])), "total_ms": sum(fams.values()),
-            "top_kernels_ms": top, "top_ops_ms": ops}
+            "top_kernels_ms": top, "top_ops_ms": ops, "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
 
 
 # ------------------------------------------------------------------ switching the levers

@@ -233,14 +233,15 @@ def update_expert_bias(model: nn.Module, counts_reduce=None) -> None:
     """Aux-loss-free balancing, after each optimizer step: bias += rate * sign(mean - count), re-centred.
 
     `counts_reduce(t)` may all-reduce the per-expert counts across ranks (parallel/ passes one);
-    the model itself never talks to other ranks."""
+    the model itself never talks to other ranks. A router that saw no token keeps its bias; that choice is made
+    on the device (torch.where), so the update never makes the host wait for the step's kernels."""
     for m in model.modules():
         if isinstance(m, Router):
             c = m.tokens_per_expert
             if counts_reduce is not None:
                 counts_reduce(c)
             rate = m.spec.bias_update_rate
-            if rate > 0 and c.sum() > 0:
-                m.expert_bias += rate * torch.sign(c.mean() - c)
-                m.expert_bias -= m.expert_bias.mean()
+            if rate > 0:
+                b = m.expert_bias + rate * torch.sign(c.mean() - c)
+                m.expert_bias.copy_(torch.where(c.sum() > 0, b - b.mean(), m.expert_bias))
             c.zero_()

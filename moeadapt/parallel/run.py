@@ -70,14 +70,15 @@ class DistributedRun:
         dist.all_reduce(t)
         return t.tolist()
 
-    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor,
-                     grad_norm: torch.Tensor) -> tuple[float, bool, bool]:
-        """(mean loss over ranks, every rank's losses finite, global gradient norm finite): one all-reduce and
-        one host read per step. Collective; every rank gets the same verdict."""
-        t = torch.stack([loss.double(), (~losses_finite).double()])
+    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor, grad_norm: torch.Tensor,
+                     targets: float) -> tuple[float, bool, bool, float]:
+        """(mean loss over ranks, every rank's losses finite, global gradient norm finite, target tokens summed
+        over ranks): one all-reduce and one host read per step. Collective; every rank gets the same verdict."""
+        t = torch.stack([loss.double(), (~losses_finite).double(),
+                         torch.full_like(loss, targets, dtype=torch.float64)])
         dist.all_reduce(t)
         v = torch.cat([t, grad_norm.double().reshape(1).to(t.device)]).tolist()
-        return v[0] / self.world, v[1] == 0, math.isfinite(v[2])
+        return v[0] / self.world, v[1] == 0, math.isfinite(v[3]), v[2]
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""

@@ -48,11 +48,11 @@ class LocalRun:
     def all_finite(self, loss: torch.Tensor) -> bool:
         return bool(torch.isfinite(loss))
 
-    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor,
-                     grad_norm: torch.Tensor) -> tuple[float, bool, bool]:
-        """(loss, every loss finite, gradient norm finite) in one host read."""
+    def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor, grad_norm: torch.Tensor,
+                     targets: float) -> tuple[float, bool, bool, float]:
+        """(loss, every loss finite, gradient norm finite, target tokens) in one host read."""
         v = torch.stack([loss.float(), losses_finite.float(), grad_norm.float()]).tolist()
-        return v[0], v[1] > 0, math.isfinite(v[2])
+        return v[0], v[1] > 0, math.isfinite(v[2]), targets
 
     def clip(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))

@@ -295,10 +295,10 @@ def train_step(lp: Loop) -> StepStats:
     n_fwd = t.grad_accum_steps // per_fwd
     st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
     batches = [_stack([lp.sampler.next() for _ in range(per_fwd)]) for _ in range(n_fwd)]
-    if run.mean(float(sum(int((y != -100).sum()) for _, y, _ in batches))) == 0:  # every rank agrees
-        _discard_step(lp)
-        st.skipped = "no_targets"
-        return st
+    # this rank's target tokens, counted on the host (the batch is still there); summed over ranks by the
+    # step's one read below: a step whose batch has no target on any rank is skipped there, after its (zero)
+    # forward, rather than costing every step a collective and a wait before the forward
+    targets = float(sum(int((y != -100).sum()) for _, y, _ in batches))
     rng = _rng_state(device)
 
     def retry(notice: str) -> None:  # an EP exchange overflowed: again on the same batches and RNG state
@@ -308,9 +308,14 @@ def train_step(lp: Loop) -> StepStats:
 
     st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
-    # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite
-    st.loss, loss_ok, grad_ok = run.step_verdict(st.loss, finite, st.grad_norm)
-    if not (loss_ok and grad_ok):  # the same verdict on every rank
+    # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite,
+    # the target tokens over ranks
+    st.loss, loss_ok, grad_ok, targets = run.step_verdict(st.loss, finite, st.grad_norm, targets)
+    if targets == 0:  # the same verdict on every rank
+        _discard_step(lp)
+        st.skipped = "no_targets"
+        return st
+    if not (loss_ok and grad_ok):
         _discard_step(lp)
         st.skipped = "nonfinite_loss" if not loss_ok else "nonfinite_grad"
         return st
