@@ -112,10 +112,20 @@ def _prep_bounds(bounds: tuple, device: str):
     return cu, cidx, coff, len(pairs)
 
 
-def _cfg(K, V, dtype, HV, launch: KDALaunch) -> dict:
+def _cfg(K, V, dtype, HV, launch: str) -> dict:
+    """The kernels' launch parameters for these head dims, dtype and KDALaunch key; read-only. Cached for
+    concrete sizes (built once per combination, not per layer call); symbolic ones (torch.compile's fake
+    tensors) are built each time."""
+    if all(type(n) is int for n in (K, V, HV)):
+        return _cfg_cached(K, V, dtype, HV, launch)
+    return _cfg_cached.__wrapped__(K, V, dtype, HV, launch)
+
+
+@functools.lru_cache(maxsize=64)
+def _cfg_cached(K, V, dtype, HV, launch: str) -> dict:
     if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
         raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
-    c = dataclasses.asdict(launch)
+    c = dataclasses.asdict(_launch_of(launch))
     for key in ("o_BV", "local_BV", "dv_BV", "wu_BV"):
         c[key] = min(c[key], V)
     for key in ("local_BK", "intra_BK", "wu_BK", "local_BK2"):
@@ -169,7 +179,7 @@ def chunk_kda_fwd(
     gate, A32, b32 = _gate_params(A_log, dt_bias, beta, HV, K)
     cu, cidx, coff, NC = _prep_varlen(B, T, cu_seqlens, dev)
     N = cu.numel() - 1
-    cfg = _cfg(K, V, q.dtype, HV, _launch_of(launch))
+    cfg = _cfg(K, V, q.dtype, HV, launch)
     Tt = B * T
     Aqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
     Ti = torch.empty_like(Aqk)
@@ -208,7 +218,7 @@ def chunk_kda_fwd(
 def _(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    _cfg(K, V, q.dtype, HV, _launch_of(launch))  # the head-dim check
+    _cfg(K, V, q.dtype, HV, launch)  # the head-dim check
     Tt = B * T
     if cu_seqlens is None:
         N, NC = B, B * ((T + BT - 1) // BT)
@@ -241,7 +251,7 @@ def chunk_kda_bwd(
     dev = q.device
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     gate, A32, b32 = _gate_params(A_log, dt_bias, beta, HV, K)
-    cfg = _cfg(K, V, q.dtype, HV, _launch_of(launch))
+    cfg = _cfg(K, V, q.dtype, HV, launch)
     Tt = B * T
     # cotangents may arrive expanded (stride 0, from `.sum()`) or strided: the kernels index them densely
     do = do.contiguous()
