@@ -2,7 +2,7 @@
 dispatcher's forward, outputs and gradients equal a float64 reference over every rank's tokens (dropped
 choices included), an exceeded capacity is recorded, grown by `check_capacity` and exact on the re-run, and
 the trainer re-runs an overflowing step so that its gradients equal the single-process run's (with
-activation-checkpoint recompute)."""
+activation-checkpoint recompute), and skips a step only when no rank's batch has a target token."""
 
 from __future__ import annotations
 
@@ -209,9 +209,11 @@ def _trainer(rank, world, seed):
     reset_capacity(model)
     tiny()
 
+    masked = {}  # rank -> True: that rank's labels are all -100 (no target token)
+
     class _Batches:
         def next(self):
-            return xs, ys, {}
+            return xs, (torch.full_like(ys, -100) if masked.get(rank) else ys), {}
 
     params = [p for p in model.parameters() if p.requires_grad]
     seen = {}
@@ -234,6 +236,16 @@ def _trainer(rank, world, seed):
     assert set(seen) == set(ref_grads)
     err = max_err(seen)
     assert err < TOL, f"rank {rank}: a gradient differs from the single-process run by {err:.2e}"
+
+    # the step's one read sums the target tokens over ranks: one rank without targets still steps, every rank
+    # without targets skips (and the optimizer never runs)
+    masked[1] = True
+    seen.clear()
+    assert trainer.train_step(lp).skipped is None and seen, f"rank {rank}: a step with rank 0's targets was skipped"
+    masked[0] = True
+    seen.clear()
+    st = trainer.train_step(lp)
+    assert st.skipped == "no_targets" and not seen, f"rank {rank}: a step without any target: {st.skipped}"
 
 
 def test_trainer_reruns_an_overflowing_step_exactly(seed):
