@@ -118,6 +118,10 @@ def test_bias_update_sign_and_recentre():
     b = r.expert_bias
     assert b[0] < b[2] < b[1] and abs(float(b.mean())) < 1e-6
     assert float(r.tokens_per_expert.sum()) == 0
+    # a router that saw no token keeps its bias as it is (not re-centred either)
+    r.expert_bias.copy_(torch.arange(8, dtype=torch.float32))
+    update_expert_bias(r)
+    assert torch.equal(r.expert_bias, torch.arange(8, dtype=torch.float32))
 
 
 def test_expert_counts_matches_bincount():
