@@ -43,48 +43,47 @@ def _build(cfg, run):
     return materialize_shards(model, cfg, run, fill=_fill(model, cfg.train.seed))
 
 
-def _same_as_world1(rank, world, seed):
+def _same_as_world1(rank, world, seed, cases):
     from moeadapt.parallel import DistributedRun, gather_full_state
     from moeadapt.train.local import LocalRun
 
     spec = micro_spec()
     x, y = batch(spec, 8, 16, seed=seed)
-    for lora in (False, True):
-        for ep in (1, 2):
-            cfg = _cfg(spec, lora, dict(dp_shard=world, ep=ep), seed)
-            what = f"lora={lora} ep={ep} rank {rank}"
-            run = DistributedRun(cfg, torch.device("cpu"))
-            model = _build(cfg, run)
-            ref = _build(cfg, LocalRun(cfg, torch.device("cpu")))  # world 1: the same path, unsharded
-            state = gather_full_state(model, run.dims)
-            if rank == 0:
-                ref_state = ref.state_dict()
-                assert state.keys() == ref_state.keys(), what
-                for n, t in state.items():
-                    assert t.dtype == ref_state[n].dtype and torch.equal(t, ref_state[n]), f"{what}: {n} differs"
-            # one step of training on each rank's quarter of the batch vs the whole batch in one process
-            out = ref(x, y, return_logits=False)
-            (out.loss + out.aux_loss).backward()
-            ref_loss, ref_grads = float(out.loss), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-            per = x.shape[0] // world
-            out = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], return_logits=False)
-            (out.loss + out.aux_loss).backward()
-            loss = out.loss.detach().clone()
-            dist.all_reduce(loss)
-            assert abs(float(loss) / world - ref_loss) < TOL, f"{what}: loss {float(loss) / world} vs {ref_loss}"
-            grads, experts = full_grads(model, run.dims), expert_names(model)
-            assert set(grads) == set(ref_grads), f"{what}: {sorted(set(grads) ^ set(ref_grads))[:4]}"
-            El = spec.n_routed_experts // ep
-            lo = run.dims.ep_rank * El
-            for n, g in grads.items():
-                r = ref_grads[n][lo:lo + El] if (n in experts and ep > 1) else ref_grads[n]
-                assert r.abs().max() > 0 or not lora, f"{what}: {n} has a zero gradient; the test would be weak"
-                err = (g - r).abs().max().item()
-                assert err < TOL, f"{what}: grad {n} differs by {err:.2e}"
+    for lora, ep in cases:
+        cfg = _cfg(spec, lora, dict(dp_shard=world, ep=ep), seed)
+        what = f"lora={lora} ep={ep} rank {rank}"
+        run = DistributedRun(cfg, torch.device("cpu"))
+        model = _build(cfg, run)
+        ref = _build(cfg, LocalRun(cfg, torch.device("cpu")))  # world 1: the same path, unsharded
+        state = gather_full_state(model, run.dims)
+        if rank == 0:
+            ref_state = ref.state_dict()
+            assert state.keys() == ref_state.keys(), what
+            for n, t in state.items():
+                assert t.dtype == ref_state[n].dtype and torch.equal(t, ref_state[n]), f"{what}: {n} differs"
+        # one step of training on each rank's quarter of the batch vs the whole batch in one process
+        out = ref(x, y, return_logits=False)
+        (out.loss + out.aux_loss).backward()
+        ref_loss, ref_grads = float(out.loss), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        per = x.shape[0] // world
+        out = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per], return_logits=False)
+        (out.loss + out.aux_loss).backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        assert abs(float(loss) / world - ref_loss) < TOL, f"{what}: loss {float(loss) / world} vs {ref_loss}"
+        grads, experts = full_grads(model, run.dims), expert_names(model)
+        assert set(grads) == set(ref_grads), f"{what}: {sorted(set(grads) ^ set(ref_grads))[:4]}"
+        El = spec.n_routed_experts // ep
+        lo = run.dims.ep_rank * El
+        for n, g in grads.items():
+            r = ref_grads[n][lo:lo + El] if (n in experts and ep > 1) else ref_grads[n]
+            assert r.abs().max() > 0 or not lora, f"{what}: {n} has a zero gradient; the test would be weak"
+            err = (g - r).abs().max().item()
+            assert err < TOL, f"{what}: grad {n} differs by {err:.2e}"
 
 
 def test_sharded_build_equals_world1_and_trains_the_same(seed):
-    spawn(_same_as_world1, 4, seed % 10_000)
+    spawn(_same_as_world1, 4, seed % 10_000, [(False, 1), (False, 2), (True, 1), (True, 2)])
 
 
 def _eval_all_ranks(rank, world):
@@ -163,6 +162,10 @@ def _mem_spec(big: bool):
 
 
 MEM_CASES = [(False, 1), (False, 2), (True, 1), (True, 2)]  # (lora, ep)
+# the small model in CI: full fine-tuning at ep 2 and LoRA at ep 1 (each value of each axis once; all four cases
+# are built sharded and trained against one process in CI by test_sharded_build_equals_world1_and_trains_the_same);
+# the big model runs all four before a release
+MEM_CASES_CI = [(False, 2), (True, 1)]
 
 
 def _dump_grads(model, path) -> None:
@@ -186,7 +189,7 @@ def _dump_grads(model, path) -> None:
     path.with_suffix(".json").write_text(json.dumps(index))
 
 
-def _memory(rank, world, big, out_dir):
+def _memory(rank, world, big, out_dir, cases):
     import gc
     import json
 
@@ -216,9 +219,9 @@ def _memory(rank, world, big, out_dir):
             opt.zero_grad(set_to_none=True)
         return model, opt, losses
 
-    for ep in (1, 2):  # the same code on a tiny model first: lazy imports, pools, process groups
+    for ep in sorted({ep for _, ep in cases}):  # the same code on a tiny model first: lazy imports, pools, groups
         train(micro_spec(n_layers=3), True, ep)
-    for lora, ep in MEM_CASES:
+    for lora, ep in cases:
         gc.collect()
         base = _reset_peak()
         model, opt, losses = train(_mem_spec(big), lora, ep, dump=out_dir / f"grads_{lora}_{ep}_rank{rank}.bin")
@@ -251,7 +254,7 @@ def _reference(spec, lora: bool, world: int):
     return losses, grads
 
 
-def _check_memory(tmp_path, big: bool) -> None:
+def _check_memory(tmp_path, big: bool, cases) -> None:
     import json
 
     import numpy as np
@@ -262,7 +265,7 @@ def _check_memory(tmp_path, big: bool) -> None:
 
     world, spec = 4, _mem_spec(big)
     m = build_model(spec, "meta")
-    for lora, ep in MEM_CASES:
+    for lora, ep in cases:
         what = f"lora={lora} ep={ep}"
         lspec = LoRASpec(rank=4, alpha=8.0) if lora else None
         full = state_bytes(spec, Plan(1, 1, 1, 1, 1, "none", 1, 16), lspec, base_bytes=4)  # one process
@@ -296,21 +299,22 @@ def _check_memory(tmp_path, big: bool) -> None:
         assert seen == set(ref_grads), f"{what}: no rank had a gradient for {sorted(set(ref_grads) - seen)[:4]}"
 
 
-def _run_memory(tmp_path, monkeypatch, big: bool) -> None:
+def _run_memory(tmp_path, monkeypatch, big: bool, cases) -> None:
     # glibc returns freed blocks of >= 64 KiB at once (no dynamic mmap threshold), so VmHWM follows live memory
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    spawn(_memory, 4, big, tmp_path)
-    _check_memory(tmp_path, big)
+    spawn(_memory, 4, big, tmp_path, cases)
+    _check_memory(tmp_path, big, cases)
 
 
 def test_no_rank_holds_more_than_its_share(tmp_path, monkeypatch):
-    """4 ranks, full fine-tuning and LoRA, ep 1 and 2, on a small model: each rank's peak host memory growth
+    """4 ranks, full fine-tuning at ep 2 and LoRA at ep 1, on a small model: each rank's peak host memory growth
     stays within its share x 1.3 + FSDP's working set + 24 MiB, its state bytes are the planner's, and losses
     and gradients equal the single-process run (fp32, 1e-5)."""
-    _run_memory(tmp_path, monkeypatch, big=False)
+    _run_memory(tmp_path, monkeypatch, False, MEM_CASES_CI)
 
 
 @pytest.mark.slow
 def test_no_rank_holds_more_than_its_share_big_model(tmp_path, monkeypatch):
-    """The same on a model whose whole training state is over twice what any rank may hold."""
-    _run_memory(tmp_path, monkeypatch, big=True)
+    """The same on a model whose whole training state is over twice what any rank may hold, for full fine-tuning
+    and LoRA each at ep 1 and 2."""
+    _run_memory(tmp_path, monkeypatch, True, MEM_CASES)

@@ -10,8 +10,11 @@ triton = pytest.importorskip("triton")
 
 
 def test_model_triton_backend_matches_reference(seed):
-    spec = micro_spec(kda_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                      index_head_dim=16, index_loss_coef=0.1, aux_loss_coef=0.01)
+    # two layers run every op kind once: layer 0 is KDA + the dense MLP, layer 1 DSA + routed experts (the
+    # micro model's default four layers repeat the KDA layer, doubling the interpreted time for no new op)
+    spec = micro_spec(n_layers=2, dsa_every=2, kda_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16,
+                      qk_rope_head_dim=8, index_head_dim=16, index_loss_coef=0.1, aux_loss_coef=0.01)
+    assert spec.resolved_layer_types() == ["kda", "dsa"] and spec.first_k_dense == 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     m = materialize(build_model(spec, "meta"), device, seed=seed)
     x = torch.randint(0, 256, (1, 40), device=device)
