@@ -294,9 +294,9 @@ def _check_memory(tmp_path, big: bool, cases) -> None:
                 g = torch.from_numpy(raw[e["offset"] // 4:e["offset"] // 4 + int(np.prod(e["shape"]))]).view(e["shape"])
                 want = ref_grads[n][tuple(slice(a, b) for a, b in e["slices"])]
                 # relative to the whole tensor's largest entry (never looser than TOL absolute below 1): the big
-                # model's fp32 sums run over 4x the width, and its LoRA o_proj B gradient differs by 1.4e-5 of its
-                # largest entry (the same on every run), so it gets 5e-5. A sharding bug
-                # (a lost or doubled shard) moves a gradient by O(1) of its size.
+                # model (24 layers, not 4; the gradient reaches layer 0 through all of them in fp32) has its LoRA
+                # o_proj B gradient 1.4e-5 of its largest entry off (the same on every run), so it gets 5e-5. A
+                # sharding bug (a lost or doubled shard) moves a gradient by O(1) of its size.
                 bound = (5e-5 if big else TOL) * max(1.0, ref_grads[n].abs().max().item())
                 err = (g - want).abs().max().item() if g.numel() else 0.0
                 assert err < bound, f"{what}: rank {r}'s gradient of {n} differs by {err:.2e} (bound {bound:.2e})"
