@@ -140,7 +140,8 @@ def chunk_kda(
         raise ImportError("backend='fla' needs flash-linear-attention: pip install fla-core (or use backend='triton').") from e
     return fla_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=None if cu_seqlens is None else to_device(cu_seqlens, q.device, torch.long), use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=None if cu_seqlens is None else to_device(cu_seqlens, q.device, torch.long),
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
         use_gate_in_kernel=A_log is not None,
         use_beta_sigmoid_in_kernel=beta_is_logits, A_log=A_log,
         dt_bias=None if dt_bias is None else dt_bias.reshape(-1),

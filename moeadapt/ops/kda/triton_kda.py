@@ -112,19 +112,16 @@ def _prep_bounds(bounds: tuple, device: str):
     return cu, cidx, coff, len(pairs)
 
 
-def _cfg(K, V, dtype, HV, launch: str) -> dict:
-    """The kernels' launch parameters for these head dims, dtype and KDALaunch key; read-only. Cached for
-    concrete sizes (built once per combination, not per layer call); symbolic ones (torch.compile's fake
-    tensors) are built each time."""
-    if all(type(n) is int for n in (K, V, HV)):
-        return _cfg_cached(K, V, dtype, HV, launch)
-    return _cfg_cached.__wrapped__(K, V, dtype, HV, launch)
+def _check_head_dims(K, V) -> None:
+    if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
+        raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
 
 
 @functools.lru_cache(maxsize=64)
-def _cfg_cached(K, V, dtype, HV, launch: str) -> dict:
-    if K not in (16, 32, 64, 128) or V not in (16, 32, 64, 128):
-        raise ValueError(f"backend='triton' supports head dims K, V in (16, 32, 64, 128), got K={K}, V={V}.")
+def _cfg(K, V, dtype, HV, launch: str) -> dict:
+    """The kernels' launch parameters for these head dims, dtype and KDALaunch key (cached: built once per
+    combination, not per layer call; read-only)."""
+    _check_head_dims(K, V)
     c = dataclasses.asdict(_launch_of(launch))
     for key in ("o_BV", "local_BV", "dv_BV", "wu_BV"):
         c[key] = min(c[key], V)
@@ -209,7 +206,8 @@ def chunk_kda_fwd(
         H=H, HV=HV, K=K, V=V, BT=BT, BV=cfg["o_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"],
         num_warps=cfg["o_warps"],
     )
-    # the index tensors are _prep_bounds' cached ones (shared by the layers of a forward): an op's outputs are its own
+    # the index tensors are _prep_bounds' cached ones (shared by the layers of a forward): an op's outputs are
+    # its own
     cu, cidx, coff = cu.clone(), cidx.clone(), coff.clone()
     return o, (ht if ht is not None else _empty(q)), Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff
 
@@ -218,7 +216,7 @@ def chunk_kda_fwd(
 def _(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    _cfg(K, V, q.dtype, HV, launch)  # the head-dim check
+    _check_head_dims(K, V)
     Tt = B * T
     if cu_seqlens is None:
         N, NC = B, B * ((T + BT - 1) // BT)
