@@ -180,6 +180,7 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.data.dataset import Sampler
     from moeadapt.models.model import build_model
     from moeadapt.models.stats import count_parameters
+    from moeadapt.parallel.optim import build_optimizer
     from moeadapt.train.build import build_meta, materialize_shards
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, start_run, train_step
@@ -198,8 +199,7 @@ def run_ours(args, mode: str) -> dict:
     materialize_shards(model, cfg, run)
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train  # the optimizer and schedule exactly as trainer.train builds them
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
-                            fused=run.device.type == "cuda")
+    opt = build_optimizer(params, t, run.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     ds = token_batches(spec.vocab_size, args.mb * (args.warmup + args.steps), args.seq)
     sampler = Sampler(ds, args.mb, t.seed, rank=run.data_rank, world=run.data_world)

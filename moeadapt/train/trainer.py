@@ -43,6 +43,7 @@ from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..models.vision import ImageBatch
 from ..ops.host import to_device
+from ..parallel.optim import build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
@@ -583,9 +584,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     if vl and run.is_main:
         _save_fresh_vision_base(cfg, model, out_dir)
     params = [p for p in model.parameters() if p.requires_grad]
-    # fused=True on CUDA: one kernel over all parameters per step (vs foreach's several passes)
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
-                            fused=run.device.type == "cuda")
+    opt = build_optimizer(params, t, run.device)  # AdamW, fused on CUDA, stepping on local shards under FSDP
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
               (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.data_rank,
                                                      world=run.data_world),
