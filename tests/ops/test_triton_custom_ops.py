@@ -1,7 +1,8 @@
 """The Triton KDA, sparse-attention and indexer-KL kernels as torch.library custom ops: torch.library's checks
 (schema, fake tensors, autograd registration, AOT dispatch), selective activation checkpointing keeping their
 forward outputs (each forward runs once per layer over forward + backward; full recompute runs it twice), and
-torch.compile (aot_eager, fullgraph) through them giving the eager values.
+torch.compile (aot_eager, fullgraph) through them giving the eager values. Their eager fast path (ops/custom.py):
+a plain autograd.Function with the op's values where nothing traces, the op itself where something does.
 
 Tiny shapes (one 64-token chunk): the Triton interpreter runs every program in Python on CPU.
 """
@@ -321,3 +322,154 @@ def test_compile_through_grouped_gemms(seed):
         return grouped_lora_triton(h, A, B, offsets, 0.5, w2.transpose(1, 2)).square().sum()
 
     _compiled_matches_eager(fn, [x, w_EOI, A, B])
+
+
+# ------------------------------------------------------------------ eager fast path (ops/custom.py)
+
+
+def _conv_inputs():
+    x, w = _leaves(torch.randn(2, 9, 16), torch.randn(16, 1, 4))
+    positions = torch.tensor([list(range(4)) + list(range(5))] * 2, dtype=torch.int32, device=DEV)  # 2 documents
+    return x, w, positions
+
+
+def _fast_path_cases():
+    """(fast callable, its custom op, the op's name, its arguments) per forward op, on fresh leaves."""
+    from moeadapt.ops.dsa import triton_kl, triton_sparse_attn
+    from moeadapt.ops.kda import triton_conv, triton_kda
+    from moeadapt.ops.moe import triton_grouped_mm as gmm
+
+    q, k, v, idx = _attn_inputs(D=48, DV=16)
+    q_idx, k_idx, w_idx = _leaves(torch.randn(1, 12, 2, 16), torch.randn(1, 12, 16), torch.rand(1, 12, 2))
+    x, w_EOI, A, B, offsets = _moe_inputs()
+    return {
+        "kda": (triton_kda.chunk_kda_fwd_fast, triton_kda.chunk_kda_fwd, "chunk_kda_fwd", _kda_inputs(gate=True)),
+        "conv": (triton_conv.conv_silu_fwd_fast, triton_conv.conv_silu_fwd, "causal_conv_silu_fwd", _conv_inputs()),
+        "sparse_attn": (triton_sparse_attn.sparse_attn_fwd_fast, triton_sparse_attn.sparse_attn_fwd, "sparse_attn_fwd",
+                        (q, k, v, idx, 0.3, True, None, None)),
+        "indexer_kl": (triton_kl.indexer_kl_fwd_fast, triton_kl.indexer_kl_fwd, "indexer_kl_fwd",
+                       (q.detach(), k.detach(), idx, q_idx, k_idx, w_idx, 0.3)),
+        "grouped_mm": (gmm.grouped_mm_fast, gmm.grouped_mm_op, "grouped_mm_fwd", (x, w_EOI.transpose(1, 2), offsets)),
+        "grouped_lora": (gmm.grouped_lora_fast, gmm.grouped_lora_op, "grouped_lora_fwd",
+                         (x, A, B, offsets, 0.5, w_EOI.transpose(1, 2))),
+    }
+
+
+def _forward_backward(f, args, cotangents=None):
+    """(outputs, input gradients, the moeadapt:: ops the dispatcher ran, cotangents) of f(*args) and a backward
+    of its differentiable outputs with the given (or fresh random) cotangents."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = f(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        diff = [o for o in out if o.requires_grad]
+        cotangents = cotangents or [torch.randn_like(o) for o in diff]
+        grads = torch.autograd.grad(diff, leaves, cotangents, allow_unused=True)
+    ops = {e.name for e in prof.events() if e.name.startswith("moeadapt::")}
+    return out, grads, ops, cotangents
+
+
+@pytest.mark.parametrize("case", ["kda", "conv", "sparse_attn", "indexer_kl", "grouped_mm", "grouped_lora"])
+def test_eager_fast_path_is_a_plain_function_with_the_ops_values(seed, case):
+    """In plain eager mode the fast callable runs neither the forward op nor the backward op (the dispatcher
+    records none) and its grad_fn is its plain autograd.Function's; its outputs and input gradients equal the
+    custom op's on the same inputs (the op's own backward also runs the raw backward implementation in eager)."""
+    fast, op, name, args = _fast_path_cases()[case]
+    out, grads, ops, cot = _forward_backward(fast, args)
+    node = out[0].grad_fn
+    assert isinstance(node, torch.autograd.function.BackwardCFunction)
+    assert type(node).__name__ == fast.Function.__name__ + "Backward"
+    assert not ops, ops
+    ref_out, ref_grads, ref_ops, _ = _forward_backward(op, args, cot)
+    assert type(ref_out[0].grad_fn).__name__ != type(node).__name__
+    assert ref_ops == {f"moeadapt::{name}"}, ref_ops  # the forward op; its backward calls the raw implementation
+    # the same implementation on the same inputs; on a GPU fp32 atomics (sparse attention's dk, the KL's dk) may sum
+    # in another order
+    tol = dict(rtol=0, atol=0) if DEV == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    assert len(out) == len(ref_out) and any(g is not None for g in grads)
+    for i, (a, b) in enumerate(zip(out, ref_out)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"grad {i}: {m}")
+
+
+def test_traced():
+    """traced(): False for plain tensors and parameters (non-tensors ignored); True under a dispatch mode (SAC's,
+    FakeTensorMode, FlopCounterMode, any TorchDispatchMode), inside a torch.func transform, for meta tensors, for
+    tensor subclasses (a FakeTensor outside its mode) and for torch.func wrappers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moeadapt.ops.custom import traced
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3)
+    assert not traced(x, nn.Parameter(torch.randn(2)), None, 0.5, "key", True)
+    assert not traced()
+    for mode in (FakeTensorMode(), FlopCounterMode(display=False), Passthrough()):
+        with mode:
+            assert traced(x), type(mode).__name__
+    assert traced(x, torch.empty(2, device="meta"))
+    with FakeTensorMode() as fake:
+        f = fake.from_tensor(x)
+    assert traced(f)
+    seen, leaked = [], []
+    torch.func.grad(lambda t: (seen.append(traced(t)), leaked.append(t), t.sum())[2])(x)
+    assert seen == [True]
+    assert traced(leaked[0])  # a dead torch.func wrapper: it looks like a plain tensor
+
+
+def test_fast_path_defers_to_the_op_where_traced():
+    """Under a dispatch mode the fast callable is the custom op (the mode sees it, the fake impl runs under
+    FakeTensorMode); meta inputs go to the fake impl; every argument must be given, positionally."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moeadapt.ops.moe.triton_grouped_mm import grouped_mm_fast
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, w_EOI, _, _, offsets = _moe_inputs()
+    with Recorder() as rec:
+        y = grouped_mm_fast(x, w_EOI.transpose(1, 2), offsets)
+    assert torch.ops.moeadapt.grouped_mm_fwd.default in rec.ops
+    assert type(y.grad_fn).__name__ != grouped_mm_fast.Function.__name__ + "Backward"
+    fake = FakeTensorMode()
+    fx, fw, fo = (fake.from_tensor(t) for t in (x.detach(), w_EOI.detach(), offsets))
+    with fake:
+        assert grouped_mm_fast(fx, fw.transpose(1, 2), fo).shape == (8, 16)
+    meta = grouped_mm_fast(x.detach().to("meta"), w_EOI.detach().to("meta").transpose(1, 2), offsets.to("meta"))
+    assert meta.is_meta and meta.shape == (8, 16)
+    with pytest.raises(TypeError, match="positionally"):
+        grouped_mm_fast(x, w_EOI.transpose(1, 2))
+
+
+def test_fast_path_without_gradients_runs_the_implementation_alone(seed):
+    """No gradient asked for (no_grad, or no input needing one): the implementation runs alone, no op, no node."""
+    from moeadapt.ops.moe.triton_grouped_mm import grouped_mm_fast, grouped_mm_op
+
+    x, w_EOI, _, _, offsets = _moe_inputs()
+    args = (x, w_EOI.transpose(1, 2), offsets)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
+            y = grouped_mm_fast(*args)
+        y_frozen = grouped_mm_fast(*(a.detach() for a in args))  # grad mode on, no input needs a gradient
+    ref = grouped_mm_op(*args).detach()
+    names = {e.name for e in prof.events()}
+    assert grouped_mm_fast.Function.__name__ not in names and not any(n.startswith("moeadapt::") for n in names)
+    assert y.grad_fn is None and y_frozen.grad_fn is None
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    torch.testing.assert_close(y_frozen, ref, rtol=0, atol=0)

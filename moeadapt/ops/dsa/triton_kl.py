@@ -1,7 +1,8 @@
 """Triton indexer KL loss behind `indexer_kl_loss(backend="triton")`, fused with its backward.
 
 Owns the two KL kernels and the custom op `moeadapt::indexer_kl_fwd` (loss and its unit-gradient terms; the
-backward only scales them); the math is `reference.indexer_kl_loss_reference`.
+backward only scales them; `indexer_kl_fwd_fast` skips the op's dispatch in plain eager mode, ops/custom.py); the
+math is `reference.indexer_kl_loss_reference`.
 
 1. target kernel, one program per (query, KV head, head block), like the SFA
    forward: pass 1 gets each head's log-sum-exp over the selected keys, pass 2
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..custom import eager_or_op
 from .triton_indexer import pad_head_dim
 from .triton_sparse_attn import LOG2E, _common, _launch_args, _mm, _prep, use_ieee
 
@@ -151,9 +153,8 @@ def kl_target_triton(q, k, indices, scale, cfg=None):
     return p / p.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
-@torch.library.custom_op("moeadapt::indexer_kl_fwd", mutates_args=())
-def indexer_kl_fwd(q: Tensor, k: Tensor, indices: Tensor, q_idx: Tensor, k_idx: Tensor, w_idx: Tensor,
-                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _indexer_kl_fwd_impl(q: Tensor, k: Tensor, indices: Tensor, q_idx: Tensor, k_idx: Tensor, w_idx: Tensor,
+                         scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss fp32 scalar, then its gradients for a unit upstream gradient: dq_idx like q_idx, dk_idx fp32
     [B,Tk,DI], dw_idx like w_idx, all fp32) of the indexer KL loss; q, k get no gradient."""
     p = kl_target_triton(q, k, indices, scale)
@@ -176,6 +177,9 @@ def indexer_kl_fwd(q: Tensor, k: Tensor, indices: Tensor, q_idx: Tensor, k_idx: 
     n = (indices >= 0).any(-1).sum().clamp(min=1).float()
     return (loss_r.sum() / n, (dq[:, :HI] / n).reshape(q_idx.shape), dk / n,
             (dw[:, :HI] / n).reshape(w_idx.shape))
+
+
+indexer_kl_fwd = torch.library.custom_op("moeadapt::indexer_kl_fwd", mutates_args=())(_indexer_kl_fwd_impl)
 
 
 @indexer_kl_fwd.register_fake
@@ -203,6 +207,9 @@ def _kl_backward(ctx, g, *_):
 
 
 indexer_kl_fwd.register_autograd(_kl_backward, setup_context=_kl_setup_context)
+# what indexer_kl_loss_triton calls: the op where traced, in eager an autograd.Function of the same functions
+# (ops/custom.py)
+indexer_kl_fwd_fast = eager_or_op(indexer_kl_fwd, _indexer_kl_fwd_impl, _kl_setup_context, _kl_backward)
 
 
 def indexer_kl_loss_triton(q, k, indices, q_idx, k_idx, w_idx, scale=None):
@@ -211,4 +218,4 @@ def indexer_kl_loss_triton(q, k, indices, q_idx, k_idx, w_idx, scale=None):
     if q.shape[-1] < 16:  # MMA needs K >= 16: zero channels change no dot product
         q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
     q_idx, k_idx = pad_head_dim(q_idx, k_idx)  # differentiable: grads are sliced back
-    return indexer_kl_fwd(q.detach(), k.detach(), indices, q_idx, k_idx, w_idx, scale)[0]
+    return indexer_kl_fwd_fast(q.detach(), k.detach(), indices, q_idx, k_idx, w_idx, scale)[0]

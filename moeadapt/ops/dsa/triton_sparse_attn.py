@@ -2,7 +2,8 @@
 
 Owns the fused kernels and their registration as the torch.library custom ops `moeadapt::sparse_attn_fwd` / `_bwd`
 (register_fake, register_autograd: selective activation checkpointing keeps the forward's o and lse, torch.compile
-traces one op each way); the math is `reference.sparse_attention_reference`.
+traces one op each way; `sparse_attn_fwd_fast` skips the op's dispatch in plain eager mode, ops/custom.py); the
+math is `reference.sparse_attention_reference`.
 
 Forward: one program per (query, KV head, block of BLOCK_H query heads). It
 walks the query's selected keys BLOCK_K at a time, gathers those K/V rows once
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..custom import eager_or_op, impl_or_op
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -598,13 +601,15 @@ def _cfg_of(key: str | None) -> dict | None:
     return None if key is None else json.loads(key)
 
 
-@torch.library.custom_op("moeadapt::sparse_attn_fwd", mutates_args=())
-def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, scale: float, gluon: bool,
-                    fwd_cfg: str | None, bwd_cfg: str | None) -> tuple[Tensor, Tensor]:
+def _sparse_attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, scale: float, gluon: bool,
+                          fwd_cfg: str | None, bwd_cfg: str | None) -> tuple[Tensor, Tensor]:
     """(o [B,T,HQ,DV] in q's dtype, lse [B,T,HQ] fp32) of sparse attention; v None: v is k[..., :D1] (MLA's
     shared latent, read once); fwd_cfg: a `_cfg_key` string or None (FWD_CONFIG, or the Gluon kernel where it
     applies); bwd_cfg: the backward's (sparse_attn_bwd), only carried to it."""
     return sfa_forward(q, k, v, indices, scale, _cfg_of(fwd_cfg), gluon, v_from_k=v is None)
+
+
+sparse_attn_fwd = torch.library.custom_op("moeadapt::sparse_attn_fwd", mutates_args=())(_sparse_attn_fwd_impl)
 
 
 @sparse_attn_fwd.register_fake
@@ -615,13 +620,16 @@ def _(q, k, v, indices, scale, gluon, fwd_cfg, bwd_cfg):
             torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
 
 
-@torch.library.custom_op("moeadapt::sparse_attn_bwd", mutates_args=())
-def sparse_attn_bwd(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-                    scale: float, gluon: bool, cfg: str | None) -> tuple[Tensor, Tensor, Tensor]:
+def _sparse_attn_bwd_impl(q: Tensor, k: Tensor, v: Tensor | None, indices: Tensor, o: Tensor, lse: Tensor,
+                          do: Tensor, scale: float, gluon: bool, cfg: str | None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of sparse_attn_fwd for the cotangent do, in q / k / v's dtypes; with v None dv is folded into
     dk and returned as a shape-[0] stand-in. cfg: a `_cfg_key` string or None (BWD_CONFIG)."""
     dq, dk, dv = sfa_backward(q, k, v, indices, o, lse, do, scale, _cfg_of(cfg), gluon, v_from_k=v is None)
     return dq, dk, (dv if dv is not None else torch.empty(0, device=q.device, dtype=q.dtype))
+
+
+sparse_attn_bwd = torch.library.custom_op("moeadapt::sparse_attn_bwd", mutates_args=())(_sparse_attn_bwd_impl)
+sparse_attn_bwd_fast = impl_or_op(sparse_attn_bwd, _sparse_attn_bwd_impl)  # the implementation itself in eager
 
 
 @sparse_attn_bwd.register_fake
@@ -645,11 +653,14 @@ def _sfa_backward(ctx, do, _dlse):
     q, k, v, indices, o, lse = ctx.saved_tensors
     if do is None:
         return (None,) * 8
-    dq, dk, dv = sparse_attn_bwd(q, k, v, indices, o, lse, do, ctx.scale, ctx.gluon, ctx.bwd_cfg)
+    dq, dk, dv = sparse_attn_bwd_fast(q, k, v, indices, o, lse, do, ctx.scale, ctx.gluon, ctx.bwd_cfg)
     return dq, dk, (dv if v is not None else None), None, None, None, None, None
 
 
 sparse_attn_fwd.register_autograd(_sfa_backward, setup_context=_sfa_setup_context)
+# what sparse_attention_triton calls: the op where traced, in eager an autograd.Function of the same functions
+# (ops/custom.py)
+sparse_attn_fwd_fast = eager_or_op(sparse_attn_fwd, _sparse_attn_fwd_impl, _sfa_setup_context, _sfa_backward)
 
 
 def sparse_attention_triton(q, k, v, indices, scale=None, *, gluon: bool = True, fwd_cfg: dict | None = None,
@@ -666,5 +677,5 @@ def sparse_attention_triton(q, k, v, indices, scale=None, *, gluon: bool = True,
         q, k = (F.pad(x, (0, 16 - x.shape[-1])) for x in (q, k))
     if not torch.compiler.is_compiling() and _v_from_k(k, v, _split_d(q.shape[-1])[0]):
         v = None
-    o, _ = sparse_attn_fwd(q, k, v, indices, scale, bool(gluon), _cfg_key(fwd_cfg), _cfg_key(bwd_cfg))
+    o, _ = sparse_attn_fwd_fast(q, k, v, indices, scale, bool(gluon), _cfg_key(fwd_cfg), _cfg_key(bwd_cfg))
     return o

@@ -57,6 +57,6 @@ def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "a
                          f"{positions.dtype} {list(positions.shape)}.")
     if backend == "reference" or (backend == "auto" and (x_BTC.device.type != "cuda" or x_BTC.dtype == torch.float64)):
         return causal_conv_silu_reference(x_BTC, w_C1K, positions)
-    from .triton_conv import conv_silu_fwd
+    from .triton_conv import conv_silu_fwd_fast
 
-    return conv_silu_fwd(x_BTC, w_C1K, None if positions is None else positions.to(torch.int32).contiguous())
+    return conv_silu_fwd_fast(x_BTC, w_C1K, None if positions is None else positions.to(torch.int32).contiguous())

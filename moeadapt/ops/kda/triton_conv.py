@@ -2,7 +2,8 @@
 
 Owns the kernels behind `causal_conv_silu(..., backend="triton")` and their registration as the torch.library
 custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` (so torch.compile and selective activation checkpointing
-see one op, not a Triton launch they cannot trace). Reads the projection output in its own [B, T, C] layout
+see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips the op's dispatch in plain eager
+mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout
 (unit channel stride): no transposes, no padded copy, no separate SiLU pass. Forward saves only x; the backward
 recomputes the pre-activation from x (KW shifted reads, served by L1/L2) and writes dx plus per-time-block
 partial weight gradients in fp32, summed by one torch reduction. Math in fp32, storage in x's dtype.
@@ -16,6 +17,8 @@ No `from __future__ import annotations` here: torch.library infers the op schema
 import torch
 import triton
 import triton.language as tl
+
+from ..custom import eager_or_op, impl_or_op
 
 # Launch shape: 32 time steps x 128 channels a program (a [2, 4096, 2048] input is 4096 programs), 4 warps.
 BLOCK_T = 32
@@ -100,8 +103,7 @@ def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 else x.contiguous()
 
 
-@torch.library.custom_op("moeadapt::causal_conv_silu_fwd", mutates_args=())
-def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def _conv_silu_fwd_impl(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype; positions:
     int32 [B, T] contiguous (packed documents) or None."""
     x = _unit_channel_stride(x)
@@ -115,14 +117,16 @@ def conv_silu_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | No
     return y
 
 
+conv_silu_fwd = torch.library.custom_op("moeadapt::causal_conv_silu_fwd", mutates_args=())(_conv_silu_fwd_impl)
+
+
 @conv_silu_fwd.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
-@torch.library.custom_op("moeadapt::causal_conv_silu_bwd", mutates_args=())
-def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
-                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] in x's dtype, dw [C, 1, KW] in w's dtype) of conv_silu_fwd for the output gradient dy."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
@@ -139,6 +143,10 @@ def conv_silu_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
     return dx, dw
 
 
+conv_silu_bwd = torch.library.custom_op("moeadapt::causal_conv_silu_bwd", mutates_args=())(_conv_silu_bwd_impl)
+conv_silu_bwd_fast = impl_or_op(conv_silu_bwd, _conv_silu_bwd_impl)  # the implementation itself in eager
+
+
 @conv_silu_bwd.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +159,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy: torch.Tensor):
     x, w, positions = ctx.saved_tensors
-    dx, dw = conv_silu_bwd(x, w, dy, positions)
+    dx, dw = conv_silu_bwd_fast(x, w, dy, positions)
     return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
 
 
 conv_silu_fwd.register_autograd(_backward, setup_context=_setup_context)
+# what causal_conv_silu calls (all three arguments): the op where traced, in eager an autograd.Function of the same
+# functions (ops/custom.py)
+conv_silu_fwd_fast = eager_or_op(conv_silu_fwd, _conv_silu_fwd_impl, _setup_context, _backward)

@@ -1,8 +1,9 @@
 """Triton kernels for chunked KDA (forward and backward) behind the custom ops `moeadapt::chunk_kda_fwd` / `_bwd`.
 
 Owns the kernels, `chunk_kda_triton` and the torch.library registration (register_fake, register_autograd), so
-selective activation checkpointing keeps the forward's outputs and torch.compile traces one op each way; imports
-only torch/triton. The math is the
+selective activation checkpointing keeps the forward's outputs and torch.compile traces one op each way; in plain
+eager mode the same functions run as an autograd.Function without the op's dispatch (`chunk_kda_fwd_fast`,
+ops/custom.py); imports only torch/triton and ops/custom.py, ops/host.py. The math is the
 chunk form of `reference.py` (chunk BT=64, sub-chunks BC=16). Per chunk, with G the
 in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
@@ -34,6 +35,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ..custom import eager_or_op, impl_or_op
 from ..host import host_tensor
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
@@ -157,8 +159,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, device=like.device, dtype=torch.float32)
 
 
-@torch.library.custom_op("moeadapt::chunk_kda_fwd", mutates_args=())
-def chunk_kda_fwd(
+def _chunk_kda_fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     output_final_state: bool, cu_seqlens: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, launch: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -212,6 +213,9 @@ def chunk_kda_fwd(
     return o, (ht if ht is not None else _empty(q)), Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff
 
 
+chunk_kda_fwd = torch.library.custom_op("moeadapt::chunk_kda_fwd", mutates_args=())(_chunk_kda_fwd_impl)
+
+
 @chunk_kda_fwd.register_fake
 def _(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bias, launch):
     B, T, H, K = q.shape
@@ -232,8 +236,7 @@ def _(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, A_log, dt_bia
             new(N + 1, dtype=torch.int32))
 
 
-@torch.library.custom_op("moeadapt::chunk_kda_bwd", mutates_args=())
-def chunk_kda_bwd(
+def _chunk_kda_bwd_impl(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, Aqk: Tensor, Ti: Tensor, w: Tensor, u: Tensor,
     kd: Tensor, qg: Tensor, gl: Tensor, h: Tensor, vn: Tensor, cu: Tensor, cidx: Tensor, coff: Tensor,
     h0: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None, scale: float,
@@ -308,6 +311,10 @@ def chunk_kda_bwd(
             dh0 if dh0 is not None else _empty(q), dA_log, ddt)
 
 
+chunk_kda_bwd = torch.library.custom_op("moeadapt::chunk_kda_bwd", mutates_args=())(_chunk_kda_bwd_impl)
+chunk_kda_bwd_fast = impl_or_op(chunk_kda_bwd, _chunk_kda_bwd_impl)  # the implementation itself in eager
+
+
 @chunk_kda_bwd.register_fake
 def _(q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff, h0, A_log, dt_bias, do, dht, scale,
       launch):
@@ -332,13 +339,15 @@ def _kda_backward(ctx, do, dht, *_):
         do = torch.zeros(shape, device=q.device, dtype=dtype)
     if dht is not None and dht.numel() == 0:  # the shape-[0] stand-in of an absent final state
         dht = None
-    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_kda_bwd(
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_kda_bwd_fast(
         q, k, v, g, beta, *saved, h0, A_log, dt_bias, do, dht, ctx.scale, ctx.launch)
     return (dq, dk, dv, dg, dbeta, None, dh0 if h0 is not None else None, None, None,
             dA_log if A_log is not None else None, ddt if dt_bias is not None else None, None)
 
 
 chunk_kda_fwd.register_autograd(_kda_backward, setup_context=_kda_setup_context)
+# what chunk_kda_triton calls: the op where traced, in eager an autograd.Function of the same functions (custom.py)
+chunk_kda_fwd_fast = eager_or_op(chunk_kda_fwd, _chunk_kda_fwd_impl, _kda_setup_context, _kda_backward)
 
 
 def _state_bv(cfg, NH, V, device):
@@ -391,6 +400,6 @@ def chunk_kda_triton(
     h0 = None if initial_state is None else initial_state.float().contiguous()  # kernels index it densely
     # contiguous here, not only inside the op: the op's autograd then saves the tensors the kernels read
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, ht, *_ = chunk_kda_fwd(q, k, v, g, beta, float(scale), h0, bool(output_final_state), cu_seqlens, A_log,
-                              dt_bias if A_log is not None else None, launch.key)
+    o, ht, *_ = chunk_kda_fwd_fast(q, k, v, g, beta, float(scale), h0, bool(output_final_state), cu_seqlens, A_log,
+                                   dt_bias if A_log is not None else None, launch.key)
     return o, (ht if output_final_state else None)

@@ -19,7 +19,8 @@ dA = xᵀ·dh; dB = s·hᵀ·dy. ΔW = A·B is never formed.
 
 Both products are the torch.library custom ops `moeadapt::grouped_mm_fwd` / `_bwd` and
 `moeadapt::grouped_lora_fwd` (returning y and h = x·A) / `_bwd`, so selective activation checkpointing keeps
-their outputs and torch.compile traces them.
+their outputs and torch.compile traces them; in plain eager mode `grouped_mm_fast` / `grouped_lora_fast` run
+the same functions without the ops' dispatch (ops/custom.py).
 
 Shape suffixes: N routed rows, I / O input / output width, E experts, R LoRA rank.
 """
@@ -30,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..custom import eager_or_op, impl_or_op
 
 
 def _interpreting() -> bool:
@@ -282,10 +285,12 @@ def _none(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, device=like.device, dtype=like.dtype)
 
 
-@torch.library.custom_op("moeadapt::grouped_mm_fwd", mutates_args=())
-def grouped_mm_op(x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor) -> Tensor:
+def _grouped_mm_op_impl(x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor) -> Tensor:
     """y [N, O] = x @ w[e] per expert group (grouped_mm_fwd); rows past offsets[-1] are left unwritten."""
     return grouped_mm_fwd(x_NI, w_EIO, offsets_E)
+
+
+grouped_mm_op = torch.library.custom_op("moeadapt::grouped_mm_fwd", mutates_args=())(_grouped_mm_op_impl)
 
 
 @grouped_mm_op.register_fake
@@ -293,14 +298,17 @@ def _(x_NI, w_EIO, offsets_E):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
 
 
-@torch.library.custom_op("moeadapt::grouped_mm_bwd", mutates_args=())
-def grouped_mm_bwd(dy_NO: Tensor, x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor, need_x: bool,
-                   need_w: bool) -> tuple[Tensor, Tensor]:
+def _grouped_mm_bwd_impl(dy_NO: Tensor, x_NI: Tensor, w_EIO: Tensor, offsets_E: Tensor, need_x: bool,
+                         need_w: bool) -> tuple[Tensor, Tensor]:
     """(dx [N, I] in x's dtype, dw in w's layout and dtype) of grouped_mm_op; shape [0] where not needed."""
     dy_NO = dy_NO.contiguous()
     dx = grouped_mm_fwd(dy_NO, _t(w_EIO), offsets_E, out_dtype=x_NI.dtype) if need_x else _none(x_NI)
     dw = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if need_w else _none(w_EIO)
     return dx, dw
+
+
+grouped_mm_bwd = torch.library.custom_op("moeadapt::grouped_mm_bwd", mutates_args=())(_grouped_mm_bwd_impl)
+grouped_mm_bwd_fast = impl_or_op(grouped_mm_bwd, _grouped_mm_bwd_impl)  # the implementation itself in eager
 
 
 @grouped_mm_bwd.register_fake
@@ -316,16 +324,18 @@ def _mm_setup_context(ctx, inputs, output) -> None:
 def _mm_backward(ctx, dy_NO):
     x_NI, w_EIO, offsets_E = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = grouped_mm_bwd(dy_NO, x_NI, w_EIO, offsets_E, need_x, need_w)
+    dx, dw = grouped_mm_bwd_fast(dy_NO, x_NI, w_EIO, offsets_E, need_x, need_w)
     return (dx if need_x else None), (dw if need_w else None), None
 
 
 grouped_mm_op.register_autograd(_mm_backward, setup_context=_mm_setup_context)
+# what grouped_mm_triton calls: the op where traced, in eager an autograd.Function of the same functions
+# (ops/custom.py)
+grouped_mm_fast = eager_or_op(grouped_mm_op, _grouped_mm_op_impl, _mm_setup_context, _mm_backward)
 
 
-@torch.library.custom_op("moeadapt::grouped_lora_fwd", mutates_args=())
-def grouped_lora_op(x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor, scaling: float,
-                    w_EIO: Tensor | None) -> tuple[Tensor, Tensor]:
+def _grouped_lora_op_impl(x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor, scaling: float,
+                          w_EIO: Tensor | None) -> tuple[Tensor, Tensor]:
     """(y [N, O] = scaling·(x·A_e)·B_e (+ x·W_e with w_EIO), h = x·A_e [N, R], which the backward reads)."""
     h_NR = grouped_mm_fwd(x_NI, A_EIR, offsets_E)
     if w_EIO is None:
@@ -335,15 +345,17 @@ def grouped_lora_op(x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tenso
     return y_NO, h_NR
 
 
+grouped_lora_op = torch.library.custom_op("moeadapt::grouped_lora_fwd", mutates_args=())(_grouped_lora_op_impl)
+
+
 @grouped_lora_op.register_fake
 def _(x_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO):
     return x_NI.new_empty(x_NI.shape[0], B_ERO.shape[2]), x_NI.new_empty(x_NI.shape[0], A_EIR.shape[2])
 
 
-@torch.library.custom_op("moeadapt::grouped_lora_bwd", mutates_args=())
-def grouped_lora_bwd(dy_NO: Tensor, x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor, h_NR: Tensor,
-                     w_EIO: Tensor | None, scaling: float, need_x: bool, need_a: bool, need_b: bool,
-                     need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _grouped_lora_bwd_impl(dy_NO: Tensor, x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, offsets_E: Tensor,
+                           h_NR: Tensor, w_EIO: Tensor | None, scaling: float, need_x: bool, need_a: bool,
+                           need_b: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, dA, dB, dW) of grouped_lora_op, each in its input's layout and dtype; shape [0] where not needed
     (dW also without w_EIO)."""
     s = scaling
@@ -359,6 +371,10 @@ def grouped_lora_bwd(dy_NO: Tensor, x_NI: Tensor, A_EIR: Tensor, B_ERO: Tensor, 
     dB = grouped_wgrad(h_NR, dy_NO, offsets_E, B_ERO, alpha=s) if need_b else _none(B_ERO)
     dW = grouped_wgrad(x_NI, dy_NO, offsets_E, w_EIO) if (need_w and w_EIO is not None) else _none(x_NI)
     return dx, dA, dB, dW
+
+
+grouped_lora_bwd = torch.library.custom_op("moeadapt::grouped_lora_bwd", mutates_args=())(_grouped_lora_bwd_impl)
+grouped_lora_bwd_fast = impl_or_op(grouped_lora_bwd, _grouped_lora_bwd_impl)  # the implementation itself in eager
 
 
 @grouped_lora_bwd.register_fake
@@ -382,18 +398,20 @@ def _lora_backward(ctx, dy_NO, _dh):
     need_x, need_a, need_b, _, _, need_w = ctx.needs_input_grad
     if dy_NO is None:
         return None, None, None, None, None, None
-    dx, dA, dB, dW = grouped_lora_bwd(dy_NO, x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO, ctx.scaling, need_x,
-                                      need_a, need_b, need_w and w_EIO is not None)
+    dx, dA, dB, dW = grouped_lora_bwd_fast(dy_NO, x_NI, A_EIR, B_ERO, offsets_E, h_NR, w_EIO, ctx.scaling, need_x,
+                                           need_a, need_b, need_w and w_EIO is not None)
     return (dx if need_x else None, dA if need_a else None, dB if need_b else None, None, None,
             dW if (need_w and w_EIO is not None) else None)
 
 
 grouped_lora_op.register_autograd(_lora_backward, setup_context=_lora_setup_context)
+# what grouped_lora_triton calls, as grouped_mm_fast
+grouped_lora_fast = eager_or_op(grouped_lora_op, _grouped_lora_op_impl, _lora_setup_context, _lora_backward)
 
 
 def grouped_mm_triton(x_sorted_NI, w_EIO, offsets_E):
-    return grouped_mm_op(x_sorted_NI, w_EIO, offsets_E)
+    return grouped_mm_fast(x_sorted_NI, w_EIO, offsets_E)
 
 
 def grouped_lora_triton(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO=None):
-    return grouped_lora_op(x_sorted_NI, A_EIR, B_ERO, offsets_E, float(scaling), w_EIO)[0]
+    return grouped_lora_fast(x_sorted_NI, A_EIR, B_ERO, offsets_E, float(scaling), w_EIO)[0]
