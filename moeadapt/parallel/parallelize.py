@@ -58,15 +58,11 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    dense_mesh, n = dims.dense_fsdp_mesh(), len(model.layers)
-    for i, block in enumerate(model.layers):
-        # the last block's parameters are the backward's first need: resharding them after its forward would
-        # only all-gather them again at once (torchtitan keeps them too)
-        raf = spec.reshard_after_forward and i < n - 1
+    dense_mesh, raf = dims.dense_fsdp_mesh(), spec.reshard_after_forward
+    for block in model.layers:
         if spec.ep > 1 and isinstance(block.ffn, LatentMoE):
             fully_shard(block.ffn.experts, mesh=dims.expert_fsdp_mesh(), reshard_after_forward=raf, mp_policy=mp)
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
-    raf = spec.reshard_after_forward
     if getattr(model, "vision", None) is not None:  # the vision tower (+ merger, projector): one FSDP unit
         fully_shard(model.vision, mesh=dense_mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, mp_policy=mp)
