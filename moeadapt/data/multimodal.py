@@ -24,6 +24,7 @@ import torch
 
 from ..config import DataSpec, VisionSpec
 from ..models.vision import ImageBatch, patchify
+from .dataset import take_rows
 
 IMAGE_MARK = "<image>"
 
@@ -195,7 +196,7 @@ class MultimodalDataset:
         return ImageBatch(torch.cat(pix), torch.tensor(grids, dtype=torch.long))
 
     def rows(self, idx) -> tuple[torch.Tensor, torch.Tensor, ImageBatch | None]:
-        return self.inputs[idx], self.labels[idx], self.image_batch(idx)
+        return take_rows(self.inputs, idx), take_rows(self.labels, idx), self.image_batch(idx)
 
 
 def read_mm_jsonl(path: str) -> tuple[Path, list[tuple[int, dict]]]:

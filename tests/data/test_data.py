@@ -95,3 +95,16 @@ def test_pack_documents_gives_positions_per_document(seed):
     assert bool((y[ends_t] == -100).all()) and torch.equal(y[~ends_t], y0[~ends_t])
     assert int(ends_t.sum()) > 3 and bool((y0[ends_t] != -100).any())  # the text documents' ends did take loss
     assert pack_documents(recs, tok, seq_len, boundaries=False)[2] is None
+
+
+def test_take_rows_equals_indexing_for_index_tensors_and_slices(seed):
+    """The sampler's row gather (index_select for index tensors) gives the rows advanced indexing gives."""
+    from moeadapt.data.dataset import PackedDataset, take_rows
+
+    rows, seq = int(torch.randint(3, 20, ())), int(torch.randint(1, 50, ()))
+    t = torch.randint(0, 1000, (rows, seq))
+    idx = torch.randperm(rows)[: int(torch.randint(1, rows + 1, ()))]
+    assert torch.equal(take_rows(t, idx), t[idx])
+    assert torch.equal(take_rows(t, slice(1, rows)), t[1:rows])
+    x, y, extra = PackedDataset(t, t + 1).batch(idx)
+    assert torch.equal(x, t[idx]) and torch.equal(y, t[idx] + 1) and extra == {}
