@@ -13,11 +13,8 @@ Plain tensors (one process) pass through as they are.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t  # under the optimizer's no_grad: the local tensor itself
+from .sharded_io import local
 
 
 class ShardedAdamW(torch.optim.AdamW):
@@ -28,7 +25,7 @@ class ShardedAdamW(torch.optim.AdamW):
         has_complex = super()._init_group(group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                           state_steps)
         for ts in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps):
-            ts[:] = [_local(t) for t in ts]
+            ts[:] = [local(t) for t in ts]
         return has_complex
 
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..lora.layers import GroupedLoRALinear
 from ..models.model import set_context_parallel
@@ -29,6 +28,7 @@ from ..models.router import Router
 from .activation import apply_activation_checkpointing
 from .expert import EPDispatcher, shard_experts
 from .mesh import ParallelDims
+from .sharded_io import local
 
 
 def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dict | None = None,
@@ -81,21 +81,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, dims: Pa
 
     Each element of a gradient lives once per replica, and both meshes are replicated dp_replicate times,
     so the norm is the all-reduced local sum of squares / dp_replicate."""
-    grads = [p.grad for p in params if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    if not local:
-        total = torch.zeros((), dtype=torch.float32, device=dims.device)
-        dist.all_reduce(total)
-        return total
+    local_grads = [local(p.grad) for p in params if p.grad is not None]
     # foreach kernels (a few launches for all gradients, grouped by dtype) rather than ~4 launches per gradient:
     # the step is host-bound under FSDP, and a model has hundreds of trainable tensors
-    sq = torch.nn.utils.get_total_norm(local, 2.0, foreach=True).float().pow(2)
+    sq = (torch.nn.utils.get_total_norm(local_grads, 2.0, foreach=True).float().pow(2) if local_grads
+          else torch.zeros((), dtype=torch.float32, device=dims.device))
     dist.all_reduce(sq)
     total = (sq / dims.spec.dp_replicate).sqrt()
     if max_norm is not None and max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in local:
+        for g in local_grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for dt, gs in by_dtype.items():
             torch._foreach_mul_(gs, coef.to(dt))

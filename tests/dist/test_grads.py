@@ -12,14 +12,11 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     from moeadapt.config import ParallelSpec
     from moeadapt.models.router import update_expert_bias
     from moeadapt.parallel import build_parallel_dims, clip_grad_norm_, counts_reduce, parallelize_model
+    from moeadapt.parallel.sharded_io import local
 
     spec = micro_spec(**spec_kw)
     pspec = ParallelSpec(**par)
@@ -45,10 +42,10 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     assert abs(float(total) - float(ref_total)) < 1e-5 * max(1.0, float(ref_total)), f"{what}: grad norm"
     # clipping to half the norm halves every shard of every gradient (dense and expert alike)
     params = [p for p in model.parameters() if p.grad is not None]
-    before = [_local(p.grad).clone() for p in params]
+    before = [local(p.grad).clone() for p in params]
     clip_grad_norm_(params, 0.5 * float(ref_total), dims)
     for p, b in zip(params, before):
-        torch.testing.assert_close(_local(p.grad), 0.5 * b, rtol=1e-5, atol=1e-9, msg=f"{what}: clipped gradient")
+        torch.testing.assert_close(local(p.grad), 0.5 * b, rtol=1e-5, atol=1e-9, msg=f"{what}: clipped gradient")
     counts = [b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")]
     for c, rc in zip(counts, ref_counts):  # (activation checkpointing must not count a recompute again)
         dist.all_reduce(c)
