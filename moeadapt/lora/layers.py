@@ -55,7 +55,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        xa = self.dropout(x).to(self.lora_A.weight.dtype)
+        xa = self.dropout(x)
+        # Under autocast the adapter's product runs in the autocast dtype whatever x's dtype: a cast of x to the
+        # fp32 adapter dtype would be cast straight back (two activation-sized copies forward, two backward).
+        if not torch.is_autocast_enabled(xa.device.type):
+            xa = xa.to(self.lora_A.weight.dtype)
         return y + (self.lora_B(self.lora_A(xa)) * self.scaling).to(y.dtype)
 
     @torch.no_grad()

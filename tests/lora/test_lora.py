@@ -208,3 +208,40 @@ def test_lean_model_matches(seed, monkeypatch, backend):
     assert calls["lean"] == (n_moe if backend == "fused" else 0), calls
     for a, b in zip(res["layers"], res["auto"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_linear_under_autocast_matches_float64_and_skips_fp32_copy(seed):
+    """Under bf16 autocast the adapter's product runs in bf16 whatever x's dtype, so LoRALinear does not cast x to
+    its fp32 adapter dtype first (that copy was cast straight back): output and gradients match the float64 formula
+    with bf16-rounded operands, and no fp32 copy of the activation appears."""
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(48, 40, bias=False).to(torch.bfloat16)
+    lin = LoRALinear(base, rank=8, alpha=16.0)
+    torch.nn.init.normal_(lin.lora_B.weight, std=0.5)
+    x = torch.randn(3, 7, 48).to(torch.bfloat16).requires_grad_(True)
+    casts = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].shape == x.shape:
+                casts.append((args[0].dtype, out.dtype))
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), Spy():
+        y = lin(x)
+    assert not casts, f"activation-sized casts under autocast: {casts}"
+
+    # float64 reference: the bf16-rounded adapter weights, each product's output rounded to bf16 as autocast does
+    A = lin.lora_A.weight.detach().to(torch.bfloat16).double()
+    B = lin.lora_B.weight.detach().to(torch.bfloat16).double()
+    x64 = x.detach().double()
+    xa = (x64 @ A.T).to(torch.bfloat16).double()
+    ref = x64 @ base.weight.double().T + (xa @ B.T).to(torch.bfloat16).double() * lin.scaling
+    assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2), (y.double() - ref).abs().max()
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    g_ref = dy.double() @ base.weight.double() + (dy.double() * lin.scaling) @ B @ A
+    err = (x.grad.double() - g_ref).norm() / g_ref.norm()
+    assert err < 2e-2, err
+    assert lin.lora_A.weight.grad is not None and lin.lora_A.weight.grad.dtype == torch.float32
