@@ -385,11 +385,13 @@ FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SK
               "DENSE": True}
 # Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
 # 128-channel chunk (64 at 64-head blocks: 576 = 9 x 64, -8% at HQ = 64; at 128-head blocks they lose 20%).
-# Pass 2 with BLOCK_H = 128 (64 when G = 64): half the atomics and K reads of 64; 4 warps 197.9 / 108.9 ms vs
-# 205.0 / 133.6 with 8 (T = 32768, HQ = 128 / 64; at 128 heads it spills 248 B and is still the fastest).
+# Pass 1 at head blocks of 16 / 32 (the Gluon pass 1 needs 64): 64-key blocks, 2.34 / 4.89 ms vs 3.08 / 9.66 with
+# 32 (B = 2, T = 4096, HQ = 16 / 32: the whole backward 1.06x / 1.27x). Pass 2 with BLOCK_H = 128 (64 when G = 64):
+# half the atomics and K reads of 64; 4 warps 197.9 / 108.9 ms vs 205.0 / 133.6 with 8 (T = 32768, HQ = 128 / 64;
+# at 128 heads it spills 248 B and is still the fastest).
 BWD_CONFIG = {
     "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
-    "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+    "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_K_H32": 64, "num_warps": 4, "num_stages": 2},
     "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 4, "num_stages": 3},
 }
 _POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
@@ -549,15 +551,16 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     gws = _gluon_module(q, k, v, idx, gluon) if walk["SKIP"] else None
 
     def pass1(c, row0, n):
-        bk1[0] = c["BLOCK_K"]
         bh, nhb, _ = _launch_args(c, G, HK, B, T)
+        # head blocks of <= 32 (16 / 32 query heads per KV head): 64-key blocks, else BLOCK_K
+        bk1[0] = c.get("BLOCK_K_H32", c["BLOCK_K"]) if bh <= 32 else c["BLOCK_K"]
         _launch(
             _sfa_bwd_pds_kernel, (HK * nhb, n),
             q, k, v, idx, o, do, lse, pds[0], pds[1],
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), pds.stride(1), pds.stride(2),
             T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale,
-            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=c["BLOCK_K"],
+            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=bk1[0],
             V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
