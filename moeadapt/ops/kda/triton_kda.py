@@ -3,7 +3,7 @@
 Owns the kernels, `chunk_kda_triton` and the torch.library registration (register_fake, register_autograd), so
 selective activation checkpointing keeps the forward's outputs and torch.compile traces one op each way; in plain
 eager mode the same functions run as an autograd.Function without the op's dispatch (`chunk_kda_fwd_fast`,
-ops/custom.py); imports only torch/triton and ops/custom.py, ops/host.py. The math is the
+ops/custom.py); imports only torch/triton, ops/custom.py, ops/host.py and triton_l2norm.py. The math is the
 chunk form of `reference.py` (chunk BT=64, sub-chunks BC=16). Per chunk, with G the
 in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Akk_ij = beta_i sum_c k_ic k_jc e^(G_ic-G_jc) (j<i),  Aqk_ij = sum_c q_ic k_jc e^(G_ic-G_jc) (j<=i)
@@ -386,15 +386,16 @@ def chunk_kda_triton(
     *, use_qk_l2norm=False, A_log=None, dt_bias=None, beta_is_logits=False, launch: KDALaunch = LAUNCH,
 ):
     """Triton KDA; same contract as `moeadapt.ops.kda.chunk_kda`. The gate (A_log, dt_bias) is fused
-    into the kernels; L2 norm of q/k and sigmoid of beta are applied in PyTorch before them."""
+    into the kernels; the L2 norm of q/k runs as one Triton pass before them (triton_l2norm.py), the sigmoid of
+    beta in PyTorch."""
     if not isinstance(launch, KDALaunch):
         raise TypeError(f"launch must be a KDALaunch (dataclasses.replace(LAUNCH, ...)), got {type(launch).__name__}")
-    from .reference import l2norm
+    from .triton_l2norm import l2norm_qk
 
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
     if use_qk_l2norm:
-        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+        q, k = l2norm_qk(q, k)
     if beta_is_logits:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     h0 = None if initial_state is None else initial_state.float().contiguous()  # kernels index it densely
