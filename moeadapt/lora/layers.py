@@ -56,10 +56,15 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         xa = self.dropout(x)
-        # Under autocast the adapter's product runs in the autocast dtype whatever x's dtype: a cast of x to the
-        # fp32 adapter dtype would be cast straight back (two activation-sized copies forward, two backward).
-        if not torch.is_autocast_enabled(xa.device.type):
-            xa = xa.to(self.lora_A.weight.dtype)
+        if torch.is_autocast_enabled(xa.device.type):
+            # The adapter's products run in the autocast dtype whatever x's dtype, so x is not cast to the fp32
+            # adapter dtype (autocast would cast it straight back: two activation-sized copies forward, two
+            # backward), and y + s (x A^T) B^T is one addmm (no separate scale and add passes over [tokens, out]).
+            h = self.lora_A(xa)
+            out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_B.weight.t(),
+                              alpha=self.scaling)
+            return out.view(y.shape)
+        xa = xa.to(self.lora_A.weight.dtype)
         return y + (self.lora_B(self.lora_A(xa)) * self.scaling).to(y.dtype)
 
     @torch.no_grad()

@@ -212,8 +212,9 @@ def test_lean_model_matches(seed, monkeypatch, backend):
 
 def test_lora_linear_under_autocast_matches_float64_and_skips_fp32_copy(seed):
     """Under bf16 autocast the adapter's product runs in bf16 whatever x's dtype, so LoRALinear does not cast x to
-    its fp32 adapter dtype first (that copy was cast straight back): output and gradients match the float64 formula
-    with bf16-rounded operands, and no fp32 copy of the activation appears."""
+    its fp32 adapter dtype first (that copy was cast straight back) and adds s (x A^T) B^T to y in one addmm:
+    output and gradients match the float64 formula with bf16-rounded operands, and no fp32 copy of the activation
+    appears."""
     torch.manual_seed(seed)
     base = torch.nn.Linear(48, 40, bias=False).to(torch.bfloat16)
     lin = LoRALinear(base, rank=8, alpha=16.0)
@@ -244,4 +245,7 @@ def test_lora_linear_under_autocast_matches_float64_and_skips_fp32_copy(seed):
     g_ref = dy.double() @ base.weight.double() + (dy.double() * lin.scaling) @ B @ A
     err = (x.grad.double() - g_ref).norm() / g_ref.norm()
     assert err < 2e-2, err
-    assert lin.lora_A.weight.grad is not None and lin.lora_A.weight.grad.dtype == torch.float32
+    gB = lin.lora_B.weight.grad
+    assert gB is not None and gB.dtype == torch.float32 and lin.lora_A.weight.grad.dtype == torch.float32
+    gB_ref = lin.scaling * dy.double().reshape(-1, 40).T @ xa.reshape(-1, 8)
+    assert (gB.double() - gB_ref).norm() / gB_ref.norm() < 2e-2
