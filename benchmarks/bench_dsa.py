@@ -190,6 +190,8 @@ _APPLY = tsa.BWD_CONFIG["APPLY_CFG"]
 CHECK_BWD = {
     "pds": (dict(tsa.BWD_CONFIG), True),  # the default
     "pds_triton_p1": (dict(tsa.BWD_CONFIG), False),  # pass 1 by the Triton kernel
+    # pass 1 at head blocks of 16 / 32 with 32-key blocks (the default takes 64 there)
+    "pds_p1k32": ({**tsa.BWD_CONFIG, "PDS_CFG": {**tsa.BWD_CONFIG["PDS_CFG"], "BLOCK_K_H32": 32}}, True),
     # 128-channel chunks at every head block (the default takes 64 at 64-head blocks); 64 at every one
     "pds_c128": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "BLOCK_C_H64": 128}}, True),
     "pds_c64": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "BLOCK_C": 64}}, True),
