@@ -116,7 +116,10 @@ def test_packed_documents_equal_each_document_alone(seed, backend, types, option
 
 
 def test_one_document_per_row_is_the_unpacked_model(seed):
-    spec = micro_spec(n_layers=2, layer_types=["kda", "dsa"], index_topk=5)
+    # every past key selected: the two paths sum in different orders in fp32, and with top-5 of 70 a near-tie in
+    # the indexer's scores flipped a selection on about 1 seed in 50 (an embedding gradient 3.7e-4 apart); the
+    # selection under documents is checked by test_packed_documents_equal_each_document_alone
+    spec = micro_spec(n_layers=2, layer_types=["kda", "dsa"], index_topk=70)
     model = _model(spec, "reference")
     x, y, _, _ = packed_batch(spec, 2, 70, seed)
     ref = model(x, y, return_logits=False)
