@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..models.init import Fill
+from .sharded_io import local as local_shard
 
 
 def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
@@ -49,10 +50,6 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Modu
                 continue
             seen.add(id(p))
             yield pre + pn, p, m
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def global_layout(t: torch.Tensor, owner: nn.Module) -> tuple[tuple[int, ...], tuple[slice, ...]]:
@@ -77,7 +74,7 @@ def global_layout(t: torch.Tensor, owner: nn.Module) -> tuple[tuple[int, ...], t
 def fill_shards(model: nn.Module, fill: Fill) -> None:
     """Write every local shard of `model` (allocated, e.g. by `to_empty`) from `fill` (module docstring)."""
     for name, t, owner in named_tensors(model):
-        local = _local(t)
+        local = local_shard(t)
         if local.numel() == 0:
             continue
         shape, slices = global_layout(t, owner)
@@ -96,7 +93,7 @@ def shard_bytes(model: nn.Module, optimizer_states: int = 2) -> dict[str, int]:
     for _, t, _ in named_tensors(model):
         if not isinstance(t, nn.Parameter):
             continue
-        local = _local(t)
+        local = local_shard(t)
         b = local.numel() * local.element_size()
         weights += b
         largest = max(largest, b)
