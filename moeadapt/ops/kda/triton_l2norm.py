@@ -25,12 +25,17 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _fwd_rows(x, y, r, row0, N, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _tile(row0, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """Rows [row0, row0 + BR) of an [N, D] tensor: (rows, their mask, the tile's mask, its element offsets)."""
     rows = row0 + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     rm = rows < N
-    m = rm[:, None] & (cols < D)[None, :]
-    off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, rm, rm[:, None] & (cols < D)[None, :], rows.to(tl.int64)[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def _fwd_rows(x, y, r, row0, N, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    rows, rm, m, off = _tile(row0, N, D, BD, BR)
     v = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
     rs = 1.0 / tl.sqrt_rn(tl.sum(v * v, axis=1) + eps)
     tl.store(y + off, (v * rs[:, None]).to(y.dtype.element_ty), mask=m)
@@ -49,11 +54,7 @@ def _l2norm_fwd_kernel(x0, y0, r0, N0, x1, y1, r1, N1, eps, D: tl.constexpr, BD:
 
 @triton.jit
 def _bwd_rows(x, r, dy, dx, row0, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    rows = row0 + tl.arange(0, BR)
-    cols = tl.arange(0, BD)
-    rm = rows < N
-    m = rm[:, None] & (cols < D)[None, :]
-    off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    rows, rm, m, off = _tile(row0, N, D, BD, BR)
     rs = tl.load(r + rows, mask=rm, other=0.0)
     y = tl.load(x + off, mask=m, other=0.0).to(tl.float32) * rs[:, None]
     g = tl.load(dy + off, mask=m, other=0.0).to(tl.float32)
