@@ -188,8 +188,9 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
 #     (mm / addmm / bmm / grouped mm / flash attention; the Triton KDA, sparse-attention and indexer-KL forward
 #     ops), needed by backward or not, under no_grad too, plus the block input; on the CPU reference path that includes the bmm's inside the reference ops' einsums
 #     (attention scores, the indexer's dense scores, the padded expert GEMMs).
-# On GPU (act_bytes=2, bf16 autocast) a trainable linear whose input is fp32 (norm outputs: the residual stream
-# is fp32) saves its own bf16 cast of that input: one copy per consumer, not one per tensor.
+# On GPU (act_bytes=2, bf16 autocast) a trainable linear whose input is fp32 saves its own bf16 cast of that
+# input: one copy per consumer, not one per tensor. Norm outputs are not such inputs: on the fp32 residual stream
+# of one GPU the RMSNorm emits bf16 under autocast, and its consumers share that tensor.
 
 REF_KDA_CHUNK = 64
 
@@ -232,7 +233,9 @@ class _Acc:
 
 def _lin_in(acc: _Acc, name: str, width: float, savers: int, fp32_src: bool) -> None:
     """The input of `savers` linears that save it (trainable weight or LoRA A). CPU: one tensor; GPU
-    autocast: each consumer saves its own bf16 cast of an fp32 source, a bf16 source is shared."""
+    autocast: each consumer saves its own bf16 cast of an fp32 source, a bf16 source is shared. A norm's output
+    is a bf16 source under autocast even on an fp32 residual stream (RMSNorm emits the autocast dtype, and
+    LoRALinear takes its input as it comes), so the norm outputs pass fp32_src=False."""
     if savers <= 0:
         return
     n = savers if (fp32_src and acc.ab == 2) else 1
@@ -293,7 +296,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         H, K = spec.kda_n_heads, spec.kda_head_dim
         HK = H * K
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.f_a", "attn.b_proj", "attn.g_a")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), False)
         for m in ("q_proj", "k_proj", "v_proj"):
             acc.gemm(m, HK)
             lora("attn." + m, HK)
@@ -335,7 +338,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     elif kind == "gqa":
         H, HKV, Dh = spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), f32s)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), False)
         for m, w in (("q_proj", H * Dh), ("k_proj", HKV * Dh), ("v_proj", HKV * Dh)):
             acc.gemm(m, w)
             lora("attn." + m, w)
@@ -363,7 +366,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         qm = "attn.wq_b" if qr else "attn.wq"
         first = ("attn.wq_a",) if qr else (qm,)
         mods = (*first, "attn.wkv_a", *(("attn.w_gate",) if spec.attn_output_gate else ()))
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), f32s)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), False)
         if qr:
             acc.gemm("wq_a", qr)
             acc.keep("wq_a out (q_norm input)", qr, gemm_out=1)
@@ -418,7 +421,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
     if not spec.is_moe_layer(i):
         S = spec.intermediate_size
-        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), f32s)
+        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), False)
         acc.gemm("w1,w3", 2 * S)
         acc.gemm("w2", d)
         for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
@@ -435,7 +438,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     # autocast linear), or with router_matmul fp32 the input itself (its own fp32 tensor when the source is fp32)
     own_fp32 = full and spec.router_matmul == "fp32" and f32s and act_bytes == 2
     _lin_in(acc, "ffn_norm.out", d, int(full and not own_fp32) + int(tr("ffn.fc1_latent_proj")) * bool(spec.latent_dim)
-            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), f32s)
+            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), False)
     if own_fp32:
         acc.keep("router input (fp32, router_matmul fp32)", d, "f")
     acc.gemm("router logits", E, "f")
