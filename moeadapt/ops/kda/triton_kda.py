@@ -39,6 +39,7 @@ from ..custom import eager_or_op, impl_or_op
 from ..host import host_tensor
 from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
+from .triton_l2norm import l2norm_qk
 
 BT = 64
 BC = 16
@@ -390,8 +391,6 @@ def chunk_kda_triton(
     beta in PyTorch."""
     if not isinstance(launch, KDALaunch):
         raise TypeError(f"launch must be a KDALaunch (dataclasses.replace(LAUNCH, ...)), got {type(launch).__name__}")
-    from .triton_l2norm import l2norm_qk
-
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
     if use_qk_l2norm:
