@@ -188,9 +188,9 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
 #     (mm / addmm / bmm / grouped mm / flash attention; the Triton KDA, sparse-attention and indexer-KL forward
 #     ops), needed by backward or not, under no_grad too, plus the block input; on the CPU reference path that includes the bmm's inside the reference ops' einsums
 #     (attention scores, the indexer's dense scores, the padded expert GEMMs).
-# On GPU (act_bytes=2, bf16 autocast) a trainable linear whose input is fp32 saves its own bf16 cast of that
-# input: one copy per consumer, not one per tensor. Norm outputs are not such inputs: on the fp32 residual stream
-# of one GPU the RMSNorm emits bf16 under autocast, and its consumers share that tensor.
+# A linear's saved input is one tensor its consumers share (`_lin_in`). Under bf16 autocast a linear fed an fp32
+# tensor would save its own bf16 cast of it, but none is: on the fp32 residual stream of one GPU the RMSNorm emits
+# bf16, and LoRALinear takes its input as it comes.
 
 REF_KDA_CHUNK = 64
 
@@ -231,15 +231,12 @@ class _Acc:
         self.items.append((name, 0.0, b))
 
 
-def _lin_in(acc: _Acc, name: str, width: float, savers: int, fp32_src: bool) -> None:
-    """The input of `savers` linears that save it (trainable weight or LoRA A). CPU: one tensor; GPU
-    autocast: each consumer saves its own bf16 cast of an fp32 source, a bf16 source is shared. A norm's output
-    is a bf16 source under autocast even on an fp32 residual stream (RMSNorm emits the autocast dtype, and
-    LoRALinear takes its input as it comes), so the norm outputs pass fp32_src=False."""
-    if savers <= 0:
-        return
-    n = savers if (fp32_src and acc.ab == 2) else 1
-    acc.keep(name, n * width, "a")
+def _lin_in(acc: _Acc, name: str, width: float, savers: int) -> None:
+    """The input of `savers` linears that save it (trainable weight or LoRA A): one tensor they share. On GPU it is
+    bf16 under autocast even on the fp32 residual stream of one GPU: the RMSNorm emits the autocast dtype, and
+    LoRALinear takes its input as it comes."""
+    if savers > 0:
+        acc.keep(name, width, "a")
 
 
 def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -> None:
@@ -296,7 +293,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         H, K = spec.kda_n_heads, spec.kda_head_dim
         HK = H * K
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.f_a", "attn.b_proj", "attn.g_a")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), False)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods))
         for m in ("q_proj", "k_proj", "v_proj"):
             acc.gemm(m, HK)
             lora("attn." + m, HK)
@@ -334,11 +331,11 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.keep("o_norm out, sigmoid gate (mul inputs)", 2 * HK)
         acc.gemm("o_proj", d)
         lora("attn.o_proj", d)
-        _lin_in(acc, "o_proj input", HK, int(tr("attn.o_proj")), False)
+        _lin_in(acc, "o_proj input", HK, int(tr("attn.o_proj")))
     elif kind == "gqa":
         H, HKV, Dh = spec.n_heads, spec.gqa_n_kv_heads, spec.gqa_head_dim
         mods = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods), False)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods))
         for m, w in (("q_proj", H * Dh), ("k_proj", HKV * Dh), ("v_proj", HKV * Dh)):
             acc.gemm(m, w)
             lora("attn." + m, w)
@@ -357,7 +354,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.gemm("sdpa", H * Dh)
         acc.gemm("o_proj", d)
         lora("attn.o_proj", d)
-        _lin_in(acc, "o_proj input", H * Dh, int(tr("attn.o_proj")), False)
+        _lin_in(acc, "o_proj input", H * Dh, int(tr("attn.o_proj")))
     else:  # dsa: MLA absorbed into MQA over the kv latent + lightning indexer
         H, n, r, vd, c = spec.n_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         qr = spec.q_lora_rank or 0
@@ -366,12 +363,12 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         qm = "attn.wq_b" if qr else "attn.wq"
         first = ("attn.wq_a",) if qr else (qm,)
         mods = (*first, "attn.wkv_a", *(("attn.w_gate",) if spec.attn_output_gate else ()))
-        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0), False)
+        _lin_in(acc, "attn_norm.out", d, sum(tr(m) for m in mods) + (2 if idx_train else 0))
         if qr:
             acc.gemm("wq_a", qr)
             acc.keep("wq_a out (q_norm input)", qr, gemm_out=1)
             _norm(acc, "q_norm", qr, full, act_bytes != 2)
-            _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train), False)
+            _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
         if full:
@@ -401,7 +398,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("o, sigmoid gate (mul inputs)", H * vd + H, gemm_out=vd / (vd + 1))
         acc.gemm("wo", d)
         lora("attn.wo", d)
-        _lin_in(acc, "wo input", H * vd, int(tr("attn.wo")), False)
+        _lin_in(acc, "wo input", H * vd, int(tr("attn.wo")))
         acc.gemm("indexer projections", HI * DI + DI + HI)
         if ref and spec.index_loss_coef > 0:  # the KL target (no_grad, even with a frozen indexer) gathers the
             # selected latent keys per query and softmaxes the scores: freed before the layer ends
@@ -421,13 +418,13 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
     if not spec.is_moe_layer(i):
         S = spec.intermediate_size
-        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")), False)
+        _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")))
         acc.gemm("w1,w3", 2 * S)
         acc.gemm("w2", d)
         for m, w in (("ffn.w1", S), ("ffn.w3", S), ("ffn.w2", d)):
             lora(m, w)
         _keep_swiglu(acc, "", S, ref)
-        _lin_in(acc, "w2 input", S, int(tr("ffn.w2")), False)
+        _lin_in(acc, "w2 input", S, int(tr("ffn.w2")))
         return acc
     E, Kt, F = spec.n_routed_experts, spec.n_experts_per_tok, spec.moe_intermediate_size
     Kx = expert_rows or Kt
@@ -438,7 +435,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     # autocast linear), or with router_matmul fp32 the input itself (its own fp32 tensor when the source is fp32)
     own_fp32 = full and spec.router_matmul == "fp32" and f32s and act_bytes == 2
     _lin_in(acc, "ffn_norm.out", d, int(full and not own_fp32) + int(tr("ffn.fc1_latent_proj")) * bool(spec.latent_dim)
-            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))), False)
+            + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))))
     if own_fp32:
         acc.keep("router input (fp32, router_matmul fp32)", d, "f")
     acc.gemm("router logits", E, "f")
@@ -545,7 +542,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         for m, w in (("ffn.shared.w1", S), ("ffn.shared.w3", S), ("ffn.shared.w2", d)):
             lora(m, w)
         _keep_swiglu(acc, "shared ", S, ref, ref_widths=3 if full or any(m in targets for m in sh) else 2)
-        _lin_in(acc, "shared w2 input", S, int(tr("ffn.shared.w2")), False)
+        _lin_in(acc, "shared w2 input", S, int(tr("ffn.shared.w2")))
     return acc
 
 
