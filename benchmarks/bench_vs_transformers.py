@@ -150,8 +150,11 @@ def _sync(device: torch.device) -> None:
 
 
 def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
-    """Warm-up steps (compiles, autotunes, optimizer states), then `steps` timed one by one; the peak memory
-    covers every step after the model was built (optimizer states and activations included)."""
+    """Warm-up steps (compiles, autotunes, optimizer states), then `steps` back to back as training runs them (a
+    step may overlap the next one's host work): `step_s` is the median interval between the calls, the steady
+    rate; `step_mean_s` the whole span / steps, from a device sync before the first to one after the last (it
+    includes draining the last step's queued work). The peak memory covers every step after the model was
+    built (optimizer states and activations included)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -160,16 +163,17 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
         losses.append(step())
     _sync(device)
     warm_s = time.perf_counter() - t0
-    times = []
+    marks = [time.perf_counter()]
     for _ in range(steps):
-        _sync(device)
-        t = time.perf_counter()
         losses.append(step())
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    srt = sorted(times)
+        marks.append(time.perf_counter())
+    _sync(device)
+    total = time.perf_counter() - marks[0]
+    gaps = sorted(b - a for a, b in zip(marks, marks[1:]))
     cuda = device.type == "cuda"
-    return {"step_s": srt[len(srt) // 2], "step_min_s": srt[0], "step_max_s": srt[-1], "warmup_s": warm_s,
+    losses = [x for x in losses if x is not None]
+    return {"step_s": gaps[len(gaps) // 2], "step_mean_s": total / steps, "step_min_s": gaps[0],
+            "step_max_s": gaps[-1], "warmup_s": warm_s,
             "loss_first": losses[0], "loss_last": losses[-1],
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,  # None: not measured
             "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None}
@@ -181,6 +185,7 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.models.model import build_model
     from moeadapt.models.stats import count_parameters
     from moeadapt.parallel.optim import build_optimizer
+    from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, start_run, train_step
@@ -207,30 +212,36 @@ def run_ours(args, mode: str) -> dict:
     model.train()
     build_s = time.perf_counter() - t0
 
-    # where the host stands at the step's one read (run.step_verdict): how long it took to issue the step's work,
-    # and how long it then waited for the device. A wait near zero means the step is bound by the host.
-    verdict, marks = run.step_verdict, {}
+    # the host's time per step: issuing the step's work, and waiting for the device at the step's one read (the
+    # previous step's verdict, `trainer._read`). A wait near zero means the step is bound by the host.
+    read, marks = trainer._read, {"wait": 0.0}
 
-    def timed_verdict(*a):
+    def timed_read(*a):
         t = time.perf_counter()
-        v = verdict(*a)
-        marks.setdefault("issue", []).append(t - marks["start"])
-        marks.setdefault("wait", []).append(time.perf_counter() - t)
-        return v
+        try:
+            return read(*a)
+        finally:
+            marks["wait"] += time.perf_counter() - t
 
-    run.step_verdict = timed_verdict
+    trainer._read = timed_read
 
-    def step() -> float:
-        marks["start"] = time.perf_counter()
-        st = train_step(lp)
-        if st.skipped:
-            raise RuntimeError(f"our step was skipped ({st.skipped}); the timing would not be of a full step")
-        return st.loss
+    def step() -> float | None:
+        t, marks["wait"] = time.perf_counter(), 0.0
+        st = train_step(lp)  # the previous step's verdict (None at first)
+        marks.setdefault("issue_s", []).append(time.perf_counter() - t - marks["wait"])
+        marks.setdefault("wait_s", []).append(marks["wait"])
+        if st is not None and st.skipped:
+            raise RuntimeError(f"our step {st.step + 1} was skipped ({st.skipped}); the timing would not be of "
+                               "full steps")
+        return None if st is None else st.loss
 
     res = timed_steps(step, run.device, args.warmup, args.steps)
     for k in ("issue", "wait"):  # medians over the timed steps
-        v = sorted(marks[k][args.warmup:])
+        v = sorted(marks[f"{k}_s"][args.warmup:])
         res[f"host_{k}_s"] = v[len(v) // 2]
+    last = trainer.settle(lp)
+    if last is not None and last.skipped:
+        raise RuntimeError(f"our step {last.step + 1} was skipped ({last.skipped})")
     if args.profile:  # one more step under the profiler: CUDA time by kernel family (profile_step.py's grouping)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from profile_step import _triton_families, profile_one

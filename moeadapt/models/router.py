@@ -229,8 +229,10 @@ class Router(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, counts_reduce=None) -> None:
-    """Aux-loss-free balancing, after each optimizer step: bias += rate * sign(mean - count), re-centred.
+def update_expert_bias(model: nn.Module, counts_reduce=None, apply: torch.Tensor | None = None) -> None:
+    """Aux-loss-free balancing, after each optimizer step: bias += rate * sign(mean - count), re-centred; the
+    counts are then zeroed. `apply` (a device bool) keeps every bias as it was where False: the step the counts
+    came from was skipped on the device.
 
     `counts_reduce(t)` may all-reduce the per-expert counts across ranks (parallel/ passes one);
     the model itself never talks to other ranks. A router that saw no token keeps its bias; that choice is made
@@ -250,6 +252,9 @@ def update_expert_bias(model: nn.Module, counts_reduce=None) -> None:
             biases = [m.expert_bias for m in routers]
             old = torch.stack(biases)
             b = old + rate * torch.sign(c.mean(1, keepdim=True) - c).to(old.dtype)
-            new = torch.where(c.sum(1, keepdim=True) > 0, b - b.mean(1, keepdim=True), old)
+            keep = c.sum(1, keepdim=True) > 0
+            if apply is not None:
+                keep = keep & apply
+            new = torch.where(keep, b - b.mean(1, keepdim=True), old)
             torch._foreach_copy_(biases, list(new.unbind(0)))
         torch._foreach_zero_([m.tokens_per_expert for m in routers])

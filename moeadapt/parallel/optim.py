@@ -30,7 +30,7 @@ class ShardedAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.device) -> ShardedAdamW:
-    """The trainer's AdamW over `params` from a TrainSpec (lr, betas, weight decay); fused=True on CUDA: one kernel
-    over all parameters per step (vs foreach's several passes)."""
-    return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
-                        fused=device.type == "cuda")
+    """The trainer's AdamW over `params` from a TrainSpec (lr, betas, weight decay), fused on every device: one
+    kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
+    the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict."""
+    return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)

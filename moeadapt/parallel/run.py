@@ -10,8 +10,6 @@ the methods `train.local.LocalRun` (the single-process run) has too.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,14 +69,15 @@ class DistributedRun:
         return t.tolist()
 
     def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor, grad_norm: torch.Tensor,
-                     targets: float) -> tuple[float, bool, bool, float]:
-        """(mean loss over ranks, every rank's losses finite, global gradient norm finite, target tokens summed
-        over ranks): one all-reduce and one host read per step. Collective; every rank gets the same verdict."""
+                     targets: float) -> torch.Tensor:
+        """[mean loss over ranks, every rank's losses finite (1/0), global gradient norm, target tokens summed
+        over ranks] as one float64 tensor on the device: one all-reduce, no host read (the trainer reads it
+        later: `trainer.settle`). Collective; every rank gets the same verdict."""
         t = torch.stack([loss.double(), (~losses_finite).double(),
                          torch.full_like(loss, targets, dtype=torch.float64)])
         dist.all_reduce(t)
-        v = torch.cat([t, grad_norm.double().reshape(1).to(t.device)]).tolist()
-        return v[0] / self.world, v[1] == 0, math.isfinite(v[3]), v[2]
+        return torch.stack([t[0] / self.world, (t[1] == 0).double(), grad_norm.double().reshape(()).to(t.device),
+                            t[2]])
 
     def all_finite(self, loss: torch.Tensor) -> bool:
         """Every rank must take the same branch, or the next collective hangs."""

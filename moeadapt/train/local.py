@@ -8,8 +8,6 @@ so the loop itself has no single- / multi-process branches. Must not know about 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -49,10 +47,11 @@ class LocalRun:
         return bool(torch.isfinite(loss))
 
     def step_verdict(self, loss: torch.Tensor, losses_finite: torch.Tensor, grad_norm: torch.Tensor,
-                     targets: float) -> tuple[float, bool, bool, float]:
-        """(loss, every loss finite, gradient norm finite, target tokens) in one host read."""
-        v = torch.stack([loss.float(), losses_finite.float(), grad_norm.float()]).tolist()
-        return v[0], v[1] > 0, math.isfinite(v[2]), targets
+                     targets: float) -> torch.Tensor:
+        """[loss, every loss finite (1/0), gradient norm, target tokens] as one float64 tensor on the device,
+        with no host read (the trainer reads it later: `trainer.settle`)."""
+        return torch.stack([loss.double(), losses_finite.double(), grad_norm.double().to(loss.device),
+                            torch.full_like(loss, targets, dtype=torch.float64)])
 
     def clip(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))

@@ -200,6 +200,8 @@ class Loop:
     step: int = 0  # the step being computed (0-based); messages number steps from 1 like the progress lines
     skipped_nonfinite: int = 0
     skipped_no_targets: int = 0
+    start: int = 0  # the step fit started from (it logs that one)
+    queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
 
     def say(self, msg: str) -> None:
         """Run messages (warnings included) come from rank 0 only."""
@@ -209,13 +211,24 @@ class Loop:
 
 @dataclass
 class StepStats:
-    loss: float  # a device scalar until train_step's one host read at the end of the step
-    grad_norm: torch.Tensor
+    loss: float | torch.Tensor  # a device scalar until the step's verdict is read (`settle`)
+    grad_norm: float | torch.Tensor
     tokens: int
+    step: int = 0  # the step's index (0-based, like Loop.step)
     skipped: str | None = None  # "nonfinite_loss" / "nonfinite_grad" / "no_targets": nothing was applied
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)  # device scalars: read back only on log steps
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer, still on the device
-    drops: dict[int, float] = field(default_factory=dict)
+    aux: dict[str, float | torch.Tensor] = field(default_factory=dict)  # host copies on the steps fit logs
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer; summed over ranks when logged
+    drops: dict[int, float | torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Queued:
+    """A step whose work is queued: `verdict` ([mean loss, every loss finite, gradient norm, target tokens] over
+    ranks) is on its way to the host; `done` (CUDA) is recorded after the step's last kernel."""
+
+    st: StepStats
+    verdict: torch.Tensor
+    done: torch.cuda.Event | None = None
 
 
 def _discard_step(lp: Loop) -> None:
@@ -284,21 +297,91 @@ def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats,
     return st, finite
 
 
-def train_step(lp: Loop) -> StepStats:
-    """One optimizer step over grad_accum_steps micro-batches. `skipped` is set (and nothing applied) when the
-    loss or the gradient norm is NaN/Inf, or when the step's batch (over all ranks) has no target token.
-    When an expert-parallel exchange overflowed its capacity (read once, after the backward: the capacity
-    grows), the gradients are dropped and the same micro-batches run again from the same RNG state, so the
-    step applied is always the dropless one."""
+def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """A fused torch AdamW/Adam takes `found_inf` (a device flag: 1 leaves every parameter, moment and step
+    count as they were), so the step can be applied or skipped without the host reading the verdict first."""
+    return bool(opt.defaults.get("fused")) and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+
+
+def _host_copy(v):
+    """`v` copied to the host without waiting for the device (pinned memory; read after the step's `done`)."""
+    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
+        return v
+    out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+    return out.copy_(v.detach(), non_blocking=True)
+
+
+def _logged(lp: Loop, step: int) -> bool:
+    t = lp.cfg.train
+    return (step + 1) % t.log_every == 0 or step == t.steps - 1 or step == lp.start
+
+
+def _for_log(lp: Loop, st: StepStats) -> None:
+    """On the steps fit logs: the MoE counts and drop rates summed over ranks (on the device, collective) and
+    every logged statistic on its way to the host; on the others they are dropped."""
+    if not _logged(lp, st.step):
+        st.aux, st.counts, st.drops = {}, {}, {}
+        return
+    reduce, world = lp.run.counts_reduce, lp.run.world
+    if reduce is not None:
+        for layer in sorted(st.counts):
+            reduce(st.counts[layer])
+        keys = sorted(k for k, v in st.drops.items() if isinstance(v, torch.Tensor))
+        if keys:
+            d = torch.stack([st.drops[k].float() for k in keys])
+            reduce(d)
+            st.drops.update(zip(keys, (d / world).unbind(0)))
+    st.aux = {k: _host_copy(v) for k, v in st.aux.items()}
+    st.counts = {k: _host_copy(v) for k, v in st.counts.items()}
+    st.drops = {k: _host_copy(v) for k, v in st.drops.items()}
+
+
+def _read(lp: Loop, q: _Queued) -> StepStats:
+    """The verdict of a queued step, read on the host (waiting for that step only): its loss, gradient norm and
+    whether it was skipped."""
+    if q.done is not None:
+        q.done.synchronize()
+    loss, losses_ok, grad_norm, targets = q.verdict.tolist()
+    st = q.st
+    st.loss, st.grad_norm = loss, grad_norm
+    if targets == 0:  # the same verdict on every rank
+        st.skipped = "no_targets"
+    elif not losses_ok:
+        st.skipped = "nonfinite_loss"
+    elif not math.isfinite(grad_norm):
+        st.skipped = "nonfinite_grad"
+    return st
+
+
+def settle(lp: Loop) -> StepStats | None:
+    """The queued step's verdict (None when no step is queued): the lr schedule advances when it was applied.
+    train_step calls this once the next step's forward and backward are queued, so the device has long finished
+    the step read; fit calls it before an eval, a checkpoint or the end."""
+    q, lp.queued = lp.queued, None
+    if q is None:
+        return None
+    st = _read(lp, q)
+    if st.skipped is None:
+        lp.sched.step()
+    return st
+
+
+def train_step(lp: Loop) -> StepStats | None:
+    """One optimizer step (step lp.step) over grad_accum_steps micro-batches, queued on the device with no host
+    read. Returns the step whose verdict this call read: with a fused AdamW the previous one (None at first;
+    `settle` reads the last), which the device skipped (nothing applied) if its loss or gradient norm was
+    NaN/Inf or its batch (over all ranks) had no target token; with another optimizer this step, read before
+    it is applied. When an expert-parallel exchange overflowed its capacity (read once, after the backward: the
+    capacity grows), the gradients are dropped and the same micro-batches run again from the same RNG state, so
+    the step applied is always the dropless one."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     # merge_microbatches: one forward over all micro-batches (experts batched), else one per micro-batch
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
     n_fwd = t.grad_accum_steps // per_fwd
-    st = StepStats(loss=0.0, grad_norm=torch.zeros(()), tokens=0)
     batches = [_stack([lp.sampler.next() for _ in range(per_fwd)]) for _ in range(n_fwd)]
-    # this rank's target tokens, counted on the host (the batch is still there); summed over ranks by the
-    # step's one read below: a step whose batch has no target on any rank is skipped there, after its (zero)
-    # forward, rather than costing every step a collective and a wait before the forward
+    # this rank's target tokens, counted on the host (the batch is still there); summed over ranks in the
+    # step's verdict: a step whose batch has no target on any rank is skipped there, after its (zero) forward,
+    # rather than costing every step a collective and a wait before the forward
     targets = float(sum(int((y != -100).sum()) for _, y, _ in batches))
     rng = _rng_state(device)
 
@@ -308,23 +391,34 @@ def train_step(lp: Loop) -> StepStats:
         _set_rng_state(rng, device)
 
     st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
+    st.step = lp.step
+    read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
-    # the step's one host read: the mean loss over ranks, whether every rank's losses and the norm are finite,
-    # the target tokens over ranks
-    st.loss, loss_ok, grad_ok, targets = run.step_verdict(st.loss, finite, st.grad_norm, targets)
-    if targets == 0:  # the same verdict on every rank
-        _discard_step(lp)
-        st.skipped = "no_targets"
+    verdict = run.step_verdict(st.loss, finite, st.grad_norm, targets)  # on the device, the same on every rank
+    _for_log(lp, st)
+    if not _skips_on_device(lp.opt):
+        st = _read(lp, _Queued(st, verdict))
+        if st.skipped is not None:
+            _discard_step(lp)
+            return st
+        lp.opt.step()
+        lp.sched.step()
+        lp.opt.zero_grad(set_to_none=True)
+        update_expert_bias(model, counts_reduce=run.counts_reduce)
         return st
-    if not (loss_ok and grad_ok):
-        _discard_step(lp)
-        st.skipped = "nonfinite_loss" if not loss_ok else "nonfinite_grad"
-        return st
-    lp.opt.step()
-    lp.sched.step()
+    apply = (verdict[1] > 0) & torch.isfinite(verdict[2]) & (verdict[3] > 0)
+    lp.opt.found_inf = (~apply).float()
+    try:
+        lp.opt.step()
+    finally:
+        del lp.opt.found_inf
     lp.opt.zero_grad(set_to_none=True)
-    update_expert_bias(model, counts_reduce=run.counts_reduce)
-    return st
+    update_expert_bias(model, counts_reduce=run.counts_reduce, apply=apply)
+    lp.queued = _Queued(st, _host_copy(verdict))
+    if device.type == "cuda":
+        lp.queued.done = torch.cuda.Event()
+        lp.queued.done.record()
+    return read
 
 
 def _weights_finite(lp: Loop) -> bool:
@@ -366,54 +460,69 @@ class Speed:
 
 def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     """Train from step `start` to cfg.train.steps (logging, periodic eval and checkpoints).
-    Returns (last train loss, elapsed seconds, steady-state speed)."""
+    Returns (last train loss, elapsed seconds, steady-state speed).
+
+    Each step's verdict (loss, skipped or not) is read while the next step's work is queued (`train_step`), so
+    the host never stops the device between steps: logs and skip messages follow one step behind, and an eval, a
+    checkpoint and the end wait for the step before them (`settle`)."""
     t = lp.cfg.train
     ckpt_root = Path(t.output_dir) / "checkpoints"
-    bad, last_loss, t0 = 0, float("nan"), time.perf_counter()
-    t_log, tok_log = t0, 0
+    lp.start = start
+    state = {"bad": 0, "last_loss": float("nan")}
+    t0 = time.perf_counter()
+    log_mark = {"t": t0, "tokens": 0}
     speed, t_step = Speed(), t0
-    cuda = lp.run.device.type == "cuda"
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=lp.quiet)
+
+    def account(st: StepStats | None) -> None:
+        """A step whose verdict was read: skip messages, the bad-step limit, tokens, logs."""
+        if st is None:
+            return
+        progress.update(task, advance=1)
+        if st.skipped == "no_targets":
+            lp.skipped_no_targets += 1
+            lp.say(f"[yellow]step {st.step + 1}: the batch has no target tokens - step skipped "
+                   f"({lp.skipped_no_targets} so far)")
+            return
+        if st.skipped:
+            state["bad"] += 1
+            lp.skipped_nonfinite += 1
+            bad = state["bad"]
+            lp.say(f"[yellow]step {st.step + 1}: {_SKIP_WHY[st.skipped]} - step skipped ({bad}/{t.max_bad_steps} "
+                   "in a row)")
+            if bad >= t.max_bad_steps:
+                raise TrainingError(f"{bad} steps in a row with a NaN/Inf loss or gradient norm at step "
+                                    f"{st.step + 1}; lower train.lr (it takes effect on resume), enable grad_clip, "
+                                    "or check the data and init_from checkpoint")
+            return
+        state["bad"], state["last_loss"] = 0, st.loss
+        lp.tokens_done += st.tokens
+        log_mark["tokens"] += st.tokens
+        if st.step - start >= STEADY_SKIP:
+            speed.tokens += st.tokens
+        progress.update(task, info=f"loss {st.loss:.3f}")
+        if _logged(lp, st.step):
+            tok_all = lp.run.sum([log_mark["tokens"]])[0]  # the tokens every rank processed, counted
+            _log_train(lp, st.step + 1, st, tok_all / max(time.perf_counter() - log_mark["t"], 1e-9), progress)
+            log_mark["t"], log_mark["tokens"] = time.perf_counter(), 0
+
     lp.model.train()
     with progress:
         task = progress.add_task("train", total=t.steps, completed=start, info="")
         for step in range(start, t.steps):
             lp.step = step
-            st = train_step(lp)
-            if st.skipped == "no_targets":
-                lp.skipped_no_targets += 1
-                lp.say(f"[yellow]step {step + 1}: the batch has no target tokens - step skipped "
-                       f"({lp.skipped_no_targets} so far)")
-                progress.update(task, advance=1)
-                continue
-            if st.skipped:
-                bad += 1
-                lp.skipped_nonfinite += 1
-                lp.say(f"[yellow]step {step + 1}: {_SKIP_WHY[st.skipped]} - step skipped "
-                       f"({bad}/{t.max_bad_steps} in a row)")
-                if bad >= t.max_bad_steps:
-                    raise TrainingError(f"{bad} steps in a row with a NaN/Inf loss or gradient norm at step "
-                                        f"{step + 1}; lower train.lr (it takes effect on resume), enable grad_clip, "
-                                        "or check the data and init_from checkpoint")
-                progress.update(task, advance=1)
-                continue
-            bad, last_loss = 0, st.loss
-            lp.tokens_done += st.tokens
-            tok_log += st.tokens
+            account(train_step(lp))
             do_eval = bool(t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps)
             do_save = bool(t.save_every and (step + 1) % t.save_every == 0)
+            if do_eval or do_save or step == t.steps - 1:
+                st = settle(lp)  # this step's queued work belongs to its time
+                account(st)
+                if st is not None and st.skipped:  # no eval or checkpoint after a skipped step
+                    do_eval = do_save = False
             if step - start >= STEADY_SKIP:
-                if cuda and (do_eval or do_save):  # the step's queued GPU work belongs to the step
-                    torch.cuda.synchronize(lp.run.device)
                 speed.seconds += time.perf_counter() - t_step
-                speed.tokens += st.tokens
                 speed.steps += 1
-            progress.update(task, advance=1, info=f"loss {st.loss:.3f}")
-            if (step + 1) % t.log_every == 0 or step == t.steps - 1 or step == start:
-                tok_all = lp.run.sum([tok_log])[0]  # the tokens every rank processed, counted
-                _log_train(lp, step + 1, st, tok_all / max(time.perf_counter() - t_log, 1e-9), progress)
-                t_log, tok_log = time.perf_counter(), 0
             if do_eval:
                 lp.logger.log({"kind": "eval", "step": step + 1,
                                "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)})
@@ -422,7 +531,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
             t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
     lp.step = t.steps
     speed.tokens = int(lp.run.sum([speed.tokens])[0])  # every rank's tokens
-    return last_loss, time.perf_counter() - t0, speed
+    return state["last_loss"], time.perf_counter() - t0, speed
 
 
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
@@ -433,11 +542,7 @@ def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progres
         rec["mfu"] = tps * lp.flops_per_token / peak / lp.run.world  # tps counts every rank; MFU is per GPU
     if device.type == "cuda":
         rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if lp.run.counts_reduce is not None and st.counts:  # every rank's tokens: the load of the whole step
-        for layer in sorted(st.counts):
-            lp.run.counts_reduce(st.counts[layer])
-        drops = lp.run.sum([float(st.drops[k]) for k in sorted(st.drops)])
-        st.drops = {k: v / lp.run.world for k, v in zip(sorted(st.drops), drops)}
+    # st.counts / st.drops: every rank's tokens (summed over ranks by _for_log), the load of the whole step
     rec["moe"] = [{"layer": layer, **load_quantiles(c), "drop_rate": float(st.drops[layer]),
                    # raw per-expert counts for `moeadapt simulate-routing` (small models only)
                    **({"counts": [int(x) for x in c.tolist()]} if c.numel() <= 1024 else {})}

@@ -1,9 +1,11 @@
-"""GPU: the training step waits for the device once (the step's verdict), not per layer or per copy.
+"""GPU: the training step never makes the host wait for the device, not per layer, per copy or per step.
 
 `torch.cuda.set_sync_debug_mode("error")` raises on every operation that makes the host wait for the device
 (a device read, a blocking copy, nonzero, ...). The tiny model (KDA, gated DSA, LatentMoE) runs its forward and
-backward with packed documents under it, then a whole trainer step with AdamW, where only `step_verdict`'s one
-read is let through. The same forward with the documents' ids on the device must raise (the check can fail)."""
+backward with packed documents under it, then whole trainer steps with the fused AdamW, which apply or skip each
+step on the device and read the previous step's verdict from pinned memory once that step's event has passed
+(`trainer.settle`). The same forward with the documents' ids on the device must raise (the check can fail), and
+so must a step with an optimizer that cannot skip on the device (it reads the verdict before stepping)."""
 
 import os
 
@@ -69,7 +71,7 @@ def test_forward_backward_with_packed_documents_never_waits(seed):
         _fwd_bwd(model, xd, yd, pos.cuda())  # boundaries read from the device: the check can fail
 
 
-def test_trainer_step_waits_once(seed):
+def test_trainer_steps_never_wait(seed):
     from moeadapt.config import RunConfig
     from moeadapt.train import trainer
     from moeadapt.train.local import LocalRun
@@ -77,7 +79,8 @@ def test_trainer_step_waits_once(seed):
 
     spec, model = _model(seed)
     cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
-        "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "grad_accum_steps": 2}})
+        "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "grad_accum_steps": 2,
+        "steps": 10, "log_every": 1}})  # every step logged: its host copies run under the check too
     batch = _batch(spec, seed)
 
     class _Batches:
@@ -87,24 +90,35 @@ def test_trainer_step_waits_once(seed):
 
     run = LocalRun(cfg, torch.device("cuda"))
     reads = []
-    verdict = run.step_verdict
+    read = trainer._read
 
-    def one_read(*a):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            reads.append(1)
-            return verdict(*a)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+    def counted(*a):
+        reads.append(1)
+        return read(*a)
 
-    run.step_verdict = one_read
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    lp = trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                      _Batches(), NullLogger(), None, 1.0, True)
-    st = trainer.train_step(lp)  # warm-up: compiles, autotunes, makes the optimizer state
-    assert st.skipped is None, st.skipped
-    reads.clear()
-    with _NoSync():
+    trainer._read = counted
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def loop(opt):
+            return trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                                _Batches(), NullLogger(), None, 1.0, True)
+
+        lp = loop(torch.optim.AdamW(params, lr=1e-4, fused=True))
+        assert trainer.train_step(lp) is None  # warm-up: compiles, autotunes, makes the optimizer state
+        lp.step = 1
         st = trainer.train_step(lp)
-    assert st.skipped is None and reads == [1]
+        assert st is not None and st.step == 0 and st.skipped is None, st
+        reads.clear()
+        with _NoSync():
+            lp.step = 2
+            st = trainer.train_step(lp)
+        assert st.step == 1 and st.skipped is None and reads == [1]
+        assert trainer.settle(lp).skipped is None
+
+        lp = loop(torch.optim.AdamW(params, lr=1e-4, foreach=True))  # reads its verdict before stepping
+        trainer.train_step(lp)
+        with pytest.raises(RuntimeError, match="synchroniz"), _NoSync():
+            trainer.train_step(lp)
+    finally:
+        trainer._read = read

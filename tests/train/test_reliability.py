@@ -70,8 +70,8 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch):
 
     orig = trainer.update_expert_bias
 
-    def break_weights(model, counts_reduce=None):
-        orig(model, counts_reduce)
+    def break_weights(model, counts_reduce=None, apply=None):
+        orig(model, counts_reduce, apply)
         with torch.no_grad():
             model.embed.weight[0, 0] = float("nan")
 
