@@ -7,7 +7,8 @@ writes the results: `model/` (full training) or `adapter/` (PEFT, LoRA runs), `m
 `report.png`, `summary.json`. `fit` is the loop; `train_step` is one optimizer step (grad accumulation,
 bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, router-bias update).
 A NaN/Inf loss or gradient norm skips the step with a warning (the weights are never updated with it, and
-non-finite weights are never saved); `max_bad_steps` in a row stop the run with a clear error. A step whose
+non-finite weights are never saved). The fused AdamW applies or skips each step on the device, and the host reads
+the step's verdict while the next step is queued (`train_step`, `settle`): no step waits for the device; `max_bad_steps` in a row stop the run with a clear error. A step whose
 batch holds no target token is skipped and counted. Resume takes the checkpoint `latest` names, else the
 newest complete step_* (falling back to older ones when one does not load); a changed lr / schedule takes
 effect from the resumed step. Interrupts and a full disk end the run with one message naming the newest
