@@ -209,6 +209,8 @@ def run_ours(args, mode: str) -> dict:
     ds = token_batches(spec.vocab_size, args.mb * (args.warmup + args.steps), args.seq)
     sampler = Sampler(ds, args.mb, t.seed, rank=run.data_rank, world=run.data_world)
     lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True)
+    if args.cuda_graph:
+        trainer.use_cuda_graph(lp)
     model.train()
     build_s = time.perf_counter() - t0
 
@@ -254,7 +256,7 @@ def run_ours(args, mode: str) -> dict:
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
-            "lora_targets": cfg.lora.targets if cfg.lora else None, **res}
+            "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph), **res}
 
 
 # ------------------------------------------------------------------ the peer: transformers + peft
@@ -385,6 +387,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
                "--rank", str(args.rank), "--preset", args.preset, "--peer-experts", args.peer_experts]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--profile"] if args.profile and side == "ours" else []
+        cmd += ["--cuda-graph"] if args.cuda_graph and side == "ours" else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -480,6 +483,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write bench_vs_transformers.json (+ .png) into this directory")
     p.add_argument("--profile", action="store_true", help="our side: profile one extra step and save its CUDA time "
                    "by kernel family in the row")
+    p.add_argument("--cuda-graph", action="store_true", help="our side with train.cuda_graph (the step's "
+                   "forwards and backwards captured once and replayed)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

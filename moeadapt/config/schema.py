@@ -365,6 +365,9 @@ class TrainSpec(_Strict):
                                               "beyond the newest N after each save; None = keep all")
     tensorboard: bool = False
     kernel_backend: Literal["auto", "reference", "triton"] = "auto"
+    cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
+                             "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
+                             "process on a GPU, fixed shapes, no packed documents or images")
 
     @field_validator("betas")
     @classmethod

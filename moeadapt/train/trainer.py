@@ -48,6 +48,8 @@ from ..parallel.optim import build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
+from .errors import TrainingError
+from .graph import StepGraph, check_graphable
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
 from .vl import evaluate_vl
@@ -56,10 +58,6 @@ if TYPE_CHECKING:
     from ..parallel import DistributedRun
 
 console = make_console()
-
-
-class TrainingError(RuntimeError):
-    """A run cannot continue; the message says why and what to change."""
 
 
 @dataclass
@@ -203,6 +201,7 @@ class Loop:
     skipped_no_targets: int = 0
     start: int = 0  # the step fit started from (it logs that one)
     queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
+    graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
 
     def say(self, msg: str) -> None:
         """Run messages (warnings included) come from rank 0 only."""
@@ -367,6 +366,16 @@ def settle(lp: Loop) -> StepStats | None:
     return st
 
 
+def use_cuda_graph(lp: Loop) -> None:
+    """train.cuda_graph: the step's forwards and backwards are captured once and replayed (train/graph.py)."""
+    why = check_graphable(lp.cfg, lp.run)
+    if why:
+        raise TrainingError(f"train.cuda_graph: {why}")
+    t = lp.cfg.train
+    per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
+    lp.graph = StepGraph(lp.params, lambda batches: _forward_backward(lp, batches, per_fwd), lp.run.device)
+
+
 def train_step(lp: Loop) -> StepStats | None:
     """One optimizer step (step lp.step) over grad_accum_steps micro-batches, queued on the device with no host
     read. Returns the step whose verdict this call read: with a fused AdamW the previous one (None at first;
@@ -391,7 +400,10 @@ def train_step(lp: Loop) -> StepStats | None:
         _discard_step(lp)
         _set_rng_state(rng, device)
 
-    st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
+    if lp.graph is not None:
+        st, finite = lp.graph(batches)
+    else:
+        st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
     st.step = lp.step
     read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
@@ -661,6 +673,9 @@ def _export(lp: Loop, out_dir: Path) -> None:
 def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     t = cfg.train
     run = start_run(cfg)
+    why = check_graphable(cfg, run) if t.cuda_graph else None
+    if why:
+        raise TrainingError(f"train.cuda_graph: {why}")
     quiet = quiet or not run.is_main
     torch.manual_seed(t.seed)
     out_dir = Path(t.output_dir)
@@ -695,6 +710,8 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
               (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.data_rank,
                                                      world=run.data_world),
               MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet)
+    if t.cuda_graph:
+        use_cuda_graph(lp)
     start = _resume(lp)
     lp.logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step
     if start:
