@@ -18,6 +18,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 class LocalRun:
     counts_reduce = None  # router counts are already this process's whole batch
     rank, world, is_main = 0, 1, True
+    defer_verdict = True  # the trainer reads each step's verdict one step late (trainer.train_step)
     data_rank, data_world, cp_layout = 0, 1, None  # one process reads every row and holds every position
 
     def __init__(self, cfg: RunConfig, device: torch.device):

@@ -7,8 +7,9 @@ writes the results: `model/` (full training) or `adapter/` (PEFT, LoRA runs), `m
 `report.png`, `summary.json`. `fit` is the loop; `train_step` is one optimizer step (grad accumulation,
 bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, router-bias update).
 A NaN/Inf loss or gradient norm skips the step with a warning (the weights are never updated with it, and
-non-finite weights are never saved). The fused AdamW applies or skips each step on the device, and the host reads
-the step's verdict while the next step is queued (`train_step`, `settle`): no step waits for the device; `max_bad_steps` in a row stop the run with a clear error. A step whose
+non-finite weights are never saved). In one process the fused AdamW applies or skips each step on the device,
+and the host reads the step's verdict while the next step is queued (`train_step`, `settle`): no step waits for
+the device (under torchrun the verdict is read before the optimizer step: `DistributedRun.defer_verdict`); `max_bad_steps` in a row stop the run with a clear error. A step whose
 batch holds no target token is skipped and counted. Resume takes the checkpoint `latest` names, else the
 newest complete step_* (falling back to older ones when one does not load); a changed lr / schedule takes
 effect from the resumed step. Interrupts and a full disk end the run with one message naming the newest
@@ -297,10 +298,13 @@ def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats,
     return st, finite
 
 
-def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
+def _skips_on_device(lp: Loop) -> bool:
     """A fused torch AdamW/Adam takes `found_inf` (a device flag: 1 leaves every parameter, moment and step
-    count as they were), so the step can be applied or skipped without the host reading the verdict first."""
-    return bool(opt.defaults.get("fused")) and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+    count as they were), so the step can be applied or skipped without the host reading the verdict first; the
+    run says whether to (`defer_verdict`)."""
+    opt = lp.opt
+    return (getattr(lp.run, "defer_verdict", False) and bool(opt.defaults.get("fused"))
+            and isinstance(opt, torch.optim.Adam | torch.optim.AdamW))
 
 
 def _host_copy(v):
@@ -378,10 +382,10 @@ def use_cuda_graph(lp: Loop) -> None:
 
 def train_step(lp: Loop) -> StepStats | None:
     """One optimizer step (step lp.step) over grad_accum_steps micro-batches, queued on the device with no host
-    read. Returns the step whose verdict this call read: with a fused AdamW the previous one (None at first;
-    `settle` reads the last), which the device skipped (nothing applied) if its loss or gradient norm was
-    NaN/Inf or its batch (over all ranks) had no target token; with another optimizer this step, read before
-    it is applied. When an expert-parallel exchange overflowed its capacity (read once, after the backward: the
+    read. Returns the step whose verdict this call read: with a fused AdamW in one process the previous one (None
+    at first; `settle` reads the last), which the device skipped (nothing applied) if its loss or gradient norm
+    was NaN/Inf or its batch (over all ranks) had no target token; otherwise (another optimizer, torchrun) this
+    step, read before it is applied. When an expert-parallel exchange overflowed its capacity (read once, after the backward: the
     capacity grows), the gradients are dropped and the same micro-batches run again from the same RNG state, so
     the step applied is always the dropless one."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
@@ -409,7 +413,7 @@ def train_step(lp: Loop) -> StepStats | None:
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
     verdict = run.step_verdict(st.loss, finite, st.grad_norm, targets)  # on the device, the same on every rank
     _for_log(lp, st)
-    if not _skips_on_device(lp.opt):
+    if not _skips_on_device(lp):
         st = _read(lp, _Queued(st, verdict))
         if st.skipped is not None:
             _discard_step(lp)
