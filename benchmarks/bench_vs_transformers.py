@@ -37,8 +37,8 @@ How the peer's config is matched to our ModelSpec (`peer_config`; printed at run
   covers the shared expert, the dense FFN and the KDA gate projections, which our default targets leave out).
   Both models' counts are printed and saved with every run.
 
-Run (one H200, ~5-8 minutes for everything; the peer's first fla calls autotune unless `.fla_cache` is carried):
-    . benchmarks/gpu_env.sh        # carry .whl holding the wheels of .wt/peer_whl (LIST.txt there lists them)
+Run (one H200, ~5-8 minutes for everything; fla's autotune results come from .fla_cache, see benchmarks/README.md):
+    . benchmarks/gpu_env.sh        # carry .whl holding the transformers, peft, fla-core and pydantic wheels
     python3 benchmarks/bench_vs_transformers.py --part all --steps 5 --warmup 2 --out $OUT/vs_hf
 CPU smoke run (tiny dimensions on both sides, ~1.5 CPU-minutes for the four runs; the peer on transformers'
 torch fallback, which it needs: fla's kernels are Triton-only; `--modes lora` halves it):
