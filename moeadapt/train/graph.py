@@ -54,7 +54,7 @@ class StepGraph:
 
     def __call__(self, batches: list[tuple]):
         self.calls += 1
-        if any(extra for _, _, extra in batches):
+        if any(v is not None for _, _, extra in batches for v in extra.values()):
             raise TrainingError("train.cuda_graph: a batch carries position_ids or images, which a replay cannot "
                                "change; set train.cuda_graph: false")
         if self.calls <= WARMUP:
