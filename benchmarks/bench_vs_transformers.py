@@ -163,6 +163,7 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
         losses.append(step())
     _sync(device)
     warm_s = time.perf_counter() - t0
+    stats0 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     marks = [time.perf_counter()]
     for _ in range(steps):
         losses.append(step())
@@ -176,7 +177,11 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
             "step_max_s": gaps[-1], "warmup_s": warm_s,
             "loss_first": losses[0], "loss_last": losses[-1],
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,  # None: not measured
-            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None}
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+            # the caching allocator over the timed steps: cudaMalloc / cudaFree calls and retries (a retry frees
+            # cached blocks, which synchronises the device: a host stall)
+            **({f"alloc_{k}": torch.cuda.memory_stats(device).get(k, 0) - stats0.get(k, 0)
+                for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")} if cuda else {})}
 
 
 # ------------------------------------------------------------------ ours: the trainer's step
@@ -211,6 +216,8 @@ def run_ours(args, mode: str) -> dict:
     lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True)
     if args.cuda_graph:
         trainer.use_cuda_graph(lp)
+    if args.defer_verdict != "auto":  # the run's own choice otherwise (LocalRun / DistributedRun.defer_verdict)
+        run.defer_verdict = args.defer_verdict == "on"
     model.train()
     build_s = time.perf_counter() - t0
 
@@ -256,7 +263,8 @@ def run_ours(args, mode: str) -> dict:
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
-            "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph), **res}
+            "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
+            "defer_verdict": bool(getattr(run, "defer_verdict", False)), **res}
 
 
 # ------------------------------------------------------------------ the peer: transformers + peft
@@ -388,6 +396,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--profile"] if args.profile and side == "ours" else []
         cmd += ["--cuda-graph"] if args.cuda_graph and side == "ours" else []
+        cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -485,6 +494,8 @@ def main() -> None:
                    "by kernel family in the row")
     p.add_argument("--cuda-graph", action="store_true", help="our side with train.cuda_graph (the step's "
                    "forwards and backwards captured once and replayed)")
+    p.add_argument("--defer-verdict", default="auto", choices=["auto", "on", "off"], help="our side: read each "
+                   "step's verdict one step late (on) or before its optimizer step (off); auto: as the trainer does")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
