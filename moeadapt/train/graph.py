@@ -12,7 +12,9 @@ None, the captured backward allocates the gradients in the graph's memory pool a
 afresh; the trainer drops them after the optimizer step (zero_grad(set_to_none=True)), so they are handed back
 to the parameters after every replay. The step's inputs are copied into the captured input buffers; its loss,
 finiteness, auxiliary losses and MoE counts are the captured outputs, valid until the next replay (the trainer
-reads them, on the device, before that).
+reads them, on the device, before that). What the captured kernels read from outside the graph's pool must stay
+where it is: the weights (updated in place), the router biases, the ops' cached index tensors (one entry per
+batch shape: only packed documents, refused here, would make enough to evict one).
 """
 
 from __future__ import annotations
