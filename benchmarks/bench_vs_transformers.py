@@ -264,7 +264,7 @@ def run_ours(args, mode: str) -> dict:
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
             "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
-            "defer_verdict": bool(getattr(run, "defer_verdict", False)), **res}
+            "defer_verdict": run.defer_verdict, **res}
 
 
 # ------------------------------------------------------------------ the peer: transformers + peft

@@ -1,4 +1,4 @@
-"""Host -> device copies that do not wait for the device, for batches and document boundaries.
+"""Host <-> device copies that do not wait for the device, for batches, document boundaries and step statistics.
 
 `x.to("cuda")` from host memory waits until the device has finished everything queued before it (a host sync
 that stalls the step's kernel queue); `to_device` sends a pinned, non-blocking copy instead, ordered on the current
@@ -24,6 +24,16 @@ def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
     if t.device.type == "cpu" and device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_host(v):
+    """A device tensor copied into pinned host memory without waiting for the device (ordered on the current
+    stream: read it after an event recorded later on that stream has passed); host tensors and non-tensors as
+    they are."""
+    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
+        return v
+    out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+    return out.copy_(v.detach(), non_blocking=True)
 
 
 def host_tensor(values, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:

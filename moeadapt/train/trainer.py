@@ -9,8 +9,8 @@ bf16 autocast on GPU with fp32 trainable params, fp32 on CPU, grad clipping, rou
 A NaN/Inf loss or gradient norm skips the step with a warning (the weights are never updated with it, and
 non-finite weights are never saved). In one process the fused AdamW applies or skips each step on the device,
 and the host reads the step's verdict while the next step is queued (`train_step`, `settle`): no step waits for
-the device (under torchrun the verdict is read before the optimizer step: `DistributedRun.defer_verdict`); `max_bad_steps` in a row stop the run with a clear error. A step whose
-batch holds no target token is skipped and counted. Resume takes the checkpoint `latest` names, else the
+the device (under torchrun the verdict is read before the optimizer step: `DistributedRun.defer_verdict`).
+`max_bad_steps` in a row stop the run with a clear error. A step whose batch holds no target token is skipped and counted. Resume takes the checkpoint `latest` names, else the
 newest complete step_* (falling back to older ones when one does not load); a changed lr / schedule takes
 effect from the resumed step. Interrupts and a full disk end the run with one message naming the newest
 checkpoint.
@@ -44,7 +44,7 @@ from ..models.model import HybridMoEModel, checkpoint_tensors
 from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..models.vision import ImageBatch
-from ..ops.host import to_device
+from ..ops.host import to_device, to_host
 from ..parallel.optim import build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
@@ -303,16 +303,8 @@ def _skips_on_device(lp: Loop) -> bool:
     count as they were), so the step can be applied or skipped without the host reading the verdict first; the
     run says whether to (`defer_verdict`)."""
     opt = lp.opt
-    return (getattr(lp.run, "defer_verdict", False) and bool(opt.defaults.get("fused"))
+    return (lp.run.defer_verdict and bool(opt.defaults.get("fused"))
             and isinstance(opt, torch.optim.Adam | torch.optim.AdamW))
-
-
-def _host_copy(v):
-    """`v` copied to the host without waiting for the device (pinned memory; read after the step's `done`)."""
-    if not isinstance(v, torch.Tensor) or v.device.type == "cpu":
-        return v
-    out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-    return out.copy_(v.detach(), non_blocking=True)
 
 
 def _logged(lp: Loop, step: int) -> bool:
@@ -335,12 +327,12 @@ def _for_log(lp: Loop, st: StepStats) -> None:
             d = torch.stack([st.drops[k].float() for k in keys])
             reduce(d)
             st.drops.update(zip(keys, (d / world).unbind(0)))
-    st.aux = {k: _host_copy(v) for k, v in st.aux.items()}
-    st.counts = {k: _host_copy(v) for k, v in st.counts.items()}
-    st.drops = {k: _host_copy(v) for k, v in st.drops.items()}
+    st.aux = {k: to_host(v) for k, v in st.aux.items()}
+    st.counts = {k: to_host(v) for k, v in st.counts.items()}
+    st.drops = {k: to_host(v) for k, v in st.drops.items()}
 
 
-def _read(lp: Loop, q: _Queued) -> StepStats:
+def _read(q: _Queued) -> StepStats:
     """The verdict of a queued step, read on the host (waiting for that step only): its loss, gradient norm and
     whether it was skipped."""
     if q.done is not None:
@@ -364,7 +356,7 @@ def settle(lp: Loop) -> StepStats | None:
     q, lp.queued = lp.queued, None
     if q is None:
         return None
-    st = _read(lp, q)
+    st = _read(q)
     if st.skipped is None:
         lp.sched.step()
     return st
@@ -385,9 +377,9 @@ def train_step(lp: Loop) -> StepStats | None:
     read. Returns the step whose verdict this call read: with a fused AdamW in one process the previous one (None
     at first; `settle` reads the last), which the device skipped (nothing applied) if its loss or gradient norm
     was NaN/Inf or its batch (over all ranks) had no target token; otherwise (another optimizer, torchrun) this
-    step, read before it is applied. When an expert-parallel exchange overflowed its capacity (read once, after the backward: the
-    capacity grows), the gradients are dropped and the same micro-batches run again from the same RNG state, so
-    the step applied is always the dropless one."""
+    step, read before it is applied. When an expert-parallel exchange overflowed its capacity (read once, after
+    the backward: the capacity grows), the gradients are dropped and the same micro-batches run again from the
+    same RNG state, so the step applied is always the dropless one."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     # merge_microbatches: one forward over all micro-batches (experts batched), else one per micro-batch
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
@@ -413,25 +405,25 @@ def train_step(lp: Loop) -> StepStats | None:
     st.grad_norm = run.clip(lp.params, t.grad_clip)  # global norm over every rank's shards
     verdict = run.step_verdict(st.loss, finite, st.grad_norm, targets)  # on the device, the same on every rank
     _for_log(lp, st)
-    if not _skips_on_device(lp):
-        st = _read(lp, _Queued(st, verdict))
+    deferred, apply = _skips_on_device(lp), None
+    if deferred:  # applied or skipped on the device (found_inf), read one step late
+        apply = (verdict[1] > 0) & torch.isfinite(verdict[2]) & (verdict[3] > 0)
+        lp.opt.found_inf = (~apply).float()
+    else:  # read now, before the optimizer step
+        st = _read(_Queued(st, verdict))
         if st.skipped is not None:
             _discard_step(lp)
             return st
-        lp.opt.step()
-        lp.sched.step()
-        lp.opt.zero_grad(set_to_none=True)
-        update_expert_bias(model, counts_reduce=run.counts_reduce)
-        return st
-    apply = (verdict[1] > 0) & torch.isfinite(verdict[2]) & (verdict[3] > 0)
-    lp.opt.found_inf = (~apply).float()
     try:
         lp.opt.step()
     finally:
-        del lp.opt.found_inf
+        lp.opt.__dict__.pop("found_inf", None)
     lp.opt.zero_grad(set_to_none=True)
     update_expert_bias(model, counts_reduce=run.counts_reduce, apply=apply)
-    lp.queued = _Queued(st, _host_copy(verdict))
+    if not deferred:
+        lp.sched.step()
+        return st
+    lp.queued = _Queued(st, to_host(verdict))
     if device.type == "cuda":
         lp.queued.done = torch.cuda.Event()
         lp.queued.done.record()
@@ -485,15 +477,15 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     t = lp.cfg.train
     ckpt_root = Path(t.output_dir) / "checkpoints"
     lp.start = start
-    state = {"bad": 0, "last_loss": float("nan")}
-    t0 = time.perf_counter()
-    log_mark = {"t": t0, "tokens": 0}
+    bad, last_loss, t0 = 0, float("nan"), time.perf_counter()
+    t_log, tok_log = t0, 0
     speed, t_step = Speed(), t0
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=lp.quiet)
 
     def account(st: StepStats | None) -> None:
         """A step whose verdict was read: skip messages, the bad-step limit, tokens, logs."""
+        nonlocal bad, last_loss, t_log, tok_log
         if st is None:
             return
         progress.update(task, advance=1)
@@ -503,9 +495,8 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
                    f"({lp.skipped_no_targets} so far)")
             return
         if st.skipped:
-            state["bad"] += 1
+            bad += 1
             lp.skipped_nonfinite += 1
-            bad = state["bad"]
             lp.say(f"[yellow]step {st.step + 1}: {_SKIP_WHY[st.skipped]} - step skipped ({bad}/{t.max_bad_steps} "
                    "in a row)")
             if bad >= t.max_bad_steps:
@@ -513,16 +504,16 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
                                     f"{st.step + 1}; lower train.lr (it takes effect on resume), enable grad_clip, "
                                     "or check the data and init_from checkpoint")
             return
-        state["bad"], state["last_loss"] = 0, st.loss
+        bad, last_loss = 0, st.loss
         lp.tokens_done += st.tokens
-        log_mark["tokens"] += st.tokens
+        tok_log += st.tokens
         if st.step - start >= STEADY_SKIP:
             speed.tokens += st.tokens
         progress.update(task, info=f"loss {st.loss:.3f}")
         if _logged(lp, st.step):
-            tok_all = lp.run.sum([log_mark["tokens"]])[0]  # the tokens every rank processed, counted
-            _log_train(lp, st.step + 1, st, tok_all / max(time.perf_counter() - log_mark["t"], 1e-9), progress)
-            log_mark["t"], log_mark["tokens"] = time.perf_counter(), 0
+            tok_all = lp.run.sum([tok_log])[0]  # the tokens every rank processed, counted
+            _log_train(lp, st.step + 1, st, tok_all / max(time.perf_counter() - t_log, 1e-9), progress)
+            t_log, tok_log = time.perf_counter(), 0
 
     lp.model.train()
     with progress:
@@ -548,7 +539,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
             t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
     lp.step = t.steps
     speed.tokens = int(lp.run.sum([speed.tokens])[0])  # every rank's tokens
-    return state["last_loss"], time.perf_counter() - t0, speed
+    return last_loss, time.perf_counter() - t0, speed
 
 
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
