@@ -124,6 +124,37 @@ LI_CANDIDATES = [
     dict(BLOCK_S=64, BLOCK_R=64, progs_per_sm=4, num_warps=4),
 ]
 BWD_CANDIDATES = [dict(tsa.BWD_CONFIG)]  # more P/dS launch shapes: --check
+# --li: the indexer's launch shapes at each --T and --hi (the indexer's cost per key barely depends on its head
+# count: 521 ms at T = 131072 with 16 heads, 658 ms with 64)
+LI_SHAPE_CANDIDATES = [dict(ti.LI_CONFIG)] + [c for c in LI_CANDIDATES if c != ti.LI_CONFIG]
+
+
+def li_shapes(log, Ts, HIs, B=1):
+    """The indexer's launch variants (LI_SHAPE_CANDIDATES) at each T and indexer head count: ms, TFLOP/s and
+    the fraction of entries equal to the first candidate's (the default) selection."""
+    rows = []
+    for T in Ts:
+        for hi in HIs:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q_idx = torch.randn(B, T, hi, DI, device="cuda", dtype=torch.bfloat16, generator=g)
+            k_idx = torch.randn(B, T, DI, device="cuda", dtype=torch.bfloat16, generator=g)
+            w_idx = torch.randn(B, T, hi, device="cuda", dtype=torch.bfloat16, generator=g)
+            fl = B * 2 * hi * DI * T * (T + 1) / 2
+            ref = None
+            for n, cfg in enumerate(LI_SHAPE_CANDIDATES):
+                def run(cfg=cfg):
+                    return ti.lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK, cfg=cfg)
+                ms = try_run(f"li {cfg}", lambda: timeit(run, reps=2 if T > 65536 else 3), log)
+                if ms is None:
+                    continue
+                got = run()
+                ref = got if ref is None else ref
+                same = (got == ref).float().mean().item()  # bf16 scores: ties may order differently
+                row = dict(T=T, B=B, HI=hi, cfg=cfg, ms=ms, tflops=fl / ms / 1e9, same_as_first=same)
+                log(f"  LI T={T} HI={hi} #{n} {cfg}: {ms:.2f} ms {row['tflops']:.0f} TFLOP/s, "
+                    f"same entries as #0 {same:.5f}")
+                rows.append(row)
+    return rows
 
 
 def sweep(log, ops, T=16384, H=128):
@@ -392,6 +423,10 @@ def main():
                     help="with --check: only SFA, with more forward launch shapes (CHECK_FWD_MORE)")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
+    ap.add_argument("--li", action="store_true", help="the indexer's launch variants (LI_SHAPE_CANDIDATES) "
+                    "at each --T and --hi; then exit")
+    ap.add_argument("--hi", type=int, nargs="+", default=[HI], help="indexer heads for --li")
+    ap.add_argument("--batch", type=int, default=1, help="batch size for --li")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -406,6 +441,12 @@ def main():
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
                              fwd_only=a.fwd_only)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        log("done")
+        return
+    if a.li:
+        res["li"] = li_shapes(log, a.T, a.hi, a.batch)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")

@@ -98,6 +98,12 @@ def _one_length(T: int, spec, dims, args, device: torch.device) -> dict:
         row.update(step_s=dt, tokens_per_s=T / dt)
         if device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.profile:  # one more step under the profiler: CUDA time by kernel family (profile_step.py's)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from profile_step import _triton_families, profile_one
+
+            prof = profile_one(step, device, _triton_families())
+            row["profile"] = {k: prof[k] for k in ("families_ms", "total_ms", "top_kernels_ms", "host_ms")}
     except torch.OutOfMemoryError:
         row["oom"] = True
     return row
@@ -214,6 +220,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None, help="append JSON rows here")
+    p.add_argument("--profile", action="store_true", help="profile one more step per length: CUDA time by kernel "
+                   "family and the top kernels, in the row")
     args = p.parse_args()
     if args.lengths is None:
         args.lengths = [16384 << i for i in range(8) if 16384 << i <= args.max_len]

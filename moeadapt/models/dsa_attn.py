@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..config import ModelSpec
+from ..ops.custom import traced
 from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
@@ -140,12 +141,21 @@ class DSAAttention(nn.Module):
             if self.kpool and self.cp is not None:
                 raise NotImplementedError(f"DSA layer {self.layer_id} has a KPool indexer (index_kpool), which "
                                           "context parallelism does not cover yet; set parallel.cp: 1")
+            # a full recompute (the block's forward run again in backward, with this forward's `shared`) takes
+            # the selection the forward made: the same indices, without running the indexer again (at 131k
+            # tokens the indexer is 42% of the step). Not under a dispatch mode: selective checkpointing's
+            # recompute replays the saved aten outputs in call order, and the reference indexer's GEMMs are
+            # among them (its Triton kernel is not an op SAC sees, so selective recompute still runs it)
+            kept = shared.get((self.layer_id, chunk)) if shared is not None and not traced() else None
             if self.kpool:
                 gate = self.kpool_gate(x_BTD.detach())
                 gate = flat_rows(gate) if flat else gate
-                with torch.no_grad():
-                    indices = kpool_indexer(q_idx, k_idx, w_idx, gate, self.kpool_ape, self.spec.index_topk,
-                                            self.spec.index_kpool_select_tail, cu, backend=self.backend)
+                if kept is not None:
+                    indices = kept
+                else:
+                    with torch.no_grad():
+                        indices = kpool_indexer(q_idx, k_idx, w_idx, gate, self.kpool_ape, self.spec.index_topk,
+                                                self.spec.index_kpool_select_tail, cu, backend=self.backend)
                 if shared is not None:
                     shared[(self.layer_id, chunk)] = indices
                 o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
@@ -153,8 +163,12 @@ class DSAAttention(nn.Module):
             elif self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
                 o_lat, kl = self._attend_cp(q_full, k_full, q_idx, k_idx, w_idx, want_kl, docs)
             else:
-                with torch.no_grad():
-                    indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, cu, backend=self.backend)
+                if kept is not None:
+                    indices = kept
+                else:
+                    with torch.no_grad():
+                        indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, cu,
+                                                    backend=self.backend)
                 if shared is not None:
                     shared[(self.layer_id, chunk)] = indices
                 o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
