@@ -281,6 +281,23 @@ def test_triton_indexer_many_exact_ties(gen):
 
 
 @triton_only
+@pytest.mark.parametrize("T,topk,spread", [(200, 30, 3), (200, 30, 40), (100, 70, 2)])
+def test_triton_indexer_candidates_over_many_tiles(gen, T, topk, spread):
+    """16-key tiles, so that the row, the candidate buffer (the keys sharing the k-th key's top byte) and the
+    ties span many tiles: small-integer scores (exact in fp32 whatever the summation order; `spread` sets how
+    many distinct values, hence how many candidates and ties) select exactly what brute force selects."""
+    from moeadapt.ops.dsa.triton_indexer import LI_CONFIG, lightning_indexer_triton
+
+    cu = torch.tensor([0, 17, T - 40, T], dtype=torch.int32)
+    q_idx = torch.randint(-2, 3, (1, T, 2, 16), generator=gen).float()
+    k_idx = torch.randint(-spread, spread + 1, (1, T, 16), generator=gen).float()
+    w_idx = torch.randint(-1, 3, (1, T, 2), generator=gen).float()
+    cfg = dict(LI_CONFIG, BLOCK_S=16, BLOCK_R=16)
+    got = lightning_indexer_triton(q_idx.to(DEV), k_idx.to(DEV), w_idx.to(DEV), topk, cu.to(DEV), cfg=cfg)
+    assert torch.equal(got.cpu().long(), brute_indexer(q_idx, k_idx, w_idx, topk, cu))
+
+
+@triton_only
 def test_triton_kl_loss(gen):
     T, HQ, HK, D, HI, DI, topk = 40, 4, 1, 48, 3, 16, 8
     q, k, _, _ = _attn_inputs(gen, 1, T, HQ, HK, D, D, topk, dtype=torch.float32)

@@ -8,14 +8,17 @@ import torch
 
 from moeadapt.ops.dsa import lightning_indexer, sparse_attention
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs on CUDA tensors, or interpreted on CPU ones
+
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_indexer_query_positions_select_like_the_full_indexer(seed, backend):
     B, T, HI, DI, topk = 1, 80, 2, 16, 12
-    q_idx, k_idx, w_idx = torch.randn(B, T, HI, DI), torch.randn(B, T, DI), torch.randn(B, T, HI)
-    cu = torch.tensor([0, 7, 45, 80], dtype=torch.int32)
+    q_idx, k_idx, w_idx = (torch.randn(B, T, HI, DI).to(DEV), torch.randn(B, T, DI).to(DEV),
+                           torch.randn(B, T, HI).to(DEV))
+    cu = torch.tensor([0, 7, 45, 80], dtype=torch.int32, device=DEV)
     full = lightning_indexer(q_idx, k_idx, w_idx, topk, cu, backend="reference")
-    pos = torch.cat([torch.arange(20, 40), torch.arange(60, 80)])  # a balanced cp rank's two pieces
+    pos = torch.cat([torch.arange(20, 40), torch.arange(60, 80)]).to(DEV)  # a balanced cp rank's two pieces
     part = lightning_indexer(q_idx[:, pos], k_idx, w_idx[:, pos], topk, cu, backend=backend, q_positions=pos)
     assert torch.equal(part, full[:, pos])
 
@@ -37,13 +40,16 @@ def test_triton_ops_over_a_longer_key_sequence(seed):
     from moeadapt.ops.dsa import indexer_kl_loss
 
     B, T, HQ, D, DV, HI, DI, topk = 2, 48, 4, 32, 16, 2, 16, 8
-    pos = torch.cat([torch.arange(12, 24), torch.arange(36, 48)])
-    q = torch.randn(B, len(pos), HQ, D, requires_grad=True)
-    kv = torch.randn(B, T, 1, D, requires_grad=True)
-    q_idx, w_idx = torch.randn(B, len(pos), HI, DI, requires_grad=True), torch.randn(B, len(pos), HI)
-    k_idx = torch.randn(B, T, DI, requires_grad=True)
+    pos = torch.cat([torch.arange(12, 24), torch.arange(36, 48)]).to(DEV)
+
+    def leaf(*shape):
+        return torch.randn(*shape).to(DEV).requires_grad_(True)
+
+    q, kv = leaf(B, len(pos), HQ, D), leaf(B, T, 1, D)
+    q_idx, w_idx = leaf(B, len(pos), HI, DI), torch.randn(B, len(pos), HI).to(DEV)
+    k_idx = leaf(B, T, DI)
     idx = lightning_indexer(q_idx.detach(), k_idx.detach(), w_idx, topk, backend="triton", q_positions=pos)
-    do = torch.randn(B, len(pos), HQ, DV)
+    do = torch.randn(B, len(pos), HQ, DV).to(DEV)
     res = {}
     for be in ("reference", "triton"):
         o = sparse_attention(q, kv, kv[..., :DV], idx, backend=be)

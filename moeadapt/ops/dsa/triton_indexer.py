@@ -9,13 +9,15 @@ A persistent grid of P programs; program p handles query rows p, p + P, ...
    head sum stays inside a thread: 5x faster than heads as M on the H200);
    each score becomes an order-preserving uint32 key written to the program's
    scratch row, and a 256-bin histogram of its top byte is kept.
-2. radix select: three more passes over the scratch row (tiles of BLOCK_R keys)
-   refine the histogram a byte at a time among keys sharing the selected prefix,
-   giving the exact k-th largest key u* and how many keys equal to u* are needed.
+2. radix select: one more pass over the scratch row (tiles of BLOCK_R keys) copies
+   the keys sharing the selected top byte to a candidate buffer, with the histogram
+   of their second byte; two passes over the candidates refine the last two bytes,
+   giving the exact k-th largest key u* and how many keys equal to u* are needed
+   (three full passes over the row in all, not five).
 3. write pass: keys > u*, and the first needed keys == u* in index order (lower
    index wins ties), are written in ascending index order, then -1 padding.
 Rows with at most topk visible keys take all of them without scoring.
-Device memory is the [P, T] scratch (P = 4 programs per SM), never [T, T].
+Device memory is the [P, 2, T] scratch (P = 4 programs per SM), never [T, T].
 Query rows may be a subset of the key sequence (context parallelism): row r sits at position QPOS[r].
 """
 
@@ -54,7 +56,7 @@ def _pick_bin(hist, krem, NB: tl.constexpr):
 @triton.jit
 def _indexer_kernel(
     QI, KI, WI, STARTS, QPOS, OUT, SCR,
-    sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr,
+    sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr, s_scr_c,
     TQ, NROWS, HI, TOPK, NPROG,
     DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
@@ -105,15 +107,32 @@ def _indexer_kernel(
             bin_, above = _pick_bin(hist, krem, NB)
             prefix = bin_.to(tl.uint32)
             krem -= above
-            # 2. refine one byte at a time among keys sharing the prefix
-            for step in tl.static_range(3):
-                shift = 16 - 8 * step
+            # 2. one pass over the row: the keys sharing the top byte go to the candidate buffer (their values
+            #    only), with the histogram of their second byte
+            cand = scr + s_scr_c
+            hist = tl.zeros([NB], tl.int32)
+            c = 0
+            for s0 in range(0, n, BLOCK_R):
+                j = s0 + offs_r
+                u = tl.load(scr + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+                match = (j < n) & ((u >> 24) == prefix)
+                m = match.to(tl.int32)
+                tl.store(cand + c + tl.cumsum(m, 0) - m, u.to(tl.int32, bitcast=True), mask=match)
+                hist += tl.histogram(tl.where(match, ((u >> 16) & 255).to(tl.int32), 0), NB)
+                c += tl.sum(m, 0)
+            hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - c, 0)  # the others, counted in bin 0
+            bin_, above = _pick_bin(hist, krem, NB)
+            prefix = (prefix << 8) | bin_.to(tl.uint32)
+            krem -= above
+            # the last two bytes among the c candidates (a part of the row: the keys of one top-byte bin)
+            for step in tl.static_range(2):
+                shift = 8 - 8 * step
                 hist = tl.zeros([NB], tl.int32)
                 nomatch = 0
-                for s0 in range(0, n, BLOCK_R):
+                for s0 in range(0, c, BLOCK_R):
                     j = s0 + offs_r
-                    valid = j < n
-                    u = tl.load(scr + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+                    valid = j < c
+                    u = tl.load(cand + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
                     match = valid & ((u >> (shift + 8)) == prefix)
                     byte = ((u >> shift) & 255).to(tl.int32)
                     hist += tl.histogram(tl.where(match, byte, 0), NB)
@@ -149,13 +168,16 @@ def pad_head_dim(q_idx, k_idx):
 
 
 # Launch configuration (BLOCK_S keys per tile, resident programs per SM), the fastest of the H200 sweep of
-# benchmarks/bench_dsa.py --sweep li (200 TFLOP/s at T = 16384; 1024-key select tiles, 4 warps).
+# benchmarks/bench_dsa.py --sweep li (200 TFLOP/s at T = 16384; 1024-key select tiles, 4 warps). With at most
+# 16 indexer heads (the MMA's N) 64-key tiles are faster (`bench_dsa.py --li --hi 16 64`: 500.7 vs 549.9 ms at
+# T = 131072, 0.95 vs 1.07 ms at 2 x 4096; at 64 heads 706 vs 648 ms).
 LI_CONFIG = {"BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4}
+LI_CONFIG_FEW_HEADS = dict(LI_CONFIG, BLOCK_S=64)
 
 
 def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None, q_positions=None):
     """Triton lightning indexer; same contract as `lightning_indexer_reference`."""
-    cfg = cfg or LI_CONFIG
+    cfg = cfg or (LI_CONFIG_FEW_HEADS if q_idx.shape[2] <= 16 else LI_CONFIG)
     block_s, progs_per_sm = cfg["BLOCK_S"], cfg["progs_per_sm"]
     q_idx, k_idx = pad_head_dim(q_idx, k_idx)
     B, TQ, HI, DI = q_idx.shape
@@ -181,11 +203,11 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=Non
         nprog = 4
     nprog = max(1, min(nprog, B * TQ))
     block_r = cfg.get("BLOCK_R", block_s)
-    scratch = torch.empty(nprog, T, dtype=torch.int32, device=dev)
+    scratch = torch.empty(nprog, 2, T, dtype=torch.int32, device=dev)  # per program: the row's keys, candidates
     _indexer_kernel[(nprog,)](
         q, k, w, starts, qpos, out, scratch,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), out.stride(1), scratch.stride(0),
-        TQ, B * TQ, HI, topk, nprog,
+        scratch.stride(1), TQ, B * TQ, HI, topk, nprog,
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s, BLOCK_R=block_r,
         IEEE=use_ieee(q), num_warps=cfg["num_warps"],
     )
