@@ -208,6 +208,36 @@ def bench_exchange(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def plot_profiles(files: list[str], labels: list[str], path: str) -> None:
+    """Stacked CUDA time by kernel family of the profiled rows (--profile) of each --out file, one bar per file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profs = []
+    for f in files:
+        rows = [json.loads(line) for line in open(f) if line.strip()]
+        profs.append(next(r for r in rows if "profile" in r))
+    fams = sorted({k for r in profs for k in r["profile"]["families_ms"]},
+                  key=lambda k: -max(r["profile"]["families_ms"].get(k, 0) for r in profs))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    bottom = [0.0] * len(profs)
+    for fam in fams[:8] + ["the rest"]:
+        ms = [(r["profile"]["families_ms"].get(fam, 0) if fam != "the rest" else
+               sum(v for k, v in r["profile"]["families_ms"].items() if k not in fams[:8])) / 1e3 for r in profs]
+        ax.bar(labels, ms, bottom=bottom, label=fam)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    for i, r in enumerate(profs):
+        ax.text(i, bottom[i], f"{r['step_s']:.2f} s/step\n{r['tokens_per_s']:,.0f} tok/s", ha="center", va="bottom")
+    ax.set_ylabel("CUDA time per step (s)")
+    ax.set_ylim(0, max(bottom) * 1.2)
+    ax.set_title(f"{profs[0]['preset']} + LoRA r16, {profs[0]['seq_len']:,} tokens, full recompute, one GPU")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto")
@@ -222,7 +252,13 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append JSON rows here")
     p.add_argument("--profile", action="store_true", help="profile one more step per length: CUDA time by kernel "
                    "family and the top kernels, in the row")
+    p.add_argument("--plot", default=None, help="with --plot-from: write the plot of their profiled rows here, exit")
+    p.add_argument("--plot-from", nargs="+", default=None, help="--out files of --profile runs, one bar each")
+    p.add_argument("--labels", nargs="+", default=None, help="bar labels for --plot-from")
     args = p.parse_args()
+    if args.plot:
+        plot_profiles(args.plot_from, args.labels or args.plot_from, args.plot)
+        return
     if args.lengths is None:
         args.lengths = [16384 << i for i in range(8) if 16384 << i <= args.max_len]
     device = _init(args.device)
