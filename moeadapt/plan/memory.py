@@ -639,7 +639,22 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
         phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
+    if plan.recompute == "full":  # the forward's top-k selections stay alive for the recompute (below)
+        sel = kept_selections(spec, plan, t)
+        phases = [(name, k + sel, w, i) for name, k, w, i in phases]
+        return {"layers": sum(kept) + sel, "phases": phases, "logits": logits, "tokens_per_gpu": t}
     return {"layers": sum(kept), "phases": phases, "logits": logits, "tokens_per_gpu": t}
+
+
+def kept_selections(spec: ModelSpec, plan: Plan, t: int) -> float:
+    """Bytes of the DSA top-k selections a full recompute reuses: the model's forward keeps each indexer layer's
+    [t, topk] int32 indices (its `shared` dict, referenced by every block's recompute) until the backward ends.
+    Layers in index_shared_layers reuse another's; under context parallelism the selection is not kept."""
+    if plan.cp > 1:
+        return 0.0
+    types = spec.resolved_layer_types()
+    n = sum(1 for i, k in enumerate(types) if k == "dsa" and i not in spec.index_shared_layers)
+    return float(n * t * min(spec.index_topk, plan.seq_len) * 4)
 
 
 def cp_buffer_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2) -> float:
