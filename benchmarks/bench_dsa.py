@@ -131,7 +131,7 @@ LI_SHAPE_CANDIDATES = [dict(ti.LI_CONFIG)] + [c for c in LI_CANDIDATES if c != t
 
 def li_shapes(log, Ts, HIs, B=1):
     """The indexer's launch variants (LI_SHAPE_CANDIDATES) at each T and indexer head count: ms, TFLOP/s and
-    the fraction of entries equal to the first candidate's (the default) selection."""
+    the fraction of entries equal to the first candidate's (LI_CONFIG) selection."""
     rows = []
     for T in Ts:
         for hi in HIs:
@@ -142,9 +142,9 @@ def li_shapes(log, Ts, HIs, B=1):
             fl = B * 2 * hi * DI * T * (T + 1) / 2
             ref = None
             for n, cfg in enumerate(LI_SHAPE_CANDIDATES):
-                def run(cfg=cfg):
-                    return ti.lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK, cfg=cfg)
-                ms = try_run(f"li {cfg}", lambda: timeit(run, reps=2 if T > 65536 else 3), log)
+                def run(cfg=cfg, xs=(q_idx, k_idx, w_idx)):
+                    return ti.lightning_indexer_triton(*xs, TOPK, cfg=cfg)
+                ms = try_run(f"li {cfg}", lambda run=run, reps=2 if T > 65536 else 3: timeit(run, reps=reps), log)
                 if ms is None:
                     continue
                 got = run()
@@ -189,16 +189,9 @@ def sweep(log, ops, T=16384, H=128):
             log(f"  sweep SFAG #{n}: {ms:.2f} ms {flb / ms / 1e9:.0f} TFLOP/s, max diff vs #0-ok {err:.3g}")
             if "bwd" not in best or ms < best["bwd"][0]:
                 best["bwd"] = (ms, cfg)
-    li_fl = 2 * HI * DI * T * (T + 1) / 2
-    q_idx = torch.randn(1, T, HI, DI, device="cuda", dtype=torch.bfloat16)
-    k_idx = torch.randn(1, T, DI, device="cuda", dtype=torch.bfloat16)
-    w_idx = torch.randn(1, T, HI, device="cuda", dtype=torch.bfloat16)
-    for cfg in LI_CANDIDATES if "li" in ops else []:
-        ms = try_run(f"li {cfg}", lambda cfg=cfg: timeit(lambda: ti.lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK, cfg=cfg)), log)
-        if ms is not None:
-            log(f"  sweep LI {cfg}: {ms:.2f} ms {li_fl / ms / 1e9:.0f} TFLOP/s")
-            if "li" not in best or ms < best["li"][0]:
-                best["li"] = (ms, cfg)
+    for row in li_shapes(log, [T], [HI]) if "li" in ops else []:
+        if "li" not in best or row["ms"] < best["li"][0]:
+            best["li"] = (row["ms"], row["cfg"])
     log(f"fastest: {({k: v[1] for k, v in best.items()})}; defaults fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} "
         f"li {ti.LI_CONFIG}")
     return {k: v[1] for k, v in best.items()}

@@ -146,13 +146,11 @@ class DSAAttention(nn.Module):
             # tokens the indexer is 42% of the step). Not under a dispatch mode: selective checkpointing's
             # recompute replays the saved aten outputs in call order, and the reference indexer's GEMMs are
             # among them (its Triton kernel is not an op SAC sees, so selective recompute still runs it)
-            kept = shared.get((self.layer_id, chunk)) if shared is not None and not traced() else None
+            indices = shared.get((self.layer_id, chunk)) if shared is not None and not traced() else None
             if self.kpool:
                 gate = self.kpool_gate(x_BTD.detach())
                 gate = flat_rows(gate) if flat else gate
-                if kept is not None:
-                    indices = kept
-                else:
+                if indices is None:
                     with torch.no_grad():
                         indices = kpool_indexer(q_idx, k_idx, w_idx, gate, self.kpool_ape, self.spec.index_topk,
                                                 self.spec.index_kpool_select_tail, cu, backend=self.backend)
@@ -163,9 +161,7 @@ class DSAAttention(nn.Module):
             elif self.cp is not None:  # this rank's queries over every rank's keys (ops/dsa/cp.py)
                 o_lat, kl = self._attend_cp(q_full, k_full, q_idx, k_idx, w_idx, want_kl, docs)
             else:
-                if kept is not None:
-                    indices = kept
-                else:
+                if indices is None:
                     with torch.no_grad():
                         indices = lightning_indexer(q_idx, k_idx, w_idx, self.spec.index_topk, cu,
                                                     backend=self.backend)

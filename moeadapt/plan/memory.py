@@ -639,11 +639,10 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
         phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
-    if plan.recompute == "full":  # the forward's top-k selections stay alive for the recompute (below)
-        sel = kept_selections(spec, plan, t)
-        phases = [(name, k + sel, w, i) for name, k, w, i in phases]
-        return {"layers": sum(kept) + sel, "phases": phases, "logits": logits, "tokens_per_gpu": t}
-    return {"layers": sum(kept), "phases": phases, "logits": logits, "tokens_per_gpu": t}
+    # full recompute: the forward's top-k selections stay alive through every phase (kept_selections)
+    sel = kept_selections(spec, plan, t) if plan.recompute == "full" else 0.0
+    phases = [(name, k + sel, w, i) for name, k, w, i in phases]
+    return {"layers": sum(kept) + sel, "phases": phases, "logits": logits, "tokens_per_gpu": t}
 
 
 def kept_selections(spec: ModelSpec, plan: Plan, t: int) -> float:
