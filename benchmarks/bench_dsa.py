@@ -222,18 +222,24 @@ CHECK_BWD = {
     # pass-2 launch shapes around the default (4 warps, 3 stages, 128-head blocks)
     **{f"p2_{n}": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, **o}}, True) for n, o in (
         ("w8", {"num_warps": 8}), ("s2", {"num_stages": 2}), ("s4", {"num_stages": 4}), ("h64", {"BLOCK_H": 64}))},
+    # pass 2 row-major (every channel chunk of a row together) / channel-major (every row of a chunk together;
+    # the default once the fp32 dk is larger than L2), and channel-major with 32-channel chunks
+    "p2_rows": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": False}}, True),
+    "p2_chan": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": True}}, True),
+    "p2_chan_c32": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": True, "BLOCK_C": 32,
+                                                     "BLOCK_C_H64": 32}}, True),
     # 178 KB / 131 KB of shared memory (the defaults need 217 KB / 197 KB under Triton 3.9)
     "pds_k16": ({**tsa.BWD_CONFIG, "PDS_CFG": {**tsa.BWD_CONFIG["PDS_CFG"], "BLOCK_K": 16, "num_stages": 4},
                  "APPLY_CFG": {**_APPLY, "BLOCK_H": 64, "num_warps": 8}}, False),
 }
 
 
-def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False):
+def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False, bwd_names=None):
     """SFA and SFAG launch variants at T (LI indices) in one process, each checked against the first one's
     output; prints a table and the fastest of each."""
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_MORE if fwd_only else {}), GLUON_FWD: None}
-    bwd_cfgs = {} if fwd_only else CHECK_BWD
+    bwd_cfgs = {} if fwd_only else {n: c for n, c in CHECK_BWD.items() if not bwd_names or n in bwd_names}
     torch.manual_seed(0)
     q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
     k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
@@ -412,6 +418,7 @@ def main():
     ap.add_argument("--budget_s", type=float, default=400.0)
     ap.add_argument("--check", action="store_true",
                     help="SFA/SFAG launch variants at the first --T (default 32768), each --H; then exit")
+    ap.add_argument("--bwd", nargs="+", default=None, help="--check: only these backward variants (CHECK_BWD names)")
     ap.add_argument("--fwd-only", action="store_true",
                     help="with --check: only SFA, with more forward launch shapes (CHECK_FWD_MORE)")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
@@ -433,7 +440,7 @@ def main():
     if a.check:
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
-                             fwd_only=a.fwd_only)
+                             fwd_only=a.fwd_only, bwd_names=a.bwd)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")

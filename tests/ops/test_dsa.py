@@ -237,6 +237,25 @@ def test_triton_indexer_ties():
 
 
 @triton_only
+def test_triton_indexer_scale_jumps_between_rows(gen):
+    """The select's first histogram is a window around the previous row's k-th key: rows whose scores jump by
+    up to 1e12 either way, rows of only negative (and zero) scores, and ties at zero must still select exactly
+    what brute force selects (the k-th key then falls outside the window, into an end bin)."""
+    from moeadapt.ops.dsa.triton_indexer import LI_CONFIG, lightning_indexer_triton
+
+    T, topk = 96, 12
+    q_idx = torch.randint(-2, 3, (1, T, 2, 16), generator=gen).float()
+    k_idx = torch.randint(-3, 4, (1, T, 16), generator=gen).float()
+    w_idx = torch.randint(1, 3, (1, T, 2), generator=gen).float()
+    scale = 2.0 ** torch.randint(-40, 41, (1, T, 1), generator=gen).float()  # powers of two: scores stay exact
+    sign = torch.where(torch.rand(1, T, 1, generator=gen) < 0.3, -1.0, 1.0)  # some rows: every score <= 0
+    w_idx = w_idx * scale * sign
+    cfg = dict(LI_CONFIG, BLOCK_S=16, BLOCK_R=16)
+    got = lightning_indexer_triton(q_idx.to(DEV), k_idx.to(DEV), w_idx.to(DEV), topk, cfg=cfg)
+    assert torch.equal(got.cpu().long(), brute_indexer(q_idx, k_idx, w_idx, topk))
+
+
+@triton_only
 @pytest.mark.parametrize("HQ,HK,per_head", [(4, 1, False), (4, 2, True)])
 def test_triton_sparse_attention(gen, HQ, HK, per_head):
     T, D, DV, topk = 40, 48, 32, 8
@@ -353,8 +372,10 @@ _BWD_VARIANTS = {
             "PDS_CFG": {**_BWD_SUB, "IDX_AHEAD": True}, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16}},
     # every key block (no SKIP): pass 1 writes every slot
     "pds_c32": {"PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 32, "IDX_AHEAD": True}},
-    # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked)
-    "pds_hmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16}},
+    # different head blocks in the two passes (G = 20: 2 x 16 heads, then 1 x 32 with 12 masked); pass 2 one
+    # channel chunk after the other (the order taken when dk does not fit the L2 cache)
+    "pds_hmix": {"SKIP": True, "PDS_CFG": _BWD_SUB,
+                 "APPLY_CFG": {**_BWD_SUB, "BLOCK_H": 32, "BLOCK_C": 16, "CHANNEL_MAJOR": True}},
     # pass 2's key block larger than pass 1's: with SKIP, pass 1 leaves slots past its last block unwritten;
     # pass 2 must bound its loads by pass 1's extent (the buffer is NaN-poisoned here, so a read beyond fails)
     "pds_kmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},

@@ -312,19 +312,25 @@ def _sfa_bwd_from_pds_kernel(
     BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
-    EXTENT_BK: tl.constexpr,
+    EXTENT_BK: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):
     """Backward pass 2 of the P/dS path: per (query, head block, chunk of BLOCK_C channels)
     dq[:, c] = dS K_sel[:, c] (accumulator [BLOCK_H, BLOCK_C]) and dk[sel, c] += dS^T q[:, c],
     dv[sel, c] += P^T dO[:, c] (one fp32 atomic per element when v = k[..., :DV]).
     Reads P and dS from pass 1; nothing is recomputed, every operand tile is small.
     Grid (HK * NHB * NC, rows): the channel chunks of one query run next to each other, so
-    its P / dS tiles are read from L2 after the first chunk."""
-    local = tl.program_id(1).to(tl.int64)
+    its P / dS tiles are read from L2 after the first chunk. CHANNEL_MAJOR, grid (rows, HK * NHB * NC):
+    every row of one channel chunk runs before the next chunk, so the atomics hit one chunk's slice of
+    dk (keys x BLOCK_C fp32) instead of all of it; each chunk then reads the P / dS tiles again."""
+    if CHANNEL_MAJOR:
+        local = tl.program_id(0).to(tl.int64)
+        pid1 = tl.program_id(1)
+    else:
+        local = tl.program_id(1).to(tl.int64)
+        pid1 = tl.program_id(0)
     if REVERSE:
         local = NROWS - 1 - local
     row = ROW0 + local
-    pid1 = tl.program_id(0)
     c = pid1 % NC
     g = pid1 // (NC * NHB)
     h0 = ((pid1 // NC) % NHB) * BLOCK_H
@@ -392,7 +398,8 @@ FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SK
 BWD_CONFIG = {
     "SKIP": True, "REVERSE": True, "PDS_BYTES": 2**30,
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_K_H32": 64, "num_warps": 4, "num_stages": 2},
-    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 4, "num_stages": 3},
+    "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 4, "num_stages": 3,
+                  "CHANNEL_MAJOR": "auto"},
 }
 _POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
 MAX_SKIP_TOPK = 8192  # SKIP reads the index row into registers: cap its length
@@ -528,6 +535,24 @@ def _with_fallback(run, c, fallback, name):
         return run(fallback)
 
 
+def _channel_major(mode, dk, vk, nc, HQ, HK, D, DV) -> bool:
+    """Pass 2's order: True / False as given, or "auto": channel-major when the DRAM traffic it saves is larger
+    than what it adds. Per (row, selected slot): row-major's atomics miss L2 once the fp32 dk (+ dv) buffer is
+    larger than the cache (HK x (D [+ DV]) x 4 bytes read and written, missing in proportion 1 - L2 / buffer);
+    channel-major reads the P / dS tiles nc - 1 more times (HQ x 2 x 2 bytes each). It matches the H200's
+    bench_dsa --check: channel-major at T = 131072 / 16 heads (1.56x) and 32768 / 16 (1.09x), row-major at
+    32768 / 64 and 128 heads (channel-major 0.97x / 0.98x)."""
+    if mode != "auto":
+        return bool(mode)
+    if not dk.is_cuda:
+        return False
+    buf = dk.numel() * 4 * (1 if vk else 2)
+    miss = max(0.0, 1.0 - torch.cuda.get_device_properties(dk.device).L2_cache_size / buf)
+    saved = HK * (D if vk else D + DV) * 4 * 2 * miss
+    added = (nc - 1) * HQ * 2 * 2
+    return saved > added
+
+
 def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg, gluon):
     """P/dS backward: pass 1 stores P and dS for a chunk of rows (at most PDS_BYTES),
     pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics)."""
@@ -570,8 +595,9 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         # 64-head blocks: 64-channel chunks (576 = 9 x 64, no half-empty last chunk); 128 at 128-head blocks
         bc = c.get("BLOCK_C_H64", c["BLOCK_C"]) if bh <= 64 else c["BLOCK_C"]
         nc = triton.cdiv(max(D, DV), bc)
+        cm = _channel_major(c.get("CHANNEL_MAJOR", "auto"), dk, vk, nc, HQ, HK, D, DV)
         _launch(
-            _sfa_bwd_from_pds_kernel, (HK * nhb * nc, n),
+            _sfa_bwd_from_pds_kernel, (n, HK * nhb * nc) if cm else (HK * nhb * nc, n),
             q, k, idx, do, pds[0], pds[1], dq, dk, dv,
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), pds.stride(1), pds.stride(2),
@@ -580,6 +606,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
             BLOCK_C=bc, BLOCK_H=bh, BLOCK_K=c["BLOCK_K"], V_FROM_K=vk, IEEE=use_ieee(q), I64=i64,
             IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
             EXTENT_BK=bk1[0] if walk["SKIP"] else 1,  # P/dS loads masked by pass 1's written extent
+            CHANNEL_MAJOR=cm,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
 
