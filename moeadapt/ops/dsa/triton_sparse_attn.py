@@ -23,7 +23,10 @@ P from lse and dS = P (dO V^T - delta) * scale and stores both in q's dtype ([ro
 PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`) runs per (query, head block,
 128-channel chunk; 64 at 64-head blocks): dq[:, c] = dS K_sel[:, c] and dk[sel, c] += dS^T q[:, c]
 (+ P^T dO[:, c] for dv), fp32 atomics for dk/dv; it reads the P/dS slots pass 1 wrote (a scalar bound per
-row). No product is computed twice and every accumulator is small ([BLOCK_H, 128] fp32). dq is
+row). Pass 2 runs row-major (the channel chunks of a row together: its P/dS tiles come from L2) or, once dk
+outgrows L2 at long T, channel-major (all rows of one chunk, then the next: the atomics hit one chunk's
+slice of dk); `_channel_major` weighs the two. No product is computed twice and every accumulator is small
+([BLOCK_H, 128] fp32). dq is
 deterministic; dk/dv (atomics) are not (summation order). When v is the leading DV = D1 channels of k
 (MLA's shared latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's buffer; dv
 is then returned as None, which leaves the shared base's gradient unchanged.
