@@ -223,7 +223,7 @@ CHECK_BWD = {
     **{f"p2_{n}": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, **o}}, True) for n, o in (
         ("w8", {"num_warps": 8}), ("s2", {"num_stages": 2}), ("s4", {"num_stages": 4}), ("h64", {"BLOCK_H": 64}))},
     # pass 2 row-major (every channel chunk of a row together) / channel-major (every row of a chunk together;
-    # the default once the fp32 dk is larger than L2), and channel-major with 32-channel chunks
+    # what "auto" picks when it moves fewer DRAM bytes: tsa._channel_major), and channel-major with 32-channel chunks
     "p2_rows": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": False}}, True),
     "p2_chan": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": True}}, True),
     "p2_chan_c32": ({**tsa.BWD_CONFIG, "APPLY_CFG": {**_APPLY, "CHANNEL_MAJOR": True, "BLOCK_C": 32,

@@ -26,8 +26,7 @@ PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`) runs
 row). Pass 2 runs row-major (the channel chunks of a row together: its P/dS tiles come from L2) or, once dk
 outgrows L2 at long T, channel-major (all rows of one chunk, then the next: the atomics hit one chunk's
 slice of dk); `_channel_major` weighs the two. No product is computed twice and every accumulator is small
-([BLOCK_H, 128] fp32). dq is
-deterministic; dk/dv (atomics) are not (summation order). When v is the leading DV = D1 channels of k
+([BLOCK_H, 128] fp32). dq is deterministic; dk/dv (atomics) are not (summation order). When v is the leading DV = D1 channels of k
 (MLA's shared latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's buffer; dv
 is then returned as None, which leaves the shared base's gradient unchanged.
 
