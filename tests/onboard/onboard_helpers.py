@@ -307,3 +307,43 @@ def random_adapters(model, lora, generator: torch.Generator | None = None, scale
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.copy_(torch.randn(p.shape, generator=generator) * (1.0 if scale is None else scale))
+
+
+def routing_margin(model, ids: torch.Tensor) -> float:
+    """The smallest gap, over every token and MoE layer of `model` run on `ids`, between the k-th and the
+    (k+1)-th expert's selection score: two implementations that agree to rounding pick the same experts only
+    where this gap is above their rounding difference."""
+    from moeadapt.models.router import Router
+
+    gaps, hooks = [], []
+
+    def capture(router, args, _out):
+        x = args[0].detach().double()
+        logits = x @ router.weight.detach().double().t()
+        scores = logits.sigmoid() if router.spec.score_func == "sigmoid" else logits.softmax(-1)
+        top = router._select_scores(scores).sort(-1, descending=True).values
+        K = router.top_k
+        if K < top.shape[-1]:
+            gaps.append((top[:, K - 1] - top[:, K]).min().item())
+
+    for m in model.modules():
+        if isinstance(m, Router):
+            hooks.append(m.register_forward_hook(capture))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return min(gaps, default=float("inf"))
+
+
+def decisive_ids(model, shape, vocab: int, generator: torch.Generator, margin: float = 1e-4) -> torch.Tensor:
+    """Random token ids on which every routing decision of `model` is clear by `margin` (redrawn otherwise), so
+    that a comparison against another implementation, or a merged checkpoint's float32 rounding, cannot flip an
+    expert on a near-tie and fail a correct model."""
+    for _ in range(100):
+        ids = torch.randint(0, vocab, shape, generator=generator)
+        if routing_margin(model, ids) > margin:
+            return ids
+    raise AssertionError(f"no draw of {shape} token ids routes every token clear of a tie by {margin}")

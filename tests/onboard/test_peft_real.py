@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from onboard_helpers import (
+    decisive_ids,
     fresh_seed,
     fused_copy,
     hf_model,
@@ -102,11 +103,11 @@ def test_random_adapter_loads_in_peft_with_our_logits(model_type, tmp_path):
     ckpt = random_checkpoint(model_type, tmp_path / "ckpt", seed)
     ours, _ = onboard_model(ckpt, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, 16), generator=g)
-    with torch.no_grad():
-        base = ours.eval()(ids).logits.float()
     lora = LoRASpec(rank=2, alpha=4.0, targets=present_targets(ours, TARGETS[model_type]))
     random_adapters(ours, lora, g, 0.1)
+    ids = decisive_ids(ours.eval(), (2, 16), 64, g)  # no near-tie for float32 rounding to flip an expert on
+    with torch.no_grad():
+        base = onboard_model(ckpt, dtype=torch.float32)[0].eval()(ids).logits.float()
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
         out = export_peft(ours, lora, tmp_path / "adapter", **peft_maps(ckpt))
@@ -216,7 +217,9 @@ def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
         assert set(a.keys()) == set(b.keys())  # the checkpoint's own names, nothing more or less
         assert all(a.get_slice(k).get_shape() == b.get_slice(k).get_shape() for k in a.keys())
     assert json.loads((out / "config.json").read_text()) == json.loads((ckpt / "config.json").read_text())
-    ids = torch.randint(0, 64, (2, 20), generator=g)
+    # a token whose k-th and (k+1)-th experts score within the merge's float32 rounding would route differently
+    # in the two models: ids drawn clear of such ties
+    ids = decisive_ids(ours.double().eval(), (2, 20), 64, g)
     # float64 on both sides (transformers' Gated DeltaNet still runs in float32 inside: ~1e-5 there; in float32
     # throughout, rounding reaches ~8e-5 on some qwen3_5_moe seeds); a wrong name, row or part is far above 1e-4.
     # A vision tower comes through the merge unchanged: the multimodal model loads it
@@ -227,3 +230,23 @@ def test_merge_adapter_hf_format_loads_in_transformers(model_type, tmp_path):
     diff = (got - ref).abs().max().item()
     print(f"transformers on the merged checkpoint vs ours + adapter: {diff:.2e} (max |logit| {ref.abs().max():.1f})")
     assert diff <= 1e-4
+
+
+def test_decisive_ids_refuses_a_model_whose_routing_is_all_ties(tmp_path):
+    """The ids helper the merge test relies on measures the routing margin it promises: with every expert's
+    router row equal (all scores tied) no draw is clear, and it says so instead of returning ids."""
+    from onboard_helpers import routing_margin
+
+    from moeadapt.models.router import Router
+
+    ckpt = random_checkpoint("qwen3_moe", tmp_path / "ckpt", fresh_seed())
+    ours, _ = onboard_model(ckpt, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    assert routing_margin(ours.double(), decisive_ids(ours.double(), (2, 8), 64, g)) > 1e-4
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, Router):
+                m.weight.copy_(m.weight[:1].expand_as(m.weight))
+                m.expert_bias.zero_()
+    with pytest.raises(AssertionError, match="clear of a tie"):
+        decisive_ids(ours.double(), (2, 8), 64, g)
