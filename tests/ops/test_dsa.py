@@ -300,18 +300,23 @@ def test_triton_indexer_many_exact_ties(gen):
 
 
 @triton_only
-@pytest.mark.parametrize("T,topk,spread", [(200, 30, 3), (200, 30, 40), (100, 70, 2)])
-def test_triton_indexer_candidates_over_many_tiles(gen, T, topk, spread):
+@pytest.mark.parametrize("T,topk,spread,block_q,predict", [(200, 30, 3, 1, False), (200, 30, 40, 4, False),
+                                                           (100, 70, 2, 2, False), (200, 30, 3, 4, True),
+                                                           (200, 30, 40, 1, True)])
+def test_triton_indexer_candidates_over_many_tiles(gen, T, topk, spread, block_q, predict):
     """16-key tiles, so that the row, the candidate buffer (the keys sharing the k-th key's top byte) and the
     ties span many tiles: small-integer scores (exact in fp32 whatever the summation order; `spread` sets how
-    many distinct values, hence how many candidates and ties) select exactly what brute force selects."""
+    many distinct values, hence how many candidates and ties) select exactly what brute force selects. Blocks
+    of `block_q` query rows share each key tile; the documents' boundaries fall inside blocks. With `predict`,
+    the rows' thresholds (from the previous row) leave too few, enough or (CAP = 48) too many candidates
+    (the candidate select and the full-row fallback both run)."""
     from moeadapt.ops.dsa.triton_indexer import LI_CONFIG, lightning_indexer_triton
 
     cu = torch.tensor([0, 17, T - 40, T], dtype=torch.int32)
     q_idx = torch.randint(-2, 3, (1, T, 2, 16), generator=gen).float()
     k_idx = torch.randint(-spread, spread + 1, (1, T, 16), generator=gen).float()
     w_idx = torch.randint(-1, 3, (1, T, 2), generator=gen).float()
-    cfg = dict(LI_CONFIG, BLOCK_S=16, BLOCK_R=16)
+    cfg = dict(LI_CONFIG, BLOCK_S=16, BLOCK_R=16, BLOCK_Q=block_q, PREDICT=predict, CAP=48)
     got = lightning_indexer_triton(q_idx.to(DEV), k_idx.to(DEV), w_idx.to(DEV), topk, cu.to(DEV), cfg=cfg)
     assert torch.equal(got.cpu().long(), brute_indexer(q_idx, k_idx, w_idx, topk, cu))
 

@@ -2,22 +2,23 @@
 
 Owns the indexer kernel; the math is `reference.lightning_indexer_reference`.
 
-A persistent grid of P programs; program p handles query rows p, p + P, ...
-(interleaved, so the causal work is balanced). For one query row:
-1. score pass: tiles of BLOCK_S keys, s = ReLU(k_idx @ q_idx[HI, DI]^T) weighted
-   and summed over heads (keys are the MMA's M dimension and heads its N, so the
-   head sum stays inside a thread: 5x faster than heads as M on the H200);
-   each score becomes an order-preserving uint32 key written to the program's
-   scratch row, and a 256-bin histogram of its top byte is kept.
-2. radix select: one more pass over the scratch row (tiles of BLOCK_R keys) copies
-   the keys sharing the selected top byte to a candidate buffer, with the histogram
-   of their second byte; two passes over the candidates refine the last two bytes,
-   giving the exact k-th largest key u* and how many keys equal to u* are needed
-   (three full passes over the row in all, not five).
-3. write pass: keys > u*, and the first needed keys == u* in index order (lower
-   index wins ties), are written in ascending index order, then -1 padding.
+A persistent grid of P programs; program p handles blocks of BLOCK_Q consecutive query rows p, p + P, ...
+(interleaved, so the causal work is balanced). For one block:
+1. score pass: tiles of BLOCK_S keys serve all the block's rows, s = ReLU(k_idx @ q_idx[rows x HI, DI]^T)
+   weighted and summed over heads (keys are the MMA's M dimension and (row, head) its N, so the head sum stays
+   inside a thread: 5x faster than heads as M on the H200); each score becomes an order-preserving uint32 key
+   written to the row's scratch. With PREDICT, the keys at or above the row's threshold (its slot's previous
+   k-th key lowered by an adaptive delta) are also appended, with their positions, to the row's candidate
+   buffer; without it, a 256-bin histogram of each row's top byte is kept.
+2. select, row by row. PREDICT and at least topk (at most CAP) candidates: the k-th key is among them, so four
+   byte-wise radix passes over the candidates find it and the write pass runs over them. Otherwise the full
+   row: (the top-byte histogram,) one pass copying the keys sharing the selected top byte to a candidate buffer
+   with the histogram of their second byte, two passes over those for the last two bytes, giving the exact k-th
+   largest key u* and how many keys equal to u* are needed.
+3. write pass: keys > u*, and the first needed keys == u* in index order (lower index wins ties), are written
+   in ascending index order, then -1 padding.
 Rows with at most topk visible keys take all of them without scoring.
-Device memory is the [P, 2, T] scratch (P = 4 programs per SM), never [T, T].
+Device memory is the [P, BLOCK_Q + 1, T] scratch and the [P, BLOCK_Q, 2, CAP] candidates, never [T, T].
 Query rows may be a subset of the key sequence (context parallelism): row r sits at position QPOS[r].
 """
 
@@ -54,108 +55,200 @@ def _pick_bin(hist, krem, NB: tl.constexpr):
 
 
 @triton.jit
+def _refine(buf, c, prefix, krem, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One radix step over the keys buf[0:c]: among those whose bytes above SHIFT equal `prefix` (all of them
+    when FIRST), the histogram of byte SHIFT picks the k-th key's byte; returns (prefix with it, keys still
+    needed)."""
+    NB: tl.constexpr = 256
+    offs = tl.arange(0, BLOCK_R)
+    bins = tl.arange(0, NB)
+    hist = tl.zeros([NB], tl.int32)
+    nomatch = 0
+    for s0 in range(0, c, BLOCK_R):
+        j = s0 + offs
+        valid = j < c
+        u = tl.load(buf + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        if FIRST:
+            match = valid
+        else:
+            match = valid & ((u >> (SHIFT + 8)) == prefix)
+        hist += tl.histogram(tl.where(match, ((u >> SHIFT) & 255).to(tl.int32), 0), NB)
+        nomatch += tl.sum((~match).to(tl.int32), 0)
+    hist -= tl.where(bins == 0, nomatch, 0)  # the others were counted in bin 0
+    bin_, above = _pick_bin(hist, krem, NB)
+    return (prefix << 8) | bin_.to(tl.uint32), krem - above
+
+
+@triton.jit
+def _write_selected(keys, idx, n, kth, krem, out, start, HAS_IDX: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Write the positions of keys[0:n] > kth, then of the first krem keys == kth, in ascending order (the
+    position of keys[j] is start + idx[j], or start + j without idx)."""
+    offs = tl.arange(0, BLOCK_R)
+    written = 0
+    ties = 0
+    for s0 in range(0, n, BLOCK_R):
+        j = s0 + offs
+        valid = j < n
+        u = tl.load(keys + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
+        gt = valid & (u > kth)
+        eq = (valid & (u == kth)).to(tl.int32)
+        tie_rank = ties + tl.cumsum(eq, 0) - eq
+        take = (gt | ((eq > 0) & (tie_rank < krem))).to(tl.int32)
+        pos = written + tl.cumsum(take, 0) - take
+        if HAS_IDX:
+            src = tl.load(idx + j, mask=valid, other=0)
+        else:
+            src = j
+        tl.store(out + pos, start + src, mask=take > 0)
+        written += tl.sum(take, 0)
+        ties += tl.sum(eq, 0)
+
+
+@triton.jit
 def _indexer_kernel(
-    QI, KI, WI, STARTS, QPOS, OUT, SCR,
-    sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr, s_scr_c,
-    TQ, NROWS, HI, TOPK, NPROG,
-    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr,
+    QI, KI, WI, STARTS, QPOS, OUT, SCR, CAND,
+    sq_r, sq_h, sk_b, sk_t, sw_r, so_r, s_scr, s_scr_c, s_cand, s_cand_r, s_cand_c,
+    TQ, NBLK_B, HI, TOPK, NPROG, CAP,
+    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, PREDICT: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NB: tl.constexpr = 256
+    QH: tl.constexpr = BLOCK_Q * BLOCK_HI
     offs_s = tl.arange(0, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_h = tl.arange(0, BLOCK_HI)
+    offs_i = tl.arange(0, BLOCK_Q)
+    offs_qh = tl.arange(0, QH)  # (row of the block, head) pairs: the MMA's N
     offs_d = tl.arange(0, DI)
     bins = tl.arange(0, NB)
+    qrow = offs_qh // BLOCK_HI
+    head = offs_qh % BLOCK_HI
     scr = SCR + pid.to(tl.int64) * s_scr
-    for r in range(pid, NROWS, NPROG):
-        r64 = tl.cast(r, tl.int64)
-        b = r64 // TQ
-        t = tl.load(QPOS + r64 % TQ)  # the query's position among the keys
-        start = tl.load(STARTS + t)
-        n = t - start + 1
-        out = OUT + r64 * so_r
-        if n <= TOPK:
-            for j0 in range(0, TOPK, BLOCK_R):
-                j = j0 + offs_r
-                tl.store(out + j, tl.where(j < n, start + j, -1), mask=j < TOPK)
-        else:
-            q = tl.load(QI + r64 * sq_r + offs_h[:, None] * sq_h + offs_d[None, :],
-                        mask=offs_h[:, None] < HI, other=0.0)
-            w = tl.load(WI + r64 * sw_r + offs_h, mask=offs_h < HI, other=0.0).to(tl.float32)
-            kbase = KI + b * sk_b
-            # 1. scores -> sortable keys in scratch, histogram of the top byte
-            hist = tl.zeros([NB], tl.int32)
-            for s0 in range(0, n, BLOCK_S):
+    comp = scr + BLOCK_Q * s_scr_c  # the full-row select's candidate buffer
+    cand = CAND + pid.to(tl.int64) * s_cand
+    # PREDICT: each row slot's threshold (a sortable key: the slot's previous k-th key lowered by delta) and
+    # delta, which widens when a row's k-th key fell below the threshold and narrows when too many keys passed
+    thr_i = tl.zeros([BLOCK_Q], tl.uint32)
+    delta_i = tl.full([BLOCK_Q], 1 << 20, tl.int64)
+    for blk in range(pid, NBLK_B * tl.cdiv(TQ, BLOCK_Q), NPROG):
+        b = blk // tl.cdiv(TQ, BLOCK_Q)
+        tq0 = (blk % tl.cdiv(TQ, BLOCK_Q)) * BLOCK_Q
+        # the block's rows: their positions, document starts and visible key counts (0: past the end)
+        tq_i = tq0 + offs_i
+        live_i = tq_i < TQ
+        t_i = tl.load(QPOS + tq_i, mask=live_i, other=0)
+        start_i = tl.load(STARTS + t_i, mask=live_i, other=0)
+        n_i = tl.where(live_i, t_i - start_i + 1, 0)
+        lo = tl.min(tl.where(live_i, start_i, 2147483647), 0)
+        hi = tl.max(tl.where(live_i, t_i + 1, 0), 0)
+        scored = tl.max(n_i, 0) > TOPK  # some row needs the scores; shorter rows take all their keys
+        r0 = b.to(tl.int64) * TQ + tq0
+        hist2 = tl.zeros([BLOCK_Q, NB], tl.int32)
+        c_i = tl.zeros([BLOCK_Q], tl.int32)  # PREDICT: keys at or above each row's threshold
+        if scored:
+            live_qh = (tq0 + qrow) < TQ
+            q = tl.load(QI + (r0 + qrow)[:, None] * sq_r + head[:, None] * sq_h + offs_d[None, :],
+                        mask=(live_qh & (head < HI))[:, None], other=0.0)
+            w = tl.load(WI + (r0 + qrow) * sw_r + head, mask=live_qh & (head < HI), other=0.0).to(tl.float32)
+            kbase = KI + b.to(tl.int64) * sk_b
+            # 1. one key tile serves the block's rows: scores -> sortable keys in each row's scratch (at key
+            #    position - lo); PREDICT: the keys at or above the row's threshold (and their positions) are
+            #    also appended to its candidate buffer; else each row's histogram of the top byte is kept (row i
+            #    in bins [256 i, 256 i + 256))
+            hist = tl.zeros([BLOCK_Q * NB], tl.int32)
+            for s0 in range(lo, hi, BLOCK_S):
                 j = s0 + offs_s
-                valid = j < n
-                kt = tl.load(kbase + (start + j).to(tl.int64)[:, None] * sk_t + offs_d[None, :],
-                             mask=valid[:, None], other=0.0)
-                # keys are the MMA's M dimension, heads its N: the head sum stays in-thread
+                kt = tl.load(kbase + j.to(tl.int64)[:, None] * sk_t + offs_d[None, :],
+                             mask=(j < hi)[:, None], other=0.0)
+                # keys are the MMA's M dimension, (row, head) its N: the head sum stays in-thread
                 if IEEE:
                     sc = tl.dot(kt.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
                 else:
                     sc = tl.dot(kt, tl.trans(q))
-                score = tl.sum(tl.maximum(sc, 0.0) * w[None, :], 1)
+                sc = tl.maximum(sc, 0.0) * w[None, :]
+                score = tl.sum(tl.reshape(sc, [BLOCK_S, BLOCK_Q, BLOCK_HI]), 2)  # [keys, rows]
                 u = _sortable(score)
-                tl.store(scr + j, u.to(tl.int32, bitcast=True), mask=valid)
-                hist += tl.histogram(tl.where(valid, u >> 24, 0).to(tl.int32), NB)
-            pad = ((n + BLOCK_S - 1) // BLOCK_S) * BLOCK_S - n  # masked lanes counted in bin 0
-            hist -= tl.where(bins == 0, pad, 0)
-            krem = TOPK
-            bin_, above = _pick_bin(hist, krem, NB)
-            prefix = bin_.to(tl.uint32)
-            krem -= above
-            # 2. one pass over the row: the keys sharing the top byte go to the candidate buffer (their values
-            #    only), with the histogram of their second byte
-            cand = scr + s_scr_c
-            hist = tl.zeros([NB], tl.int32)
-            c = 0
-            for s0 in range(0, n, BLOCK_R):
-                j = s0 + offs_r
-                u = tl.load(scr + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
-                match = (j < n) & ((u >> 24) == prefix)
-                m = match.to(tl.int32)
-                tl.store(cand + c + tl.cumsum(m, 0) - m, u.to(tl.int32, bitcast=True), mask=match)
-                hist += tl.histogram(tl.where(match, ((u >> 16) & 255).to(tl.int32), 0), NB)
-                c += tl.sum(m, 0)
-            hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - c, 0)  # the others, counted in bin 0
-            bin_, above = _pick_bin(hist, krem, NB)
-            prefix = (prefix << 8) | bin_.to(tl.uint32)
-            krem -= above
-            # the last two bytes among the c candidates (a part of the row: the keys of one top-byte bin)
-            for step in tl.static_range(2):
-                shift = 8 - 8 * step
-                hist = tl.zeros([NB], tl.int32)
-                nomatch = 0
-                for s0 in range(0, c, BLOCK_R):
-                    j = s0 + offs_r
-                    valid = j < c
-                    u = tl.load(cand + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
-                    match = valid & ((u >> (shift + 8)) == prefix)
-                    byte = ((u >> shift) & 255).to(tl.int32)
-                    hist += tl.histogram(tl.where(match, byte, 0), NB)
-                    nomatch += tl.sum((~match).to(tl.int32), 0)
-                hist -= tl.where(bins == 0, nomatch, 0)
-                bin_, above = _pick_bin(hist, krem, NB)
-                prefix = (prefix << 8) | bin_.to(tl.uint32)
-                krem -= above
-            # 3. write keys > u*, then the first krem keys == u*, ascending
-            written = 0
-            ties = 0
-            for s0 in range(0, n, BLOCK_R):
-                j = s0 + offs_r
-                valid = j < n
-                u = tl.load(scr + j, mask=valid, other=0).to(tl.uint32, bitcast=True)
-                gt = valid & (u > prefix)
-                eq = (valid & (u == prefix)).to(tl.int32)
-                tie_rank = ties + tl.cumsum(eq, 0) - eq
-                take = (gt | ((eq > 0) & (tie_rank < krem))).to(tl.int32)
-                pos = written + tl.cumsum(take, 0) - take
-                tl.store(out + pos, start + j, mask=take > 0)
-                written += tl.sum(take, 0)
-                ties += tl.sum(eq, 0)
+                valid = (j[:, None] >= start_i[None, :]) & (j[:, None] < (start_i + n_i)[None, :])
+                tl.store(scr + offs_i[None, :] * s_scr_c + (j - lo)[:, None], u.to(tl.int32, bitcast=True),
+                         mask=valid)
+                if PREDICT:
+                    m = valid & (u >= thr_i[None, :])
+                    mi = m.to(tl.int32)
+                    pos = c_i[None, :] + tl.cumsum(mi, 0) - mi
+                    ok = m & (pos < CAP)
+                    ptr = cand + offs_i[None, :] * s_cand_r + pos
+                    tl.store(ptr, u.to(tl.int32, bitcast=True), mask=ok)
+                    tl.store(ptr + s_cand_c, j[:, None] - start_i[None, :], mask=ok)
+                    c_i += tl.sum(mi, 0)
+                else:
+                    byte = tl.where(valid, (u >> 24).to(tl.int32), 0) + offs_i[None, :] * NB
+                    hist += tl.histogram(tl.reshape(byte, [BLOCK_S * BLOCK_Q]), BLOCK_Q * NB)
+            # masked lanes were counted in each row's bin 0
+            pad = tl.cdiv(hi - lo, BLOCK_S) * BLOCK_S - n_i
+            hist2 = tl.reshape(hist, [BLOCK_Q, NB]) - tl.where((bins == 0)[None, :], pad[:, None], 0)
+        for i in range(BLOCK_Q):
+            sel_i = offs_i == i
+            n = tl.sum(tl.where(sel_i, n_i, 0), 0)
+            start = tl.sum(tl.where(sel_i, start_i, 0), 0)
+            c = tl.sum(tl.where(sel_i, c_i, 0), 0)
+            out = OUT + (r0 + i) * so_r
+            if n <= TOPK:
+                lim = tl.where(tq0 + i < TQ, TOPK, 0)  # a row past the end of the queries writes nothing
+                for j0 in range(0, TOPK, BLOCK_R):
+                    j = j0 + offs_r
+                    tl.store(out + j, tl.where(j < n, start + j, -1), mask=j < lim)
+            else:
+                row = scr + i * s_scr_c + (start - lo)
+                if (c >= TOPK) & (c <= CAP):  # never without PREDICT (c = 0)
+                    # the k-th key is at or above the threshold: the select and the write see the c
+                    # candidates only (in ascending position order), not the row
+                    ck = cand + i * s_cand_r
+                    kth, krem = _refine(ck, c, tl.zeros([], tl.uint32), TOPK, 24, True, BLOCK_R)
+                    kth, krem = _refine(ck, c, kth, krem, 16, False, BLOCK_R)
+                    kth, krem = _refine(ck, c, kth, krem, 8, False, BLOCK_R)
+                    kth, krem = _refine(ck, c, kth, krem, 0, False, BLOCK_R)
+                    _write_selected(ck, ck + s_cand_c, c, kth, krem, out, start, True, BLOCK_R)
+                else:
+                    if PREDICT:  # the row's top-byte histogram, which the score pass did not keep
+                        hist = tl.zeros([NB], tl.int32)
+                        for s0 in range(0, n, BLOCK_R):
+                            j = s0 + offs_r
+                            u = tl.load(row + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+                            hist += tl.histogram((u >> 24).to(tl.int32), NB)
+                        hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - n, 0)
+                    else:
+                        hist = tl.sum(tl.where(sel_i[:, None], hist2, 0), 0)
+                    bin_, above = _pick_bin(hist, TOPK, NB)
+                    kth = bin_.to(tl.uint32)
+                    krem = TOPK - above
+                    # 2. one pass over the row: the keys sharing the top byte go to the candidate buffer (their
+                    #    values only), with the histogram of their second byte
+                    hist = tl.zeros([NB], tl.int32)
+                    nc = 0
+                    for s0 in range(0, n, BLOCK_R):
+                        j = s0 + offs_r
+                        u = tl.load(row + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
+                        match = (j < n) & ((u >> 24) == kth)
+                        m = match.to(tl.int32)
+                        tl.store(comp + nc + tl.cumsum(m, 0) - m, u.to(tl.int32, bitcast=True), mask=match)
+                        hist += tl.histogram(tl.where(match, ((u >> 16) & 255).to(tl.int32), 0), NB)
+                        nc += tl.sum(m, 0)
+                    hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - nc, 0)  # the others, in bin 0
+                    bin_, above = _pick_bin(hist, krem, NB)
+                    kth = (kth << 8) | bin_.to(tl.uint32)
+                    krem -= above
+                    # the last two bytes among the nc candidates (the keys of one top-byte bin)
+                    kth, krem = _refine(comp, nc, kth, krem, 8, False, BLOCK_R)
+                    kth, krem = _refine(comp, nc, kth, krem, 0, False, BLOCK_R)
+                    # 3. write keys > u*, then the first krem keys == u*, ascending
+                    _write_selected(row, row, n, kth, krem, out, start, False, BLOCK_R)
+                if PREDICT:  # the next row of this slot: a threshold below this row's k-th key
+                    d = tl.sum(tl.where(sel_i, delta_i, 0), 0)
+                    d = tl.where(c < TOPK, tl.minimum(d * 4, 1 << 31),
+                                 tl.where(c > CAP, tl.maximum(d // 4, 1 << 12),
+                                          tl.where(c > 4 * TOPK, tl.maximum(d // 2, 1 << 12), d)))
+                    delta_i = tl.where(sel_i, d, delta_i)
+                    thr_i = tl.where(sel_i, tl.maximum(kth.to(tl.int64) - d, 0).to(tl.uint32), thr_i)
 
 
 def pad_head_dim(q_idx, k_idx):
@@ -167,12 +260,16 @@ def pad_head_dim(q_idx, k_idx):
     return q_idx, k_idx
 
 
-# Launch configuration (BLOCK_S keys per tile, resident programs per SM), the fastest of the H200 sweep of
-# benchmarks/bench_dsa.py --sweep li (200 TFLOP/s at T = 16384; 1024-key select tiles, 4 warps). With at most
-# 16 indexer heads (the MMA's N) 64-key tiles are faster (`bench_dsa.py --li --hi 16 64`: 500.7 vs 549.9 ms at
-# T = 131072, 0.95 vs 1.07 ms at 2 x 4096; at 64 heads 706 vs 648 ms).
-LI_CONFIG = {"BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4}
-LI_CONFIG_FEW_HEADS = dict(LI_CONFIG, BLOCK_S=64)
+# Launch configuration: BLOCK_Q query rows per program share each key tile (the MMA's N is BLOCK_Q x heads),
+# BLOCK_S keys per tile, BLOCK_R keys per select tile, resident programs per SM; PREDICT: each row selects
+# among the keys at or above a threshold predicted from the previous row of its slot (at most CAP of them; else
+# the full-row select). H200, one-run A/B against one row per program without PREDICT (2026-12-03,
+# random bf16 inputs, topk 2048, DI 128): at 16 heads, 4 rows + PREDICT 1.27x / 1.24x / 0.98x at T = 131072 /
+# 32768 / 2 x 4096 (4 rows without PREDICT 0.56x: a 1024-bin histogram per key tile; 2 rows + PREDICT 1.06x);
+# at 64 heads one row per program, 128-key tiles (2 or 4 rows spill: 0.63-0.82x; PREDICT 1.01x).
+LI_CONFIG = {"BLOCK_Q": 1, "BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4, "PREDICT": False,
+             "CAP": 16384}
+LI_CONFIG_FEW_HEADS = dict(LI_CONFIG, BLOCK_Q=4, BLOCK_S=64, progs_per_sm=2, PREDICT=True)
 
 
 def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None, q_positions=None):
@@ -201,15 +298,21 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=Non
         nprog = torch.cuda.get_device_properties(dev).multi_processor_count * progs_per_sm
     else:
         nprog = 4
-    nprog = max(1, min(nprog, B * TQ))
+    block_q = cfg.get("BLOCK_Q", 1)
+    nprog = max(1, min(nprog, B * triton.cdiv(TQ, block_q)))
     block_r = cfg.get("BLOCK_R", block_s)
-    scratch = torch.empty(nprog, 2, T, dtype=torch.int32, device=dev)  # per program: the row's keys, candidates
+    predict = cfg.get("PREDICT", False)
+    cap = min(T, cfg.get("CAP", 16384)) if predict else 1
+    # per program: the keys of each of its block's rows, one candidate buffer for the full-row select; with
+    # PREDICT, each row's keys above its threshold and their positions
+    scratch = torch.empty(nprog, block_q + 1, T, dtype=torch.int32, device=dev)
+    cand = torch.empty(nprog, block_q, 2, cap, dtype=torch.int32, device=dev)
     _indexer_kernel[(nprog,)](
-        q, k, w, starts, qpos, out, scratch,
+        q, k, w, starts, qpos, out, scratch, cand,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), out.stride(1), scratch.stride(0),
-        scratch.stride(1), TQ, B * TQ, HI, topk, nprog,
-        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_S=block_s, BLOCK_R=block_r,
-        IEEE=use_ieee(q), num_warps=cfg["num_warps"],
+        scratch.stride(1), cand.stride(0), cand.stride(1), cand.stride(2), TQ, B, HI, topk, nprog, cap,
+        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_Q=block_q, BLOCK_S=block_s, BLOCK_R=block_r,
+        PREDICT=predict, IEEE=use_ieee(q), num_warps=cfg["num_warps"],
     )
     # rows of n > topk wrote exactly topk entries; shorter rows were padded in-kernel
     return out
