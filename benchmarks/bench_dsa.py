@@ -118,30 +118,35 @@ FWD_CANDIDATES = [
     dict(tsa.FWD_CONFIG),  # + SKIP, REVERSE, DENSE (the default)
 ]
 LI_CANDIDATES = [
-    dict(BLOCK_S=64, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
-    dict(BLOCK_S=128, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
+    dict(ti.LI_CONFIG),
+    dict(ti.LI_CONFIG_FEW_HEADS),
+    dict(BLOCK_Q=1, BLOCK_S=64, BLOCK_R=1024, progs_per_sm=4, num_warps=4),
+    dict(BLOCK_Q=8, BLOCK_S=64, BLOCK_R=1024, progs_per_sm=2, num_warps=4, PREDICT=True, CAP=16384),
+    dict(BLOCK_Q=2, BLOCK_S=64, BLOCK_R=1024, progs_per_sm=4, num_warps=4, PREDICT=True, CAP=16384),
     dict(BLOCK_S=128, BLOCK_R=2048, progs_per_sm=2, num_warps=8),
-    dict(BLOCK_S=64, BLOCK_R=64, progs_per_sm=4, num_warps=4),
 ]
 BWD_CANDIDATES = [dict(tsa.BWD_CONFIG)]  # more P/dS launch shapes: --check
-# --li: the indexer's launch shapes at each --T and --hi (the indexer's cost per key barely depends on its head
-# count: 521 ms at T = 131072 with 16 heads, 658 ms with 64)
-LI_SHAPE_CANDIDATES = [dict(ti.LI_CONFIG)] + [c for c in LI_CANDIDATES if c != ti.LI_CONFIG]
+
+
+def li_default(hi):
+    """The indexer's default launch config at `hi` indexer heads (what `lightning_indexer_triton` picks)."""
+    return ti.LI_CONFIG_FEW_HEADS if hi <= 16 else ti.LI_CONFIG
 
 
 def li_shapes(log, Ts, HIs, B=1):
-    """The indexer's launch variants (LI_SHAPE_CANDIDATES) at each T and indexer head count: ms, TFLOP/s and
-    the fraction of entries equal to the first candidate's (LI_CONFIG) selection."""
+    """The indexer's launch variants (LI_CANDIDATES, the default for the head count first) at each T and
+    indexer head count: ms, TFLOP/s and the fraction of entries equal to the default's selection."""
     rows = []
     for T in Ts:
         for hi in HIs:
+            cands = [dict(li_default(hi))] + [c for c in LI_CANDIDATES if c != li_default(hi)]
             g = torch.Generator(device="cuda").manual_seed(0)
             q_idx = torch.randn(B, T, hi, DI, device="cuda", dtype=torch.bfloat16, generator=g)
             k_idx = torch.randn(B, T, DI, device="cuda", dtype=torch.bfloat16, generator=g)
             w_idx = torch.randn(B, T, hi, device="cuda", dtype=torch.bfloat16, generator=g)
             fl = B * 2 * hi * DI * T * (T + 1) / 2
             ref = None
-            for n, cfg in enumerate(LI_SHAPE_CANDIDATES):
+            for n, cfg in enumerate(cands):
                 def run(cfg=cfg, xs=(q_idx, k_idx, w_idx)):
                     return ti.lightning_indexer_triton(*xs, TOPK, cfg=cfg)
                 ms = try_run(f"li {cfg}", lambda run=run, reps=2 if T > 65536 else 3: timeit(run, reps=reps), log)
@@ -193,7 +198,7 @@ def sweep(log, ops, T=16384, H=128):
         if "li" not in best or row["ms"] < best["li"][0]:
             best["li"] = (row["ms"], row["cfg"])
     log(f"fastest: {({k: v[1] for k, v in best.items()})}; defaults fwd {tsa.FWD_CONFIG} bwd {tsa.BWD_CONFIG} "
-        f"li {ti.LI_CONFIG}")
+        f"li {li_default(HI)}")
     return {k: v[1] for k, v in best.items()}
 
 
@@ -423,7 +428,7 @@ def main():
                     help="with --check: only SFA, with more forward launch shapes (CHECK_FWD_MORE)")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false",
                     help="time only ours (the PyTorch composition and SDPA do not change between runs)")
-    ap.add_argument("--li", action="store_true", help="the indexer's launch variants (LI_SHAPE_CANDIDATES) "
+    ap.add_argument("--li", action="store_true", help="the indexer's launch variants (LI_CANDIDATES) "
                     "at each --T and --hi; then exit")
     ap.add_argument("--hi", type=int, nargs="+", default=[HI], help="indexer heads for --li")
     ap.add_argument("--batch", type=int, default=1, help="batch size for --li")
