@@ -263,18 +263,20 @@ def pad_head_dim(q_idx, k_idx):
 # Launch configuration: BLOCK_Q query rows per program share each key tile (the MMA's N is BLOCK_Q x heads),
 # BLOCK_S keys per tile, BLOCK_R keys per select tile, resident programs per SM; PREDICT: each row selects
 # among the keys at or above a threshold predicted from the previous row of its slot (at most CAP of them; else
-# the full-row select). H200, one-run A/B against one row per program without PREDICT (2026-12-03,
-# random bf16 inputs, topk 2048, DI 128): at 16 heads, 4 rows + PREDICT 1.27x / 1.24x / 0.98x at T = 131072 /
-# 32768 / 2 x 4096 (4 rows without PREDICT 0.56x: a 1024-bin histogram per key tile; 2 rows + PREDICT 1.06x);
-# at 64 heads one row per program, 128-key tiles (2 or 4 rows spill: 0.63-0.82x; PREDICT 1.01x).
+# the full-row select). H200, one-run A/B against one row per program without PREDICT (2026-12-03, random bf16
+# inputs, topk 2048, DI 128; benchmarks/RESULTS.md): with at most 32 heads, 4 rows + PREDICT (16 heads 1.27x /
+# 1.24x at T = 131072 / 32768, 0.81-0.98x at 2 x 4096; 32 heads 1.41x / 1.36x / 1.13x; 4 rows without PREDICT
+# 0.56x: a 1024-bin histogram per key tile); at 64 heads one row per program, 128-key tiles (1.21-1.23x;
+# 2 or 4 rows 0.63-0.82x, PREDICT 1.01x).
 LI_CONFIG = {"BLOCK_Q": 1, "BLOCK_S": 128, "BLOCK_R": 1024, "progs_per_sm": 4, "num_warps": 4, "PREDICT": False,
              "CAP": 16384}
-LI_CONFIG_FEW_HEADS = dict(LI_CONFIG, BLOCK_Q=4, BLOCK_S=64, progs_per_sm=2, PREDICT=True)
+LI_CONFIG_FEW_HEADS = dict(LI_CONFIG, BLOCK_Q=4, BLOCK_S=64, progs_per_sm=2, PREDICT=True)  # <= 32 heads
+FEW_HEADS = 32
 
 
 def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=None, q_positions=None):
     """Triton lightning indexer; same contract as `lightning_indexer_reference`."""
-    cfg = cfg or (LI_CONFIG_FEW_HEADS if q_idx.shape[2] <= 16 else LI_CONFIG)
+    cfg = cfg or (LI_CONFIG_FEW_HEADS if q_idx.shape[2] <= FEW_HEADS else LI_CONFIG)
     block_s, progs_per_sm = cfg["BLOCK_S"], cfg["progs_per_sm"]
     q_idx, k_idx = pad_head_dim(q_idx, k_idx)
     B, TQ, HI, DI = q_idx.shape
