@@ -300,9 +300,9 @@ def test_triton_indexer_many_exact_ties(gen):
 
 
 @triton_only
-@pytest.mark.parametrize("T,topk,spread,block_q,predict", [(200, 30, 3, 1, False), (200, 30, 40, 4, False),
-                                                           (100, 70, 2, 2, False), (200, 30, 3, 4, True),
-                                                           (200, 30, 40, 1, True)])
+@pytest.mark.parametrize("T,topk,spread,block_q,predict", [(144, 30, 3, 1, False), (144, 30, 40, 4, False),
+                                                           (100, 70, 2, 2, False), (144, 30, 3, 4, True),
+                                                           (144, 30, 40, 1, True)])
 def test_triton_indexer_candidates_over_many_tiles(gen, T, topk, spread, block_q, predict):
     """16-key tiles, so that the row, the candidate buffer (the keys sharing the k-th key's top byte) and the
     ties span many tiles: small-integer scores (exact in fp32 whatever the summation order; `spread` sets how
