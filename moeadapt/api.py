@@ -329,8 +329,9 @@ def onboard(path: str | Path, validate: bool = False, write_config: str | Path |
         ob.report(res)
     v = res.get("validation")
     if v is not None and not v["passed"]:
-        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']:.3g} (tolerance "
-                         f"{v['tolerance']:.0e}); {v['where']}")
+        raise ValueError(f"validation failed: max |logit diff| {v['max_abs_diff']:.3g} at max |logit| "
+                         f"{v['max_abs_logit']:.3g} (tolerance {v['tolerance']:.0e} relative to max(1, max |logit|)); "
+                         f"{v['where']}")
     return res
 
 

@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--seq-len", type=int, default=None, help="longest validation document (default: index_topk + 24 "
                    "with an indexer, else 40)")
     s.add_argument("--seed", type=int, default=0, help="seed of the validation input")
-    s.add_argument("--tolerance", type=float, default=None, help="max |logit diff| (default 1e-4; per layer "
-                   "relative to max(1, max |h|)). fp32 rounding grows with depth: deep checkpoints may need --layers")
+    s.add_argument("--tolerance", type=float, default=None, help="max |logit diff| relative to max(1, max |logit|) "
+                   "(default 1e-4; per layer relative to max(1, max |h|)). fp32 rounding grows with depth: deep checkpoints may need --layers")
     s.add_argument("--write-config", metavar="OUT.yaml", help="write a run config for the mapped model")
     s.add_argument("--allow-unmapped", action="store_true", help="map what can be mapped; list the rest as notes")
     _add_plan_parsers(sub)

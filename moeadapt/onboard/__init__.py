@@ -210,5 +210,6 @@ def report(result: dict, console=None) -> None:
                           f"{v['max_abs_diff_end_to_end']:.2e} (float32 rounding of the tokens, amplified by the "
                           "text model; not gated)")
         ok = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
-        console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (tolerance {v['tolerance']:.0e}"
-                      f"; per layer relative to max(1, max |h|)){'; ' + v['where'] if v['where'] else ''}")
+        console.print(f"validate: {ok} max |logit diff| = {v['max_abs_diff']:.2e} (max |logit| = "
+                      f"{v['max_abs_logit']:.2e}; tolerance {v['tolerance']:.0e} relative to max(1, max |logit|), "
+                      f"per layer to max(1, max |h|)){'; ' + v['where'] if v['where'] else ''}")

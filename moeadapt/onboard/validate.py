@@ -431,7 +431,10 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
             e2e_diff = max(e2e_diff, (ref - own).abs().max().item())
     bad = [i for i, (d, m) in enumerate(per_layer) if not d / max(1.0, m) <= tol]  # NaN counts as bad
     bad_parts = [p for p in parts if not p[1] / max(1.0, p[2]) <= tol]
-    passed = not bad and not bad_parts and logit_diff <= tol
+    # The logits are gated like the blocks, relative to max(1, max |logit|): float32 rounding grows through the
+    # layers, so a correct model with logits of ~5 can differ by a little more than tol in absolute terms.
+    logit_rel_diff = logit_diff / max(1.0, logit_max)
+    passed = not bad and not bad_parts and logit_rel_diff <= tol  # NaN fails
     first = bad[0] if bad else None
     where = (f"layer {first} ({part.spec.resolved_layer_types()[first]}) is the first to diverge: max |Δh| = "
              f"{per_layer[first][0]:.3g} (max |h| = {per_layer[first][1]:.3g})" if first is not None else
@@ -441,7 +444,8 @@ def validate_checkpoint(path: str | Path, fam: Family, layers: int | None = None
                  f"(max |h| = {bad_parts[0][2]:.3g})")
     return {"family": fam.model_type, "reference": f"transformers {transformers.__version__} {type(hf).__name__}",
             "layers": n, "of_layers": fam.spec.n_layers, "lengths": lengths, "seed": seed,
-            "max_abs_diff": logit_diff, "max_abs_logit": logit_max, "tolerance": tol, "passed": bool(passed),
+            "max_abs_diff": logit_diff, "max_abs_logit": logit_max,
+            "logit_rel_diff": logit_rel_diff, "tolerance": tol, "passed": bool(passed),
             "per_layer": [tuple(x) for x in per_layer], "first_bad_layer": first, "where": where,
             "tie_aligned": (ties.aligned, ties.rows) if ties else None,
             "vision_parts": [tuple(p) for p in parts], "first_bad_part": bad_parts[0][0] if bad_parts else None,

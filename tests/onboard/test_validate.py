@@ -26,7 +26,7 @@ def test_checkpoint_validates_against_transformers(model_type, tmp_path):
     v = onboard(d, validate=True, seq_len=24 if model_type in LINEAR else None, seed=seed)["validation"]
     print({k: v[k] for k in ("max_abs_diff", "max_abs_logit", "lengths", "per_layer")})
     assert v["passed"], v["where"]
-    assert v["max_abs_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
+    assert v["logit_rel_diff"] <= TOL and v["max_abs_logit"] > 0.1 and len(set(v["lengths"])) == 3
     fam = read_family_dir(d)
     if model_type in ("deepseek_v32", "glm_moe_dsa", "glm5_next"):  # the indexer really selects: every document but the shortest exceeds top-k
         assert sorted(v["lengths"])[1] > fam.spec.index_topk
@@ -62,6 +62,18 @@ def test_broken_model_fails_naming_the_layer(model_type, tamper, layer, tmp_path
     assert not v["passed"] and v["first_bad_layer"] == layer, v
     assert v["where"].startswith(f"layer {layer} ")
     assert all(dh / max(1, h) <= TOL for dh, h in v["per_layer"][:layer])  # the layers before it still agree
+
+
+@pytest.mark.parametrize("name", ["norm.weight", "lm_head.weight"])
+def test_broken_head_fails_after_agreeing_blocks(name, tmp_path):
+    """The logits are gated relative to max(1, max |logit|): a perturbed final norm or lm_head still FAILS, with
+    every block agreeing and the message pointing past them."""
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    d = random_checkpoint("qwen3_moe", tmp_path / "ckpt", seed)
+    v = validate_checkpoint(d, read_family_dir(d), tamper=perturb(name, 0.01))
+    assert not v["passed"] and v["first_bad_layer"] is None, v
+    assert v["logit_rel_diff"] > TOL and v["where"] == "the blocks agree; the final norm or lm_head diverges"
 
 
 def test_rope_row_map_is_what_makes_deepseek_match(monkeypatch, tmp_path, capsys):
@@ -148,7 +160,7 @@ def test_qwen3_5_moe_text_layout_and_broken_copies(tmp_path):
     print(f"seed {seed}")
     d = random_checkpoint("qwen3_5_moe_text", tmp_path / "text", seed)
     v = validate_checkpoint(d, read_family_dir(d), seq_len=16, seed=seed)
-    assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
+    assert v["passed"] and v["logit_rel_diff"] <= TOL, v["where"]
     d = random_checkpoint("qwen3_5_moe", tmp_path / "mm", seed)
     out = onboard(d)
     assert out["check"]["ignored"] and all(k.startswith("model.visual.") for k in out["check"]["ignored"])
@@ -178,7 +190,7 @@ def test_fused_expert_checkpoint_validates_and_reads_by_box(tmp_path, monkeypatc
     assert peft_maps(d)["name_map"] == peft_maps(per_expert)["name_map"]  # adapters keep the per-expert names
     fam = read_family_dir(d)
     v = validate_checkpoint(d, fam, seq_len=12, seed=seed)
-    assert v["passed"] and v["max_abs_diff"] <= TOL, v["where"]
+    assert v["passed"] and v["logit_rel_diff"] <= TOL, v["where"]
     rules = build_rules(fam, checkpoint_index(d))
     up = next(r for r in rules if r.ours == "layers.0.ffn.experts.w3.weight")
     assert up.sources == ["model.language_model.layers.0.mlp.experts.gate_up_proj"] and up.part == (1, 1, 2)
