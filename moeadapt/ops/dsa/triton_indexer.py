@@ -55,15 +55,16 @@ def _pick_bin(hist, krem, NB: tl.constexpr):
 
 
 @triton.jit
-def _refine(buf, c, prefix, krem, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOCK_R: tl.constexpr):
+def _refine(buf, c, prefix, krem, dst, SHIFT: tl.constexpr, FIRST: tl.constexpr, STORE: tl.constexpr,
+            BLOCK_R: tl.constexpr):
     """One radix step over the keys buf[0:c]: among those whose bytes above SHIFT equal `prefix` (all of them
     when FIRST), the histogram of byte SHIFT picks the k-th key's byte; returns (prefix with it, keys still
-    needed)."""
+    needed, matching keys). STORE: the matching keys are also copied, in order, to dst."""
     NB: tl.constexpr = 256
     offs = tl.arange(0, BLOCK_R)
     bins = tl.arange(0, NB)
     hist = tl.zeros([NB], tl.int32)
-    nomatch = 0
+    nmatch = 0
     for s0 in range(0, c, BLOCK_R):
         j = s0 + offs
         valid = j < c
@@ -72,11 +73,14 @@ def _refine(buf, c, prefix, krem, SHIFT: tl.constexpr, FIRST: tl.constexpr, BLOC
             match = valid
         else:
             match = valid & ((u >> (SHIFT + 8)) == prefix)
+        m = match.to(tl.int32)
+        if STORE:
+            tl.store(dst + nmatch + tl.cumsum(m, 0) - m, u.to(tl.int32, bitcast=True), mask=match)
         hist += tl.histogram(tl.where(match, ((u >> SHIFT) & 255).to(tl.int32), 0), NB)
-        nomatch += tl.sum((~match).to(tl.int32), 0)
-    hist -= tl.where(bins == 0, nomatch, 0)  # the others were counted in bin 0
+        nmatch += tl.sum(m, 0)
+    hist -= tl.where(bins == 0, tl.cdiv(c, BLOCK_R) * BLOCK_R - nmatch, 0)  # the others were counted in bin 0
     bin_, above = _pick_bin(hist, krem, NB)
-    return (prefix << 8) | bin_.to(tl.uint32), krem - above
+    return (prefix << 8) | bin_.to(tl.uint32), krem - above, nmatch
 
 
 @triton.jit
@@ -143,7 +147,8 @@ def _indexer_kernel(
         hi = tl.max(tl.where(live_i, t_i + 1, 0), 0)
         scored = tl.max(n_i, 0) > TOPK  # some row needs the scores; shorter rows take all their keys
         r0 = b.to(tl.int64) * TQ + tq0
-        hist2 = tl.zeros([BLOCK_Q, NB], tl.int32)
+        if not PREDICT:
+            hist2 = tl.zeros([BLOCK_Q, NB], tl.int32)  # each row's top-byte histogram
         c_i = tl.zeros([BLOCK_Q], tl.int32)  # PREDICT: keys at or above each row's threshold
         if scored:
             live_qh = (tq0 + qrow) < TQ
@@ -155,7 +160,8 @@ def _indexer_kernel(
             #    position - lo); PREDICT: the keys at or above the row's threshold (and their positions) are
             #    also appended to its candidate buffer; else each row's histogram of the top byte is kept (row i
             #    in bins [256 i, 256 i + 256))
-            hist = tl.zeros([BLOCK_Q * NB], tl.int32)
+            if not PREDICT:
+                hist = tl.zeros([BLOCK_Q * NB], tl.int32)
             for s0 in range(lo, hi, BLOCK_S):
                 j = s0 + offs_s
                 kt = tl.load(kbase + j.to(tl.int64)[:, None] * sk_t + offs_d[None, :],
@@ -183,9 +189,9 @@ def _indexer_kernel(
                 else:
                     byte = tl.where(valid, (u >> 24).to(tl.int32), 0) + offs_i[None, :] * NB
                     hist += tl.histogram(tl.reshape(byte, [BLOCK_S * BLOCK_Q]), BLOCK_Q * NB)
-            # masked lanes were counted in each row's bin 0
-            pad = tl.cdiv(hi - lo, BLOCK_S) * BLOCK_S - n_i
-            hist2 = tl.reshape(hist, [BLOCK_Q, NB]) - tl.where((bins == 0)[None, :], pad[:, None], 0)
+            if not PREDICT:  # masked lanes were counted in each row's bin 0
+                pad = tl.cdiv(hi - lo, BLOCK_S) * BLOCK_S - n_i
+                hist2 = tl.reshape(hist, [BLOCK_Q, NB]) - tl.where((bins == 0)[None, :], pad[:, None], 0)
         for i in range(BLOCK_Q):
             sel_i = offs_i == i
             n = tl.sum(tl.where(sel_i, n_i, 0), 0)
@@ -203,43 +209,23 @@ def _indexer_kernel(
                     # the k-th key is at or above the threshold: the select and the write see the c
                     # candidates only (in ascending position order), not the row
                     ck = cand + i * s_cand_r
-                    kth, krem = _refine(ck, c, tl.zeros([], tl.uint32), TOPK, 24, True, BLOCK_R)
-                    kth, krem = _refine(ck, c, kth, krem, 16, False, BLOCK_R)
-                    kth, krem = _refine(ck, c, kth, krem, 8, False, BLOCK_R)
-                    kth, krem = _refine(ck, c, kth, krem, 0, False, BLOCK_R)
+                    kth, krem, _ = _refine(ck, c, tl.zeros([], tl.uint32), TOPK, ck, 24, True, False, BLOCK_R)
+                    kth, krem, _ = _refine(ck, c, kth, krem, ck, 16, False, False, BLOCK_R)
+                    kth, krem, _ = _refine(ck, c, kth, krem, ck, 8, False, False, BLOCK_R)
+                    kth, krem, _ = _refine(ck, c, kth, krem, ck, 0, False, False, BLOCK_R)
                     _write_selected(ck, ck + s_cand_c, c, kth, krem, out, start, True, BLOCK_R)
                 else:
-                    if PREDICT:  # the row's top-byte histogram, which the score pass did not keep
-                        hist = tl.zeros([NB], tl.int32)
-                        for s0 in range(0, n, BLOCK_R):
-                            j = s0 + offs_r
-                            u = tl.load(row + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
-                            hist += tl.histogram((u >> 24).to(tl.int32), NB)
-                        hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - n, 0)
+                    if PREDICT:  # the row's top byte, which the score pass did not histogram
+                        kth, krem, _ = _refine(row, n, tl.zeros([], tl.uint32), TOPK, row, 24, True, False, BLOCK_R)
                     else:
-                        hist = tl.sum(tl.where(sel_i[:, None], hist2, 0), 0)
-                    bin_, above = _pick_bin(hist, TOPK, NB)
-                    kth = bin_.to(tl.uint32)
-                    krem = TOPK - above
+                        bin_, above = _pick_bin(tl.sum(tl.where(sel_i[:, None], hist2, 0), 0), TOPK, NB)
+                        kth = bin_.to(tl.uint32)
+                        krem = TOPK - above
                     # 2. one pass over the row: the keys sharing the top byte go to the candidate buffer (their
-                    #    values only), with the histogram of their second byte
-                    hist = tl.zeros([NB], tl.int32)
-                    nc = 0
-                    for s0 in range(0, n, BLOCK_R):
-                        j = s0 + offs_r
-                        u = tl.load(row + j, mask=j < n, other=0).to(tl.uint32, bitcast=True)
-                        match = (j < n) & ((u >> 24) == kth)
-                        m = match.to(tl.int32)
-                        tl.store(comp + nc + tl.cumsum(m, 0) - m, u.to(tl.int32, bitcast=True), mask=match)
-                        hist += tl.histogram(tl.where(match, ((u >> 16) & 255).to(tl.int32), 0), NB)
-                        nc += tl.sum(m, 0)
-                    hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK_R) * BLOCK_R - nc, 0)  # the others, in bin 0
-                    bin_, above = _pick_bin(hist, krem, NB)
-                    kth = (kth << 8) | bin_.to(tl.uint32)
-                    krem -= above
-                    # the last two bytes among the nc candidates (the keys of one top-byte bin)
-                    kth, krem = _refine(comp, nc, kth, krem, 8, False, BLOCK_R)
-                    kth, krem = _refine(comp, nc, kth, krem, 0, False, BLOCK_R)
+                    #    values only), with the histogram of their second byte; the last two bytes among those
+                    kth, krem, nc = _refine(row, n, kth, krem, comp, 16, False, True, BLOCK_R)
+                    kth, krem, _ = _refine(comp, nc, kth, krem, comp, 8, False, False, BLOCK_R)
+                    kth, krem, _ = _refine(comp, nc, kth, krem, comp, 0, False, False, BLOCK_R)
                     # 3. write keys > u*, then the first krem keys == u*, ascending
                     _write_selected(row, row, n, kth, krem, out, start, False, BLOCK_R)
                 if PREDICT:  # the next row of this slot: a threshold below this row's k-th key
