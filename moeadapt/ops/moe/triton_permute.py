@@ -154,7 +154,10 @@ def compute_permutation(
     counts_E = counts_all[:E]
     hist_BE = hist_BE[:, :E].to(torch.int64)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
-    base_BE = (torch.cumsum(hist_BE, 0) - hist_BE + starts_E).to(torch.int32)
+    # the exclusive prefix over blocks along the last dim: CUDA's scan along a leading dim of [blocks, E] runs
+    # E columns serially (~95 us at 512 x 64 on the H200)
+    hist_EB = hist_BE.t().contiguous()
+    base_BE = (torch.cumsum(hist_EB, 1) - hist_EB + starts_E[:, None]).t().to(torch.int32).contiguous()
     row_index_N = torch.empty(n_routed, dtype=torch.int64, device=ids_M.device)
     if M > 0:
         _scatter_index_kernel[(num_blocks,)](ids_M, rank_M, base_BE, row_index_N, M, E, BLOCK=_BLOCK_CHOICES)
