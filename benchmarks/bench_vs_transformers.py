@@ -199,7 +199,8 @@ def run_ours(args, mode: str) -> dict:
     out_dir = tempfile.mkdtemp(prefix="bench_vs_hf_")
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
-                               lr=LR[mode], output_dir=out_dir, log_every=10**6))
+                               lr=LR[mode], output_dir=out_dir, log_every=10**6),
+                    parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
     counts = count_parameters(build_model(spec, "meta"), spec)  # the base model, adapters left out
@@ -397,6 +398,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--profile"] if args.profile and side == "ours" else []
         cmd += ["--cuda-graph"] if args.cuda_graph and side == "ours" else []
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
+        cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -496,6 +498,9 @@ def main() -> None:
                    "forwards and backwards captured once and replayed)")
     p.add_argument("--defer-verdict", default="auto", choices=["auto", "on", "off"], help="our side: read each "
                    "step's verdict one step late (on) or before its optimizer step (off); auto: as the trainer does")
+    p.add_argument("--reshard-after-forward", default="on", choices=["on", "off"], help="our side under torchrun: "
+                   "FSDP2 frees each block's gathered parameters after its forward (on, the default) or keeps them "
+                   "for the backward (off: no second all-gather, one more unsharded copy of the model)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

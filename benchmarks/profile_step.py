@@ -141,21 +141,25 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
         f = family(e.key, triton_fam)
         fams[f] = fams.get(f, 0.0) + us / 1e3
         kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     ops = []  # the aten ops whose kernels take the time, with their input shapes (CUDA only)
     if device.type == "cuda":
         for e in prof.key_averages(group_by_input_shape=True):
             us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
             if e.device_type == torch.autograd.DeviceType.CPU and us and e.key.startswith("aten::"):
                 ops.append((e.key, str(e.input_shapes)[:80], e.count, us / 1e3))
-        ops = sorted(ops, key=lambda r: -r[3])[:20]
+        ops = sorted(ops, key=lambda r: -r[3])[:40]
     # the host side: where the step's CPU time goes (a step whose host time exceeds its CUDA time is launch-bound;
     # a blocking read such as aten::_local_scalar_dense shows here as the host waiting for the device)
     host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
             if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total]
     host = sorted(host, key=lambda r: -r[2])
-    return {"families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])), "total_ms": sum(fams.values()),
-            "top_kernels_ms": top, "top_ops_ms": ops, "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
+    # FSDP2's annotated phases (unshard / copy-in / reduce-scatter ...): host time including the ops inside
+    fsdp = sorted(((e.key, e.count, e.cpu_time_total / 1e3) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("FSDP")),
+                  key=lambda r: -r[2])
+    return {"fsdp_host_ms": fsdp[:25], "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+            "total_ms": sum(fams.values()), "top_kernels_ms": top, "top_ops_ms": ops, "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
 
 
 # ------------------------------------------------------------------ switching the levers
