@@ -594,7 +594,7 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("E,BM", [(1, 16), (5, 16), (37, 32), (130, 64)])
+@pytest.mark.parametrize("E,BM", [(1, 16), (5, 16), (37, 32), (130, 64), (300, 16)])
 def test_tile_map_kernel_matches_torch(gen, E, BM):
     """The one-launch tile map (_tile_map_kernel) against the torch form, on random counts with empty
     experts, offsets ending before the row bound (dropped rows) and more tiles than one program covers."""

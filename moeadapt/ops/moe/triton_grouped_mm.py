@@ -183,8 +183,11 @@ def tile_map(offsets_E: torch.Tensor, num_rows: int, BM: int) -> tuple[torch.Ten
         expert_T = torch.empty(num_tiles, dtype=torch.int32, device=offsets_E.device)
         row_T = torch.empty_like(expert_T)
         BE = triton.next_power_of_2(max(E, 1))
-        BT = max(16, min(256, 32768 // BE))
-        _tile_map_kernel[(triton.cdiv(num_tiles, BT),)](offsets_E, expert_T, row_T, E, num_tiles, BM=BM, BE=BE, BT=BT)
+        # small [BT, BE] compare tiles, one warp where they hold <= 4096 entries: at E = 64, 65536 rows (H200,
+        # one run) 6.0-6.5 us a map vs 72-74 with 256-tile programs of 4 warps
+        BT = max(16, min(64, 4096 // BE))
+        _tile_map_kernel[(triton.cdiv(num_tiles, BT),)](offsets_E, expert_T, row_T, E, num_tiles, BM=BM, BE=BE, BT=BT,
+                                                        num_warps=1 if BT * BE <= 4096 else 4)
         return expert_T, row_T
     return _tile_map_torch(offsets_E, num_tiles, BM)
 
