@@ -115,9 +115,10 @@ def family(name: str, triton_fam: dict[str, str]) -> str:
     return "other"
 
 
-# GPU-side ranges the profiler draws for CPU-side annotations (Optimizer.step#AdamW.step, ProfilerStep#N):
-# not kernels, and they overlap the kernels they enclose ('#' alone is no sign: demangled lambdas carry it)
-_ANNOTATION = re.compile(r"^(ProfilerStep|Optimizer\.)")
+# GPU-side ranges the profiler draws for CPU-side annotations (Optimizer.step#AdamW.step, ProfilerStep#N, FSDP2's
+# FSDP::pre_forward (layers.i) ...): not kernels, and they overlap the kernels they enclose ('#' alone is no sign:
+# demangled lambdas carry it)
+_ANNOTATION = re.compile(r"^(ProfilerStep|Optimizer\.|FSDP::)")
 
 
 def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
