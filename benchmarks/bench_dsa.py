@@ -139,7 +139,8 @@ def li_shapes(log, Ts, HIs, B=1):
     rows = []
     for T in Ts:
         for hi in HIs:
-            cands = [dict(li_default(hi))] + [c for c in LI_CANDIDATES if c != li_default(hi)]
+            default = li_default(hi)
+            cands = [dict(default)] + [c for c in LI_CANDIDATES if c != default]
             g = torch.Generator(device="cuda").manual_seed(0)
             q_idx = torch.randn(B, T, hi, DI, device="cuda", dtype=torch.bfloat16, generator=g)
             k_idx = torch.randn(B, T, DI, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -132,7 +132,8 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
     want = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
     fams: dict[str, float] = {}
     kernels: dict[str, float] = {}
-    for e in prof.key_averages():
+    avgs = prof.key_averages()  # one aggregation of the events, read three ways below
+    for e in avgs:
         if e.device_type != want or (device.type == "cuda" and _ANNOTATION.search(e.key)):
             continue
         us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -152,15 +153,16 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
         ops = sorted(ops, key=lambda r: -r[3])[:40]
     # the host side: where the step's CPU time goes (a step whose host time exceeds its CUDA time is launch-bound;
     # a blocking read such as aten::_local_scalar_dense shows here as the host waiting for the device)
-    host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+    host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in avgs
             if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total]
     host = sorted(host, key=lambda r: -r[2])
     # FSDP2's annotated phases (unshard / copy-in / reduce-scatter ...): host time including the ops inside
-    fsdp = sorted(((e.key, e.count, e.cpu_time_total / 1e3) for e in prof.key_averages()
+    fsdp = sorted(((e.key, e.count, e.cpu_time_total / 1e3) for e in avgs
                    if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("FSDP")),
                   key=lambda r: -r[2])
     return {"fsdp_host_ms": fsdp[:25], "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-            "total_ms": sum(fams.values()), "top_kernels_ms": top, "top_ops_ms": ops, "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
+            "total_ms": sum(fams.values()), "top_kernels_ms": top, "top_ops_ms": ops,
+            "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
 
 
 # ------------------------------------------------------------------ switching the levers

@@ -134,9 +134,10 @@ def _indexer_kernel(
     # delta, which widens when a row's k-th key fell below the threshold and narrows when too many keys passed
     thr_i = tl.zeros([BLOCK_Q], tl.uint32)
     delta_i = tl.full([BLOCK_Q], 1 << 20, tl.int64)
-    for blk in range(pid, NBLK_B * tl.cdiv(TQ, BLOCK_Q), NPROG):
-        b = blk // tl.cdiv(TQ, BLOCK_Q)
-        tq0 = (blk % tl.cdiv(TQ, BLOCK_Q)) * BLOCK_Q
+    nblk_q = tl.cdiv(TQ, BLOCK_Q)  # row blocks per sequence
+    for blk in range(pid, NBLK_B * nblk_q, NPROG):
+        b = blk // nblk_q
+        tq0 = (blk % nblk_q) * BLOCK_Q
         # the block's rows: their positions, document starts and visible key counts (0: past the end)
         tq_i = tq0 + offs_i
         live_i = tq_i < TQ
