@@ -244,8 +244,12 @@ def sweep(shape):
     args = make(*shape)
     variants = [  # launch knobs around the defaults
         {},
-        dict(intra_warps=4),
-        dict(intra_BK=16),
+        dict(intra_warps=1),
+        dict(intra_warps=2),
+        dict(intra_warps=8),
+        dict(intra_BK=64),
+        dict(intra_BK=64, intra_warps=2),
+        dict(intra2_warps=2),
         dict(intra2_warps=4),
         dict(local_BK2=32),
         dict(local_BK2=32, intra2_warps=4),

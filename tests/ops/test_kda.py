@@ -220,7 +220,9 @@ def test_triton_matches_reference(seed, case, launch=None, decay=1.0, g_scale=No
 @needs_triton
 @pytest.mark.slow
 def test_triton_strong_decay_and_no_final_state(seed):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     inp = make_inputs(1, 96, 1, 1, 16, 16, dtype=torch.float32, decay=30.0, h0=False)
+    inp = {n: x.detach().to(dev).requires_grad_() for n, x in inp.items()}
     o1, _ = chunk_kda(**inp, backend="triton")
     o1.sum().backward()
     grads = [x.grad.clone() for x in inp.values()]

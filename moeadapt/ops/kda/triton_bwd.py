@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _chunk_span, _load_g, _state_setup, _store_state, _tok_setup
+from .triton_fwd import _chunk_span, _load_g, _state_setup, _store_state, _sub_tile, _tok_setup
 
 
 @triton.jit
@@ -159,74 +159,148 @@ def _bwd_wy(
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
+    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
     H, HV, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
-    USE_GATE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
 ):
-    """Per (chunk, head, K-block): the off-diagonal intra-chunk pair terms of Aqk and Akk added to dq, dk,
-    dg, dbeta (the diagonal 16x16 blocks' were added by the token-parallel `_bwd_diag`, run before), then
-    dg = reverse cumsum of dG within the chunk."""
+    """Per (chunk, head, K-block), on the four 16-row sub-chunks 0..3: the six off-diagonal blocks' (a > b) pair
+    terms of Aqk and Akk added to dq, dk, dg, dbeta (the diagonal blocks' were added by the token-parallel
+    `_bwd_diag`, run before), then dg = reverse cumsum of dG within the chunk. With X = q or beta k:
+      row side     r_a += e^(G_a - ra) sum_b dA_ab (k_b e^(ra - G_b)),     ra = G at the first row of a
+      column side  c_b += e^(rb - G_b) sum_a dA_ab^T (X_a e^(G_a - rb)),   rb = G at the last row of b
+    (every factor <= 1; reference rows clamped to the last valid row, as in `_fwd_intra`)."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    NS: tl.constexpr = BT // BC
     i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < L
-    blk = rows // BC
-    tok = t0 + rows
-    o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-    b_dAqk = tl.load(dAqk + o_A, mask=rmask[:, None], other=0.0)
-    b_dAkk = tl.load(dAkk + o_A, mask=rmask[:, None], other=0.0)
-    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
     ii = tl.arange(0, BC)
+    m0, m1, m2, m3 = ii < L, ii + BC < L, ii + 2 * BC < L, ii + 3 * BC < L
+    t_0, t_1, t_2, t_3 = t0 + ii, t0 + BC + ii, t0 + 2 * BC + ii, t0 + 3 * BC + ii
     ck = i_k * BK + tl.arange(0, BK)
-    o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-    o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-    b_gg = _load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE)
-    b_G = tl.cumsum(b_gg, axis=0)
-    b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-    b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-    b_kb = b_k * b_beta[:, None]
-    G3 = tl.reshape(b_G, (NS, BC, BK))
-    r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
-    r_last = tl.sum(tl.where((ii == BC - 1)[None, :, None], G3, 0.0), axis=1)
-    rq = tl.zeros([BT, BK], dtype=tl.float32)
-    rk = tl.zeros([BT, BK], dtype=tl.float32)
-    cq = tl.zeros([BT, BK], dtype=tl.float32)
-    ckk = tl.zeros([BT, BK], dtype=tl.float32)
-    # row side r_i += sum_j dA_ij k_j e^(G_i - G_j) over the columns left of row sub-chunk a, split at
-    # r_a = G_first of that sub-chunk
-    for a in tl.static_range(1, NS):
-        r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-        colf = tl.exp(tl.where((rows < a * BC)[:, None], r_a[None, :] - b_G, float("-inf"))) * b_k
-        ef = tl.exp(tl.where((blk == a)[:, None], b_G - r_a[None, :], float("-inf")))
-        rq += ef * tl.dot(b_dAqk, colf, input_precision=DPREC)
-        rk += ef * tl.dot(b_dAkk, colf, input_precision=DPREC)
-    # column side c_j += sum_i dA_ij X_i e^(G_i - G_j) over the rows below column sub-chunk b, split at
-    # r_b = G_last of that sub-chunk
-    for b in tl.static_range(0, NS - 1):
-        r_b = tl.sum(tl.where((tl.arange(0, NS) == b)[:, None], r_last, 0.0), axis=0)
-        ex = tl.exp(tl.where((rows >= (b + 1) * BC)[:, None], b_G - r_b[None, :], float("-inf")))
-        ef = tl.exp(tl.where((blk == b)[:, None], r_b[None, :] - b_G, float("-inf")))
-        cq += ef * tl.dot(tl.trans(b_dAqk), ex * b_q, input_precision=DPREC)
-        ckk += ef * tl.dot(tl.trans(b_dAkk), ex * b_kb, input_precision=DPREC)
-    b_dq = tl.load(dq + o_g, mask=rmask[:, None], other=0.0) + rq
-    b_dk = tl.load(dk + o_g, mask=rmask[:, None], other=0.0) + b_beta[:, None] * rk + cq + ckk
-    dG = tl.load(dg + o_g, mask=rmask[:, None], other=0.0)
-    dG += b_q * rq + b_k * (b_beta[:, None] * rk - cq - ckk)
-    b_dg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    cq = i_h * K + ck
+    cg = i_hv * K + ck
+    sq, sg, SA = H * K, HV * K, HV * BT
+    # the off-diagonal dA blocks
+    o_1, o_2, o_3 = t_1 * SA + i_hv * BT, t_2 * SA + i_hv * BT, t_3 * SA + i_hv * BT
+    aq10, ak10 = _dA_block(dAqk, o_1, m1, ii), _dA_block(dAkk, o_1, m1, ii)
+    aq20, ak20 = _dA_block(dAqk, o_2, m2, ii), _dA_block(dAkk, o_2, m2, ii)
+    aq21, ak21 = _dA_block(dAqk, o_2, m2, BC + ii), _dA_block(dAkk, o_2, m2, BC + ii)
+    aq30, ak30 = _dA_block(dAqk, o_3, m3, ii), _dA_block(dAkk, o_3, m3, ii)
+    aq31, ak31 = _dA_block(dAqk, o_3, m3, BC + ii), _dA_block(dAkk, o_3, m3, BC + ii)
+    aq32, ak32 = _dA_block(dAqk, o_3, m3, 2 * BC + ii), _dA_block(dAkk, o_3, m3, 2 * BC + ii)
+    G_0, G_1 = _sub_tile(Gc, t_0, m0, cg, sg), _sub_tile(Gc, t_1, m1, cg, sg)
+    G_2, G_3 = _sub_tile(Gc, t_2, m2, cg, sg), _sub_tile(Gc, t_3, m3, cg, sg)
+    k_0, k_1 = _sub_tile(k, t_0, m0, cq, sq), _sub_tile(k, t_1, m1, cq, sq)
+    k_2, k_3 = _sub_tile(k, t_2, m2, cq, sq), _sub_tile(k, t_3, m3, cq, sq)
+    q_1, q_2, q_3 = _sub_tile(q, t_1, m1, cq, sq), _sub_tile(q, t_2, m2, cq, sq), _sub_tile(q, t_3, m3, cq, sq)
+    b_0 = tl.load(beta + t_0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)[:, None]
+    b_1 = tl.load(beta + t_1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)[:, None]
+    b_2 = tl.load(beta + t_2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)[:, None]
+    b_3 = tl.load(beta + t_3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)[:, None]
+    # row side: sub-chunks 1..3 against the columns left of them
+    ra = tl.load(Gc + tl.minimum(t0 + BC, eos - 1) * sg + cg)[None, :]
+    c = k_0 * tl.exp(ra - G_0)
+    e = tl.where(m1[:, None], tl.exp(G_1 - ra), 0.0)
+    rq1 = e * tl.dot(aq10, c, input_precision=DPREC)
+    rk1 = e * tl.dot(ak10, c, input_precision=DPREC)
+    ra = tl.load(Gc + tl.minimum(t0 + 2 * BC, eos - 1) * sg + cg)[None, :]
+    c = k_0 * tl.exp(ra - G_0)
+    c1 = k_1 * tl.exp(ra - G_1)
+    e = tl.where(m2[:, None], tl.exp(G_2 - ra), 0.0)
+    rq2 = e * tl.dot(aq21, c1, tl.dot(aq20, c, input_precision=DPREC), input_precision=DPREC)
+    rk2 = e * tl.dot(ak21, c1, tl.dot(ak20, c, input_precision=DPREC), input_precision=DPREC)
+    ra = tl.load(Gc + tl.minimum(t0 + 3 * BC, eos - 1) * sg + cg)[None, :]
+    c = k_0 * tl.exp(ra - G_0)
+    c1 = k_1 * tl.exp(ra - G_1)
+    c2 = k_2 * tl.exp(ra - G_2)
+    e = tl.where(m3[:, None], tl.exp(G_3 - ra), 0.0)
+    rq3 = e * tl.dot(aq32, c2, tl.dot(aq31, c1, tl.dot(aq30, c, input_precision=DPREC), input_precision=DPREC),
+                     input_precision=DPREC)
+    rk3 = e * tl.dot(ak32, c2, tl.dot(ak31, c1, tl.dot(ak30, c, input_precision=DPREC), input_precision=DPREC),
+                     input_precision=DPREC)
+    # column side: sub-chunks 0..2 against the rows below them (X_a e^(G_a - rb): q and beta k)
+    kb_1, kb_2, kb_3 = k_1 * b_1, k_2 * b_2, k_3 * b_3
+    rb = tl.load(Gc + tl.minimum(t0 + BC - 1, eos - 1) * sg + cg)[None, :]
+    e1 = tl.where(m1[:, None], tl.exp(G_1 - rb), 0.0)
+    e2 = tl.where(m2[:, None], tl.exp(G_2 - rb), 0.0)
+    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
+    e = tl.exp(rb - G_0)
+    cq0 = e * _dot_t3(aq10, q_1 * e1, aq20, q_2 * e2, aq30, q_3 * e3, DPREC)
+    ck0 = e * _dot_t3(ak10, kb_1 * e1, ak20, kb_2 * e2, ak30, kb_3 * e3, DPREC)
+    rb = tl.load(Gc + tl.minimum(t0 + 2 * BC - 1, eos - 1) * sg + cg)[None, :]
+    e2 = tl.where(m2[:, None], tl.exp(G_2 - rb), 0.0)
+    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
+    e = tl.exp(rb - G_1)
+    cq1 = e * tl.dot(tl.trans(aq31), q_3 * e3, tl.dot(tl.trans(aq21), q_2 * e2, input_precision=DPREC),
+                     input_precision=DPREC)
+    ck1 = e * tl.dot(tl.trans(ak31), kb_3 * e3, tl.dot(tl.trans(ak21), kb_2 * e2, input_precision=DPREC),
+                     input_precision=DPREC)
+    rb = tl.load(Gc + tl.minimum(t0 + 3 * BC - 1, eos - 1) * sg + cg)[None, :]
+    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
+    e = tl.exp(rb - G_2)
+    cq2 = e * tl.dot(tl.trans(aq32), q_3 * e3, input_precision=DPREC)
+    ck2 = e * tl.dot(tl.trans(ak32), kb_3 * e3, input_precision=DPREC)
+    # per sub-chunk: dq, dk and dG (the partials already in dq, dk, dg added), then dg = reverse cumsum of dG
+    zero = tl.zeros([BC, BK], dtype=tl.float32)
+    dG0 = _bwd_sub_add(dq, dk, dg, t_0, m0, cg, sg, _sub_tile(q, t_0, m0, cq, sq), k_0, b_0, zero, zero, cq0, ck0)
+    dG1 = _bwd_sub_add(dq, dk, dg, t_1, m1, cg, sg, q_1, k_1, b_1, rq1, rk1, cq1, ck1)
+    dG2 = _bwd_sub_add(dq, dk, dg, t_2, m2, cg, sg, q_2, k_2, b_2, rq2, rk2, cq2, ck2)
+    dG3 = _bwd_sub_add(dq, dk, dg, t_3, m3, cg, sg, q_3, k_3, b_3, rq3, rk3, zero, zero)
+    s3 = tl.sum(dG3, axis=0)
+    s2 = s3 + tl.sum(dG2, axis=0)
+    s1 = s2 + tl.sum(dG1, axis=0)
+    s0 = s1 + tl.sum(dG0, axis=0)
+    o_db = db + i_k * T_total * HV + i_hv
+    o_dA = dA + i_k * T_total * HV + i_hv
+    _bwd_sub_dg(dg, g, o_dA, t_0, m0, ck, cg, sg, s0, dG0, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+    _bwd_sub_dg(dg, g, o_dA, t_1, m1, ck, cg, sg, s1, dG1, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+    _bwd_sub_dg(dg, g, o_dA, t_2, m2, ck, cg, sg, s2, dG2, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+    _bwd_sub_dg(dg, g, o_dA, t_3, m3, ck, cg, sg, s3, dG3, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+    tl.store(o_db + t_0 * HV, tl.zeros([BC], dtype=tl.float32), mask=m0)
+    tl.store(o_db + t_1 * HV, tl.sum(k_1 * rk1, axis=1), mask=m1)
+    tl.store(o_db + t_2 * HV, tl.sum(k_2 * rk2, axis=1), mask=m2)
+    tl.store(o_db + t_3 * HV, tl.sum(k_3 * rk3, axis=1), mask=m3)
+
+
+@triton.jit
+def _dA_block(A, o_r, m, cols):
+    """A 16x16 block of a [tokens, HV, 64] float32 matrix: rows at offsets o_r (mask m), columns cols."""
+    return tl.load(A + o_r[:, None] + cols[None, :], mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _dot_t3(a1, x1, a2, x2, a3, x3, DPREC: tl.constexpr):
+    """a1^T x1 + a2^T x2 + a3^T x3 (16x16 blocks a, [16, BK] tiles x)."""
+    acc = tl.dot(tl.trans(a1), x1, input_precision=DPREC)
+    acc = tl.dot(tl.trans(a2), x2, acc, input_precision=DPREC)
+    return tl.dot(tl.trans(a3), x3, acc, input_precision=DPREC)
+
+
+@triton.jit
+def _bwd_sub_add(dq, dk, dg, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
+    """One sub-chunk: dq += rq, dk += beta rk + cq + ckk stored; returns dG = (partial dg) + q rq + k (beta rk - cq
+    - ckk)."""
+    o = tok[:, None] * sg + cg[None, :]
+    mm = m[:, None]
+    tl.store(dq + o, tl.load(dq + o, mask=mm, other=0.0) + rq, mask=mm)
+    tl.store(dk + o, tl.load(dk + o, mask=mm, other=0.0) + b_b * rk + cq + ckk, mask=mm)
+    return tl.load(dg + o, mask=mm, other=0.0) + b_q * rq + b_k * (b_b * rk - cq - ckk)
+
+
+@triton.jit
+def _bwd_sub_dg(dg, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_hv, HV, K: tl.constexpr,
+                USE_GATE: tl.constexpr):
+    """One sub-chunk's dg = (sum of dG from its first row to the chunk's end: s_from at the first row) - the
+    in-sub-chunk cumsum + dG; with USE_GATE, through the fused gate (d/dA_log partials per row into o_dA)."""
+    b_dg = s_from[None, :] - tl.cumsum(dG, axis=0) + dG
+    o = tok[:, None] * sg + cg[None, :]
+    mm = m[:, None]
     if USE_GATE:  # d/dA_log of g is g; d/d(raw) is -exp(A_log) sigmoid(raw + dt_bias)
-        tl.store(dA + i_k * T_total * HV + tok * HV + i_hv, tl.sum(b_dg * b_gg, axis=1), mask=rmask)
-        x = tl.load(g + o_g, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x += tl.load(dt_bias + i_hv * K + ck).to(tl.float32)[None, :]
+        tl.store(o_dA + tok * HV, tl.sum(b_dg * _load_g(g, o, mm, A_log, dt_bias, i_hv, ck, K, USE_GATE),
+                                                 axis=1), mask=m)
+        x = tl.load(g + o, mask=mm, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv * K + ck).to(tl.float32)[None, :]
         b_dg *= -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.sigmoid(x)
-    tl.store(dq + o_g, b_dq, mask=rmask[:, None])
-    tl.store(dk + o_g, b_dk, mask=rmask[:, None])
-    tl.store(dg + o_g, b_dg, mask=rmask[:, None])
-    b_db = tl.sum(b_k * rk, axis=1)
-    tl.store(db + i_k * T_total * HV + tok * HV + i_hv, b_db, mask=rmask)
+    tl.store(dg + o, b_dg, mask=mm)
 
 
 @triton.jit

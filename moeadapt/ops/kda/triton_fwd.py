@@ -21,72 +21,133 @@ def _load_g(g, o_g, mask, A_log, dt_bias, i_hv, ck, K: tl.constexpr, USE_GATE: t
 
 
 @triton.jit
+def _sub_tile(x, tok, m, col, stride):
+    """Rows tok (mask m) of a [tokens, stride] row-major tensor at the columns col, as float32 [BC, BK]."""
+    return tl.load(x + tok[:, None] * stride + col[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inv_unit_lower(N, eye, PREC: tl.constexpr):
+    """(I + N)^-1 of a strictly lower 16x16 block: (I - N)(I + N^2)(I + N^4)(I + N^8), as N^16 = 0."""
+    P = tl.dot(N, N, input_precision=PREC)
+    X = tl.dot(eye - N, eye + P, input_precision=PREC)
+    P = tl.dot(P, P, input_precision=PREC)
+    X = tl.dot(X, eye + P, input_precision=PREC)
+    P = tl.dot(P, P, input_precision=PREC)
+    return tl.dot(X, eye + P, input_precision=PREC)
+
+
+@triton.jit
 def _fwd_intra(
-    g, q, k, beta, Aqk, Ti, cu, cidx, A_log, dt_bias,
+    q, k, Gc, beta, Aqk, Ti, cu, cidx,
     H, HV, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-    DPREC: tl.constexpr, USE_GATE: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
 ):
-    """Per (chunk, head): Akk, Aqk, Ti (then `_fwd_wu` reads Ti back for w, u, kd, qg, gl).
-    The off-diagonal 16x16 blocks by reference-row dots; the diagonal ones were written by the token-parallel
-    `_fwd_diag` (Akk with beta into the Ti buffer, Aqk) and are read back here."""
+    """Per (chunk, head), on the four 16-row sub-chunks 0..3 of the chunk: the six off-diagonal blocks (a > b) of
+    Akk and Aqk by dots split at the reference row r = G at the first row of sub-chunk a,
+      A_ab = (x_a e^(G_a - r)) (k_b e^(r - G_b))^T    (both factors <= 1),
+    then Ti = (I + Akk)^-1 blockwise. The diagonal blocks were written by the token-parallel `_fwd_diag` (Akk
+    with beta into the Ti buffer, Aqk) and are read back; every 16x16 block of the 64-wide rows is stored (the
+    upper ones as zeros), as `_fwd_wu`, `_fwd_o` and the backward read the rows whole."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    NS: tl.constexpr = BT // BC
     i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
     L = tl.minimum(eos - t0, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < L
-    blk = rows // BC
-    tok = t0 + rows
-    b_beta = tl.load(beta + tok * HV + i_hv, mask=rmask, other=0.0).to(tl.float32)
-    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
     ii = tl.arange(0, BC)
+    m0, m1, m2, m3 = ii < L, ii + BC < L, ii + 2 * BC < L, ii + 3 * BC < L
+    t_0, t_1, t_2, t_3 = t0 + ii, t0 + BC + ii, t0 + 2 * BC + ii, t0 + 3 * BC + ii
+    # reference rows: a sub-chunk's first row, clamped to the last valid one (a sub-chunk past the end has no
+    # valid rows; the clamp keeps every exponent <= 0)
+    r_1, r_2, r_3 = tl.minimum(t0 + BC, eos - 1), tl.minimum(t0 + 2 * BC, eos - 1), tl.minimum(t0 + 3 * BC, eos - 1)
+    sq, sg = H * K, HV * K
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    q10, q20, q21, q30, q31, q32 = zero, zero, zero, zero, zero, zero
+    k10, k20, k21, k30, k31, k32 = zero, zero, zero, zero, zero, zero
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
-        o_qk = tok[:, None] * (H * K) + i_h * K + ck[None, :]
-        o_g = tok[:, None] * (HV * K) + i_hv * K + ck[None, :]
-        b_g = _load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE)
-        b_G = tl.cumsum(b_g, axis=0)
-        b_q = tl.load(q + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_qk, mask=rmask[:, None], other=0.0).to(tl.float32)
-        G3 = tl.reshape(b_G, (NS, BC, BK))
-        # reference r_a = G at the first row of row sub-chunk a
-        r_first = tl.sum(tl.where((ii == 0)[None, :, None], G3, 0.0), axis=1)  # [NS, BK]
-        r_row = tl.reshape(tl.broadcast_to(r_first[:, None, :], (NS, BC, BK)), (BT, BK))
-        e_row = tl.exp(b_G - r_row)
-        kr = b_k * e_row
-        qr = b_q * e_row
-        for a in tl.static_range(1, NS):
-            r_a = tl.sum(tl.where((tl.arange(0, NS) == a)[:, None], r_first, 0.0), axis=0)
-            cm = (rows < a * BC)[:, None]
-            colf = tl.exp(tl.where(cm, r_a[None, :] - b_G, float("-inf"))) * b_k
-            sel = (blk == a)[:, None]
-            b_Akk = tl.dot(tl.where(sel, kr, 0.0), tl.trans(colf), b_Akk, input_precision=DPREC)
-            b_Aqk = tl.dot(tl.where(sel, qr, 0.0), tl.trans(colf), b_Aqk, input_precision=DPREC)
-    o_A = tok[:, None] * (HV * BT) + i_hv * BT + rows[None, :]
-    dmask = rmask[:, None] & (blk[:, None] == blk[None, :]) & (rows[:, None] >= rows[None, :])
-    # the diagonal blocks were written by _fwd_diag (Akk, beta included, into the Ti buffer)
-    b_Akk = b_Akk * b_beta[:, None] + tl.load(Ti + o_A, mask=dmask & (rows[:, None] > rows[None, :]), other=0.0)
-    b_Aqk += tl.load(Aqk + o_A, mask=dmask, other=0.0)
-    tl.store(Aqk + o_A, b_Aqk, mask=rmask[:, None])
-    # Ti = (I + Akk)^-1: block-diagonal part by (I-N)(I+N^2)(I+N^4)(I+N^8) (N^16 = 0 in a
-    # 16-block), then the block-lower part by (I+E)^-1 = (I-E)(I+E^2) with E = Xd Lo.
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    same = blk[:, None] == blk[None, :]
-    Nd = tl.where(same, b_Akk, 0.0)
-    Lo = b_Akk - Nd
-    P = tl.dot(Nd, Nd, input_precision=PREC)
-    X = tl.dot(eye - Nd, eye + P, input_precision=PREC)
-    P = tl.dot(P, P, input_precision=PREC)
-    X = tl.dot(X, eye + P, input_precision=PREC)
-    P = tl.dot(P, P, input_precision=PREC)
-    X = tl.dot(X, eye + P, input_precision=PREC)
-    Em = tl.dot(X, Lo, input_precision=PREC)
-    E2 = tl.dot(Em, Em, input_precision=PREC)
-    b_Ti = tl.dot(tl.dot(eye - Em, eye + E2, input_precision=PREC), X, input_precision=PREC)
-    tl.store(Ti + o_A, b_Ti, mask=rmask[:, None])
+        cq = i_h * K + ck
+        cg = i_hv * K + ck
+        k_0, G_0 = _sub_tile(k, t_0, m0, cq, sq), _sub_tile(Gc, t_0, m0, cg, sg)
+        k_1, G_1 = _sub_tile(k, t_1, m1, cq, sq), _sub_tile(Gc, t_1, m1, cg, sg)
+        k_2, G_2 = _sub_tile(k, t_2, m2, cq, sq), _sub_tile(Gc, t_2, m2, cg, sg)
+        # row sub-chunk 1 against column sub-chunk 0
+        g_r = tl.load(Gc + r_1 * sg + cg)[None, :]
+        e = tl.where(m1[:, None], tl.exp(G_1 - g_r), 0.0)
+        qe, ke = _sub_tile(q, t_1, m1, cq, sq) * e, k_1 * e
+        c = tl.trans(k_0 * tl.exp(g_r - G_0))
+        q10 = tl.dot(qe, c, q10, input_precision=DPREC)
+        k10 = tl.dot(ke, c, k10, input_precision=DPREC)
+        # row sub-chunk 2 against 0, 1
+        g_r = tl.load(Gc + r_2 * sg + cg)[None, :]
+        e = tl.where(m2[:, None], tl.exp(G_2 - g_r), 0.0)
+        qe, ke = _sub_tile(q, t_2, m2, cq, sq) * e, k_2 * e
+        c = tl.trans(k_0 * tl.exp(g_r - G_0))
+        q20 = tl.dot(qe, c, q20, input_precision=DPREC)
+        k20 = tl.dot(ke, c, k20, input_precision=DPREC)
+        c = tl.trans(k_1 * tl.exp(g_r - G_1))
+        q21 = tl.dot(qe, c, q21, input_precision=DPREC)
+        k21 = tl.dot(ke, c, k21, input_precision=DPREC)
+        # row sub-chunk 3 against 0, 1, 2
+        g_r = tl.load(Gc + r_3 * sg + cg)[None, :]
+        e = tl.where(m3[:, None], tl.exp(_sub_tile(Gc, t_3, m3, cg, sg) - g_r), 0.0)
+        qe, ke = _sub_tile(q, t_3, m3, cq, sq) * e, _sub_tile(k, t_3, m3, cq, sq) * e
+        c = tl.trans(k_0 * tl.exp(g_r - G_0))
+        q30 = tl.dot(qe, c, q30, input_precision=DPREC)
+        k30 = tl.dot(ke, c, k30, input_precision=DPREC)
+        c = tl.trans(k_1 * tl.exp(g_r - G_1))
+        q31 = tl.dot(qe, c, q31, input_precision=DPREC)
+        k31 = tl.dot(ke, c, k31, input_precision=DPREC)
+        c = tl.trans(k_2 * tl.exp(g_r - G_2))
+        q32 = tl.dot(qe, c, q32, input_precision=DPREC)
+        k32 = tl.dot(ke, c, k32, input_precision=DPREC)
+    # Akk rows carry beta
+    b_1 = tl.load(beta + t_1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)[:, None]
+    b_2 = tl.load(beta + t_2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)[:, None]
+    b_3 = tl.load(beta + t_3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)[:, None]
+    k10, k20, k21, k30, k31, k32 = k10 * b_1, k20 * b_2, k21 * b_2, k30 * b_3, k31 * b_3, k32 * b_3
+    # the diagonal blocks (_fwd_diag): Aqk on and below the diagonal, Akk strictly below
+    SA = HV * BT
+    low = ii[:, None] >= ii[None, :]
+    slow = ii[:, None] > ii[None, :]
+    o_0, o_1, o_2, o_3 = t_0 * SA + i_hv * BT, t_1 * SA + i_hv * BT, t_2 * SA + i_hv * BT, t_3 * SA + i_hv * BT
+    c0, c1, c2, c3 = ii, BC + ii, 2 * BC + ii, 3 * BC + ii
+    _store_row_blocks(Aqk, o_0, m0, c0, c1, c2, c3,
+                      tl.load(Aqk + o_0[:, None] + c0[None, :], mask=m0[:, None] & low, other=0.0), zero, zero, zero)
+    _store_row_blocks(Aqk, o_1, m1, c0, c1, c2, c3, q10,
+                      tl.load(Aqk + o_1[:, None] + c1[None, :], mask=m1[:, None] & low, other=0.0), zero, zero)
+    _store_row_blocks(Aqk, o_2, m2, c0, c1, c2, c3, q20, q21,
+                      tl.load(Aqk + o_2[:, None] + c2[None, :], mask=m2[:, None] & low, other=0.0), zero)
+    _store_row_blocks(Aqk, o_3, m3, c0, c1, c2, c3, q30, q31, q32,
+                      tl.load(Aqk + o_3[:, None] + c3[None, :], mask=m3[:, None] & low, other=0.0))
+    # Ti = (I + Akk)^-1, block lower triangular: D_a = (I + Akk_aa)^-1 and
+    # Ti_ab = -D_a sum_{b <= m < a} Akk_am Ti_mb
+    eye = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
+    d0 = _inv_unit_lower(tl.load(Ti + o_0[:, None] + c0[None, :], mask=m0[:, None] & slow, other=0.0), eye, PREC)
+    d1 = _inv_unit_lower(tl.load(Ti + o_1[:, None] + c1[None, :], mask=m1[:, None] & slow, other=0.0), eye, PREC)
+    d2 = _inv_unit_lower(tl.load(Ti + o_2[:, None] + c2[None, :], mask=m2[:, None] & slow, other=0.0), eye, PREC)
+    d3 = _inv_unit_lower(tl.load(Ti + o_3[:, None] + c3[None, :], mask=m3[:, None] & slow, other=0.0), eye, PREC)
+    t10 = -tl.dot(d1, tl.dot(k10, d0, input_precision=PREC), input_precision=PREC)
+    t21 = -tl.dot(d2, tl.dot(k21, d1, input_precision=PREC), input_precision=PREC)
+    t20 = -tl.dot(d2, tl.dot(k21, t10, tl.dot(k20, d0, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    t32 = -tl.dot(d3, tl.dot(k32, d2, input_precision=PREC), input_precision=PREC)
+    t31 = -tl.dot(d3, tl.dot(k32, t21, tl.dot(k31, d1, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    s30 = tl.dot(k31, t10, tl.dot(k30, d0, input_precision=PREC), input_precision=PREC)
+    t30 = -tl.dot(d3, tl.dot(k32, t20, s30, input_precision=PREC), input_precision=PREC)
+    _store_row_blocks(Ti, o_0, m0, c0, c1, c2, c3, d0, zero, zero, zero)
+    _store_row_blocks(Ti, o_1, m1, c0, c1, c2, c3, t10, d1, zero, zero)
+    _store_row_blocks(Ti, o_2, m2, c0, c1, c2, c3, t20, t21, d2, zero)
+    _store_row_blocks(Ti, o_3, m3, c0, c1, c2, c3, t30, t31, t32, d3)
+
+
+@triton.jit
+def _store_row_blocks(A, o_r, m, c0, c1, c2, c3, x0, x1, x2, x3):
+    """One sub-chunk's 16 rows (offsets o_r, mask m) of a 64-wide matrix, as its four 16x16 column blocks."""
+    tl.store(A + o_r[:, None] + c0[None, :], x0, mask=m[:, None])
+    tl.store(A + o_r[:, None] + c1[None, :], x1, mask=m[:, None])
+    tl.store(A + o_r[:, None] + c2[None, :], x2, mask=m[:, None])
+    tl.store(A + o_r[:, None] + c3[None, :], x3, mask=m[:, None])
 
 
 @triton.jit

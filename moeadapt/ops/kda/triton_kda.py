@@ -10,7 +10,8 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   Ti = (I + Akk)^-1,  w = Ti (beta k e^G),  u = Ti (beta v)
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
 Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
-<= 1) and use tensor-core dots; the diagonal blocks run token-parallel (`_fwd_diag` / `_bwd_diag`, one
+<= 1) and use tensor-core dots on the six 16x16 block pairs of a chunk (`_fwd_intra`, `_bwd_intra`; Ti by blockwise
+substitution); the diagonal blocks run token-parallel (`_fwd_diag` / `_bwd_diag`, one
 program per token and BH heads) on a stored in-chunk cumsum (`_fwd_gcum`), every exponent <= 0. (Diagonal
 blocks inside the per-chunk kernels, elementwise or by reference-row dots, were 1.9-2x / 10-14% slower on the
 H200, benchmarks/bench_kda.py.)
@@ -50,8 +51,11 @@ class KDALaunch:
     """Launch parameters of the KDA kernels (block sizes, warps, pipelining). Frozen: pass a changed copy
     (`dataclasses.replace(LAUNCH, ...)`) to chunk_kda(..., launch=) to try another one."""
 
-    intra_BK: int = 32
-    intra_warps: int = 8
+    # the per-chunk intra kernels work on 16x16 blocks: few warps win (H200, 1,16384,16,128: _fwd_intra 0.35 ms at
+    # BK 16 / 2 warps vs 0.42-1.26 at 1 / 8 warps or BK 32-64; _bwd_intra 1.57 ms at 1 warp vs 2.0 / 3.4 / 6.2 at
+    # 2 / 4 / 8)
+    intra_BK: int = 16
+    intra_warps: int = 2
     h_BV: int | str = "auto"  # V-block of the state recurrences ("auto": see _state_bv)
     h_warps: int = 8
     o_BV: int = 64
@@ -63,7 +67,7 @@ class KDALaunch:
     local_BK2: int = 16
     local_BV: int = 64
     local_warps: int = 8
-    intra2_warps: int = 8
+    intra2_warps: int = 1
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec: str = "tf32"
@@ -190,12 +194,12 @@ def _chunk_kda_fwd_impl(
         q, k, Gc, beta, Aqk, Ti, cu, cidx,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
     )
-    del Gc
     _fwd_intra[(NC, HV)](
-        g, q, k, beta, Aqk, Ti, cu, cidx, A32, b32,
+        q, k, Gc, beta, Aqk, Ti, cu, cidx,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-        USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+        num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
     )
+    del Gc
     _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
         g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
@@ -293,14 +297,14 @@ def _chunk_kda_bwd_impl(
         q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
     )
-    del Gc
     db0 += db3
     dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
     _bwd_intra[(NC, HV, K // BK2)](
-        q, k, g, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, PREC=cfg["PREC"], DPREC=cfg["DPREC"],
+        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
     )
+    del Gc
     dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate else _empty(q)
     ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate and dt_bias is not None else _empty(q)
     dbeta = db0 + db1.sum(0) + db2.sum(0)
