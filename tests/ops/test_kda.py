@@ -260,6 +260,17 @@ def test_triton_mixed_decay(seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("spread", [-1.0, 1e9])
+def test_triton_bwd_diagonal_paths(seed, spread):
+    """_bwd_intra's diagonal blocks elementwise everywhere (diag_spread < 0) and by split dots everywhere (a bound
+    no decay exceeds: at decay 2 every factor stays within e^+-16), odd length and varlen, against float64."""
+    from moeadapt.ops.kda.triton_kda import LAUNCH
+
+    launch = dataclasses.replace(LAUNCH, diag_spread=spread)
+    test_triton_matches_reference(seed, (1, 90, 1, 2, 32, 16, [0, 37, 90], False), launch=launch, decay=2.0)
+
+
+@needs_triton
 @pytest.mark.parametrize("split", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_triton_k128(seed, split):
     """Head dim 128 (several K-blocks in every kernel), varlen + fused gate, strong decay; the state

@@ -158,111 +158,6 @@ def _bwd_wy(
 
 
 @triton.jit
-def _bwd_intra(
-    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
-    H, HV, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
-):
-    """Per (chunk, head, K-block), on the four 16-row sub-chunks 0..3: the six off-diagonal blocks' (a > b) pair
-    terms of Aqk and Akk added to dq, dk, dg, dbeta (the diagonal blocks' were added by the token-parallel
-    `_bwd_diag`, run before), then dg = reverse cumsum of dG within the chunk. With X = q or beta k:
-      row side     r_a += e^(G_a - ra) sum_b dA_ab (k_b e^(ra - G_b)),     ra = G at the first row of a
-      column side  c_b += e^(rb - G_b) sum_a dA_ab^T (X_a e^(G_a - rb)),   rb = G at the last row of b
-    (every factor <= 1; reference rows clamped to the last valid row, as in `_fwd_intra`)."""
-    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
-    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
-    L = tl.minimum(eos - t0, BT)
-    ii = tl.arange(0, BC)
-    m0, m1, m2, m3 = ii < L, ii + BC < L, ii + 2 * BC < L, ii + 3 * BC < L
-    t_0, t_1, t_2, t_3 = t0 + ii, t0 + BC + ii, t0 + 2 * BC + ii, t0 + 3 * BC + ii
-    ck = i_k * BK + tl.arange(0, BK)
-    cq = i_h * K + ck
-    cg = i_hv * K + ck
-    sq, sg, SA = H * K, HV * K, HV * BT
-    # the off-diagonal dA blocks
-    o_1, o_2, o_3 = t_1 * SA + i_hv * BT, t_2 * SA + i_hv * BT, t_3 * SA + i_hv * BT
-    aq10, ak10 = _dA_block(dAqk, o_1, m1, ii), _dA_block(dAkk, o_1, m1, ii)
-    aq20, ak20 = _dA_block(dAqk, o_2, m2, ii), _dA_block(dAkk, o_2, m2, ii)
-    aq21, ak21 = _dA_block(dAqk, o_2, m2, BC + ii), _dA_block(dAkk, o_2, m2, BC + ii)
-    aq30, ak30 = _dA_block(dAqk, o_3, m3, ii), _dA_block(dAkk, o_3, m3, ii)
-    aq31, ak31 = _dA_block(dAqk, o_3, m3, BC + ii), _dA_block(dAkk, o_3, m3, BC + ii)
-    aq32, ak32 = _dA_block(dAqk, o_3, m3, 2 * BC + ii), _dA_block(dAkk, o_3, m3, 2 * BC + ii)
-    G_0, G_1 = _sub_tile(Gc, t_0, m0, cg, sg), _sub_tile(Gc, t_1, m1, cg, sg)
-    G_2, G_3 = _sub_tile(Gc, t_2, m2, cg, sg), _sub_tile(Gc, t_3, m3, cg, sg)
-    k_0, k_1 = _sub_tile(k, t_0, m0, cq, sq), _sub_tile(k, t_1, m1, cq, sq)
-    k_2, k_3 = _sub_tile(k, t_2, m2, cq, sq), _sub_tile(k, t_3, m3, cq, sq)
-    q_1, q_2, q_3 = _sub_tile(q, t_1, m1, cq, sq), _sub_tile(q, t_2, m2, cq, sq), _sub_tile(q, t_3, m3, cq, sq)
-    b_0 = tl.load(beta + t_0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)[:, None]
-    b_1 = tl.load(beta + t_1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)[:, None]
-    b_2 = tl.load(beta + t_2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)[:, None]
-    b_3 = tl.load(beta + t_3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)[:, None]
-    # row side: sub-chunks 1..3 against the columns left of them
-    ra = tl.load(Gc + tl.minimum(t0 + BC, eos - 1) * sg + cg)[None, :]
-    c = k_0 * tl.exp(ra - G_0)
-    e = tl.where(m1[:, None], tl.exp(G_1 - ra), 0.0)
-    rq1 = e * tl.dot(aq10, c, input_precision=DPREC)
-    rk1 = e * tl.dot(ak10, c, input_precision=DPREC)
-    ra = tl.load(Gc + tl.minimum(t0 + 2 * BC, eos - 1) * sg + cg)[None, :]
-    c = k_0 * tl.exp(ra - G_0)
-    c1 = k_1 * tl.exp(ra - G_1)
-    e = tl.where(m2[:, None], tl.exp(G_2 - ra), 0.0)
-    rq2 = e * tl.dot(aq21, c1, tl.dot(aq20, c, input_precision=DPREC), input_precision=DPREC)
-    rk2 = e * tl.dot(ak21, c1, tl.dot(ak20, c, input_precision=DPREC), input_precision=DPREC)
-    ra = tl.load(Gc + tl.minimum(t0 + 3 * BC, eos - 1) * sg + cg)[None, :]
-    c = k_0 * tl.exp(ra - G_0)
-    c1 = k_1 * tl.exp(ra - G_1)
-    c2 = k_2 * tl.exp(ra - G_2)
-    e = tl.where(m3[:, None], tl.exp(G_3 - ra), 0.0)
-    rq3 = e * tl.dot(aq32, c2, tl.dot(aq31, c1, tl.dot(aq30, c, input_precision=DPREC), input_precision=DPREC),
-                     input_precision=DPREC)
-    rk3 = e * tl.dot(ak32, c2, tl.dot(ak31, c1, tl.dot(ak30, c, input_precision=DPREC), input_precision=DPREC),
-                     input_precision=DPREC)
-    # column side: sub-chunks 0..2 against the rows below them (X_a e^(G_a - rb): q and beta k)
-    kb_1, kb_2, kb_3 = k_1 * b_1, k_2 * b_2, k_3 * b_3
-    rb = tl.load(Gc + tl.minimum(t0 + BC - 1, eos - 1) * sg + cg)[None, :]
-    e1 = tl.where(m1[:, None], tl.exp(G_1 - rb), 0.0)
-    e2 = tl.where(m2[:, None], tl.exp(G_2 - rb), 0.0)
-    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
-    e = tl.exp(rb - G_0)
-    cq0 = e * _dot_t3(aq10, q_1 * e1, aq20, q_2 * e2, aq30, q_3 * e3, DPREC)
-    ck0 = e * _dot_t3(ak10, kb_1 * e1, ak20, kb_2 * e2, ak30, kb_3 * e3, DPREC)
-    rb = tl.load(Gc + tl.minimum(t0 + 2 * BC - 1, eos - 1) * sg + cg)[None, :]
-    e2 = tl.where(m2[:, None], tl.exp(G_2 - rb), 0.0)
-    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
-    e = tl.exp(rb - G_1)
-    cq1 = e * tl.dot(tl.trans(aq31), q_3 * e3, tl.dot(tl.trans(aq21), q_2 * e2, input_precision=DPREC),
-                     input_precision=DPREC)
-    ck1 = e * tl.dot(tl.trans(ak31), kb_3 * e3, tl.dot(tl.trans(ak21), kb_2 * e2, input_precision=DPREC),
-                     input_precision=DPREC)
-    rb = tl.load(Gc + tl.minimum(t0 + 3 * BC - 1, eos - 1) * sg + cg)[None, :]
-    e3 = tl.where(m3[:, None], tl.exp(G_3 - rb), 0.0)
-    e = tl.exp(rb - G_2)
-    cq2 = e * tl.dot(tl.trans(aq32), q_3 * e3, input_precision=DPREC)
-    ck2 = e * tl.dot(tl.trans(ak32), kb_3 * e3, input_precision=DPREC)
-    # per sub-chunk: dq, dk and dG (the partials already in dq, dk, dg added), then dg = reverse cumsum of dG
-    zero = tl.zeros([BC, BK], dtype=tl.float32)
-    dG0 = _bwd_sub_add(dq, dk, dg, t_0, m0, cg, sg, _sub_tile(q, t_0, m0, cq, sq), k_0, b_0, zero, zero, cq0, ck0)
-    dG1 = _bwd_sub_add(dq, dk, dg, t_1, m1, cg, sg, q_1, k_1, b_1, rq1, rk1, cq1, ck1)
-    dG2 = _bwd_sub_add(dq, dk, dg, t_2, m2, cg, sg, q_2, k_2, b_2, rq2, rk2, cq2, ck2)
-    dG3 = _bwd_sub_add(dq, dk, dg, t_3, m3, cg, sg, q_3, k_3, b_3, rq3, rk3, zero, zero)
-    s3 = tl.sum(dG3, axis=0)
-    s2 = s3 + tl.sum(dG2, axis=0)
-    s1 = s2 + tl.sum(dG1, axis=0)
-    s0 = s1 + tl.sum(dG0, axis=0)
-    o_db = db + i_k * T_total * HV + i_hv
-    o_dA = dA + i_k * T_total * HV + i_hv
-    _bwd_sub_dg(dg, g, o_dA, t_0, m0, ck, cg, sg, s0, dG0, A_log, dt_bias, i_hv, HV, K, USE_GATE)
-    _bwd_sub_dg(dg, g, o_dA, t_1, m1, ck, cg, sg, s1, dG1, A_log, dt_bias, i_hv, HV, K, USE_GATE)
-    _bwd_sub_dg(dg, g, o_dA, t_2, m2, ck, cg, sg, s2, dG2, A_log, dt_bias, i_hv, HV, K, USE_GATE)
-    _bwd_sub_dg(dg, g, o_dA, t_3, m3, ck, cg, sg, s3, dG3, A_log, dt_bias, i_hv, HV, K, USE_GATE)
-    tl.store(o_db + t_0 * HV, tl.zeros([BC], dtype=tl.float32), mask=m0)
-    tl.store(o_db + t_1 * HV, tl.sum(k_1 * rk1, axis=1), mask=m1)
-    tl.store(o_db + t_2 * HV, tl.sum(k_2 * rk2, axis=1), mask=m2)
-    tl.store(o_db + t_3 * HV, tl.sum(k_3 * rk3, axis=1), mask=m3)
-
-
-@triton.jit
 def _dA_block(A, o_r, m, cols):
     """A 16x16 block of a [tokens, HV, 64] float32 matrix: rows at offsets o_r (mask m), columns cols."""
     return tl.load(A + o_r[:, None] + cols[None, :], mask=m[:, None], other=0.0)
@@ -304,45 +199,106 @@ def _bwd_sub_dg(dg, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_h
 
 
 @triton.jit
-def _bwd_diag(
-    q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx,
-    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
+def _bwd_intra(
+    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
+    H, HV, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
+    DIAG_SPREAD: tl.constexpr,
 ):
-    """Token-parallel diagonal sub-chunk terms of dq, dk, dG, dbeta for token t, both as row i = t
-    (sum over j <= t) and as column j = t (sum over i >= t); adds to the partials in dq, dk, dg."""
-    t, t0, s0, s1, valid = _tok_setup(cu, cidx, BT, BC)
-    if valid:
-        o_hv = tl.program_id(1) * BH + tl.arange(0, BH)
-        m_hv = o_hv < HV
-        m2 = m_hv[:, None]
-        ck = tl.arange(0, K)
-        p_qk = (o_hv // (HV // H))[:, None] * K + ck[None, :]
-        p_g = o_hv[:, None] * K + ck[None, :]
-        b_q = tl.load(q + t * (H * K) + p_qk, mask=m2, other=0.0).to(tl.float32)
-        b_k = tl.load(k + t * (H * K) + p_qk, mask=m2, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + t * (HV * K) + p_g, mask=m2, other=0.0)
-        b_beta = tl.load(beta + t * HV + o_hv, mask=m_hv, other=0.0).to(tl.float32)
-        rq = tl.zeros([BH, K], dtype=tl.float32)
-        rk = tl.zeros([BH, K], dtype=tl.float32)
-        for j in range(s0, t + 1):  # t as row i
-            kE = tl.load(k + j * (H * K) + p_qk, mask=m2, other=0.0).to(tl.float32) * tl.exp(
-                b_G - tl.load(Gc + j * (HV * K) + p_g, mask=m2, other=0.0))
-            o_A = t * (HV * BT) + o_hv * BT + (j - t0)
-            rq += tl.load(dAqk + o_A, mask=m_hv, other=0.0)[:, None] * kE
-            rk += tl.load(dAkk + o_A, mask=m_hv & (o_hv * 0 + j < t), other=0.0)[:, None] * kE
-        cq = tl.zeros([BH, K], dtype=tl.float32)
-        ckk = tl.zeros([BH, K], dtype=tl.float32)
-        for i in range(t, s1):  # t as column j
-            e = tl.exp(tl.load(Gc + i * (HV * K) + p_g, mask=m2, other=0.0) - b_G)
-            o_A = i * (HV * BT) + o_hv * BT + (t - t0)
-            b_qi = tl.load(q + i * (H * K) + p_qk, mask=m2, other=0.0).to(tl.float32)
-            b_ki = tl.load(k + i * (H * K) + p_qk, mask=m2, other=0.0).to(tl.float32)
-            b_bi = tl.load(beta + i * HV + o_hv, mask=m_hv, other=0.0).to(tl.float32)
-            cq += tl.load(dAqk + o_A, mask=m_hv, other=0.0)[:, None] * b_qi * e
-            ckk += (tl.load(dAkk + o_A, mask=m_hv & (o_hv * 0 + i > t), other=0.0) * b_bi)[:, None] * b_ki * e
-        o_t = t * (HV * K) + p_g
-        tl.store(dq + o_t, tl.load(dq + o_t, mask=m2, other=0.0) + rq, mask=m2)
-        tl.store(dk + o_t, tl.load(dk + o_t, mask=m2, other=0.0) + b_beta[:, None] * rk + cq + ckk, mask=m2)
-        dG = b_q * rq + b_k * (b_beta[:, None] * rk - cq - ckk)
-        tl.store(dg + o_t, tl.load(dg + o_t, mask=m2, other=0.0) + dG, mask=m2)
-        tl.store(db + t * HV + o_hv, tl.sum(b_k * rk, axis=1), mask=m_hv)
+    """Per (chunk, head, K-block), the sub-chunks i = last..0 one at a time: every intra-chunk pair term of Aqk and
+    Akk added to the partials in dq, dk, dg, dbeta, then dg = reverse cumsum of dG within the chunk (the sum over
+    the later sub-chunks carried in s). With X = q or beta k, for the blocks (i, j < i) and (a > i, i):
+      row side     r_i += e^(G_i - ra) sum_j dA_ij (k_j e^(ra - G_j)),     ra = G at the first row of i
+      column side  c_i += e^(rb - G_i) sum_a dA_ai^T (X_a e^(G_a - rb)),   rb = G at the last row of i
+    (every factor <= 1). The diagonal block (i, i) splits at the sub-chunk's middle gate rm instead (factors within
+    e^(+-DIAG_SPREAD/2): taken only where every channel of the K-block decays by at most DIAG_SPREAD within the
+    sub-chunk), else runs elementwise per column / row c with E = e^-|G_r - G_c|, which is e^(G_r - G_c) for r >= c
+    and e^(G_c - G_r) for r <= c because G is non-increasing (g <= 0): one exponential serves both sides."""
+    i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
+    L = tl.minimum(eos - t0, BT)
+    NS = tl.cdiv(L, BC)
+    ii = tl.arange(0, BC)
+    ck = i_k * BK + tl.arange(0, BK)
+    cq = i_h * K + ck
+    cg = i_hv * K + ck
+    sq, sg, SA = H * K, HV * K, HV * BT
+    o_db = db + i_k * T_total * HV + i_hv
+    o_dA = dA + i_k * T_total * HV + i_hv
+    s = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the rows after the current sub-chunk
+    for n in range(0, NS):
+        i = NS - 1 - n
+        t_i = t0 + i * BC + ii
+        m_i = t_i < eos
+        q_i = _sub_tile(q, t_i, m_i, cq, sq)
+        k_i = _sub_tile(k, t_i, m_i, cq, sq)
+        G_i = _sub_tile(Gc, t_i, m_i, cg, sg)
+        b_i = tl.load(beta + t_i * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
+        o_i = t_i * SA + i_hv * BT
+        # row side, blocks (i, j < i): r_i += e^(G_i - ra) sum_j dA_ij (k_j e^(ra - G_j)), ra = G at i's first row
+        ra = tl.load(Gc + (t0 + i * BC) * sg + cg)[None, :]
+        aq = tl.zeros([BC, BK], dtype=tl.float32)
+        ak = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in range(0, i):
+            t_j = t0 + j * BC + ii
+            c = _sub_tile(k, t_j, t_j < eos, cq, sq) * tl.exp(ra - _sub_tile(Gc, t_j, t_j < eos, cg, sg))
+            aq = tl.dot(_dA_block(dAqk, o_i, m_i, j * BC + ii), c, aq, input_precision=DPREC)
+            ak = tl.dot(_dA_block(dAkk, o_i, m_i, j * BC + ii), c, ak, input_precision=DPREC)
+        e = tl.where(m_i[:, None], tl.exp(G_i - ra), 0.0)
+        rq = e * aq
+        rk = e * ak
+        # column side, blocks (a > i, i): c_i += e^(rb - G_i) sum_a dA_ai^T (X_a e^(G_a - rb)), rb = G at i's last row
+        rb = tl.load(Gc + tl.minimum(t0 + i * BC + BC - 1, eos - 1) * sg + cg)[None, :]
+        aq = tl.zeros([BC, BK], dtype=tl.float32)
+        ak = tl.zeros([BC, BK], dtype=tl.float32)
+        for a in range(i + 1, NS):
+            t_a = t0 + a * BC + ii
+            m_a = t_a < eos
+            e = tl.where(m_a[:, None], tl.exp(_sub_tile(Gc, t_a, m_a, cg, sg) - rb), 0.0)
+            b_a = tl.load(beta + t_a * HV + i_hv, mask=m_a, other=0.0).to(tl.float32)[:, None]
+            o_a = t_a * SA + i_hv * BT
+            aq = tl.dot(tl.trans(_dA_block(dAqk, o_a, m_a, i * BC + ii)), _sub_tile(q, t_a, m_a, cq, sq) * e, aq,
+                        input_precision=DPREC)
+            ak = tl.dot(tl.trans(_dA_block(dAkk, o_a, m_a, i * BC + ii)), _sub_tile(k, t_a, m_a, cq, sq) * b_a * e,
+                        ak, input_precision=DPREC)
+        e = tl.exp(rb - G_i)
+        cqq = e * aq
+        ckk = e * ak
+        # the diagonal block (i, i): by tensor-core dots split at the sub-chunk's middle gate rm when every channel
+        # of this K-block decays by at most DIAG_SPREAD within it (each factor then within e^(+-DIAG_SPREAD/2)),
+        # else elementwise per column / row c = token t_c
+        g_first = tl.load(Gc + (t0 + i * BC) * sg + cg)
+        g_last = tl.load(Gc + tl.minimum(t0 + i * BC + BC - 1, eos - 1) * sg + cg)
+        if tl.max(g_first - g_last, axis=0) <= DIAG_SPREAD:
+            rm = (0.5 * (g_first + g_last))[None, :]
+            eq = tl.where(m_i[:, None], tl.exp(G_i - rm), 0.0)
+            ek = tl.where(m_i[:, None], tl.exp(rm - G_i), 0.0)
+            Dq = _dA_block(dAqk, o_i, m_i, i * BC + ii)
+            Dk = _dA_block(dAkk, o_i, m_i, i * BC + ii)
+            Dq = tl.where(ii[:, None] >= ii[None, :], Dq, 0.0)
+            Dk = tl.where(ii[:, None] > ii[None, :], Dk, 0.0)
+            kE = k_i * ek
+            rq += eq * tl.dot(Dq, kE, input_precision=DPREC)
+            rk += eq * tl.dot(Dk, kE, input_precision=DPREC)
+            cqq += ek * tl.dot(tl.trans(Dq), q_i * eq, input_precision=DPREC)
+            ckk += ek * tl.dot(tl.trans(Dk), k_i * b_i[:, None] * eq, input_precision=DPREC)
+        else:
+            for c in range(0, tl.minimum(BC, L - i * BC)):
+                t_c = t0 + i * BC + c
+                k_c = tl.load(k + t_c * sq + cq).to(tl.float32)[None, :]
+                q_c = tl.load(q + t_c * sq + cq).to(tl.float32)[None, :]
+                E = tl.exp(-tl.abs(G_i - tl.load(Gc + t_c * sg + cg)[None, :]))
+                d_q = tl.load(dAqk + o_i + i * BC + c, mask=m_i & (ii >= c), other=0.0)  # column c (rows >= c)
+                d_k = tl.load(dAkk + o_i + i * BC + c, mask=m_i & (ii > c), other=0.0)
+                rq += d_q[:, None] * E * k_c
+                rk += d_k[:, None] * E * k_c
+                o_c = t_c * SA + i_hv * BT + i * BC + ii  # row c (columns <= c)
+                d_q = tl.load(dAqk + o_c, mask=ii <= c, other=0.0)
+                d_k = tl.load(dAkk + o_c, mask=ii < c, other=0.0) * tl.load(beta + t_c * HV + i_hv).to(tl.float32)
+                cqq += d_q[:, None] * E * q_c
+                ckk += d_k[:, None] * E * k_c
+        dG = _bwd_sub_add(dq, dk, dg, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
+        s += tl.sum(dG, axis=0)
+        _bwd_sub_dg(dg, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+        tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)

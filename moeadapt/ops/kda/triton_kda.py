@@ -11,10 +11,11 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
 Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
 <= 1) and use tensor-core dots on the six 16x16 block pairs of a chunk (`_fwd_intra`, `_bwd_intra`; Ti by blockwise
-substitution); the diagonal blocks run token-parallel (`_fwd_diag` / `_bwd_diag`, one
-program per token and BH heads) on a stored in-chunk cumsum (`_fwd_gcum`), every exponent <= 0. (Diagonal
-blocks inside the per-chunk kernels, elementwise or by reference-row dots, were 1.9-2x / 10-14% slower on the
-H200, benchmarks/bench_kda.py.)
+substitution). The forward's diagonal blocks run token-parallel (`_fwd_diag`, one program per token and BH heads)
+on a stored in-chunk cumsum (`_fwd_gcum`), every exponent <= 0; the backward's are inside `_bwd_intra`, by
+tensor-core dots split at the sub-chunk's middle row where the gate's decay across the sub-chunk is at most
+KDALaunch.diag_spread (each factor then within e^(+-diag_spread/2)), elementwise where it is larger (that kernel
+with the token-parallel `_bwd_diag` before it was 2.44 vs 1.48 ms on the H200, benchmarks/bench_kda.py).
 
 Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
 `_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; a separate kernel so that `_fwd_intra`
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from ..custom import eager_or_op, impl_or_op
 from ..host import host_tensor
-from .triton_bwd import _bwd_dh, _bwd_diag, _bwd_dv, _bwd_intra, _bwd_wy
+from .triton_bwd import _bwd_dh, _bwd_dv, _bwd_intra, _bwd_wy
 from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 from .triton_l2norm import l2norm_qk
 
@@ -52,8 +53,7 @@ class KDALaunch:
     (`dataclasses.replace(LAUNCH, ...)`) to chunk_kda(..., launch=) to try another one."""
 
     # the per-chunk intra kernels work on 16x16 blocks: few warps win (H200, 1,16384,16,128: _fwd_intra 0.35 ms at
-    # BK 16 / 2 warps vs 0.42-1.26 at 1 / 8 warps or BK 32-64; _bwd_intra 1.57 ms at 1 warp vs 2.0 / 3.4 / 6.2 at
-    # 2 / 4 / 8)
+    # BK 16 / 2 warps vs 0.42-1.26 at 1 / 8 warps or BK 32-64)
     intra_BK: int = 16
     intra_warps: int = 2
     h_BV: int | str = "auto"  # V-block of the state recurrences ("auto": see _state_bv)
@@ -64,10 +64,15 @@ class KDALaunch:
     dv_warps: int = 8
     dv_BV: int = 16
     local_BK: int = 32
-    local_BK2: int = 16
     local_BV: int = 64
     local_warps: int = 8
-    intra2_warps: int = 1
+    # _bwd_intra (K-block local_BK2): 1.48 ms at BK 32 / 2 warps vs 1.57 / 2.19 / 1.64 at 32 / 1, 16 / 2, 16 / 1
+    # (H200, 1,16384,16,128; 5.99 vs 6.61 / 9.06 / 6.88 ms at 8,4096,32,128)
+    local_BK2: int = 32
+    intra2_warps: int = 2
+    # _bwd_intra's diagonal blocks take tensor-core dots where the gate's decay within the sub-chunk is at most
+    # this (every channel of the K-block), elementwise otherwise (negative: always elementwise; 2.81 vs 1.57 ms)
+    diag_spread: float = 64.0
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec: str = "tf32"
@@ -80,7 +85,7 @@ class KDALaunch:
     wu_warps: int = 8
     wu_BK: int = 64
     wu_BV: int = 64
-    BH: int = 16  # heads per program of the token-parallel diagonal kernels
+    BH: int = 16  # heads per program of the token-parallel forward diagonal kernel
     diag_warps: int = 4
 
     def __post_init__(self):
@@ -292,17 +297,12 @@ def _chunk_kda_bwd_impl(
         num_stages=cfg["stages"], num_warps=cfg["local_warps"],
     )
     Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-    db3 = torch.empty(Tt, HV, device=dev, dtype=torch.float32)
-    _bwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-        q, k, Gc, beta, dAqk, dAkk, dq, dk, dg, db3, cu, cidx,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-    )
-    db0 += db3
     dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
     _bwd_intra[(NC, HV, K // BK2)](
         q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
+        DIAG_SPREAD=cfg["diag_spread"],
     )
     del Gc
     dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate else _empty(q)
