@@ -6,7 +6,7 @@ Owns the reverse state recurrence and the per-chunk / token-parallel gradient ke
 import triton
 import triton.language as tl
 
-from .triton_fwd import _chunk_span, _load_g, _state_setup, _store_state, _sub_tile, _tok_setup
+from .triton_fwd import _chunk_span, _load_g, _state_setup, _store_state, _sub_tile
 
 
 @triton.jit
@@ -164,14 +164,6 @@ def _dA_block(A, o_r, m, cols):
 
 
 @triton.jit
-def _dot_t3(a1, x1, a2, x2, a3, x3, DPREC: tl.constexpr):
-    """a1^T x1 + a2^T x2 + a3^T x3 (16x16 blocks a, [16, BK] tiles x)."""
-    acc = tl.dot(tl.trans(a1), x1, input_precision=DPREC)
-    acc = tl.dot(tl.trans(a2), x2, acc, input_precision=DPREC)
-    return tl.dot(tl.trans(a3), x3, acc, input_precision=DPREC)
-
-
-@triton.jit
 def _bwd_sub_add(dq, dk, dg, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
     """One sub-chunk: dq += rq, dk += beta rk + cq + ckk stored; returns dG = (partial dg) + q rq + k (beta rk - cq
     - ckk)."""
@@ -236,8 +228,11 @@ def _bwd_intra(
         G_i = _sub_tile(Gc, t_i, m_i, cg, sg)
         b_i = tl.load(beta + t_i * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
         o_i = t_i * SA + i_hv * BT
+        # G at i's first and last valid rows: the reference rows of both sides and the diagonal block's spread
+        g_first = tl.load(Gc + (t0 + i * BC) * sg + cg)
+        g_last = tl.load(Gc + tl.minimum(t0 + i * BC + BC - 1, eos - 1) * sg + cg)
         # row side, blocks (i, j < i): r_i += e^(G_i - ra) sum_j dA_ij (k_j e^(ra - G_j)), ra = G at i's first row
-        ra = tl.load(Gc + (t0 + i * BC) * sg + cg)[None, :]
+        ra = g_first[None, :]
         aq = tl.zeros([BC, BK], dtype=tl.float32)
         ak = tl.zeros([BC, BK], dtype=tl.float32)
         for j in range(0, i):
@@ -249,7 +244,7 @@ def _bwd_intra(
         rq = e * aq
         rk = e * ak
         # column side, blocks (a > i, i): c_i += e^(rb - G_i) sum_a dA_ai^T (X_a e^(G_a - rb)), rb = G at i's last row
-        rb = tl.load(Gc + tl.minimum(t0 + i * BC + BC - 1, eos - 1) * sg + cg)[None, :]
+        rb = g_last[None, :]
         aq = tl.zeros([BC, BK], dtype=tl.float32)
         ak = tl.zeros([BC, BK], dtype=tl.float32)
         for a in range(i + 1, NS):
@@ -268,8 +263,6 @@ def _bwd_intra(
         # the diagonal block (i, i): by tensor-core dots split at the sub-chunk's middle gate rm when every channel
         # of this K-block decays by at most DIAG_SPREAD within it (each factor then within e^(+-DIAG_SPREAD/2)),
         # else elementwise per column / row c = token t_c
-        g_first = tl.load(Gc + (t0 + i * BC) * sg + cg)
-        g_last = tl.load(Gc + tl.minimum(t0 + i * BC + BC - 1, eos - 1) * sg + cg)
         if tl.max(g_first - g_last, axis=0) <= DIAG_SPREAD:
             rm = (0.5 * (g_first + g_last))[None, :]
             eq = tl.where(m_i[:, None], tl.exp(G_i - rm), 0.0)
