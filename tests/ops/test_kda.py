@@ -261,8 +261,8 @@ def test_triton_mixed_decay(seed):
 
 @needs_triton
 @pytest.mark.parametrize("spread", [-1.0, 1e9])
-def test_triton_bwd_diagonal_paths(seed, spread):
-    """_bwd_intra's diagonal blocks elementwise everywhere (diag_spread < 0) and by split dots everywhere (a bound
+def test_triton_diagonal_paths(seed, spread):
+    """The diagonal blocks of _fwd_intra and _bwd_intra elementwise everywhere (diag_spread < 0) and by split dots everywhere (a bound
     no decay exceeds: at decay 2 every factor stays within e^+-16), odd length and varlen, against float64."""
     from moeadapt.ops.kda.triton_kda import LAUNCH
 
@@ -289,4 +289,4 @@ def test_launch_is_checked():
     from moeadapt.ops.kda.triton_kda import chunk_kda_triton
 
     with pytest.raises(TypeError, match="launch must be a KDALaunch"):
-        chunk_kda_triton(*(inp[n] for n in ("q", "k", "v", "g", "beta")), launch={"BH": 8})
+        chunk_kda_triton(*(inp[n] for n in ("q", "k", "v", "g", "beta")), launch={"intra_BK": 8})

@@ -1,7 +1,7 @@
 """Forward Triton kernels of chunked KDA (see `triton_kda.py` for the math and the wrapper).
 
-Owns the per-chunk intra kernel (G, Akk, Aqk, Ti, w, u, k e^(gam-G), q e^G), the state recurrence,
-the output kernel and the token-parallel diagonal-block kernels. Imports only triton.
+Owns the per-chunk intra kernels (G, Akk, Aqk, Ti; w, u, k e^(gam-G), q e^G), the state recurrence, the output
+kernel and the in-chunk gate cumsum the backward reads. Imports only triton.
 """
 
 import triton
@@ -38,17 +38,57 @@ def _inv_unit_lower(N, eye, PREC: tl.constexpr):
 
 
 @triton.jit
+def _g_sub(g, t, m, cg, sg, A_log, dt_bias, i_hv, ck, carry, K: tl.constexpr, USE_GATE: tl.constexpr):
+    """One sub-chunk's in-chunk cumulative gate G [BC, BK] (carry: the sum of g over the chunk's earlier rows; rows
+    past the end add 0, so there G stays at the last valid row's value) and the carry after it."""
+    x = _load_g(g, t[:, None] * sg + cg[None, :], m[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE)
+    return tl.cumsum(x, axis=0) + carry[None, :], carry + tl.sum(x, axis=0)
+
+
+@triton.jit
+def _row(x, ii, r):
+    """Row r of a [BC, BK] tile, as [BK]."""
+    return tl.sum(tl.where(ii[:, None] == r, x, 0.0), axis=0)
+
+
+@triton.jit
+def _diag_dots(q_a, k_a, G_a, m_a, ii, aq, ak, DPREC: tl.constexpr, DIAG_SPREAD: tl.constexpr, BC: tl.constexpr):
+    """This K-block's share of the diagonal block (a, a): aq += sum_c q_ic k_jc e^(G_ic - G_jc), ak the same with k_i
+    (all i, j; the caller keeps j <= i / j < i). By tensor-core dots split at the sub-chunk's middle gate rm when
+    every channel decays by at most DIAG_SPREAD across the sub-chunk (each factor then within e^(+-DIAG_SPREAD/2)),
+    else column by column with E = e^-|G_i - G_j| (= e^(G_i - G_j) for i >= j: G is non-increasing)."""
+    g_first = _row(G_a, ii, 0)
+    g_last = _row(G_a, ii, BC - 1)
+    if tl.max(g_first - g_last, axis=0) <= DIAG_SPREAD:
+        rm = (0.5 * (g_first + g_last))[None, :]
+        c = tl.trans(tl.where(m_a[:, None], k_a * tl.exp(rm - G_a), 0.0))
+        e = tl.where(m_a[:, None], tl.exp(G_a - rm), 0.0)
+        aq = tl.dot(q_a * e, c, aq, input_precision=DPREC)
+        ak = tl.dot(k_a * e, c, ak, input_precision=DPREC)
+    else:
+        for j in range(0, BC):
+            kE = _row(k_a, ii, j)[None, :] * tl.exp(-tl.abs(G_a - _row(G_a, ii, j)[None, :]))
+            sel = ii[None, :] == j
+            aq += tl.where(sel, tl.sum(q_a * kE, axis=1)[:, None], 0.0)
+            ak += tl.where(sel, tl.sum(k_a * kE, axis=1)[:, None], 0.0)
+    return aq, ak
+
+
+@triton.jit
 def _fwd_intra(
-    q, k, Gc, beta, Aqk, Ti, cu, cidx,
+    q, k, g, beta, Aqk, Ti, cu, cidx, A_log, dt_bias,
     H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, DPREC: tl.constexpr,
+    USE_GATE: tl.constexpr, DIAG_SPREAD: tl.constexpr,
 ):
-    """Per (chunk, head), on the four 16-row sub-chunks 0..3 of the chunk: the six off-diagonal blocks (a > b) of
-    Akk and Aqk by dots split at the reference row r = G at the first row of sub-chunk a,
+    """Per (chunk, head), on the four 16-row sub-chunks 0..3 of the chunk, in two passes over the K-blocks (each
+    taking G, the in-chunk cumsum of g with the gate fused, itself): first the four diagonal blocks of Akk and Aqk
+    (`_diag_dots`; Aqk's stored, D_a = (I + Akk_aa)^-1 kept), then the six off-diagonal blocks (a > b) by dots
+    split at the reference row r = G at the first row of sub-chunk a,
       A_ab = (x_a e^(G_a - r)) (k_b e^(r - G_b))^T    (both factors <= 1),
-    then Ti = (I + Akk)^-1 blockwise. The diagonal blocks were written by the token-parallel `_fwd_diag` (Akk
-    with beta into the Ti buffer, Aqk) and are read back; every 16x16 block of the 64-wide rows is stored (the
-    upper ones as zeros), as `_fwd_wu`, `_fwd_o` and the backward read the rows whole."""
+    and Ti = (I + Akk)^-1 blockwise. Two passes, so that the diagonal blocks' elementwise fallback and the twelve
+    off-diagonal accumulators are not live at once (fewer register spills). Every 16x16 block of the 64-wide rows
+    is stored (the upper ones as zeros), as `_fwd_wu`, `_fwd_o` and the backward read the rows whole."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
@@ -56,29 +96,67 @@ def _fwd_intra(
     ii = tl.arange(0, BC)
     m0, m1, m2, m3 = ii < L, ii + BC < L, ii + 2 * BC < L, ii + 3 * BC < L
     t_0, t_1, t_2, t_3 = t0 + ii, t0 + BC + ii, t0 + 2 * BC + ii, t0 + 3 * BC + ii
-    # reference rows: a sub-chunk's first row, clamped to the last valid one (a sub-chunk past the end has no
-    # valid rows; the clamp keeps every exponent <= 0)
-    r_1, r_2, r_3 = tl.minimum(t0 + BC, eos - 1), tl.minimum(t0 + 2 * BC, eos - 1), tl.minimum(t0 + 3 * BC, eos - 1)
     sq, sg = H * K, HV * K
     zero = tl.zeros([BC, BC], dtype=tl.float32)
+    kz = tl.zeros([BK], dtype=tl.float32)
+    # pass 1: the diagonal blocks
+    q00, q11, q22, q33, k00, k11, k22, k33 = zero, zero, zero, zero, zero, zero, zero, zero
+    for kb in range(0, K, BK):
+        ck = kb + tl.arange(0, BK)
+        cq = i_h * K + ck
+        cg = i_hv * K + ck
+        G_a, s = _g_sub(g, t_0, m0, cg, sg, A_log, dt_bias, i_hv, ck, kz, K, USE_GATE)
+        q00, k00 = _diag_dots(_sub_tile(q, t_0, m0, cq, sq), _sub_tile(k, t_0, m0, cq, sq), G_a, m0, ii, q00, k00,
+                              DPREC, DIAG_SPREAD, BC)
+        G_a, s = _g_sub(g, t_1, m1, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        q11, k11 = _diag_dots(_sub_tile(q, t_1, m1, cq, sq), _sub_tile(k, t_1, m1, cq, sq), G_a, m1, ii, q11, k11,
+                              DPREC, DIAG_SPREAD, BC)
+        G_a, s = _g_sub(g, t_2, m2, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        q22, k22 = _diag_dots(_sub_tile(q, t_2, m2, cq, sq), _sub_tile(k, t_2, m2, cq, sq), G_a, m2, ii, q22, k22,
+                              DPREC, DIAG_SPREAD, BC)
+        G_a, s = _g_sub(g, t_3, m3, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        q33, k33 = _diag_dots(_sub_tile(q, t_3, m3, cq, sq), _sub_tile(k, t_3, m3, cq, sq), G_a, m3, ii, q33, k33,
+                              DPREC, DIAG_SPREAD, BC)
+    # Aqk keeps the diagonal blocks on and below the diagonal, Akk (rows times beta) strictly below
+    SA = HV * BT
+    o_0, o_1, o_2, o_3 = t_0 * SA + i_hv * BT, t_1 * SA + i_hv * BT, t_2 * SA + i_hv * BT, t_3 * SA + i_hv * BT
+    c0, c1, c2, c3 = ii, BC + ii, 2 * BC + ii, 3 * BC + ii
+    low = ii[:, None] >= ii[None, :]
+    slow = ii[:, None] > ii[None, :]
+    tl.store(Aqk + o_0[:, None] + c0[None, :], tl.where(low, q00, 0.0), mask=m0[:, None])
+    tl.store(Aqk + o_1[:, None] + c1[None, :], tl.where(low, q11, 0.0), mask=m1[:, None])
+    tl.store(Aqk + o_2[:, None] + c2[None, :], tl.where(low, q22, 0.0), mask=m2[:, None])
+    tl.store(Aqk + o_3[:, None] + c3[None, :], tl.where(low, q33, 0.0), mask=m3[:, None])
+    b_0 = tl.load(beta + t_0 * HV + i_hv, mask=m0, other=0.0).to(tl.float32)[:, None]
+    b_1 = tl.load(beta + t_1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)[:, None]
+    b_2 = tl.load(beta + t_2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)[:, None]
+    b_3 = tl.load(beta + t_3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)[:, None]
+    eye = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
+    d0 = _inv_unit_lower(tl.where(slow, k00 * b_0, 0.0), eye, PREC)
+    d1 = _inv_unit_lower(tl.where(slow, k11 * b_1, 0.0), eye, PREC)
+    d2 = _inv_unit_lower(tl.where(slow, k22 * b_2, 0.0), eye, PREC)
+    d3 = _inv_unit_lower(tl.where(slow, k33 * b_3, 0.0), eye, PREC)
+    # pass 2: the off-diagonal blocks
     q10, q20, q21, q30, q31, q32 = zero, zero, zero, zero, zero, zero
     k10, k20, k21, k30, k31, k32 = zero, zero, zero, zero, zero, zero
     for kb in range(0, K, BK):
         ck = kb + tl.arange(0, BK)
         cq = i_h * K + ck
         cg = i_hv * K + ck
-        k_0, G_0 = _sub_tile(k, t_0, m0, cq, sq), _sub_tile(Gc, t_0, m0, cg, sg)
-        k_1, G_1 = _sub_tile(k, t_1, m1, cq, sq), _sub_tile(Gc, t_1, m1, cg, sg)
-        k_2, G_2 = _sub_tile(k, t_2, m2, cq, sq), _sub_tile(Gc, t_2, m2, cg, sg)
-        # row sub-chunk 1 against column sub-chunk 0
-        g_r = tl.load(Gc + r_1 * sg + cg)[None, :]
+        G_0, s = _g_sub(g, t_0, m0, cg, sg, A_log, dt_bias, i_hv, ck, kz, K, USE_GATE)
+        G_1, s = _g_sub(g, t_1, m1, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        G_2, s = _g_sub(g, t_2, m2, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        k_0, k_1, k_2 = _sub_tile(k, t_0, m0, cq, sq), _sub_tile(k, t_1, m1, cq, sq), _sub_tile(k, t_2, m2, cq, sq)
+        # row sub-chunk 1 against column sub-chunk 0 (reference: G at sub-chunk 1's first row, or the last valid
+        # row's G where sub-chunk 1 is past the end: every exponent <= 0)
+        g_r = _row(G_1, ii, 0)[None, :]
         e = tl.where(m1[:, None], tl.exp(G_1 - g_r), 0.0)
         qe, ke = _sub_tile(q, t_1, m1, cq, sq) * e, k_1 * e
         c = tl.trans(k_0 * tl.exp(g_r - G_0))
         q10 = tl.dot(qe, c, q10, input_precision=DPREC)
         k10 = tl.dot(ke, c, k10, input_precision=DPREC)
         # row sub-chunk 2 against 0, 1
-        g_r = tl.load(Gc + r_2 * sg + cg)[None, :]
+        g_r = _row(G_2, ii, 0)[None, :]
         e = tl.where(m2[:, None], tl.exp(G_2 - g_r), 0.0)
         qe, ke = _sub_tile(q, t_2, m2, cq, sq) * e, k_2 * e
         c = tl.trans(k_0 * tl.exp(g_r - G_0))
@@ -88,8 +166,9 @@ def _fwd_intra(
         q21 = tl.dot(qe, c, q21, input_precision=DPREC)
         k21 = tl.dot(ke, c, k21, input_precision=DPREC)
         # row sub-chunk 3 against 0, 1, 2
-        g_r = tl.load(Gc + r_3 * sg + cg)[None, :]
-        e = tl.where(m3[:, None], tl.exp(_sub_tile(Gc, t_3, m3, cg, sg) - g_r), 0.0)
+        G_3, s = _g_sub(g, t_3, m3, cg, sg, A_log, dt_bias, i_hv, ck, s, K, USE_GATE)
+        g_r = _row(G_3, ii, 0)[None, :]
+        e = tl.where(m3[:, None], tl.exp(G_3 - g_r), 0.0)
         qe, ke = _sub_tile(q, t_3, m3, cq, sq) * e, _sub_tile(k, t_3, m3, cq, sq) * e
         c = tl.trans(k_0 * tl.exp(g_r - G_0))
         q30 = tl.dot(qe, c, q30, input_precision=DPREC)
@@ -100,32 +179,21 @@ def _fwd_intra(
         c = tl.trans(k_2 * tl.exp(g_r - G_2))
         q32 = tl.dot(qe, c, q32, input_precision=DPREC)
         k32 = tl.dot(ke, c, k32, input_precision=DPREC)
-    # Akk rows carry beta
-    b_1 = tl.load(beta + t_1 * HV + i_hv, mask=m1, other=0.0).to(tl.float32)[:, None]
-    b_2 = tl.load(beta + t_2 * HV + i_hv, mask=m2, other=0.0).to(tl.float32)[:, None]
-    b_3 = tl.load(beta + t_3 * HV + i_hv, mask=m3, other=0.0).to(tl.float32)[:, None]
     k10, k20, k21, k30, k31, k32 = k10 * b_1, k20 * b_2, k21 * b_2, k30 * b_3, k31 * b_3, k32 * b_3
-    # the diagonal blocks (_fwd_diag): Aqk on and below the diagonal, Akk strictly below
-    SA = HV * BT
-    low = ii[:, None] >= ii[None, :]
-    slow = ii[:, None] > ii[None, :]
-    o_0, o_1, o_2, o_3 = t_0 * SA + i_hv * BT, t_1 * SA + i_hv * BT, t_2 * SA + i_hv * BT, t_3 * SA + i_hv * BT
-    c0, c1, c2, c3 = ii, BC + ii, 2 * BC + ii, 3 * BC + ii
-    _store_row_blocks(Aqk, o_0, m0, c0, c1, c2, c3,
-                      tl.load(Aqk + o_0[:, None] + c0[None, :], mask=m0[:, None] & low, other=0.0), zero, zero, zero)
-    _store_row_blocks(Aqk, o_1, m1, c0, c1, c2, c3, q10,
-                      tl.load(Aqk + o_1[:, None] + c1[None, :], mask=m1[:, None] & low, other=0.0), zero, zero)
-    _store_row_blocks(Aqk, o_2, m2, c0, c1, c2, c3, q20, q21,
-                      tl.load(Aqk + o_2[:, None] + c2[None, :], mask=m2[:, None] & low, other=0.0), zero)
-    _store_row_blocks(Aqk, o_3, m3, c0, c1, c2, c3, q30, q31, q32,
-                      tl.load(Aqk + o_3[:, None] + c3[None, :], mask=m3[:, None] & low, other=0.0))
+    tl.store(Aqk + o_0[:, None] + c1[None, :], zero, mask=m0[:, None])
+    tl.store(Aqk + o_0[:, None] + c2[None, :], zero, mask=m0[:, None])
+    tl.store(Aqk + o_0[:, None] + c3[None, :], zero, mask=m0[:, None])
+    tl.store(Aqk + o_1[:, None] + c0[None, :], q10, mask=m1[:, None])
+    tl.store(Aqk + o_1[:, None] + c2[None, :], zero, mask=m1[:, None])
+    tl.store(Aqk + o_1[:, None] + c3[None, :], zero, mask=m1[:, None])
+    tl.store(Aqk + o_2[:, None] + c0[None, :], q20, mask=m2[:, None])
+    tl.store(Aqk + o_2[:, None] + c1[None, :], q21, mask=m2[:, None])
+    tl.store(Aqk + o_2[:, None] + c3[None, :], zero, mask=m2[:, None])
+    tl.store(Aqk + o_3[:, None] + c0[None, :], q30, mask=m3[:, None])
+    tl.store(Aqk + o_3[:, None] + c1[None, :], q31, mask=m3[:, None])
+    tl.store(Aqk + o_3[:, None] + c2[None, :], q32, mask=m3[:, None])
     # Ti = (I + Akk)^-1, block lower triangular: D_a = (I + Akk_aa)^-1 and
     # Ti_ab = -D_a sum_{b <= m < a} Akk_am Ti_mb
-    eye = tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)
-    d0 = _inv_unit_lower(tl.load(Ti + o_0[:, None] + c0[None, :], mask=m0[:, None] & slow, other=0.0), eye, PREC)
-    d1 = _inv_unit_lower(tl.load(Ti + o_1[:, None] + c1[None, :], mask=m1[:, None] & slow, other=0.0), eye, PREC)
-    d2 = _inv_unit_lower(tl.load(Ti + o_2[:, None] + c2[None, :], mask=m2[:, None] & slow, other=0.0), eye, PREC)
-    d3 = _inv_unit_lower(tl.load(Ti + o_3[:, None] + c3[None, :], mask=m3[:, None] & slow, other=0.0), eye, PREC)
     t10 = -tl.dot(d1, tl.dot(k10, d0, input_precision=PREC), input_precision=PREC)
     t21 = -tl.dot(d2, tl.dot(k21, d1, input_precision=PREC), input_precision=PREC)
     t20 = -tl.dot(d2, tl.dot(k21, t10, tl.dot(k20, d0, input_precision=PREC), input_precision=PREC),
@@ -327,42 +395,3 @@ def _chunk_span(cu, cidx, i_c, BT: tl.constexpr):
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     return i_n, bos, eos, bos + i_t * BT
-
-
-@triton.jit
-def _tok_setup(cu, cidx, BT: tl.constexpr, BC: tl.constexpr):
-    """Program (chunk*BT + row) -> (token t, chunk start t0, sub-chunk start s0, sub-chunk end s1, valid)."""
-    p = tl.program_id(0)
-    i_c = p // BT
-    r = p % BT
-    _, _, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
-    t = t0 + r
-    s0 = t0 + (r // BC) * BC
-    s1 = tl.minimum(s0 + BC, eos)
-    return t, t0, s0, s1, t < eos
-
-
-@triton.jit
-def _fwd_diag(
-    q, k, Gc, beta, Aqk, Akk, cu, cidx,
-    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-):
-    """Token-parallel diagonal sub-chunk entries of row t: Aqk[t, j] = sum_c q_t k_j e^(G_t - G_j)
-    (j <= t) and Akk[t, j] = beta_t sum_c k_t k_j e^(G_t - G_j) (j < t), j in t's sub-chunk."""
-    t, t0, s0, s1, valid = _tok_setup(cu, cidx, BT, BC)
-    if valid:
-        o_hv = tl.program_id(1) * BH + tl.arange(0, BH)
-        m_hv = o_hv < HV
-        ck = tl.arange(0, K)
-        p_qk = (o_hv // (HV // H))[:, None] * K + ck[None, :]
-        p_g = o_hv[:, None] * K + ck[None, :]
-        b_q = tl.load(q + t * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
-        b_k = tl.load(k + t * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + t * (HV * K) + p_g, mask=m_hv[:, None], other=0.0)
-        b_beta = tl.load(beta + t * HV + o_hv, mask=m_hv, other=0.0).to(tl.float32)
-        for j in range(s0, t + 1):
-            b_kj = tl.load(k + j * (H * K) + p_qk, mask=m_hv[:, None], other=0.0).to(tl.float32)
-            kE = b_kj * tl.exp(b_G - tl.load(Gc + j * (HV * K) + p_g, mask=m_hv[:, None], other=0.0))
-            o_A = t * (HV * BT) + o_hv * BT + (j - t0)
-            tl.store(Aqk + o_A, tl.sum(b_q * kE, axis=1), mask=m_hv)
-            tl.store(Akk + o_A, tl.sum(b_k * kE, axis=1) * b_beta, mask=m_hv & (o_hv * 0 + j < t))

@@ -11,11 +11,11 @@ in-chunk cumulative gate, gam = G at the chunk's last row, q unscaled:
   d = u - w S,  o = scale (q e^G S + Aqk d),  S <- e^gam S + (k e^(gam-G))^T d
 Off-diagonal BCxBC blocks split e^(G_i-G_j) at a reference row r between i and j (both factors
 <= 1) and use tensor-core dots on the six 16x16 block pairs of a chunk (`_fwd_intra`, `_bwd_intra`; Ti by blockwise
-substitution). The forward's diagonal blocks run token-parallel (`_fwd_diag`, one program per token and BH heads)
-on a stored in-chunk cumsum (`_fwd_gcum`), every exponent <= 0; the backward's are inside `_bwd_intra`, by
-tensor-core dots split at the sub-chunk's middle row where the gate's decay across the sub-chunk is at most
-KDALaunch.diag_spread (each factor then within e^(+-diag_spread/2)), elementwise where it is larger (that kernel
-with the token-parallel `_bwd_diag` before it was 2.44 vs 1.48 ms on the H200, benchmarks/bench_kda.py).
+substitution). The diagonal blocks are inside the same kernels, by tensor-core dots split at the sub-chunk's middle
+row where the gate's decay across the sub-chunk is at most KDALaunch.diag_spread (each factor then within
+e^(+-diag_spread/2)), elementwise where it is larger (H200, benchmarks/bench_kda.py: the backward kernel with the
+token-parallel diagonal kernel it replaced was 2.44 vs 1.48 ms). `_fwd_intra` also takes the in-chunk gate cumsum
+itself; the backward reads it stored (`_fwd_gcum`).
 
 Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
 `_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; a separate kernel so that `_fwd_intra`
@@ -40,7 +40,7 @@ from torch import Tensor
 from ..custom import eager_or_op, impl_or_op
 from ..host import host_tensor
 from .triton_bwd import _bwd_dh, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_diag, _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
+from .triton_fwd import _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 from .triton_l2norm import l2norm_qk
 
 BT = 64
@@ -70,8 +70,9 @@ class KDALaunch:
     # (H200, 1,16384,16,128; 5.99 vs 6.61 / 9.06 / 6.88 ms at 8,4096,32,128)
     local_BK2: int = 32
     intra2_warps: int = 2
-    # _bwd_intra's diagonal blocks take tensor-core dots where the gate's decay within the sub-chunk is at most
-    # this (every channel of the K-block), elementwise otherwise (negative: always elementwise; 2.81 vs 1.57 ms)
+    # the diagonal blocks of _fwd_intra / _bwd_intra take tensor-core dots where the gate's decay within the
+    # sub-chunk is at most this (every channel of the K-block), elementwise otherwise (negative: always elementwise;
+    # _bwd_intra 2.81 vs 1.57 ms)
     diag_spread: float = 64.0
     # tensor-core precision of the intra-chunk A / dA dots for bf16/fp16 inputs (fp32 inputs: ieee);
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
@@ -85,8 +86,6 @@ class KDALaunch:
     wu_warps: int = 8
     wu_BK: int = 64
     wu_BV: int = 64
-    BH: int = 16  # heads per program of the token-parallel forward diagonal kernel
-    diag_warps: int = 4
 
     def __post_init__(self):
         # the canonical string the custom ops take (their arguments are tensors, scalars and strings); not a field
@@ -146,7 +145,6 @@ def _cfg(K, V, dtype, HV, launch: str) -> dict:
     c["DPREC"] = "ieee" if dtype == torch.float32 else c["dot_prec"]
     # float32 tiles pipelined 3 deep overflow sm_90 shared memory (_bwd_dh needs 278528 B > 232448 at K=V=128)
     c["stages"] = c["fp32_stages"] if dtype == torch.float32 else c["stages"]
-    c["BH"] = min(c["BH"], triton.next_power_of_2(HV))
     return c
 
 
@@ -194,17 +192,11 @@ def _chunk_kda_fwd_impl(
     w, kd, qg = (torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) for _ in range(3))
     u = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
     gl = torch.empty(NC, HV, K, device=dev, dtype=torch.float32)
-    Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
-    _fwd_diag[(NC * BT, triton.cdiv(HV, cfg["BH"]))](
-        q, k, Gc, beta, Aqk, Ti, cu, cidx,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BH=cfg["BH"], num_stages=cfg["stages"], num_warps=cfg["diag_warps"],
-    )
     _fwd_intra[(NC, HV)](
-        q, k, Gc, beta, Aqk, Ti, cu, cidx,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"],
-        num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
+        q, k, g, beta, Aqk, Ti, cu, cidx, A32, b32,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=cfg["intra_BK"], PREC=cfg["PREC"], DPREC=cfg["DPREC"], USE_GATE=gate,
+        DIAG_SPREAD=cfg["diag_spread"], num_stages=cfg["stages"], num_warps=cfg["intra_warps"],
     )
-    del Gc
     _fwd_wu[(NC, HV, K // cfg["wu_BK"] + triton.cdiv(V, cfg["wu_BV"]))](
         g, q, k, v, beta, Ti, w, u, kd, qg, gl, cu, cidx, A32, b32,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=cfg["wu_BK"], BV=cfg["wu_BV"], PREC=cfg["PREC"], USE_GATE=gate,
