@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -261,6 +262,13 @@ def sweep(shape):
         dict(dh_split=True),
         dict(dv_BV=32),
         dict(wu_BK=32, wu_BV=32, wu_warps=4),
+        dict(wu_warps=4),
+        dict(o_warps=4),
+        dict(o_BV=32),
+        dict(h_warps=4),
+        dict(dv_warps=4),
+        dict(stages=2),
+        dict(stages=4),
     ]
     best = (float("inf"), {})
     for var in variants:
@@ -330,6 +338,8 @@ def main():
     p.add_argument("--fla-shapes", type=int, default=99, help="run fla on the first N shapes only")
     p.add_argument("--time-limit", type=float, default=240.0, help="start no fla/reference work after this many s")
     p.add_argument("--sweep", action="store_true", help="try launch variants on the first shape first")
+    p.add_argument("--launch", nargs="*", default=[], metavar="NAME=JSON",
+                   help='more variants of ours, e.g. w1=\'{"intra_warps": 1}\' (KDALaunch fields), timed on every shape')
     p.add_argument("--profile", action="store_true", help="per-kernel times on the first shape")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET=1: test this script")
     a = p.parse_args()
@@ -337,7 +347,10 @@ def main():
     if a.dry_run:
         DEV, DRY, LOWP = "cpu", True, torch.float32
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
-    ours = [f"triton:{v}" for v in a.ours.split(",")]
+    for item in a.launch:
+        name, _, spec = item.partition("=")
+        VARIANTS[name] = json.loads(spec)
+    ours = [f"triton:{v}" for v in a.ours.split(",")] + [f"triton:{i.partition('=')[0]}" for i in a.launch]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {DEV if DRY else torch.cuda.get_device_name()}  "
           f"torch {torch.__version__}  triton {triton.__version__}", flush=True)
     have_fla = False

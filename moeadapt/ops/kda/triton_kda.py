@@ -52,20 +52,22 @@ class KDALaunch:
     """Launch parameters of the KDA kernels (block sizes, warps, pipelining). Frozen: pass a changed copy
     (`dataclasses.replace(LAUNCH, ...)`) to chunk_kda(..., launch=) to try another one."""
 
-    # the per-chunk intra kernels work on 16x16 blocks: few warps win (H200, 1,16384,16,128: _fwd_intra 0.35 ms at
-    # BK 16 / 2 warps vs 0.42-1.26 at 1 / 8 warps or BK 32-64)
+    # the per-chunk intra kernels work on 16x16 blocks: few warps win. With the diagonal blocks inside _fwd_intra,
+    # 1 warp (H200, bench_kda.py --launch, one run: fwd 5.49 vs 6.13 ms at 8,4096,32,128, 1.79 vs 1.95 at
+    # 1,16384,16,128); 4 warps everywhere else below beat 8 (fwd+bwd 17.67 vs 18.66 ms at 8,4096,32,128 with
+    # intra_warps 1, 5.09 vs 5.40 at 1,16384,16,128; each of them alone 1-2%)
     intra_BK: int = 16
-    intra_warps: int = 2
+    intra_warps: int = 1
     h_BV: int | str = "auto"  # V-block of the state recurrences ("auto": see _state_bv)
-    h_warps: int = 8
+    h_warps: int = 4
     o_BV: int = 64
-    o_warps: int = 8
-    dh_warps: int = 8
-    dv_warps: int = 8
+    o_warps: int = 4
+    dh_warps: int = 4
+    dv_warps: int = 4
     dv_BV: int = 16
     local_BK: int = 32
     local_BV: int = 64
-    local_warps: int = 8
+    local_warps: int = 4
     # _bwd_intra (K-block local_BK2): 1.48 ms at BK 32 / 2 warps vs 1.57 / 2.19 / 1.64 at 32 / 1, 16 / 2, 16 / 1
     # (H200, 1,16384,16,128; 5.99 vs 6.61 / 9.06 / 6.88 ms at 8,4096,32,128)
     local_BK2: int = 32
@@ -78,12 +80,12 @@ class KDALaunch:
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec: str = "tf32"
     # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
-    # has no spill; _bwd_dh spills more split than whole)
+    # has no spill; _bwd_dh spills more split than whole; whole at 4 warps timed 0.4% slower than split)
     h_split: bool = True
     dh_split: bool = False
     stages: int = 3  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
     fp32_stages: int = 1  # float32 tiles pipelined 3 deep overflow sm_90 shared memory at K = V = 128
-    wu_warps: int = 8
+    wu_warps: int = 4
     wu_BK: int = 64
     wu_BV: int = 64
 
