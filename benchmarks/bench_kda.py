@@ -245,7 +245,7 @@ def sweep(shape):
     args = make(*shape)
     variants = [  # launch knobs around the defaults
         {},
-        dict(intra_warps=1),
+        dict(intra_warps=2),
         dict(intra_warps=4),
         dict(intra_BK=32),
         dict(intra2_warps=1),
@@ -253,20 +253,19 @@ def sweep(shape):
         dict(local_BK2=16),
         dict(local_BK2=16, intra2_warps=1),
         dict(diag_spread=32.0),
-        dict(local_warps=4),
-        dict(dh_warps=4, dv_warps=4),
+        dict(local_warps=8),
+        dict(dh_warps=8, dv_warps=8),
         dict(local_BK=64),
         dict(h_BV=16),
         dict(h_BV=32),
-        dict(h_split=False, h_warps=4),
+        dict(h_split=False),
+        dict(h_warps=8),
         dict(dh_split=True),
         dict(dv_BV=32),
-        dict(wu_BK=32, wu_BV=32, wu_warps=4),
-        dict(wu_warps=4),
-        dict(o_warps=4),
+        dict(wu_BK=32, wu_BV=32),
+        dict(wu_warps=8),
+        dict(o_warps=8),
         dict(o_BV=32),
-        dict(h_warps=4),
-        dict(dv_warps=4),
         dict(stages=2),
         dict(stages=4),
     ]
@@ -347,10 +346,15 @@ def main():
     if a.dry_run:
         DEV, DRY, LOWP = "cpu", True, torch.float32
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
+    names = a.ours.split(",")
     for item in a.launch:
         name, _, spec = item.partition("=")
-        VARIANTS[name] = json.loads(spec)
-    ours = [f"triton:{v}" for v in a.ours.split(",")] + [f"triton:{i.partition('=')[0]}" for i in a.launch]
+        try:
+            VARIANTS[name] = json.loads(spec)
+        except json.JSONDecodeError as e:
+            p.error(f"--launch {item!r}: expected NAME=JSON of KDALaunch fields ({e})")
+        names.append(name)
+    ours = [f"triton:{v}" for v in names]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {DEV if DRY else torch.cuda.get_device_name()}  "
           f"torch {torch.__version__}  triton {triton.__version__}", flush=True)
     have_fla = False

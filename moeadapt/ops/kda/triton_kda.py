@@ -54,8 +54,8 @@ class KDALaunch:
 
     # the per-chunk intra kernels work on 16x16 blocks: few warps win. With the diagonal blocks inside _fwd_intra,
     # 1 warp (H200, bench_kda.py --launch, one run: fwd 5.49 vs 6.13 ms at 8,4096,32,128, 1.79 vs 1.95 at
-    # 1,16384,16,128); 4 warps everywhere else below beat 8 (fwd+bwd 17.67 vs 18.66 ms at 8,4096,32,128 with
-    # intra_warps 1, 5.09 vs 5.40 at 1,16384,16,128; each of them alone 1-2%)
+    # 1,16384,16,128); the h / o / dh / dv / local / wu kernels at 4 warps instead of 8 (fwd+bwd 17.67 vs 18.66 ms
+    # at 8,4096,32,128 with intra_warps 1, 5.09 vs 5.40 at 1,16384,16,128; each of them alone 1-2%)
     intra_BK: int = 16
     intra_warps: int = 1
     h_BV: int | str = "auto"  # V-block of the state recurrences ("auto": see _state_bv)
@@ -80,7 +80,7 @@ class KDALaunch:
     # "tf32x3" is closer to fp32 but made _bwd_intra spill registers in an sm_90 compile (Triton 3.9)
     dot_prec: str = "tf32"
     # _fwd_h / _bwd_dh keep K=128 as two 64-row blocks (sm_90 compile, Triton 3.9: _fwd_h with 8 warps then
-    # has no spill; _bwd_dh spills more split than whole; whole at 4 warps timed 0.4% slower than split)
+    # has no spill; _bwd_dh spills more split than whole; at 4 warps _fwd_h whole and split timed within 0.2%)
     h_split: bool = True
     dh_split: bool = False
     stages: int = 3  # software-pipelining depth of every kernel (Triton's sm_90 default is 3)
