@@ -85,14 +85,15 @@ class GroupedExperts(nn.Module):
 
     def _lean_layers(self, z_TL: torch.Tensor) -> bool:
         """The layer facts lean_lora needs: w1, w3, w2 all grouped LoRA layers with a frozen base in z's dtype,
-        no dropout, backend "auto" or "fused", w1 / w3 with one rank and scaling, w2 owning its [W | Bᵀ] buffer."""
+        no dropout, backend "auto" or "fused", w1 / w3 with one rank and scaling. w2's [W | Bᵀ] buffer is used
+        when it owns one (one process); under FSDP2 (no buffer) lean_lora builds one for the forward GEMM."""
         w1, w3, w2 = self.w1, self.w3, self.w2
         if not all(hasattr(w, "lora_A") and isinstance(w.dropout, nn.Identity) for w in (w1, w3, w2)):
             return False
         if any(w.weight.requires_grad or w.weight.dtype != z_TL.dtype or w.backend not in ("auto", "fused")
                for w in (w1, w3, w2)):
             return False
-        return w1.rank == w3.rank and w1.scaling == w3.scaling and w2.cat_weight(z_TL.dtype) is not None
+        return w1.rank == w3.rank and w1.scaling == w3.scaling
 
     def _folds(self, layers, x: torch.Tensor, n_rows: int) -> bool:
         """Grouped LoRA layers that take fused_lora's folded input passes: each owns a usable [W | Bᵀ] buffer

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
-def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
+def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, lean=False, **spec_kw):
     from moeadapt.config import ParallelSpec
     from moeadapt.models.router import update_expert_bias
     from moeadapt.parallel import build_parallel_dims, clip_grad_norm_, counts_reduce, parallelize_model
@@ -21,6 +21,21 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     spec = micro_spec(**spec_kw)
     pspec = ParallelSpec(**par)
     model = build(spec, lora)
+    lean_calls = []
+    if lean:  # the experts through lean_lora (backend "fused" asks for it off CUDA); under FSDP2 without
+        # w2's [W | Bᵀ] buffer: a temporary one in the forward, the backward on the re-gathered weight
+        from moeadapt.lora.layers import GroupedLoRALinear
+        from moeadapt.ops.moe import lean_lora
+
+        for m in model.modules():
+            if isinstance(m, GroupedLoRALinear):
+                m.backend = "fused"
+        real = lean_lora.lean_lora_experts
+
+        def counted(*a, **k):
+            lean_calls.append(k.get("wcat_d") is None)  # (the reference, a deepcopy, has no buffer either)
+            return real(*a, **k)
+        lean_lora.lean_lora_experts = counted
     if skew:
         skew_router(model)
     x, y = batch(spec, rows, seq)
@@ -34,9 +49,13 @@ def _check_one(rank, world, par, lora, skew=False, rows=8, seq=16, **spec_kw):
     parallelize_model(model, dims)
     per = rows // world
     xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    n_ref = len(lean_calls)
     out = model(xs, ys, return_logits=False)
     (out.loss + out.aux_loss).backward()
-    what = f"{par} lora={lora} skew={skew} rank {rank}"
+    what = f"{par} lora={lora} skew={skew} lean={lean} rank {rank}"
+    if lean:
+        lean_lora.lean_lora_experts = real
+        assert len(lean_calls) > n_ref and all(lean_calls[n_ref:]), f"{what}: FSDP2 did not run lean unbuffered"
     check_against_reference(model, dims, out, world, ref_loss, ref_grads, experts, spec.n_routed_experts, what, TOL)
     total = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1e9, dims)
     assert abs(float(total) - float(ref_total)) < 1e-5 * max(1.0, float(ref_total)), f"{what}: grad norm"
@@ -90,6 +109,7 @@ def _grads_world2(rank, world):
     # experts compute on empty inputs (their gradients must be exactly zero, and present)
     _check_one(rank, world, dict(dp_shard=2, ep=2, a2a_chunks=2), False, skew=True)
     _check_one(rank, world, dict(dp_replicate=2, dp_shard=1, ep=1), False)
+    _check_one(rank, world, dict(dp_shard=2, ep=1), True, lean=True)
 
 
 def test_grads_match_single_process_world4():

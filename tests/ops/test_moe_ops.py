@@ -536,12 +536,13 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
 
 
 @pytest.mark.parametrize("shared,pair", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("dx", ["cat", "split"])
+@pytest.mark.parametrize("dx", ["cat", "split", "no buffer"])
 @pytest.mark.parametrize("triton_passes,col_split", [(True, 1), (True, 3), (False, 1)])
 def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split):
     """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
     against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
-    up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile."""
+    up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile. "no buffer": w2 owns
+    no [W | Bᵀ] buffer (as under FSDP2): a temporary one for the forward, the backward on the weight."""
     from moeadapt.ops.moe import fused_lora, lean_lora, permutation
 
     if triton_passes and not INTERPRET:
@@ -571,8 +572,12 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
     else:
         B_arg = (bg, bu)
     w_arg = (w_gu[:, :Fh].contiguous(), w_gu[:, Fh:].contiguous()) if pair else w_gu  # pair: the model's w1, w3
-    y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
-                                    wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d, dx=dx)
+    if dx == "no buffer":
+        y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s, w_d.transpose(1, 2), ad, bd,
+                                        s_d)
+    else:
+        y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
+                                        wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d, dx=dx)
     z64, a64, bg64, bu64, ad64, bd64 = (_leaf(t, torch.float64) for t in (z_TI, A, B_g, B_u, A_d, B_d))
     y_ref, idx64 = _lean_ref(z64, ids_TK, E, w_gu, a64, bg64, bu64, s, w_d, ad64, bd64, s_d, shared)
     assert torch.equal(idx64, row_index)

@@ -55,6 +55,7 @@ def test_planner_models_the_backend_cuda_auto_picks():
     assert expert_lora_path(FUSED_MIN_ROWS, cuda=False, fused_buffer=True, lean_layers=True) == "triton"
     assert expert_lora_path(FUSED_MIN_ROWS - 1, cuda=True, fused_buffer=True) == "triton"
     assert expert_lora_path(4096, cuda=True, fused_buffer=False) == "torch"
+    assert expert_lora_path(4096, cuda=True, fused_buffer=False, lean_layers=True) == "lean"  # FSDP2: no buffer
     assert expert_lora_path(4096, cuda=True, fused_buffer=False, lean_layers=True, backend="fused") == "lean"
     with pytest.raises(ValueError, match="is not one of"):
         expert_lora_path(4096, cuda=True, fused_buffer=True, backend="reference")
@@ -69,12 +70,13 @@ def test_planner_models_the_backend_cuda_auto_picks():
     # fused: the three fused GEMM outputs; triton: its custom op's outputs y and x A (moeadapt::grouped_lora_fwd),
     # which selective keeps as well
     assert fused.sel - triton.sel == 2 * K * (2 * F + L) - 2 * K * ((2 * F + L) + 3 * 16)
-    no_fsdp = _layer_acc(spec, i, 4096, "kernel", 2, fused_buffer=False, **kw)
-    assert (no_fsdp.none, no_fsdp.sel) == (triton.none, triton.sel)
     # lean_lora (the CUDA default where fused runs): x once instead of w1's and w3's [x | s x A], h two ranks wide,
     # no separate SwiGLU product (acat is w2's [a | s a A])
     lean = _layer_acc(spec, i, 4096, "kernel", 2, expert_lora="lean", **kw)
     assert (auto.none, auto.sel) == (lean.none, lean.sel)
+    # under FSDP (no persistent [W | Bᵀ] buffer) the experts still run lean (a temporary buffer in the forward)
+    fsdp = _layer_acc(spec, i, 4096, "kernel", 2, fused_buffer=False, **kw)
+    assert (fsdp.none, fsdp.sel) == (lean.none, lean.sel)
     R8 = 16  # rank 16, a multiple of 8
     # both keep the SwiGLU inputs w1 / w3 out (2F: the fused SwiGLU recomputes silu); fused keeps each layer's
     # [x | s x A], lean x, h and acat once

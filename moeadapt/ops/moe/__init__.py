@@ -256,8 +256,9 @@ def grouped_lora(
 
         return grouped_lora_triton(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO)
     if be == "torch":
-        h_NR = torch._grouped_mm(x_sorted_NI, A_EIR, offs=offsets_E)
-        y_NO = torch._grouped_mm(h_NR, B_ERO, offs=offsets_E) * scaling
+        # the scaling on the rank-wide h, not on the [N, O] product: one [N, O] pass less each way
+        h_NR = torch._grouped_mm(x_sorted_NI, A_EIR, offs=offsets_E) * scaling
+        y_NO = torch._grouped_mm(h_NR, B_ERO, offs=offsets_E)
         return y_NO if w_EIO is None else torch._grouped_mm(x_sorted_NI, w_EIO, offs=offsets_E) + y_NO
     return grouped_lora_reference(x_sorted_NI, A_EIR, B_ERO, offsets_E, scaling, w_EIO)
 

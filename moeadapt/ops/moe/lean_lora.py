@@ -364,7 +364,8 @@ class _SwiGLUDownFn(torch.autograd.Function):
     The adapters come in their own dtype (fp32): cast here, gradients returned in it (no autograd casts)."""
 
     @staticmethod
-    def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx):
+    def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
+                w_d_EOI=None):
         ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
         Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
         packed = u is None
@@ -379,7 +380,11 @@ class _SwiGLUDownFn(torch.autograd.Function):
         swiglu_lora_in(g_NF, u_NF, hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d, acat_NJ[:, :F], acat_NJ[:, F:])
         y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
         ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed, ctx.dx = scaling_d, F, RD, R, shared, packed, dx
-        ctx.wcat = wcat_EOJ
+        # w_d_EOI (the base weight itself) given: wcat is this call's temporary copy. It is not kept for the
+        # backward, which runs dx "split" on the base weight (under FSDP2 the gathered parameter, which FSDP2
+        # gathers again before this block's backward, as it does for any saved weight)
+        ctx.wcat = wcat_EOJ if w_d_EOI is None else None
+        ctx.w_d = w_d_EOI
         ctx.save_for_backward(acat_NJ, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
         return y_NO
 
@@ -388,9 +393,12 @@ class _SwiGLUDownFn(torch.autograd.Function):
         acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
         s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
         dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
-        with torch.no_grad():
-            wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
-        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True, ctx.dx)
+        if wcat is None:  # no persistent buffer: the base GEMM on the weight + the thin dy·Bᵀ pass
+            da_NF, gd_NR = _dx_parts(dy_NO, ctx.w_d, Bd, offsets_E, F, RD, True, "split")
+        else:
+            with torch.no_grad():
+                wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
+            da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True, ctx.dx)
         if ctx.packed:
             dg = torch.empty_like(g)
             du = None
@@ -407,7 +415,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dBu = kgmm(hu.contiguous(), du_NF, offsets_E, 1.0, tu)
         dAd = kgmm(acat_NJ[:, :F], gd_NR, offsets_E, s_d, ta)
         dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, 1.0, tb)
-        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None
+        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None, None
 
 
 def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
@@ -418,7 +426,9 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     weight: packed [E, 2F, I] (gate first) or a pair (W_gate, W_up) of [E, F, I]; A_EIR [E, I, R] with
     B_gu [E, R, 2F] (one LoRA on the packed projection), or A_EIR [E, I, 2R] = [A_gate | A_up] with
     B_gu = (B_gate, B_up) each [E, R, F] (two LoRAs with the same scaling); w_d_EIO [E, F, L] frozen down weight
-    (a view of wcat_d [E, L, F + RW] when given) with A_d [E, F, R_d], B_d [E, R_d, L].
+    (a view of wcat_d [E, L, F + RW] when given) with A_d [E, F, R_d], B_d [E, R_d, L]. Without wcat_d (the
+    layer owns no buffer: FSDP2) a temporary one serves the forward GEMM, and the backward runs dx "split" on
+    w_d itself, so nothing weight-sized is held until the backward.
     dx: the down projection's backward GEMM, as fused_lora.DX_MODES. Returns y_NL (sorted rows, unweighted)."""
     check_dx(dx)
     pair = isinstance(w_gu_EOI, (tuple, list))
@@ -435,8 +445,10 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     else:
         Bg, Bu = B_gu[:, :, :F], B_gu[:, :, F:]
         R, shared = B_gu.shape[1], True
+    # without the layer's persistent buffer (FSDP2 owns the gathered weight): a temporary one for the forward
+    w_d_EOI = w_d_EIO.detach().transpose(1, 2).to(dt) if wcat_d is None else None
     wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
     y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
     return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
-                               float(scaling_d), wcat_d, shared, R, dx)
+                               float(scaling_d), wcat_d, shared, R, dx, w_d_EOI)

@@ -6,7 +6,9 @@ nothing else decides. Imports nothing (pure arithmetic on what the caller passes
 
 Paths:
   "lean"    ops/moe/lean_lora.py: w1, w3, w2 all LoRA'd, gate/up GEMMs at native width, the rank terms in the
-            gather / SwiGLU passes; wherever the fused GEMM would run and the layers allow it.
+            gather / SwiGLU passes; wherever the fused GEMM would run and the layers allow it. It needs no
+            persistent [W | Bᵀ] buffer (without one, w2's is built for the forward GEMM and the backward runs on
+            the base weight), so it also runs under FSDP2.
   "fused"   ops/moe/fused_lora.py: base + LoRA as one grouped GEMM over the layer's own [W | Bᵀ] buffer.
   "triton"  the Triton grouped LoRA kernel (fewer than FUSED_MIN_ROWS rows per expert, or no buffer).
   "torch"   three torch._grouped_mm per projection (many rows and no buffer).
@@ -32,7 +34,7 @@ def expert_lora_path(rows_per_expert: float, *, cuda: bool, fused_buffer: bool, 
         fused_buffer: the LoRA layer owns its [W | Bᵀ] buffer (one device; not under FSDP, whose sharded /
             gathered weight is no view of it).
         lean_layers: w1, w3 and w2 are all grouped LoRA layers that lean_lora can run (frozen base in the
-            compute dtype, no dropout, w1 / w3 with one rank and scaling, w2 owning its buffer).
+            compute dtype, no dropout, w1 / w3 with one rank and scaling); lean needs no buffer.
         backend: a path the caller forces (a layer's backend "fused", the planner's `expert_lora`), or None
             for "auto". A forced "lean" without lean_layers runs (and saves) as the Triton kernel.
     """
@@ -40,7 +42,7 @@ def expert_lora_path(rows_per_expert: float, *, cuda: bool, fused_buffer: bool, 
         raise ValueError(f"expert LoRA backend={backend!r} is not one of {LORA_BACKENDS} (or None for auto)")
     be = backend
     if be is None:
-        if cuda and fused_buffer and rows_per_expert >= FUSED_MIN_ROWS:
+        if cuda and (fused_buffer or lean_layers) and rows_per_expert >= FUSED_MIN_ROWS:
             be = "fused"
         else:
             be = "triton" if rows_per_expert < TRITON_LORA_MAX_ROWS else "torch"
