@@ -10,6 +10,9 @@ median LoRA ms / median frozen ms - 1 over interleaved rounds (do_bench means, L
         [--bubbles]          host enqueue time vs wall time vs summed kernel time of one step (is it host-bound?)
         [--host-profile]     where the host time goes (Triton launches, cProfile of forward and Python backwards)
         [--router-matmul M]  the router's logit GEMM (ModelSpec.router_matmul: tf32, fp32, bf16)
+        [--no-buffer B ...]  also time the LoRA layer without its [W | Bᵀ] buffers (released as parallelize_model
+                             does before FSDP2 shards the experts), once per expert LoRA backend B (auto, torch,
+                             triton), interleaved with the others: the FSDP2 paths at one GPU's cost
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _wall(fn, warmup=0, rep=0):
     return 1e3 * (time.perf_counter() - t)
 
 
-def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul=None):
+def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul=None, release=False):
     update = dict(hidden_size=D, latent_dim=L, moe_intermediate_size=F, n_routed_experts=E, n_experts_per_tok=K,
                   n_shared_experts=0, capacity_factor=None)
     if router_matmul is not None:  # else ModelSpec's default
@@ -66,6 +69,9 @@ def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul=None):
         for w in (m.experts.w1, m.experts.w3, m.experts.w2):
             w.backend = lora_backend  # "fused": lean_lora.py at any rows per expert (where "auto" picks Triton)
     cast_frozen_(m, torch.bfloat16)
+    if release:  # no [W | Bᵀ] buffers, as under FSDP2 (parallel/parallelize.py)
+        for w in (m.experts.w1, m.experts.w3, m.experts.w2):
+            w.release_cat()
     return m
 
 
@@ -284,6 +290,8 @@ def main():
                     "(default: the ModelSpec default)")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")
+    ap.add_argument("--no-buffer", nargs="*", default=[], metavar="BACKEND",
+                    help="also time LoRA without the [W | Bᵀ] buffers (as under FSDP2), per expert LoRA backend")
     a = ap.parse_args()
     D, L, F = (int(v) for v in a.dims.split(","))
     global DEV
@@ -300,11 +308,14 @@ def main():
         h = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         models = {"frozen": build(E, K, D, L, F, False, router_matmul=a.router_matmul),
                   "lora": build(E, K, D, L, F, True, lora_backend=a.lora_backend, router_matmul=a.router_matmul)}
+        for be in a.no_buffer:
+            models[f"lora_nobuf_{be}"] = build(E, K, D, L, F, True, lora_backend=be, router_matmul=a.router_matmul,
+                                               release=True)
         g_out = torch.randn(1, a.T, D, device=DEV, dtype=torch.bfloat16) / (a.T * D) ** 0.5
         steps = {k: step_fn(m, h, g_out) for k, m in models.items()}
         for s in steps.values():  # compile, warm up
             s()
-        path = {"lora": _lora_path(steps["lora"])}
+        path = {k: _lora_path(s) for k, s in steps.items() if k != "frozen"}
         if a.profile:  # where the model layer's time goes (GPU kernels and host-side syncs), one step each
             for k, s in steps.items():
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -337,6 +348,9 @@ def main():
                    overhead_pct=round(100 * (med["lora"] / med["frozen"] - 1), 1),
                    frozen_rounds=[round(v, 3) for v in ms["frozen"]], lora_rounds=[round(v, 3) for v in ms["lora"]],
                    peak_gib={k: round(v, 2) for k, v in peak.items()})
+        for k in models:
+            if k.startswith("lora_nobuf_"):
+                row[k] = dict(path=path[k], ms=round(med[k], 3), overhead_pct=round(100 * (med[k] / med["frozen"] - 1), 1))
         if bub:
             row["bubbles"] = bub
         print(json.dumps(row), flush=True)

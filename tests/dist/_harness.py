@@ -107,8 +107,16 @@ def full_grads(model, dims) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference(model, x, y, **kw):
+def reference(model, x, y, lora_path: str | None = None, **kw):
+    """The single-process run on a copy; lora_path: every GroupedExperts' path there (e.g. "layers": each
+    expert projection through grouped_lora on its own, a reference for lean_lora)."""
     ref = copy.deepcopy(model)
+    if lora_path is not None:
+        from moeadapt.models.moe import GroupedExperts
+
+        for m in ref.modules():
+            if isinstance(m, GroupedExperts):
+                m.lora_path = lora_path
     out = ref(x, y, return_logits=False, **kw)
     (out.loss + out.aux_loss).backward()
     return ref, float(out.loss), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
