@@ -76,11 +76,13 @@ def counts_reduce(t: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, dims: ParallelDims) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, dims: ParallelDims,
+                    scale: bool = True) -> torch.Tensor:
     """Global L2 norm over dense and expert gradients (both meshes); scales grads in place when above max_norm.
 
     Each element of a gradient lives once per replica, and both meshes are replicated dp_replicate times,
-    so the norm is the all-reduced local sum of squares / dp_replicate."""
+    so the norm is the all-reduced local sum of squares / dp_replicate. scale=False: the norm only (the trainer
+    hands the clip to a fused AdamW as its grad_scale: `train.trainer.clip_divisor`)."""
     local_grads = [local(p.grad) for p in params if p.grad is not None]
     # foreach kernels (a few launches for all gradients, grouped by dtype) rather than ~4 launches per gradient:
     # the step is host-bound under FSDP, and a model has hundreds of trainable tensors
@@ -88,7 +90,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None, dims: Pa
           else torch.zeros((), dtype=torch.float32, device=dims.device))
     dist.all_reduce(sq)
     total = (sq / dims.spec.dp_replicate).sqrt()
-    if max_norm is not None and max_norm > 0:
+    if scale and max_norm is not None and max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in local_grads:

@@ -89,8 +89,9 @@ class DistributedRun:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item() > 0)
 
-    def clip(self, params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-        return clip_grad_norm_(params, max_norm, self.dims)
+    def clip(self, params: list[nn.Parameter], max_norm: float | None, scale: bool = True) -> torch.Tensor:
+        """The global gradient norm; scale: also clip the gradients to max_norm in place. Collective."""
+        return clip_grad_norm_(params, max_norm, self.dims, scale=scale)
 
     def save(self, root, step: int, model, opt, sched, sampler_state: dict):
         return save_distributed(root, step, model, opt, sched, sampler_state, self.dims)
