@@ -103,7 +103,8 @@ def _one_length(T: int, spec, dims, args, device: torch.device) -> dict:
             from profile_step import _triton_families, profile_one
 
             prof = profile_one(step, device, _triton_families())
-            row["profile"] = {k: prof[k] for k in ("families_ms", "total_ms", "top_kernels_ms", "top_ops_ms", "host_ms")}
+            keep = ("families_ms", "total_ms", "top_kernels_ms", "top_ops_ms", "host_ms")
+            row["profile"] = {k: prof[k] for k in keep}
     except torch.OutOfMemoryError:
         row["oom"] = True
     return row

@@ -350,7 +350,8 @@ def main():
                    peak_gib={k: round(v, 2) for k, v in peak.items()})
         for k in models:
             if k.startswith("lora_nobuf_"):
-                row[k] = dict(path=path[k], ms=round(med[k], 3), overhead_pct=round(100 * (med[k] / med["frozen"] - 1), 1))
+                row[k] = dict(path=path[k], ms=round(med[k], 3),
+                              overhead_pct=round(100 * (med[k] / med["frozen"] - 1), 1))
         if bub:
             row["bubbles"] = bub
         print(json.dumps(row), flush=True)

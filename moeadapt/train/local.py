@@ -58,7 +58,7 @@ class LocalRun:
         """The gradient norm; scale: also clip the gradients to max_norm in place."""
         if not scale:
             grads = [p.grad for p in params if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros(())
+            return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
 
     def save(self, root, step: int, model, opt, sched, sampler_state: dict):

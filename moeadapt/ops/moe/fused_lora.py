@@ -356,8 +356,9 @@ def aliases_cat(w_EIO: torch.Tensor, wcat_EOJ: torch.Tensor) -> bool:
 def make_cat_buffer(w_EOI: torch.Tensor, R: int) -> torch.Tensor:
     """A fresh wcat [E, O, I + padded_rank(R)] holding w_EOI in its first I columns, zeros after."""
     E, O, I = w_EOI.shape
-    wcat = torch.zeros(E, O, I + padded_rank(R), dtype=w_EOI.dtype, device=w_EOI.device)
+    wcat = torch.empty(E, O, I + padded_rank(R), dtype=w_EOI.dtype, device=w_EOI.device)
     wcat[:, :, :I].copy_(w_EOI)
+    wcat[:, :, I:].zero_()  # (a whole-buffer fill first would write the weight-sized part twice)
     return wcat
 
 

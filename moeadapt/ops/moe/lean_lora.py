@@ -43,6 +43,7 @@ from .fused_lora import (
     gmm,
     kgmm,
     lora_out,
+    make_cat_buffer,
     padded_rank,
 )
 from .reference import _rows_to_padded, grouped_mm_reference
@@ -445,9 +446,12 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     else:
         Bg, Bu = B_gu[:, :, :F], B_gu[:, :, F:]
         R, shared = B_gu.shape[1], True
-    # without the layer's persistent buffer (FSDP2 owns the gathered weight): a temporary one for the forward
-    w_d_EOI = w_d_EIO.detach().transpose(1, 2).to(dt) if wcat_d is None else None
-    wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
+    if wcat_d is None:  # no persistent buffer (FSDP2 owns the gathered weight): a temporary one for the forward
+        w_d_EOI = w_d_EIO.detach().transpose(1, 2).to(dt)
+        wcat_d = make_cat_buffer(w_d_EOI, A_d.shape[2])
+    else:
+        w_d_EOI = None
+        wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
     y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
     return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
