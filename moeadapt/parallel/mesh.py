@@ -15,6 +15,7 @@ Must not touch the model; parallelize.py applies the meshes to one.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +49,23 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
             kw.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dist.init_process_group(**kw)
     return device
+
+
+def shutdown_distributed(barrier: bool = True) -> None:
+    """Leave the process group so that the process can exit cleanly.
+
+    Gloo's worker threads drop a finished collective's tensors on their own thread, and dropping a tensor
+    that has a Python object needs the GIL. DTensor's caches keep the device meshes, and with them the
+    groups and their threads, alive until the interpreter shuts down; a worker still waiting for the GIL
+    then is killed inside that destructor and the process aborts ("terminate called without an active
+    exception", SIGABRT) after a run that succeeded. The pause below hands the GIL to such a worker while
+    the interpreter is alive (it needs microseconds; 20 ms is several switch intervals)."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.02)
 
 
 def _store_for_this_attempt(timeout: timedelta) -> dist.Store | None:

@@ -17,7 +17,7 @@ from torch import nn
 from ..config import RunConfig
 from .checkpoint import load_distributed, save_distributed
 from .expert import check_capacity
-from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed
+from .mesh import ParallelDims, build_parallel_dims, check_spec, init_distributed, shutdown_distributed
 from .parallelize import clip_grad_norm_, counts_reduce, parallelize_model
 from .sharded_io import export_sharded, gather_adapters, load_init_from
 
@@ -122,5 +122,4 @@ class DistributedRun:
         return plain
 
     def finish(self) -> None:
-        dist.barrier()
-        dist.destroy_process_group()
+        shutdown_distributed()

@@ -26,12 +26,13 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from moeadapt.parallel import init_distributed
+    from moeadapt.parallel.mesh import shutdown_distributed
 
     init_distributed("cpu", timeout_s=float(os.environ.get("MOEADAPT_TEST_TIMEOUT", "120")))
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(barrier=False)  # a rank that raised must not wait for the others
 
 
 def spawn(fn, world: int, *args) -> None:
