@@ -2,7 +2,8 @@
 
 Owns: `parallelize_model` (order: slice experts and swap in the EP dispatcher -> checkpoint blocks ->
 `fully_shard` experts over dp_shard_in_ep, then each block and the root over dp_shard (HSDP when
-dp_replicate > 1)), the gradient-norm clip that spans both meshes, and the router-count all-reduce.
+dp_replicate > 1); a one-rank run is not sharded), the gradient-norm clip that spans both meshes, and the
+router-count all-reduce.
 Mixed precision: bf16 parameters with fp32 gradient reduction on GPU; fp32 throughout on CPU.
 
 Gradient scale: every rank's loss is the mean over its own tokens (under cp: its token-weighted share of its
@@ -38,6 +39,16 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
     tokens_per_forward (this rank's tokens in one forward, the trainer's micro-batch) sizes the EP exchange's
     capacity on every rank alike; None: each EP layer sizes it at its first call."""
     spec = dims.spec
+    if dims.world_size == 1:
+        # FSDP over one rank shards nothing and reduces nothing, yet each block still copies its parameters into
+        # and out of an all-gather buffer and runs FSDP's hooks: the LoRA `small` step took 362 ms under FSDP2
+        # at world 1 vs 234 ms in one process (H200, host-bound; benchmarks/RESULTS.md). A one-rank run keeps
+        # plain parameters and no collective in its step, as one process does (torchtitan likewise applies FSDP
+        # only when dp_shard * cp > 1), and the experts keep their [W | Bᵀ] buffers. DCP checkpoints, sharded
+        # export and `init_from` take a plain tensor as the whole tensor, so a one-rank checkpoint loads at any
+        # world size and back.
+        apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
+        return model
     if spec.cp > 1:  # each rank holds pieces of every sequence; KDA / DSA exchange states and keys
         set_context_parallel(model, dims.cp_layout())
     for m in model.modules():  # the global-batch aux loss counts every rank's tokens

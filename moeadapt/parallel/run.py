@@ -32,11 +32,12 @@ class DistributedRun:
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {e}") from None
         self.dims: ParallelDims = build_parallel_dims(cfg.parallel, cfg.model, self.device)
-        self.counts_reduce = counts_reduce
+        self.counts_reduce = counts_reduce if self.world > 1 else None  # one rank's counts are the batch's
         # The step's verdict is read before its optimizer step under torchrun: reading it one step late, as
         # one process does, made FSDP2 world 1 slower on the H200 (LoRA `small`: 333.7 -> 368.6 and 348.3 ->
         # 386.5 ms/step in two runs, host-bound both ways; benchmarks/RESULTS.md), for a reason not found yet.
-        self.defer_verdict = False
+        # A one-rank run has no FSDP (parallelize_model) and reads it late, as one process does.
+        self.defer_verdict = self.world == 1
         # the ranks of a cp group read the same rows and each keeps its pieces of them (`local_part`)
         self.data_rank, self.data_world = self.dims.dp_rank, self.dims.dp_size
         self.cp_layout = self.dims.cp_layout()
