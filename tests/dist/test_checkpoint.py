@@ -1,5 +1,5 @@
 """DCP checkpoints: save at 4 ranks (ep=4; LoRA at ep=2), resume at 2 ranks (ep=2) and at 1 rank with the same
-losses as the run that went on without stopping; FSDP-sharded experts and their AdamW state are saved and
+losses as the run that went on without stopping; a one-rank (unsharded) checkpoint resumes at 2 ranks; FSDP-sharded experts and their AdamW state are saved and
 loaded (world 4 -> 2) bit exactly without any rank holding more than about its shard."""
 
 from __future__ import annotations
@@ -103,6 +103,34 @@ def test_checkpoint_reshards_across_world_and_ep(tmp_path, monkeypatch):
         assert not list((tmp_path / kind / "ckpt").glob(".*tmp*")), "temporary checkpoint directory left behind"
     spawn(_resume_run, 2, str(tmp_path), dict(dp_shard=2, ep=2))
     _check_memory(tmp_path / "mem")
+
+
+def _save_one_rank(rank, world, root: str):
+    from torch.distributed.tensor import DTensor
+
+    from moeadapt.lora.layers import GroupedLoRALinear
+
+    for lora in (False, True):
+        spec, model, *_ = _setup(dict(dp_shard=1, ep=1), lora)
+        # one rank is not sharded (parallelize_model): plain parameters, experts still on their [W | Bᵀ] buffers
+        assert not any(isinstance(p, DTensor) for p in model.parameters()), "a one-rank run was FSDP-sharded"
+        if lora:
+            cats = [m.cat_weight(torch.float32) for m in model.modules() if isinstance(m, GroupedLoRALinear)]
+            assert cats and all(c is not None for c in cats), "a one-rank run released the experts' buffers"
+        del model
+        _save_one(rank, world, str(Path(root) / ("lora" if lora else "full")), lora, dict(dp_shard=1, ep=1))
+
+
+def test_one_rank_checkpoint_resumes_at_two_ranks(tmp_path):
+    """torchrun with one rank keeps plain parameters (no FSDP); its DCP checkpoint (full and LoRA) resumes on
+    2 ranks (dp_shard=2, ep=2: DTensors, experts split) with the losses of the run that went on."""
+    spawn(_save_one_rank, 1, str(tmp_path))
+    spawn(_resume_plain, 2, str(tmp_path), dict(dp_shard=2, ep=2))
+
+
+def _resume_plain(rank, world, root: str, par: dict):
+    for lora in (False, True):
+        _resume_one(rank, world, str(Path(root) / ("lora" if lora else "full")), lora, par)
 
 
 # the resume on one process (ep=1, experts whole) before a release; in CI test_launch.py's torchrun run resumes a
