@@ -1,6 +1,7 @@
 """DCP checkpoints: save at 4 ranks (ep=4; LoRA at ep=2), resume at 2 ranks (ep=2) and at 1 rank with the same
-losses as the run that went on without stopping; a one-rank (unsharded) checkpoint resumes at 2 ranks; FSDP-sharded experts and their AdamW state are saved and
-loaded (world 4 -> 2) bit exactly without any rank holding more than about its shard."""
+losses as the run that went on without stopping; a one-rank (unsharded) checkpoint resumes at 2 ranks;
+FSDP-sharded experts and their AdamW state are saved and loaded (world 4 -> 2) bit exactly without any rank
+holding more than about its shard."""
 
 from __future__ import annotations
 
