@@ -1,8 +1,9 @@
 """Process-group start-up and the device meshes every other part of parallel/ works on (DESIGN.md §4).
 
 Owns: `init_distributed` (backend by device: gloo on CPU, NCCL on GPU; a finite process-group timeout so
-a dead rank ends the job with an error instead of a hang) and `ParallelDims`, which derives every mesh
-dimension from a `ParallelSpec` and validates it in one place.
+a dead rank ends the job with an error instead of a hang), `shutdown_distributed` (leaving the group so that
+the process exits cleanly) and `ParallelDims`, which derives every mesh dimension from a `ParallelSpec` and
+validates it in one place.
 
 Rank layout (row-major, last dim fastest):
   dense mesh   ("dp_replicate", "dp_shard", "cp")        non-expert parameters (FSDP / HSDP)

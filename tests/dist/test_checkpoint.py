@@ -62,10 +62,10 @@ def _save_run(rank, world, root: str, mem: bool = True):
         _mem_save(rank, world, str(Path(root) / "mem"))
 
 
-def _resume_run(rank, world, root: str, par: dict):
+def _resume_run(rank, world, root: str, par: dict, mem: bool = True):
     for lora in (False, True):
         _resume_one(rank, world, str(Path(root) / ("lora" if lora else "full")), lora, par)
-    if world == 2:
+    if mem and world == 2:
         _mem_load(rank, world, str(Path(root) / "mem"))
 
 
@@ -126,12 +126,7 @@ def test_one_rank_checkpoint_resumes_at_two_ranks(tmp_path):
     """torchrun with one rank keeps plain parameters (no FSDP); its DCP checkpoint (full and LoRA) resumes on
     2 ranks (dp_shard=2, ep=2: DTensors, experts split) with the losses of the run that went on."""
     spawn(_save_one_rank, 1, str(tmp_path))
-    spawn(_resume_plain, 2, str(tmp_path), dict(dp_shard=2, ep=2))
-
-
-def _resume_plain(rank, world, root: str, par: dict):
-    for lora in (False, True):
-        _resume_one(rank, world, str(Path(root) / ("lora" if lora else "full")), lora, par)
+    spawn(_resume_run, 2, str(tmp_path), dict(dp_shard=2, ep=2), False)
 
 
 # the resume on one process (ep=1, experts whole) before a release; in CI test_launch.py's torchrun run resumes a
