@@ -43,7 +43,7 @@ def test_reference_is_the_definition(seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("B,T,C,KW", [(2, 37, 48, 4), (1, 3, 200, 4), (2, 70, 130, 3)])
+@pytest.mark.parametrize("B,T,C,KW", [(2, 37, 48, 4), (1, 3, 200, 4), (2, 70, 130, 3), (1, 300, 40, 4), (2, 45, 24, 5)])
 def test_triton_matches_reference_fwd_bwd(seed, B, T, C, KW):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x64 = torch.randn(B, T, C, dtype=torch.float64)
