@@ -26,6 +26,12 @@ from ..custom import eager_or_op, impl_or_op
 BLOCK_T = 32
 BLOCK_C = 128
 NUM_WARPS = 4
+# The backward's first pass (dpre + weight-gradient partials): each program walks BWD_TIME_BLOCKS consecutive
+# time blocks, so the weight gradient is reduced over time once per program and the partials are 8x fewer.
+BWD_BLOCK_T = 32
+BWD_BLOCK_C = 128
+BWD_NUM_WARPS = 8
+BWD_TIME_BLOCKS = 8
 
 
 @triton.jit
@@ -54,39 +60,73 @@ def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_
 
 @triton.jit
 def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt,
-                           KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
-    """Backward, first pass: dpre = dy * silu'(pre) (pre recomputed from x) stored in fp32 [B, T, C], and this
-    time block's partial weight gradient dw[KW-1-j] = sum_t dpre[t] x[t-j]."""
+                           KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NTB: tl.constexpr,
+                           HAS_POS: tl.constexpr):
+    """Backward, first pass, over NTB consecutive time blocks of BT steps: dpre = dy * silu'(pre) (pre recomputed
+    from x) stored in fp32 [B, T, C], and the program's partial weight gradient dw[KW-1-j] = sum_t dpre[t] x[t-j].
+    With KW <= 4 the products accumulate in [BT, BC] tiles and are reduced over time once per program; a wider
+    kernel reduces per block (the launcher passes NTB = 1 then)."""
     pid_t = tl.program_id(0)
-    t = pid_t * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
     xb = x_ptr + b * s_xb
-    if HAS_POS:
-        pos = tl.load(p_ptr + b * T + t, mask=t < T, other=0)
-    pre = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        tj = t - j
-        m = (tj >= 0) & (tj < T)
+    TILE_ACC: tl.constexpr = KW <= 4
+    a0 = tl.zeros([BT, BC], dtype=tl.float32)
+    a1 = tl.zeros([BT, BC], dtype=tl.float32)
+    a2 = tl.zeros([BT, BC], dtype=tl.float32)
+    a3 = tl.zeros([BT, BC], dtype=tl.float32)
+    for it in range(NTB):
+        t = (pid_t * NTB + it) * BT + tl.arange(0, BT)
         if HAS_POS:
-            m = m & (pos >= j)
-        xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :], other=0.0)
-        wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
-        pre += xv.to(tl.float32) * wv[None, :]
-    om = (t < T)[:, None] & cm[None, :]
-    dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om, other=0.0)
-    sig = tl.sigmoid(pre)
-    dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
-    tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre, mask=om)
-    for j in tl.static_range(KW):  # the same x tiles again (L1 / L2 hits)
-        tj = t - j
-        m = (tj >= 0) & (tj < T)
-        if HAS_POS:
-            m = m & (pos >= j)
-        xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :], other=0.0)
-        row = (b * tl.num_programs(0) + pid_t) * KW + (KW - 1 - j)
-        tl.store(dwp_ptr + row * C + c, tl.sum(dpre * xv.to(tl.float32), axis=0), mask=cm)
+            pos = tl.load(p_ptr + b * T + t, mask=t < T, other=0)
+        pre = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(KW):
+            tj = t - j
+            m = (tj >= 0) & (tj < T)
+            if HAS_POS:
+                m = m & (pos >= j)
+            xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
+                         other=0.0)
+            wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
+            pre += xv.to(tl.float32) * wv[None, :]
+        om = (t < T)[:, None] & cm[None, :]
+        dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om, other=0.0)
+        sig = tl.sigmoid(pre)
+        dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
+        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre, mask=om)
+        for j in tl.static_range(KW):  # the same x tiles again (L1 / L2 hits)
+            tj = t - j
+            m = (tj >= 0) & (tj < T)
+            if HAS_POS:
+                m = m & (pos >= j)
+            xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
+                         other=0.0)
+            prod = dpre * xv.to(tl.float32)
+            if TILE_ACC:
+                if j == 0:
+                    a0 += prod
+                elif j == 1:
+                    a1 += prod
+                elif j == 2:
+                    a2 += prod
+                else:
+                    a3 += prod
+            else:
+                row = (b * tl.num_programs(0) + pid_t) * KW + (KW - 1 - j)
+                tl.store(dwp_ptr + row * C + c, tl.sum(prod, axis=0), mask=cm)
+    if TILE_ACC:
+        for j in tl.static_range(KW):
+            if j == 0:
+                dw = tl.sum(a0, axis=0)
+            elif j == 1:
+                dw = tl.sum(a1, axis=0)
+            elif j == 2:
+                dw = tl.sum(a2, axis=0)
+            else:
+                dw = tl.sum(a3, axis=0)
+            row = (b * tl.num_programs(0) + pid_t) * KW + (KW - 1 - j)
+            tl.store(dwp_ptr + row * C + c, dw, mask=cm)
 
 
 @triton.jit
@@ -139,27 +179,36 @@ def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
-def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
-                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [B, T, C] in x's dtype, dw [C, 1, KW] in w's dtype) of conv_silu_fwd for the output gradient dy."""
+def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+                         block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
+                         time_blocks: int = BWD_TIME_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's programs
+    take `time_blocks` blocks of `block_t` steps x `block_c` channels on `num_warps` warps."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
     KW = w.shape[-1]
+    ntb = time_blocks if KW <= 4 else 1  # tile accumulators for the weight gradient exist up to KW = 4
+    npt = triton.cdiv(T, block_t * ntb)
     dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
-    nt = triton.cdiv(T, BLOCK_T)
-    dw_part = torch.empty((B * nt, KW, C), device=x.device, dtype=torch.float32)
+    dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32)
     if x.numel():
         dpre = torch.empty((B, T, C), device=x.device, dtype=torch.float32)
-        grid = (nt, triton.cdiv(C, BLOCK_C), B)
         pos = x if positions is None else positions
         w = w.contiguous()
-        _conv_silu_dpre_kernel[grid](x, w, dy, dpre, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0),
-                                     dy.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C, HAS_POS=positions is not None,
-                                     num_warps=NUM_WARPS)
-        _conv_dx_kernel[grid](dpre, w, dx, pos, T, C, dx.stride(0), dx.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C,
-                              HAS_POS=positions is not None, num_warps=NUM_WARPS)
+        _conv_silu_dpre_kernel[(npt, triton.cdiv(C, block_c), B)](
+            x, w, dy, dpre, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), KW=KW,
+            BT=block_t, BC=block_c, NTB=ntb, HAS_POS=positions is not None, num_warps=num_warps)
+        _conv_dx_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)](
+            dpre, w, dx, pos, T, C, dx.stride(0), dx.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C,
+            HAS_POS=positions is not None, num_warps=NUM_WARPS)
     dw = dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype)
     return dx, dw
+
+
+def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, C] in x's dtype, dw [C, 1, KW] in w's dtype) of conv_silu_fwd for the output gradient dy."""
+    return conv_silu_bwd_launch(x, w, dy, positions)
 
 
 conv_silu_bwd = torch.library.custom_op("moeadapt::causal_conv_silu_bwd", mutates_args=())(_conv_silu_bwd_impl)
