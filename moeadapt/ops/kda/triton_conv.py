@@ -27,11 +27,11 @@ BLOCK_T = 32
 BLOCK_C = 128
 NUM_WARPS = 4
 # The backward's first pass (dpre + weight-gradient partials): each program walks BWD_TIME_BLOCKS consecutive
-# time blocks of 16 steps x 64 channels, so the weight gradient is reduced over time once per program (128 steps)
+# time blocks of 8 steps x 128 channels, so the weight gradient is reduced over time once per program (64 steps)
 # and the partials are 8x fewer. Tiles of 32 x 128 on 4 warps, or 8 time blocks of 32 x 128 on 8, need more
-# than 255 registers and spill (benchmarks/sm90_check.py); this one takes 140.
-BWD_BLOCK_T = 16
-BWD_BLOCK_C = 64
+# than 255 registers and spill (benchmarks/sm90_check.py); this one takes 143. Sweep: RESULTS.md, KDA section.
+BWD_BLOCK_T = 8
+BWD_BLOCK_C = 128
 BWD_NUM_WARPS = 4
 BWD_TIME_BLOCKS = 8
 
