@@ -14,6 +14,7 @@ launches of its first pass (`conv_silu_bwd_launch`; the defaults are the constan
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -54,8 +55,8 @@ def run_shape(B: int, T: int, C: int, KW: int, dev: str, timed: bool, launches: 
     for spec in launches:
         from moeadapt.ops.kda.triton_conv import conv_silu_bwd_launch
 
-        bt, bc, nw, ntb = (int(v) for v in spec.split(","))
-        fn = lambda: conv_silu_bwd_launch(x, w, dy, None, bt, bc, nw, ntb)  # noqa: E731
+        launch = tuple(int(v) for v in spec.split(","))
+        fn = functools.partial(conv_silu_bwd_launch, x, w, dy, None, *launch)
         ldx, ldw = fn()
         r = {"rel_dx": _rel(ldx, xr.grad), "rel_dw": _rel(ldw, wr.grad)}
         if timed:

@@ -5,7 +5,7 @@ step-level levers switched on one after another in the SAME process (so every ra
 Levers (cumulative, in this order; `--variants` picks a subset by name):
   baseline      the pre-lever step: torch conv1d + transposes for the KDA short convs, logits + F.cross_entropy
                 in fp32, RMSNorm keeping the residual stream's fp32 (each projection casts it again), foreach AdamW
-  +conv         ops.kda.causal_conv_silu: the three short convs + SiLU, one Triton pass each way, no transposes
+  +conv         ops.kda.causal_conv_silu: the three short convs + SiLU in Triton (one pass forward, two backward), no transposes
   +loss         ops.loss.linear_cross_entropy (chunked): no [tokens x vocab] fp32 logits
   +norm_cast    RMSNorm emits the autocast dtype: one cast per norm instead of one per consuming GEMM
   +fused_adamw  torch.optim.AdamW(fused=True)

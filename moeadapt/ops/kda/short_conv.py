@@ -3,7 +3,7 @@
 y[b, t, c] = silu(sum_{i < KW} w[c, 0, i] * x[b, t - (KW - 1) + i, c]), zeros before t = 0 (conv1d with KW - 1
 left padding, first T outputs). The reference is the torch composition the layer used before the fused kernel
 (transpose, grouped conv1d, slice, transpose back, SiLU), differentiable by autograd; the Triton backend
-(`triton_conv.py`) is one pass each way on [B, T, C] with no transposes.
+(`triton_conv.py`) works on [B, T, C] with no transposes: one pass forward, two backward.
 
 Shapes: x [B, T, C] (any strides), w [C, 1, KW] (nn.Conv1d's depthwise layout); y [B, T, C] in x's dtype.
 Packed documents: `positions` [B, T] (each token's position inside its document, models/documents.py) keep a

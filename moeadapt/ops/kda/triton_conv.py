@@ -1,14 +1,16 @@
-"""The KDA layer's short causal depthwise convolution + SiLU as one Triton pass each way, on [B, T, C] directly.
+"""The KDA layer's short causal depthwise convolution + SiLU in Triton, on [B, T, C] directly: one pass forward,
+two backward.
 
 Owns the kernels behind `causal_conv_silu(..., backend="triton")` and their registration as the torch.library
 custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` (so torch.compile and selective activation checkpointing
 see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips the op's dispatch in plain eager
-mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout
-(unit channel stride): no transposes, no padded copy, no separate SiLU pass. Forward saves only x. The backward takes two
-passes: the first recomputes the pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy *
-silu'(pre) in fp32 and per-time-block partial weight gradients (summed by one torch reduction); the second
-computes dx as the transposed conv of dpre (KW shifted reads). One pass that recomputed dpre at each of the KW
-shifts read x KW * KW + KW times per tile and took ~8x the forward's time. Math in fp32, storage in x's dtype.
+mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout (unit channel stride): no
+transposes, no padded copy, no separate SiLU pass. Forward saves only x. Backward pass 1 recomputes the
+pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) in fp32 and the weight
+gradient's partial sums (one row per program, which walks several time blocks; summed by one torch reduction);
+pass 2 computes dx as the transposed conv of dpre (KW shifted reads). A single backward pass that recomputed dpre
+at each of the KW shifts read x KW * KW + KW times per tile and was 1.55x slower (benchmarks/RESULTS.md).
+Math in fp32, storage in x's dtype.
 Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
 j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
 
