@@ -7,7 +7,7 @@ see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips th
 mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout (unit channel stride): no
 transposes, no padded copy, no separate SiLU pass. Forward saves only x. Backward pass 1 recomputes the
 pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) in fp32 and the weight
-gradient's partial sums (one row per program, which walks several time blocks; summed by one torch reduction);
+gradient's partial sums (KW rows per program, which walks several time blocks; summed by one torch reduction);
 pass 2 computes dx as the transposed conv of dpre (KW shifted reads). A single backward pass that recomputed dpre
 at each of the KW shifts read x KW * KW + KW times per tile and was 1.55x slower (benchmarks/RESULTS.md).
 Math in fp32, storage in x's dtype.
@@ -39,24 +39,44 @@ BWD_TIME_BLOCKS = 8
 
 
 @triton.jit
+def _positions(p_ptr, b, t, T, HAS_POS: tl.constexpr):
+    """positions[b, t] of a time block (packed documents), or t itself when there are none (then unused)."""
+    if HAS_POS:
+        return tl.load(p_ptr + b * T + t, mask=t < T, other=0)
+    return t
+
+
+@triton.jit
+def _x_tap(xb, t, j: tl.constexpr, c, cm, T, s_xt, pos, HAS_POS: tl.constexpr):
+    """x[t - j] as an fp32 [BT, BC] tile: zero before t = 0 and, with positions, outside t's document."""
+    tj = t - j
+    m = (tj >= 0) & (tj < T)
+    if HAS_POS:
+        m = m & (pos >= j)
+    return tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre_tile(xb, w_ptr, t, c, cm, T, s_xt, pos, KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+              HAS_POS: tl.constexpr):
+    """The conv's pre-activation of a time block, fp32: sum_j w[KW-1-j] x[t-j] (conv1d with KW-1 left zeros)."""
+    pre = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KW):
+        wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        pre += _x_tap(xb, t, j, c, cm, T, s_xt, pos, HAS_POS) * wv[None, :]
+    return pre
+
+
+@triton.jit
 def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_yt,
                           KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
-    xb = x_ptr + b * s_xb
-    if HAS_POS:
-        pos = tl.load(p_ptr + b * T + t, mask=t < T, other=0)
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):  # y[t] = sum_j w[KW-1-j] x[t-j]: conv1d with KW-1 left zeros, first T outputs
-        tj = t - j
-        m = (tj >= 0) & (tj < T)
-        if HAS_POS:  # x[t-j] is in t's document
-            m = m & (pos >= j)
-        xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :], other=0.0)
-        wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
-        acc += xv.to(tl.float32) * wv[None, :]
+    pos = _positions(p_ptr, b, t, T, HAS_POS)
+    acc = _pre_tile(x_ptr + b * s_xb, w_ptr, t, c, cm, T, s_xt, pos, KW, BT, BC, HAS_POS)
     y = acc * tl.sigmoid(acc)
     om = (t < T)[:, None] & cm[None, :]
     tl.store(y_ptr + b * s_yb + t.to(tl.int64)[:, None] * s_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=om)
@@ -75,6 +95,7 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
     xb = x_ptr + b * s_xb
+    dwp = dwp_ptr + (b * tl.num_programs(0) + pid_t) * KW * C  # this program's KW partial rows
     TILE_ACC: tl.constexpr = KW <= 4
     a0 = tl.zeros([BT, BC], dtype=tl.float32)
     a1 = tl.zeros([BT, BC], dtype=tl.float32)
@@ -82,31 +103,15 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
     a3 = tl.zeros([BT, BC], dtype=tl.float32)
     for it in range(NTB):
         t = (pid_t * NTB + it) * BT + tl.arange(0, BT)
-        if HAS_POS:
-            pos = tl.load(p_ptr + b * T + t, mask=t < T, other=0)
-        pre = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            tj = t - j
-            m = (tj >= 0) & (tj < T)
-            if HAS_POS:
-                m = m & (pos >= j)
-            xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
-                         other=0.0)
-            wv = tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
-            pre += xv.to(tl.float32) * wv[None, :]
+        pos = _positions(p_ptr, b, t, T, HAS_POS)
+        pre = _pre_tile(xb, w_ptr, t, c, cm, T, s_xt, pos, KW, BT, BC, HAS_POS)
         om = (t < T)[:, None] & cm[None, :]
         dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om, other=0.0)
         sig = tl.sigmoid(pre)
         dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
         tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre, mask=om)
         for j in tl.static_range(KW):  # the same x tiles again (L1 / L2 hits)
-            tj = t - j
-            m = (tj >= 0) & (tj < T)
-            if HAS_POS:
-                m = m & (pos >= j)
-            xv = tl.load(xb + tj.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
-                         other=0.0)
-            prod = dpre * xv.to(tl.float32)
+            prod = dpre * _x_tap(xb, t, j, c, cm, T, s_xt, pos, HAS_POS)
             if TILE_ACC:
                 if j == 0:
                     a0 += prod
@@ -117,8 +122,7 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
                 else:
                     a3 += prod
             else:
-                row = (b * tl.num_programs(0) + pid_t) * KW + (KW - 1 - j)
-                tl.store(dwp_ptr + row * C + c, tl.sum(prod, axis=0), mask=cm)
+                tl.store(dwp + (KW - 1 - j) * C + c, tl.sum(prod, axis=0), mask=cm)
     if TILE_ACC:
         for j in tl.static_range(KW):
             if j == 0:
@@ -129,8 +133,7 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
                 dw = tl.sum(a2, axis=0)
             else:
                 dw = tl.sum(a3, axis=0)
-            row = (b * tl.num_programs(0) + pid_t) * KW + (KW - 1 - j)
-            tl.store(dwp_ptr + row * C + c, dw, mask=cm)
+            tl.store(dwp + (KW - 1 - j) * C + c, dw, mask=cm)
 
 
 @triton.jit
