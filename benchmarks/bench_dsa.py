@@ -217,8 +217,21 @@ CHECK_FWD_MORE = {  # --fwd-only: the default walk and the launch shapes that lo
 GLUON_FWD = "gluon_ws"  # the warp-specialised Gluon forward (MLA shape, sm_90), the default where it applies
 _APPLY = tsa.BWD_CONFIG["APPLY_CFG"]
 # backward: name -> (P/dS config, Gluon pass 1); the first is the error reference
+_DENSE = tsa.DENSE_PDS_CONFIG
 CHECK_BWD = {
-    "pds": (dict(tsa.BWD_CONFIG), True),  # the default
+    # the slot pass 2 (one fp32 dk row per selected pair; the default where the dense one does not apply)
+    "slot": ({**tsa.BWD_CONFIG, "DENSE": None}, True),
+    "pds": (dict(tsa.BWD_CONFIG), True),  # the default (dense pass 2 where it applies)
+    # dense pass 2 launch shapes: with no memory cap ("any"), query blocks of 4 / 16, segments of 8 / 64 query blocks, dk chunks of 64 /
+    # 256 channels (8 warps), dq chunks of 64 channels on 4 warps, 2 stages
+    **{f"dense_{n}": ({**tsa.BWD_CONFIG, "DENSE": {**_DENSE, **o}}, True) for n, o in (
+        ("any", {"BYTES": 2**40, "MAX_HEADS": 1024}), ("q4", {"BLOCK_Q": 4}), ("q16", {"BLOCK_Q": 16, "DQ_CFG": {**_DENSE["DQ_CFG"], "BLOCK_C": 64}}),
+        ("seg8", {"SEG": 8}), ("seg64", {"SEG": 64}),
+        ("dk64", {"DK_CFG": {**_DENSE["DK_CFG"], "BLOCK_C": 64}}),
+        ("dk256", {"DK_CFG": {**_DENSE["DK_CFG"], "BLOCK_C": 256, "num_warps": 8}}),
+        ("dq64", {"DQ_CFG": {**_DENSE["DQ_CFG"], "BLOCK_C": 64, "num_warps": 4}}),
+        ("st2", {"DK_CFG": {**_DENSE["DK_CFG"], "num_stages": 2}, "DQ_CFG": {**_DENSE["DQ_CFG"], "num_stages": 2}}),
+    )},
     "pds_triton_p1": (dict(tsa.BWD_CONFIG), False),  # pass 1 by the Triton kernel
     # pass 1 at head blocks of 16 / 32 with 32-key blocks (the default takes 64 there)
     "pds_p1k32": ({**tsa.BWD_CONFIG, "PDS_CFG": {**tsa.BWD_CONFIG["PDS_CFG"], "BLOCK_K_H32": 32}}, True),
@@ -240,21 +253,21 @@ CHECK_BWD = {
 }
 
 
-def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False, bwd_names=None):
-    """SFA and SFAG launch variants at T (LI indices) in one process, each checked against the first one's
-    output; prints a table and the fastest of each."""
+def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False, bwd_names=None, batch=1):
+    """SFA and SFAG launch variants at batch x T (LI indices) in one process, each checked against the first
+    one's output; prints a table and the fastest of each."""
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     fwd_cfgs = {**CHECK_FWD, **(CHECK_FWD_MORE if fwd_only else {}), GLUON_FWD: None}
     bwd_cfgs = {} if fwd_only else {n: c for n, c in CHECK_BWD.items() if not bwd_names or n in bwd_names}
     torch.manual_seed(0)
-    q_idx = torch.randn(1, T, HI, DI, device=dev, dtype=dt)
-    k_idx = torch.randn(1, T, DI, device=dev, dtype=dt)
-    w_idx = torch.randn(1, T, HI, device=dev, dtype=dt) * (HI**-0.5 * DI**-0.5)
+    q_idx = torch.randn(batch, T, HI, DI, device=dev, dtype=dt)
+    k_idx = torch.randn(batch, T, DI, device=dev, dtype=dt)
+    w_idx = torch.randn(batch, T, HI, device=dev, dtype=dt) * (HI**-0.5 * DI**-0.5)
     idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
     del q_idx, k_idx, w_idx
     scale = D**-0.5
-    np_ = pairs(T, TOPK)
-    out = {"T": T, "rows": []}
+    np_ = batch * pairs(T, TOPK)
+    out = {"T": T, "batch": batch, "rows": []}
 
     def rel(a, b):  # max |a - b| / max |b|, a few rows at a time (float copies of [T, 128, 512] need 32 GiB)
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a.split(4096, 1), b.split(4096, 1)))
@@ -267,8 +280,8 @@ def check(log, T=32768, Hs=(128, 64), reps=3, dev="cuda", fwd_only=False, bwd_na
 
     def one(H):  # per head count; its tensors are freed on return
         torch.manual_seed(1)
-        q = torch.randn(1, T, H, D, device=dev, dtype=dt)
-        kv = torch.randn(1, T, 1, D, device=dev, dtype=dt)
+        q = torch.randn(batch, T, H, D, device=dev, dtype=dt)
+        kv = torch.randn(batch, T, 1, D, device=dev, dtype=dt)
         v = kv[..., :DV]
         fl_f, fl_b = 2 * np_ * H * (D + DV), 2 * np_ * H * (3 * D + 2 * DV)
         row = {"H": H}
@@ -436,7 +449,7 @@ def main():
     ap.add_argument("--li", action="store_true", help="the indexer's launch variants (LI_CANDIDATES) "
                     "at each --T and --hi; then exit")
     ap.add_argument("--hi", type=int, nargs="+", default=[HI], help="indexer heads for --li")
-    ap.add_argument("--batch", type=int, default=1, help="batch size for --li")
+    ap.add_argument("--batch", type=int, default=1, help="batch size for --li and --check")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -450,7 +463,7 @@ def main():
     if a.check:
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
-                             fwd_only=a.fwd_only, bwd_names=a.bwd)
+                             fwd_only=a.fwd_only, bwd_names=a.bwd, batch=a.batch)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")

@@ -68,20 +68,22 @@ def _rand_indices(T, topk, g):
     return torch.where(dup, -1, idx).int()
 
 
-@pytest.mark.parametrize("dtype,H,D,DV,shared,pds_bytes,gluon", [
+@pytest.mark.parametrize("dtype,H,D,DV,shared,bwd,gluon", [
     (torch.float32, 8, 96, 64, False, None, True),
-    (torch.bfloat16, 16, 576, 512, True, None, True),
+    (torch.bfloat16, 16, 576, 512, True, None, True),  # the dense pass 2 (the default at <= 32 heads)
+    (torch.bfloat16, 16, 576, 512, True, {"DENSE": None}, True),  # the slot pass 2
+    (torch.bfloat16, 32, 576, 512, True, None, True),
     (torch.bfloat16, 128, 576, 512, True, None, True),  # on sm_90: the Gluon forward and backward pass 1
     (torch.bfloat16, 128, 576, 512, True, None, False),  # the same shape on the Triton kernels
     (torch.bfloat16, 64, 576, 512, True, None, True),
     # the P/dS backward over several row chunks (256 rows, rounded to whole waves: 132 on an
     # H200, last chunk partial): same compiled kernels, ROW0 / NROWS vary
-    (torch.bfloat16, 128, 576, 512, True, 256 * 128 * 128 * 2 * 2, True),
+    (torch.bfloat16, 128, 576, 512, True, {"PDS_BYTES": 256 * 128 * 128 * 2 * 2}, True),
 ])
-def test_sparse_attention_gpu(dtype, H, D, DV, shared, pds_bytes, gluon):
+def test_sparse_attention_gpu(dtype, H, D, DV, shared, bwd, gluon):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
-    bwd_cfg = None if pds_bytes is None else {**tsa.BWD_CONFIG, "PDS_BYTES": pds_bytes}
+    bwd_cfg = None if bwd is None else {**tsa.BWD_CONFIG, **bwd}
     g = torch.Generator(device="cuda").manual_seed(SEED)
     T, topk = 600, 128
     q = torch.randn(1, T, H, D, device="cuda", generator=g).to(dtype)

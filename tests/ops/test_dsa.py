@@ -384,17 +384,24 @@ _BWD_VARIANTS = {
     # pass 2's key block larger than pass 1's: with SKIP, pass 1 leaves slots past its last block unwritten;
     # pass 2 must bound its loads by pass 1's extent (the buffer is NaN-poisoned here, so a read beyond fails)
     "pds_kmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
+    # the dense pass 2 (MLA layout only; the per-head layout takes the slot pass 2): 2-query x 16-key tiles, so T = 45
+    # ends in a partial query block and a partial key block, segments of 3 query blocks (several atomic tiles
+    # per key block), dk / dq channel chunks that end past D
+    "dense": {"SKIP": True, "REVERSE": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16},
+              "DENSE": {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 2, "BLOCK_KEYS": 16, "SEG": 3,
+                        "DK_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+                        "DQ_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1}}},
 }
 
 
 _SFA_VARIANTS = [("full_walk", "pds"), ("dense", "pds"), ("skip_rev", "pds"), ("full_walk", "pds_c32"),
-                 ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"), ("dense", "pds_kmix")]
+                 ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"), ("dense", "pds_kmix"), ("skip_rev", "dense")]
 
 
 # CI: a subset that runs every forward walk and every backward config on the MLA layout, and the multi-chunk pds
 # on the per-head GQA layout too (20-36 s each interpreted); every pair on both layouts before a release
 _SFA_CI = {("mla", "skip_rev", "pds"), ("mla", "full_walk", "pds_c32"), ("mla", "dense", "pds_hmix"),
-           ("mla", "skip_rev", "pds_kmix"), ("gqa_per_head", "full_walk", "pds")}
+           ("mla", "skip_rev", "pds_kmix"), ("gqa_per_head", "full_walk", "pds"), ("mla", "skip_rev", "dense")}
 
 
 @triton_only

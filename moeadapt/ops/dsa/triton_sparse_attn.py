@@ -30,6 +30,14 @@ slice of dk); `_channel_major` weighs the two. No product is computed twice and 
 (MLA's shared latent: ``v = kv[..., :DV]``), each row is read once and dv is folded into dk's buffer; dv
 is then returned as None, which leaves the shared base's gradient unchanged.
 
+Dense pass 2 (DENSE_PDS_CONFIG: one KV head with v = k[..., :DV], a power of two <= 32 query heads, P and dS of
+all rows within 2 GiB, e.g. the `small` preset's B = 2, T = 4096, 16 heads). There the slot pass 2 is bound by
+writing one 576-channel fp32 dk row per selected (query, key) pair. Instead pass 1 writes P and dS at their
+keys' places in a zeroed [B, Tk, T, HQ] buffer and flags each (query block, key block) tile it touched; dk is
+then a dense MMA per key block over the flagged tiles (the (query, head) pairs as the MMA's K, summed before one
+atomic tile per program) and dq one over contiguous K tiles. It relies on a row's indices being distinct (the
+index convention: ascending, -1 padded). At 64 heads it loses (the slot pass 2's MMA already has K = 64).
+
 The launch configurations (FWD_CONFIG, BWD_CONFIG) are read-only constants; the forward and backward take a
 changed copy as an argument (`sparse_attention_triton(..., fwd_cfg=, bwd_cfg=)`). Measured on the H200 with
 benchmarks/bench_dsa.py; variants that lost there (forward flags, a fused one-pass backward, split dq /
@@ -240,15 +248,20 @@ def _sfa_bwd_pds_kernel(
     Q, K, V, IDX, O, DO, LSE, P_, DS_,
     sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, si_t, si_h, so_t, so_h, sl_t, sp_t, sp_h,
     T, G, TOPK, D, DV, NHB, ROW0, NROWS, qk_scale, scale,
+    FLAGS, spd_row, spd_key, NQB, NKB,
     D1: tl.constexpr, D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     V_FROM_K: tl.constexpr, IEEE: tl.constexpr, I64: tl.constexpr,
     SKIP: tl.constexpr, REVERSE: tl.constexpr, TOPK_P2: tl.constexpr, IDX_AHEAD: tl.constexpr,
+    DENSE_OUT: tl.constexpr = False, FQ: tl.constexpr = 1, FK: tl.constexpr = 1, EVEN_H: tl.constexpr = False,
 ):
     """Backward pass 1 of the P/dS path: per (query, head block) recompute P from lse and
     dS = P (dO V^T - delta) * scale over the selected keys and store both ([rows, HQ, TOPK],
     q's dtype) for this chunk of rows. No accumulator: registers hold only [BLOCK_H, BLOCK_K] tiles.
-    Grid (HK * NHB, rows): the head blocks of one query run next to each other (same key rows)."""
+    Grid (HK * NHB, rows): the head blocks of one query run next to each other (same key rows).
+    DENSE_OUT (one KV head): P and dS go to their key's place instead of their slot's ([B, Tk, T, HQ] with
+    strides spd_row (batch) and spd_key, zeroed by the caller; a row's indices are distinct), and FLAGS[b, t // FQ, key // FK] = 1 marks the (query block,
+    key block) tiles that hold a selected pair, for the dense pass 2 to skip the others."""
     local = tl.program_id(1).to(tl.int64)
     if REVERSE:
         local = NROWS - 1 - local
@@ -300,9 +313,17 @@ def _sfa_bwd_pds_kernel(
                         mask=valid[:, None] & mask_dv[None, :], other=0.0)
         dp = _mm(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None]) * scale
-        st_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
-        tl.store(p_base + offs_k[None, :], p.to(P_.dtype.element_ty), mask=st_mask)
-        tl.store(ds_base + offs_k[None, :], ds.to(DS_.dtype.element_ty), mask=st_mask)
+        if DENSE_OUT:
+            # [keys, heads] tiles: a (query, key) pair's heads are contiguous in the dense layout (vector stores)
+            dptr = b * spd_row + rows[:, None] * spd_key + (row - b * T) * G + heads[None, :]
+            st_mask = valid[:, None] & (mask_h[None, :] | EVEN_H)  # EVEN_H: no head mask (vector stores)
+            tl.store(P_ + dptr, tl.trans(p).to(P_.dtype.element_ty), mask=st_mask)
+            tl.store(DS_ + dptr, tl.trans(ds).to(DS_.dtype.element_ty), mask=st_mask)
+            tl.store(FLAGS + ((b * NQB + (row - b * T) // FQ) * NKB + rows // FK), 1, mask=valid)
+        else:
+            st_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
+            tl.store(p_base + offs_k[None, :], p.to(P_.dtype.element_ty), mask=st_mask)
+            tl.store(ds_base + offs_k[None, :], ds.to(DS_.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit(do_not_specialize=["ROW0", "NROWS"])
@@ -386,11 +407,105 @@ def _sfa_bwd_from_pds_kernel(
              mask=mask_h[:, None] & mask_ck[None, :])
 
 
+@triton.jit
+def _sfa_bwd_dense_dk_kernel(
+    Q, DO, P_, DS_, FLAGS, DK,
+    spd_b, spd_key, sdk_b, sdk_t,
+    T, TK, D, DV, NQB, NKB, NC, SEG,
+    HQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_C: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Dense pass 2, dk (one KV head, v = k[..., :DV]): per (key block, channel chunk, segment of SEG query
+    blocks, batch row) dk[keys, c] += dS^T q[:, c] + P^T dO[:, c] over the flagged (query block, key block)
+    tiles of pass 1's dense P / dS ([B, Tk, T * HQ] zero-padded to whole tiles: a tile is a 2-D block, each
+    key's row contiguous, loaded without masks). The
+    MMA's K is the tile's BLOCK_Q x HQ (query, head) pairs, so the pairs sharing a key are summed in registers
+    and each program adds its [BLOCK_KEYS, BLOCK_C] tile to dk once (the slot pass 2 adds one row per selected
+    pair). q and dO are read as [T * HQ, D] rows (contiguous). Offsets are int32 within a batch row and formed
+    per tile from the loop's query block (nothing tile-sized stays live across the loop). Grid (NKB * NC,
+    segments, B): the channel chunks of a key block run side by side and share its P / dS tiles through L2."""
+    pid = tl.program_id(0)
+    c = pid % NC
+    kb = pid // NC
+    seg = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    M: tl.constexpr = BLOCK_Q * HQ
+    p_b = P_ + b * spd_b
+    ds_b = DS_ + b * spd_b
+    q_b = Q + b * T * HQ * D
+    do_b = DO + b * T * HQ * DV
+    keys = kb * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+    mask_key = keys < TK
+    offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_ck = offs_c < D
+    mask_cv = offs_c < DV
+    j = tl.arange(0, M)
+    acc = tl.zeros([BLOCK_KEYS, BLOCK_C], tl.float32)
+    touched = 0
+    for qb in range(seg * SEG, tl.minimum(seg * SEG + SEG, NQB)):
+        if tl.load(FLAGS + (b * NQB + qb) * NKB + kb) != 0:
+            touched += 1
+            col = qb * M + j  # t * HQ + h
+            mask_col = col < T * HQ
+            pd = keys[:, None] * spd_key + col[None, :]  # inside the zero-padded buffer: no mask
+            qc = tl.load(q_b + col[:, None] * D + offs_c[None, :], mask=mask_col[:, None] & mask_ck[None, :],
+                         other=0.0)
+            acc = _mm(tl.load(ds_b + pd), qc, IEEE, acc)
+            if c * BLOCK_C < DV:
+                doc = tl.load(do_b + col[:, None] * DV + offs_c[None, :], mask=mask_col[:, None] & mask_cv[None, :],
+                              other=0.0)
+                acc = _mm(tl.load(p_b + pd), doc, IEEE, acc)
+    if touched > 0:
+        _scatter_add(DK + b * sdk_b + keys[:, None] * sdk_t + offs_c[None, :], acc,
+                     mask_key[:, None] & mask_ck[None, :])
+
+
+@triton.jit
+def _sfa_bwd_dense_dq_kernel(
+    K, DS_, FLAGS, DQ,
+    sk_b, sk_t, spd_b, spd_key,
+    T, TK, D, NQB, NKB, NC,
+    HQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_C: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Dense pass 2, dq: per (query block, channel chunk, batch row) dq[:, c] = dS K[:, c] over the flagged key
+    blocks: dS as a transposed [BLOCK_Q x HQ, BLOCK_KEYS] tile, K as contiguous key tiles (no gather);
+    accumulator [BLOCK_Q x HQ, BLOCK_C] fp32, stored once."""
+    pid = tl.program_id(0)
+    c = pid % NC
+    qb = pid // NC
+    b = tl.program_id(1).to(tl.int64)
+    M: tl.constexpr = BLOCK_Q * HQ
+    ds_b = DS_ + b * spd_b
+    k_b = K + b * sk_b
+    col = qb * M + tl.arange(0, M)
+    mask_col = col < T * HQ
+    offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_ck = offs_c < D
+    acc = tl.zeros([M, BLOCK_C], tl.float32)
+    for kb in range(0, NKB):
+        if tl.load(FLAGS + (b * NQB + qb) * NKB + kb) != 0:
+            keys = kb * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+            mask_key = keys < TK
+            ds = tl.load(ds_b + keys[None, :] * spd_key + col[:, None])  # inside the zero-padded buffer
+            kc = tl.load(k_b + keys[:, None] * sk_t + offs_c[None, :], mask=mask_key[:, None] & mask_ck[None, :],
+                         other=0.0)
+            acc = _mm(ds, kc, IEEE, acc)
+    tl.store(DQ + b * T * HQ * D + col[:, None] * D + offs_c[None, :], acc.to(DQ.dtype.element_ty),
+             mask=mask_col[:, None] & mask_ck[None, :])
+
 # Launch configuration, from the sweeps of benchmarks/bench_dsa.py on an H200 (read-only: pass a changed copy).
 # Forward: BLOCK_H 64 query heads as the MMA's M (wgmma), 64-key blocks, 8 warps, 2 stages; DENSE took it from
 # 291-295 to 294-297 TFLOP/s at T = 32768 (the Gluon kernel replaces it where it applies).
 FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SKIP": True, "REVERSE": True,
               "DENSE": True}
+# Dense pass 2 (one KV head, v = k[..., :DV], P and dS for all rows within BYTES): pass 1 writes P / dS at their
+# key's place in [B * T, Tk, HQ] and flags the touched (BLOCK_Q queries, BLOCK_KEYS keys) tiles; dk sums over a
+# tile's (query, head) pairs in the MMA (programs of SEG query blocks, one atomic tile each), dq reads K as
+# contiguous tiles. It replaces the slot pass 2, whose one dk row per selected pair bounds it at few heads.
+DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16,
+                    "DK_CFG": {"BLOCK_C": 128, "num_warps": 4, "num_stages": 1},
+                    "DQ_CFG": {"BLOCK_C": 128, "num_warps": 8, "num_stages": 1}}
 # Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
 # 128-channel chunk (64 at 64-head blocks: 576 = 9 x 64, -8% at HQ = 64; at 128-head blocks they lose 20%).
 # Pass 1 at head blocks of 16 / 32 (the Gluon pass 1 needs 64): 64-key blocks, 2.34 / 4.89 ms vs 3.08 / 9.66 with
@@ -402,6 +517,7 @@ BWD_CONFIG = {
     "PDS_CFG": {"BLOCK_H": 64, "BLOCK_K": 32, "BLOCK_K_H32": 64, "num_warps": 4, "num_stages": 2},
     "APPLY_CFG": {"BLOCK_H": 128, "BLOCK_K": 64, "BLOCK_C": 128, "BLOCK_C_H64": 64, "num_warps": 4, "num_stages": 3,
                   "CHANNEL_MAJOR": "auto"},
+    "DENSE": DENSE_PDS_CONFIG,
 }
 _POISON_PDS = False  # tests set True: fill the P/dS buffer with NaN before pass 1
 MAX_SKIP_TOPK = 8192  # SKIP reads the index row into registers: cap its length
@@ -561,6 +677,11 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     topk = idx.shape[-1]
     HQ = q.shape[2]
     walk = _walk_args(cfg, topk)  # one SKIP for both passes: pass 2 reads only what pass 1 wrote
+    i64 = max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31
+    dense = _dense_cfg(cfg, q, vk, HK, B, T, k.shape[1])
+    if dense is not None:
+        _backward_dense(q, k, v, idx, si_h, o, do, lse, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, dense, walk, i64)
+        return
     rows_total = B * T
     per_row = HQ * topk * q.element_size() * 2
     nrows = max(1, min(rows_total, 65535, int(cfg.get("PDS_BYTES", 2**30)) // per_row))  # grid y <= 65535
@@ -570,7 +691,6 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     pds = torch.empty(2, nrows, HQ, topk, device=q.device, dtype=q.dtype)
     if _POISON_PDS:  # tests: unwritten slots must never be read (CPU allocations often come back zeroed)
         pds.fill_(float("nan"))
-    i64 = max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31
 
     bk1 = [cfg["PDS_CFG"]["BLOCK_K"]]  # the key block pass 1 ran with (its fallback's, if it fell back)
     # pass 1 by the warp-specialised Gluon kernel where it applies (sm_90, bf16 MLA shapes; 1.23-1.29x the Triton
@@ -586,7 +706,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
             q, k, v, idx, o, do, lse, pds[0], pds[1],
             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), pds.stride(1), pds.stride(2),
-            T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale,
+            T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale, pds, 0, 0, 0, 0,
             D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=bk1[0],
             V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -620,6 +740,59 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         else:
             _with_fallback(lambda c, r=row0, m=n: pass1(c, r, m), cfg["PDS_CFG"], PDS_FALLBACK, "P/dS pass 1")
         _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
+
+
+def _dense_cfg(cfg, q, vk, HK, B, T, Tk) -> dict | None:
+    """The dense pass 2's configuration when it applies: cfg["DENSE"] set, one KV head with v = k[..., :DV], a
+    power-of-two number of query heads up to MAX_HEADS, and P + dS of every row within its BYTES ([B, Tk, T, HQ] each, in q's
+    dtype)."""
+    dense = cfg.get("DENSE")
+    if not dense or HK != 1 or not vk or B * T > 65535:  # pass 1's grid: one program per row on axis 1
+        return None
+    HQ = q.shape[2]
+    if HQ & (HQ - 1) or HQ > dense["MAX_HEADS"]:  # a query's heads as one power-of-two run of a tile's columns
+        return None
+    return dense if 2 * B * T * Tk * q.shape[2] * q.element_size() <= dense["BYTES"] else None
+
+
+def _backward_dense(q, k, v, idx, si_h, o, do, lse, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, dense, walk, i64):
+    """Backward with the dense pass 2: pass 1 (Triton, DENSE_OUT) writes P and dS at their keys' places
+    ([B, Tk, T, HQ], padded) and flags the touched tiles; `_sfa_bwd_dense_dk_kernel` adds dk (+ dv, folded),
+    `_sfa_bwd_dense_dq_kernel` stores dq. q, do and dq are contiguous here (sfa_backward)."""
+    Tk, HQ, topk = k.shape[1], q.shape[2], idx.shape[-1]
+    bq, bkeys = max(dense["BLOCK_Q"], triton.cdiv(16, HQ)), dense["BLOCK_KEYS"]  # the MMA needs >= 16 rows
+    nqb, nkb = triton.cdiv(T, bq), triton.cdiv(Tk, bkeys)
+    # zero-padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked
+    pds = torch.zeros(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
+    flags = torch.zeros(B, nqb, nkb, device=q.device, dtype=torch.int32)
+    spd_b, spd_key = pds.stride(1), pds.stride(2)
+    c = cfg["PDS_CFG"]
+    bh, nhb, _ = _launch_args(c, G, 1, B, T)
+    _sfa_bwd_pds_kernel[(nhb, B * T)](
+        q, k, v, idx, o, do, lse, pds[0], pds[1],
+        q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), 0, 0,
+        T, G, topk, D, DV, nhb, 0, B * T, scale * LOG2E, scale, flags, spd_b, spd_key, nqb, nkb,
+        D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh,
+        BLOCK_K=c.get("BLOCK_K_H32", c["BLOCK_K"]) if bh <= 32 else c["BLOCK_K"],
+        V_FROM_K=True, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+        DENSE_OUT=True, FQ=bq, FK=bkeys, EVEN_H=G % bh == 0, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    ck, cq = dense["DK_CFG"], dense["DQ_CFG"]
+    nck, seg = triton.cdiv(D, ck["BLOCK_C"]), dense["SEG"]
+    _sfa_bwd_dense_dk_kernel[(nkb * nck, triton.cdiv(nqb, seg), B)](
+        q, do, pds[0], pds[1], flags, dk, spd_b, spd_key, dk.stride(0), dk.stride(1),
+        T, Tk, D, DV, nqb, nkb, nck, seg,
+        HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys, BLOCK_C=ck["BLOCK_C"], IEEE=use_ieee(q),
+        num_warps=ck["num_warps"], num_stages=ck["num_stages"],
+    )
+    ncq = triton.cdiv(D, cq["BLOCK_C"])
+    _sfa_bwd_dense_dq_kernel[(nqb * ncq, B)](
+        k, pds[1], flags, dq, k.stride(0), k.stride(1), spd_b, spd_key,
+        T, Tk, D, nqb, nkb, ncq,
+        HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys, BLOCK_C=cq["BLOCK_C"], IEEE=use_ieee(q),
+        num_warps=cq["num_warps"], num_stages=cq["num_stages"],
+    )
 
 
 def _cfg_key(cfg: dict | None) -> str | None:
