@@ -623,6 +623,7 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     f = BACKWARD_GRAD_FACTOR
     dout = t * spec.hidden_size * (4 if f32s else act_bytes)  # gradient of a block's output (residual stream)
     phases = [("forward end", sum(kept), logits, None)]
+    dsa_ws = _dsa_backward_workspace(spec, plan, act_bytes, backend)
     for i, a in enumerate(accs):
         if a.work:  # the layer's largest forward transient, on top of what it saved so far
             n0, s0, sn0 = (t * x for x in a.work_at)
@@ -638,11 +639,25 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
                                n0 + t * a.work + dout * (2 if plan.offload else 1), i))  # + the input brought back
         # backward: the recompute has consumed the selective cache (GEMM outputs backward does not need, e.g.
         # the no_grad indexer scores, are freed after their use); the block holds its full saved set
-        phases.append((f"backward {i}", sum(kept[:i]), f * per[i], i))
+        phases.append((f"backward {i}", sum(kept[:i]), f * per[i] + dsa_ws[i], i))
     # full recompute: the forward's top-k selections stay alive through every phase (kept_selections)
     sel = kept_selections(spec, plan, t) if plan.recompute == "full" else 0.0
     phases = [(name, k + sel, w, i) for name, k, w, i in phases]
     return {"layers": sum(kept) + sel, "phases": phases, "logits": logits, "tokens_per_gpu": t}
+
+
+def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend: str) -> list[float]:
+    """Per layer: the P / dS buffer a DSA layer's Triton sparse-attention backward allocates (kernel backend;
+    `triton_sparse_attn.backward_workspace_bytes`: the dense pass 2's [B, Tk, T, HQ] x 2 where it applies, else a
+    chunk of <= 1 GiB); 0 for other layers and the reference backend (its autograd graph is in the layer's
+    activations). Under context parallelism the keys are the whole sequence, the queries the local share."""
+    if backend != "kernel":
+        return [0.0] * spec.n_layers
+    from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
+
+    mb, seq = plan.micro_batch, plan.seq_len
+    ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
+    return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]
 
 
 def kept_selections(spec: ModelSpec, plan: Plan, t: int) -> float:

@@ -795,6 +795,21 @@ def _backward_dense(q, k, v, idx, si_h, o, do, lse, dq, dk, scale, G, B, T, D, D
     )
 
 
+def backward_workspace_bytes(B: int, T: int, Tk: int, HQ: int, topk: int, elem: int = 2, cfg: dict | None = None,
+                             shared_v: bool = True) -> int:
+    """Bytes the backward allocates for P and dS on top of its inputs and gradients (the planner's DSA backward
+    transient): the dense buffer ([B, Tk, T, HQ] x 2, padded to whole tiles) where the dense pass 2 applies (one KV
+    head, shared_v: v = k[..., :DV]), else one chunk of the slot buffer (<= PDS_BYTES)."""
+    cfg = cfg or BWD_CONFIG
+    dense = cfg.get("DENSE")
+    if dense and shared_v and not HQ & (HQ - 1) and HQ <= dense["MAX_HEADS"] and B * T <= 65535 \
+            and 2 * B * T * Tk * HQ * elem <= dense["BYTES"]:
+        bq = max(dense["BLOCK_Q"], -(-16 // HQ))
+        return 2 * B * (-(-Tk // dense["BLOCK_KEYS"]) * dense["BLOCK_KEYS"]) * (-(-T // bq) * bq) * HQ * elem
+    per_row = HQ * topk * elem * 2
+    return min(B * T, 65535, max(1, int(cfg.get("PDS_BYTES", 2**30)) // per_row)) * per_row
+
+
 def _cfg_key(cfg: dict | None) -> str | None:
     """A launch configuration as the canonical string the custom ops take (None: the defaults)."""
     return None if cfg is None else json.dumps(cfg, sort_keys=True)
