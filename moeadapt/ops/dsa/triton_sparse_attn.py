@@ -260,8 +260,9 @@ def _sfa_bwd_pds_kernel(
     q's dtype) for this chunk of rows. No accumulator: registers hold only [BLOCK_H, BLOCK_K] tiles.
     Grid (HK * NHB, rows): the head blocks of one query run next to each other (same key rows).
     DENSE_OUT (one KV head): P and dS go to their key's place instead of their slot's ([B, Tk, T, HQ] with
-    strides spd_row (batch) and spd_key, zeroed by the caller; a row's indices are distinct), and FLAGS[b, t // FQ, key // FK] = 1 marks the (query block,
-    key block) tiles that hold a selected pair, for the dense pass 2 to skip the others."""
+    strides spd_row (batch) and spd_key, zeroed by the caller; a row's indices are distinct), and
+    FLAGS[b, t // FQ, key // FK] = 1 marks the (query block, key block) tiles that hold a selected pair, for the
+    dense pass 2 to skip the others."""
     local = tl.program_id(1).to(tl.int64)
     if REVERSE:
         local = NROWS - 1 - local
@@ -418,10 +419,9 @@ def _sfa_bwd_dense_dk_kernel(
     """Dense pass 2, dk (one KV head, v = k[..., :DV]): per (key block, channel chunk, segment of SEG query
     blocks, batch row) dk[keys, c] += dS^T q[:, c] + P^T dO[:, c] over the flagged (query block, key block)
     tiles of pass 1's dense P / dS ([B, Tk, T * HQ] zero-padded to whole tiles: a tile is a 2-D block, each
-    key's row contiguous, loaded without masks). The
-    MMA's K is the tile's BLOCK_Q x HQ (query, head) pairs, so the pairs sharing a key are summed in registers
-    and each program adds its [BLOCK_KEYS, BLOCK_C] tile to dk once (the slot pass 2 adds one row per selected
-    pair). q and dO are read as [T * HQ, D] rows (contiguous). Offsets are int32 within a batch row and formed
+    key's row contiguous, loaded without masks). The MMA's K is the tile's BLOCK_Q x HQ (query, head) pairs,
+    so the pairs sharing a key are summed in registers and each program adds its [BLOCK_KEYS, BLOCK_C] tile
+    to dk once (the slot pass 2 adds one row per selected pair). q and dO are read as [T * HQ, D] rows (contiguous). Offsets are int32 within a batch row and formed
     per tile from the loop's query block (nothing tile-sized stays live across the loop). Grid (NKB * NC,
     segments, B): the channel chunks of a key block run side by side and share its P / dS tiles through L2."""
     pid = tl.program_id(0)
