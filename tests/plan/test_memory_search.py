@@ -74,3 +74,24 @@ def test_2p8t_lora_runnable_plan_without_cp():
     names = [r["plan"] if "plan" in r else r["name"] for r in out["feasible"]]
     assert any("EP64" in n and "cp" not in n for n in names), names
     assert api.plan("hybrid-2.8t", 128, "32GiB", lora=True, seq_len=2048, micro_batch=1, quiet=True)["n_feasible"] == 0
+
+
+def test_dsa_backward_workspace_in_the_planner(monkeypatch):
+    """The P / dS buffer of the Triton sparse-attention backward: the dense pass 2's [B, Tk, T, HQ] x 2 at <= 32
+    heads within 2 GiB, else one slot chunk; the planner adds it to each DSA layer's backward phase only."""
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+    from moeadapt.plan import memory as mem
+
+    assert tsa.backward_workspace_bytes(2, 4096, 4096, 16, 2048) == 2 * 2 * 4096 * 4096 * 16 * 2  # dense, 2 GiB
+    assert tsa.backward_workspace_bytes(2, 4100, 4100, 16, 2048) == min(8200, 2**30 // (16 * 2048 * 4)) * 16 * 2048 * 4
+    assert tsa.backward_workspace_bytes(2, 4096, 4096, 64, 2048) == 2**30  # 64 heads: the slot chunk (1 GiB)
+    assert tsa.backward_workspace_bytes(1, 40, 40, 4, 24, 4) == 2 * 64 * 40 * 4 * 4  # keys padded to 64, queries to 8
+    spec = get_preset("small")
+    plan = Plan(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
+    types = spec.resolved_layer_types()
+    ws = mem._dsa_backward_workspace(spec, plan, 2, "kernel")
+    assert [w > 0 for w in ws] == [k == "dsa" for k in types] and max(ws) == 2**31
+    monkeypatch.setattr(tsa, "backward_workspace_bytes", lambda *a, **k: 10 * 2**40)
+    huge = memory_breakdown(spec, plan, LoRASpec(rank=16))
+    assert huge["peak_phase"].startswith("backward") and types[int(huge["peak_phase"].split()[1])] == "dsa"
+    assert mem._dsa_backward_workspace(spec, plan, 2, "reference") == [0.0] * spec.n_layers

@@ -316,11 +316,12 @@ def _sfa_bwd_pds_kernel(
         ds = p * (dp - delta[:, None]) * scale
         if DENSE_OUT:
             # [keys, heads] tiles: a (query, key) pair's heads are contiguous in the dense layout (vector stores)
-            dptr = b * spd_row + rows[:, None] * spd_key + (row - b * T) * G + heads[None, :]
+            t = row - b * T
+            dptr = b * spd_row + rows[:, None] * spd_key + t * G + heads[None, :]
             st_mask = valid[:, None] & (mask_h[None, :] | EVEN_H)  # EVEN_H: no head mask (vector stores)
             tl.store(P_ + dptr, tl.trans(p).to(P_.dtype.element_ty), mask=st_mask)
             tl.store(DS_ + dptr, tl.trans(ds).to(DS_.dtype.element_ty), mask=st_mask)
-            tl.store(FLAGS + ((b * NQB + (row - b * T) // FQ) * NKB + rows // FK), 1, mask=valid)
+            tl.store(FLAGS + ((b * NQB + t // FQ) * NKB + rows // FK), 1, mask=valid)
         else:
             st_mask = mask_h[:, None] & (offs_k < TOPK)[None, :]
             tl.store(p_base + offs_k[None, :], p.to(P_.dtype.element_ty), mask=st_mask)
@@ -671,20 +672,65 @@ def _channel_major(mode, dk, vk, nc, HQ, HK, D, DV) -> bool:
     return saved > added
 
 
+def _slot_rows(cfg, B, T, HQ, topk, elem) -> int:
+    """Rows of one slot P / dS chunk ([rows, HQ, topk] x 2 within PDS_BYTES; grid y <= 65535)."""
+    per_row = HQ * topk * elem * 2
+    return max(1, min(B * T, 65535, int(cfg.get("PDS_BYTES", 2**30)) // per_row))
+
+
+def _dense_tiles(cfg, B, T, Tk, HQ, elem, mla) -> tuple[int, int, int, int] | None:
+    """(query block, key block, query blocks, key blocks) of the dense pass 2 where it applies, else None: cfg["DENSE"]
+    set, mla (one KV head with v = k[..., :DV]), a power-of-two number of query heads up to MAX_HEADS (a query's
+    heads are one run of a tile's columns), B * T <= 65535 (pass 1's grid axis 1) and P + dS of every row
+    ([B, Tk, T, HQ] each) within BYTES."""
+    dense = cfg.get("DENSE")
+    if not dense or not mla or B * T > 65535 or HQ & (HQ - 1) or HQ > dense["MAX_HEADS"]:
+        return None
+    if 2 * B * T * Tk * HQ * elem > dense["BYTES"]:
+        return None
+    bq, bkeys = max(dense["BLOCK_Q"], triton.cdiv(16, HQ)), dense["BLOCK_KEYS"]  # the MMA needs >= 16 rows
+    return bq, bkeys, triton.cdiv(T, bq), triton.cdiv(Tk, bkeys)
+
+
+def _pass1(c, q, k, v, idx, si_h, o, do, lse, p, ds, G, HK, B, T, D, DV, d1, d2, vk, i64, walk, scale, row0, n,
+           dense_out=None) -> int:
+    """Launch the Triton pass 1 for rows [row0, row0 + n) into the slot buffers p / ds ([rows, HQ, topk]) or, with
+    dense_out = (flags, query block, key block, query blocks, key blocks), the dense ones ([B, Tk, T, HQ]);
+    returns the key block it ran with (head blocks of <= 32: BLOCK_K_H32, else BLOCK_K)."""
+    bh, nhb, _ = _launch_args(c, G, HK, B, T)
+    bk = c.get("BLOCK_K_H32", c["BLOCK_K"]) if bh <= 32 else c["BLOCK_K"]
+    flags, fq, fk, nqb, nkb = dense_out or (p, 1, 1, 0, 0)
+    sp = (0, 0) if dense_out else (p.stride(0), p.stride(1))  # slot strides (row, head)
+    spd = (p.stride(0), p.stride(1)) if dense_out else (0, 0)  # dense strides (batch, key)
+    _launch(
+        _sfa_bwd_pds_kernel, (HK * nhb, n),
+        q, k, v, idx, o, do, lse, p, ds,
+        q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), *sp,
+        T, G, idx.shape[-1], D, DV, nhb, row0, n, scale * LOG2E, scale, flags, *spd, nqb, nkb,
+        D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=bk,
+        V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
+        DENSE_OUT=dense_out is not None, FQ=fq, FK=fk, EVEN_H=dense_out is not None and G % bh == 0,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return bk
+
+
 def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, B, T, D, DV, d1, d2, cfg, gluon):
     """P/dS backward: pass 1 stores P and dS for a chunk of rows (at most PDS_BYTES),
-    pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics)."""
+    pass 2 turns them into dq (owned per program: deterministic) and dk/dv (fp32 atomics);
+    the dense pass 2 (`_backward_dense`) where it applies."""
     topk = idx.shape[-1]
     HQ = q.shape[2]
     walk = _walk_args(cfg, topk)  # one SKIP for both passes: pass 2 reads only what pass 1 wrote
     i64 = max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31
-    dense = _dense_cfg(cfg, q, vk, HK, B, T, k.shape[1])
-    if dense is not None:
-        _backward_dense(q, k, v, idx, si_h, o, do, lse, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, dense, walk, i64)
+    p1 = (q, k, v, idx, si_h, o, do, lse)
+    tiles = _dense_tiles(cfg, B, T, k.shape[1], HQ, q.element_size(), HK == 1 and vk)
+    if tiles is not None:
+        _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk, i64)
         return
     rows_total = B * T
-    per_row = HQ * topk * q.element_size() * 2
-    nrows = max(1, min(rows_total, 65535, int(cfg.get("PDS_BYTES", 2**30)) // per_row))  # grid y <= 65535
+    nrows = _slot_rows(cfg, B, T, HQ, topk, q.element_size())
     if nrows < rows_total and q.is_cuda:  # whole waves of pass 1 (one program per SM) in every chunk
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         nrows = max(nrows // sms * sms, min(sms, rows_total))
@@ -698,19 +744,7 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
     gws = _gluon_module(q, k, v, idx, gluon) if walk["SKIP"] else None
 
     def pass1(c, row0, n):
-        bh, nhb, _ = _launch_args(c, G, HK, B, T)
-        # head blocks of <= 32 (16 / 32 query heads per KV head): 64-key blocks, else BLOCK_K
-        bk1[0] = c.get("BLOCK_K_H32", c["BLOCK_K"]) if bh <= 32 else c["BLOCK_K"]
-        _launch(
-            _sfa_bwd_pds_kernel, (HK * nhb, n),
-            q, k, v, idx, o, do, lse, pds[0], pds[1],
-            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), pds.stride(1), pds.stride(2),
-            T, G, topk, D, DV, nhb, row0, n, scale * LOG2E, scale, pds, 0, 0, 0, 0,
-            D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh, BLOCK_K=bk1[0],
-            V_FROM_K=vk, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
-            num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
+        bk1[0] = _pass1(c, *p1, pds[0], pds[1], G, HK, B, T, D, DV, d1, d2, vk, i64, walk, scale, row0, n)
 
     def pass2(c, row0, n):
         bh, nhb, _ = _launch_args(c, G, HK, B, T)
@@ -742,44 +776,21 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
-def _dense_cfg(cfg, q, vk, HK, B, T, Tk) -> dict | None:
-    """The dense pass 2's configuration when it applies: cfg["DENSE"] set, one KV head with v = k[..., :DV], a
-    power-of-two number of query heads up to MAX_HEADS, and P + dS of every row within its BYTES ([B, Tk, T, HQ] each, in q's
-    dtype)."""
-    dense = cfg.get("DENSE")
-    if not dense or HK != 1 or not vk or B * T > 65535:  # pass 1's grid: one program per row on axis 1
-        return None
-    HQ = q.shape[2]
-    if HQ & (HQ - 1) or HQ > dense["MAX_HEADS"]:  # a query's heads as one power-of-two run of a tile's columns
-        return None
-    return dense if 2 * B * T * Tk * q.shape[2] * q.element_size() <= dense["BYTES"] else None
-
-
-def _backward_dense(q, k, v, idx, si_h, o, do, lse, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, dense, walk, i64):
-    """Backward with the dense pass 2: pass 1 (Triton, DENSE_OUT) writes P and dS at their keys' places
+def _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk, i64):
+    """Backward with the dense pass 2: pass 1 (Triton, dense_out) writes P and dS at their keys' places
     ([B, Tk, T, HQ], padded) and flags the touched tiles; `_sfa_bwd_dense_dk_kernel` adds dk (+ dv, folded),
     `_sfa_bwd_dense_dq_kernel` stores dq. q, do and dq are contiguous here (sfa_backward)."""
-    Tk, HQ, topk = k.shape[1], q.shape[2], idx.shape[-1]
-    bq, bkeys = max(dense["BLOCK_Q"], triton.cdiv(16, HQ)), dense["BLOCK_KEYS"]  # the MMA needs >= 16 rows
-    nqb, nkb = triton.cdiv(T, bq), triton.cdiv(Tk, bkeys)
+    q, k, do = p1[0], p1[1], p1[6]
+    Tk, HQ = k.shape[1], q.shape[2]
+    bq, bkeys, nqb, nkb = tiles
     # zero-padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked
     pds = torch.zeros(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
     flags = torch.zeros(B, nqb, nkb, device=q.device, dtype=torch.int32)
+    _pass1(cfg["PDS_CFG"], *p1, pds[0], pds[1], G, 1, B, T, D, DV, d1, d2, True, i64, walk, scale, 0, B * T,
+           dense_out=(flags, bq, bkeys, nqb, nkb))
     spd_b, spd_key = pds.stride(1), pds.stride(2)
-    c = cfg["PDS_CFG"]
-    bh, nhb, _ = _launch_args(c, G, 1, B, T)
-    _sfa_bwd_pds_kernel[(nhb, B * T)](
-        q, k, v, idx, o, do, lse, pds[0], pds[1],
-        q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        idx.stride(1), si_h, do.stride(1), do.stride(2), lse.stride(1), 0, 0,
-        T, G, topk, D, DV, nhb, 0, B * T, scale * LOG2E, scale, flags, spd_b, spd_key, nqb, nkb,
-        D1=d1, D2=d2, BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=bh,
-        BLOCK_K=c.get("BLOCK_K_H32", c["BLOCK_K"]) if bh <= 32 else c["BLOCK_K"],
-        V_FROM_K=True, IEEE=use_ieee(q), I64=i64, IDX_AHEAD=bool(c.get("IDX_AHEAD", False)), **walk,
-        DENSE_OUT=True, FQ=bq, FK=bkeys, EVEN_H=G % bh == 0, num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )
-    ck, cq = dense["DK_CFG"], dense["DQ_CFG"]
-    nck, seg = triton.cdiv(D, ck["BLOCK_C"]), dense["SEG"]
+    ck, cq, seg = cfg["DENSE"]["DK_CFG"], cfg["DENSE"]["DQ_CFG"], cfg["DENSE"]["SEG"]
+    nck = triton.cdiv(D, ck["BLOCK_C"])
     _sfa_bwd_dense_dk_kernel[(nkb * nck, triton.cdiv(nqb, seg), B)](
         q, do, pds[0], pds[1], flags, dk, spd_b, spd_key, dk.stride(0), dk.stride(1),
         T, Tk, D, DV, nqb, nkb, nck, seg,
@@ -799,15 +810,14 @@ def backward_workspace_bytes(B: int, T: int, Tk: int, HQ: int, topk: int, elem: 
                              shared_v: bool = True) -> int:
     """Bytes the backward allocates for P and dS on top of its inputs and gradients (the planner's DSA backward
     transient): the dense buffer ([B, Tk, T, HQ] x 2, padded to whole tiles) where the dense pass 2 applies (one KV
-    head, shared_v: v = k[..., :DV]), else one chunk of the slot buffer (<= PDS_BYTES)."""
+    head, shared_v: v = k[..., :DV]), else one chunk of the slot buffer (<= PDS_BYTES; on a GPU it is rounded
+    down to whole waves)."""
     cfg = cfg or BWD_CONFIG
-    dense = cfg.get("DENSE")
-    if dense and shared_v and not HQ & (HQ - 1) and HQ <= dense["MAX_HEADS"] and B * T <= 65535 \
-            and 2 * B * T * Tk * HQ * elem <= dense["BYTES"]:
-        bq = max(dense["BLOCK_Q"], -(-16 // HQ))
-        return 2 * B * (-(-Tk // dense["BLOCK_KEYS"]) * dense["BLOCK_KEYS"]) * (-(-T // bq) * bq) * HQ * elem
-    per_row = HQ * topk * elem * 2
-    return min(B * T, 65535, max(1, int(cfg.get("PDS_BYTES", 2**30)) // per_row)) * per_row
+    tiles = _dense_tiles(cfg, B, T, Tk, HQ, elem, shared_v)
+    if tiles is not None:
+        bq, bkeys, nqb, nkb = tiles
+        return 2 * B * nkb * bkeys * nqb * bq * HQ * elem
+    return _slot_rows(cfg, B, T, HQ, topk, elem) * HQ * topk * elem * 2
 
 
 def _cfg_key(cfg: dict | None) -> str | None:
