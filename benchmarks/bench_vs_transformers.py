@@ -189,17 +189,17 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.data.dataset import Sampler
     from moeadapt.models.model import build_model
     from moeadapt.models.stats import count_parameters
-    from moeadapt.parallel.optim import build_optimizer
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
     from moeadapt.train.metrics import NullLogger
-    from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, start_run, train_step
+    from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, make_optimizer, start_run, train_step
 
     spec = our_spec(args)
     out_dir = tempfile.mkdtemp(prefix="bench_vs_hf_")
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
-                               lr=LR[mode], output_dir=out_dir, log_every=10**6),
+                               lr=LR[mode], output_dir=out_dir, log_every=10**6,
+                               weight_copies=args.weight_copies == "on"),
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
@@ -210,11 +210,11 @@ def run_ours(args, mode: str) -> dict:
     materialize_shards(model, cfg, run)
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train  # the optimizer and schedule exactly as trainer.train builds them
-    opt = build_optimizer(params, t, run.device)
+    opt, copies = make_optimizer(cfg, run, model, params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     ds = token_batches(spec.vocab_size, args.mb * (args.warmup + args.steps), args.seq)
     sampler = Sampler(ds, args.mb, t.seed, rank=run.data_rank, world=run.data_world)
-    lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True)
+    lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True, copies=copies)
     if args.cuda_graph:
         trainer.use_cuda_graph(lp)
     if args.defer_verdict != "auto":  # the run's own choice otherwise (LocalRun / DistributedRun.defer_verdict)
@@ -399,6 +399,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--cuda-graph"] if args.cuda_graph and side == "ours" else []
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
+        cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -501,6 +502,8 @@ def main() -> None:
     p.add_argument("--reshard-after-forward", default="on", choices=["on", "off"], help="our side under torchrun: "
                    "FSDP2 frees each block's gathered parameters after its forward (on, the default) or keeps them "
                    "for the backward (off: no second all-gather, one more unsharded copy of the model)")
+    p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
+                   "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -1,6 +1,7 @@
 """The trainer's optimizer: torch's AdamW, with its update run on the parameters' local shards.
 
-Owns: `ShardedAdamW` and `build_optimizer` (the trainer's AdamW from `cfg.train`: fused on CUDA).
+Owns: `ShardedAdamW`, `CopyAdamW` (one GPU, bf16 gradients and weight copies) and `build_optimizer` (the
+trainer's AdamW from `cfg.train`: fused on CUDA).
 Under FSDP2 every trainable parameter, its gradient and its two AdamW states are DTensors. The update is elementwise,
 so it is the same computation on each rank's shard; dispatching it through DTensor costs the host the sharding
 propagation of every argument of the one fused kernel (~26 ms per step for the `small` LoRA model's 210 adapters
@@ -29,8 +30,108 @@ class ShardedAdamW(torch.optim.AdamW):
         return has_complex
 
 
-def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.device) -> ShardedAdamW:
+def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.device,
+                    copies: dict | None = None) -> torch.optim.Optimizer:
     """The trainer's AdamW over `params` from a TrainSpec (lr, betas, weight decay), fused on every device: one
     kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
-    the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict."""
+    the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict.
+    copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them."""
+    if copies:
+        return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
     return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)
+
+
+class CopyAdamW(torch.optim.Optimizer):
+    """AdamW for fp32 parameters on one GPU whose gradients may be bf16 (`Parameter.grad_dtype`), which also writes
+    each copied weight's bf16 compute copy (train/copies.py) from the updated weight, in the same pass.
+
+    The update and the state dict are torch.optim.AdamW's (per parameter `step`, `exp_avg`, `exp_avg_sq`;
+    a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
+    dtype and have a copy or not (ops/optim). Like torch's fused AdamW it takes `found_inf` (a device flag: the step
+    changes nothing, step counts included) and `grad_scale` (every gradient divided by it: the clip), set as
+    attributes for one step; `grad_norm` gives the gradients' global norm summed in fp32, in one launch per
+    gradient dtype (torch's foreach norm of bf16 gradients returns bf16)."""
+
+    def __init__(self, params, copies: dict | None = None, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.copies = dict(copies or {})
+        self._blocks: dict[tuple, object] = {}
+        self._tabs: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+
+    def _parts(self) -> list[tuple[int, dict, tuple, list]]:
+        """(group index, group, (grad dtype, copied), parameters with a gradient) for each kernel launch."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            parts: dict[tuple, list] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    parts.setdefault((p.grad.dtype, p in self.copies), []).append(p)
+            out += [(gi, group, key, ps) for key, ps in parts.items()]
+        return out
+
+    def _table(self, key: tuple, tensors: list[torch.Tensor]) -> torch.Tensor:
+        from ..ops.optim.triton_adamw import ptr_table
+
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        hit = self._tabs.get(key)
+        if hit is None or hit[0] != ptrs:
+            hit = self._tabs[key] = (ptrs, ptr_table(tensors, tensors[0].device))
+        return hit[1]
+
+    def _block_map(self, ps: list[torch.Tensor]):
+        from ..ops.optim.triton_adamw import TensorBlocks
+
+        key = tuple(p.numel() for p in ps)
+        if key not in self._blocks:
+            self._blocks[key] = TensorBlocks(list(key), ps[0].device)
+        return self._blocks[key]
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """sqrt(sum of every gradient's squares), a float32 device scalar (0 with no gradient)."""
+        from ..ops.optim.triton_adamw import grad_sq_sum
+
+        total = None
+        for gi, _, (dt, cp), ps in self._parts():
+            grads = [p.grad for p in ps]
+            s = grad_sq_sum(self._table((gi, dt, cp, "g"), grads), self._block_map(ps), dt)
+            total = s if total is None else total + s
+        if total is None:
+            return torch.zeros((), device=self.param_groups[0]["params"][0].device)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from ..ops.optim.triton_adamw import adamw_
+
+        if closure is not None:
+            raise ValueError("CopyAdamW.step takes no closure")
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        for gi, group, (dt, cp), ps in self._parts():
+            for p in ps:
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps = [self.state[p]["step"] for p in ps]
+            torch._foreach_add_(steps, 1.0)
+            if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
+            tabs = {"p": self._table((gi, dt, cp, "p"), ps), "g": self._table((gi, dt, cp, "g"), [p.grad for p in ps]),
+                    "m": self._table((gi, dt, cp, "m"), [self.state[p]["exp_avg"] for p in ps]),
+                    "v": self._table((gi, dt, cp, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
+                    "step": self._table((gi, dt, cp, "step"), steps)}
+            if cp:
+                tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps])
+            adamw_(tabs, self._block_map(ps), dt, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                   weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+
+    def load_state_dict(self, state_dict):
+        """torch's load, then each step count as the kernel reads it: a float32 scalar on its parameter's device
+        (torch.optim.Optimizer keeps non-fused step counts on the host)."""
+        super().load_state_dict(state_dict)
+        for p, st in self.state.items():
+            if "step" in st:
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(())

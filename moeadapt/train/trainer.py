@@ -45,10 +45,11 @@ from ..models.router import Router, update_expert_bias
 from ..models.stats import count_parameters
 from ..models.vision import ImageBatch
 from ..ops.host import to_device, to_host
-from ..parallel.optim import build_optimizer
+from ..parallel.optim import CopyAdamW, build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
+from .copies import WeightCopies, plan_copies
 from .errors import TrainingError
 from .graph import StepGraph, check_graphable
 from .local import LocalRun
@@ -203,6 +204,7 @@ class Loop:
     start: int = 0  # the step fit started from (it logs that one)
     queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
     graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
+    copies: WeightCopies | None = None  # bf16 compute copies of the weights the forward borrows (copies.py)
 
     def say(self, msg: str) -> None:
         """Run messages (warnings included) come from rank 0 only."""
@@ -283,7 +285,7 @@ def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats,
     for xb, yb, extra in batches:
         # sent without waiting for the device (ops/host.py); under cp: this rank's pieces
         x, y = run.local_part(to_device(xb, device)), run.local_part(to_device(yb, device))
-        with _autocast(device, t.dtype):
+        with _autocast(device, t.dtype), (lp.copies.lent() if lp.copies else contextlib.nullcontext()):
             out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
             loss = out.loss + out.aux_loss
         finite &= torch.isfinite(loss.detach())
@@ -306,8 +308,17 @@ def _skips_on_device(lp: Loop) -> bool:
 
 
 def _fused_adam(lp: Loop) -> bool:
+    """The optimizer takes `found_inf` and `grad_scale` on the device (torch's fused Adam / AdamW, CopyAdamW)."""
     opt = lp.opt
-    return bool(opt.defaults.get("fused")) and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+    return isinstance(opt, CopyAdamW) or (bool(opt.defaults.get("fused"))
+                                         and isinstance(opt, torch.optim.Adam | torch.optim.AdamW))
+
+
+def make_optimizer(cfg: RunConfig, run, model: HybridMoEModel,
+                   params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, WeightCopies | None]:
+    """The run's AdamW and, where the run takes them (copies.why_not), the bf16 weight copies it writes."""
+    copies = plan_copies(model, cfg, run, run.device)
+    return build_optimizer(params, cfg.train, run.device, copies.by_weight() if copies else None), copies
 
 
 def clip_divisor(grad_norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
@@ -416,7 +427,10 @@ def train_step(lp: Loop) -> StepStats | None:
     st.step = lp.step
     read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     in_opt = _fused_adam(lp)  # the clip applied inside the fused AdamW (its grad_scale), no pass of its own
-    st.grad_norm = run.clip(lp.params, t.grad_clip, scale=not in_opt)  # global norm over every rank's shards
+    if isinstance(lp.opt, CopyAdamW):  # one process; bf16 gradients summed in fp32
+        st.grad_norm = lp.opt.grad_norm()
+    else:
+        st.grad_norm = run.clip(lp.params, t.grad_clip, scale=not in_opt)  # global norm over every rank's shards
     divisor = clip_divisor(st.grad_norm, t.grad_clip) if in_opt else None
     verdict = run.step_verdict(st.loss, finite, st.grad_norm, targets)  # on the device, the same on every rank
     _for_log(lp, st)
@@ -591,6 +605,8 @@ def _resume(lp: Loop) -> int:
     for ck in candidates:
         try:
             start, sampler_state = lp.run.load(ck, lp.model, lp.opt, lp.sched)
+            if lp.copies is not None:
+                lp.copies.refresh()
             if not _weights_finite(lp):
                 raise ValueError("its weights hold NaN/Inf")
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -718,11 +734,12 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     if vl and run.is_main:
         _save_fresh_vision_base(cfg, model, out_dir)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, t, run.device)  # AdamW, fused on CUDA, stepping on local shards under FSDP
+    opt, copies = make_optimizer(cfg, run, model, params)  # AdamW, fused on CUDA, on local shards under FSDP
     lp = Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
               (MultimodalSampler if vl else Sampler)(train_ds, t.micro_batch_size, t.seed, rank=run.data_rank,
                                                      world=run.data_world),
-              MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet)
+              MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet,
+              copies=copies)
     if t.cuda_graph:
         use_cuda_graph(lp)
     start = _resume(lp)

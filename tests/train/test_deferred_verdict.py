@@ -45,7 +45,7 @@ def _run(tmp_path, monkeypatch, name, seed, fused):
             calls["rows"] += 1
             return (x, torch.full_like(y, -100), extra) if calls["rows"] == 5 else (x, y, extra)
 
-    def build(params, train, device):
+    def build(params, train, device, copies=None):
         return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=fused)
 
     monkeypatch.setattr(model_mod.HybridMoEModel, "forward", nan_on_third)

@@ -1,0 +1,82 @@
+"""bf16 weight copies (train/copies.py): the same loss and gradients as autocast's per-use casts, gradients kept
+in bf16, and the runs that must not take them."""
+
+import pytest
+import torch
+
+from moeadapt.config import RunConfig
+from moeadapt.models.model import build_model, materialize
+from moeadapt.models.moe import GroupedLinear
+from moeadapt.train.copies import WeightCopies, copy_targets, why_not
+from moeadapt.train.local import LocalRun
+from tests.conftest import micro_spec
+
+
+def _loss(model, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, y, return_logits=False)
+        return out.loss + out.aux_loss
+
+
+def test_lent_copies_give_autocasts_loss_and_gradients(seed):
+    spec = micro_spec(tie_word_embeddings=True)
+    model = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
+    for mod in model.modules():
+        if isinstance(mod, GroupedLinear):
+            mod.backend = "reference"
+    x = torch.randint(0, spec.vocab_size, (2, 24))
+    y = torch.randint(0, spec.vocab_size, (2, 24))
+    want = _loss(model, x, y)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    targets = copy_targets(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    got_names = {names[id(w)] for _, _, w in targets}
+    assert any(".experts.w1" in n for n in got_names) and any("attn" in n for n in got_names)
+    assert "embed.weight" not in got_names  # shared with the LM head: left to autocast
+    assert not any("router" in n or "norm" in n for n in got_names)
+    copies = WeightCopies(targets)
+    with copies.lent():
+        got = _loss(model, x, y)
+    assert all(m._parameters[n] is w for (m, n), w in zip(copies.slots, copies.weights))  # given back
+    got.backward()
+    assert torch.equal(got, want)
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            assert n not in ref
+            continue
+        if n in got_names:
+            assert p.grad.dtype == torch.bfloat16, n
+            # autocast made this same bf16 gradient and cast it up exactly
+            assert torch.equal(p.grad.float(), ref[n]), n
+        else:
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=0)
+
+
+def test_refresh_follows_the_weights(seed):
+    model = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed % 1000)
+    copies = WeightCopies(copy_targets(model))
+    with torch.no_grad():
+        for w in copies.weights:
+            w.mul_(2)
+    copies.refresh()
+    for c, w in zip(copies.copies, copies.weights):
+        assert torch.equal(c, w.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(train=dict(weight_copies=False)), "weight_copies is off"),
+    (dict(lora=dict(rank=4)), "LoRA"),
+    (dict(train=dict(grad_accum_steps=2)), "grad_accum_steps"),
+    (dict(parallel=dict(activation_checkpointing="full")), "recompute"),
+    (dict(train=dict(dtype="fp32")), "without bf16 autocast"),
+])
+def test_runs_that_keep_autocasts_casts(change, why):
+    cfg = RunConfig(model=micro_spec(), **change)
+    assert why in why_not(cfg, LocalRun(cfg, torch.device("cuda")), torch.device("cuda"))
+    ok = RunConfig(model=micro_spec())
+    assert why_not(ok, LocalRun(ok, torch.device("cuda")), torch.device("cuda")) is None
+    assert "autocast" in why_not(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
