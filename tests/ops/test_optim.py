@@ -6,7 +6,14 @@ import os
 import pytest
 import torch
 
-from moeadapt.ops.optim import TensorBlocks, adamw_, adamw_reference, grad_norm_reference, grad_sq_sum, ptr_table
+from moeadapt.ops.optim import (
+    TensorBlocks,
+    adamw_,
+    adamw_reference,
+    grad_norm_reference,
+    grad_sq_sum,
+    ptr_table,
+)
 from moeadapt.ops.optim.triton_adamw import BLOCK
 from moeadapt.parallel.optim import CopyAdamW
 
@@ -94,7 +101,7 @@ def test_copy_adamw_matches_torch_adamw(seed):
         p.grad_dtype = torch.bfloat16
     kw = dict(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.05)
     opt, topt = CopyAdamW(ps, copies, **kw), torch.optim.AdamW(ref, **kw)
-    for i, (scale, skip) in enumerate([(3.0, 0.0), (1.0, 1.0), (None, 0.0)]):
+    for scale, skip in [(3.0, 0.0), (1.0, 1.0), (None, 0.0)]:
         for p, r in zip(ps, ref):
             g = torch.randn(p.shape).to(torch.bfloat16 if p in copies else torch.float32)
             p.grad, r.grad = g, g.float()
