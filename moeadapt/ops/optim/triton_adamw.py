@@ -9,7 +9,9 @@ of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 Ad
 How: the tensors stay where they are (the module's weights, autograd's gradients, the optimizer's state). A
 `TensorBlocks` cuts their elements into BLOCK-sized pieces that never straddle two tensors; program i works on
 tensor `tensor_id[i]` from element `start[i]`, and finds that tensor through int64 tables of addresses
-(`ptr_table`), one per role (weight, gradient, moments, step count, copy). Every tensor must be contiguous.
+(`TensorTable`: each tensor's element offset from an anchor tensor), one per role (weight, gradient, moments,
+step count, copy). Every tensor must be contiguous and start on a 16-element boundary (any allocation of the
+caching allocator does); whole blocks run unmasked, so their loads and stores are 16-byte vectors.
 """
 
 from __future__ import annotations
@@ -42,93 +44,131 @@ class TensorBlocks:
         self.numel = host_tensor(numels, device)
 
 
-def ptr_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' addresses as an int64 tensor on `device` (sent without waiting for the device)."""
-    for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError(f"the multi-tensor AdamW needs contiguous tensors; got one of shape {list(t.shape)} "
-                             f"with strides {t.stride()}")
-    return host_tensor([t.data_ptr() for t in tensors], device)
+ALIGN = 16  # elements: every tensor must start at a multiple of this from its table's anchor (vector loads)
+
+
+class TensorTable:
+    """Where a list of tensors of one dtype lie: an anchor tensor (the first; its address is a kernel argument,
+    which Triton knows is 16-byte aligned) and each tensor's start as an element offset from it (int64 on the
+    device). The offsets are multiples of ALIGN elements (the caching allocator aligns to 512 bytes), which the
+    kernels assume so that their loads and stores are 16-byte vectors."""
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device):
+        self.anchor = tensors[0]
+        base, size = self.anchor.data_ptr(), self.anchor.element_size()
+        offs = []
+        for t in tensors:
+            if not t.is_contiguous() or t.dtype != self.anchor.dtype:
+                raise ValueError(f"the multi-tensor AdamW needs contiguous tensors of one dtype; got one of shape "
+                                 f"{list(t.shape)}, strides {t.stride()}, {t.dtype} next to {self.anchor.dtype}")
+            d = t.data_ptr() - base
+            if d % (ALIGN * size):
+                raise ValueError(f"the multi-tensor AdamW needs tensors that start on {ALIGN * size}-byte "
+                                 f"boundaries; one of shape {list(t.shape)} starts at {t.data_ptr():#x} (a view into "
+                                 "another tensor? give the parameter its own storage)")
+            offs.append(d // size)
+        self.offsets = host_tensor(offs, device)
+
+
+def ptr_table(tensors: list[torch.Tensor], device: torch.device) -> TensorTable:
+    """The tensors' TensorTable on `device` (sent without waiting for the device)."""
+    return TensorTable(tensors, device)
 
 
 @triton.jit
-def _sq_sum_kernel(g_tab, tid_ptr, start_ptr, numel_ptr, out_ptr, G_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(tid_ptr + pid)
-    offs = tl.load(start_ptr + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numel_ptr + t)
-    g_base = tl.load(g_tab + t).to(tl.pointer_type(G_DTYPE))
-    g = tl.load(g_base + offs, mask=mask, other=0.0).to(tl.float32)
+    start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
+    n = tl.load(numel_ptr + t)
+    g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
+    idx = tl.arange(0, BLOCK)
+    if start + BLOCK <= n:  # a whole block: unmasked, so the loads are vectors
+        g = tl.load(g_ptr + idx).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + idx, mask=start + idx < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
 
 
-def grad_sq_sum(g_tab: torch.Tensor, blocks: TensorBlocks, grad_dtype: torch.dtype) -> torch.Tensor:
+def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
     """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device."""
     part = torch.empty(blocks.n_blocks, dtype=torch.float32, device=blocks.start.device)
     if blocks.n_blocks:
-        _sq_sum_kernel[(blocks.n_blocks,)](g_tab, blocks.tensor_id, blocks.start, blocks.numel, part,
-                                          G_DTYPE=_TL[grad_dtype], BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _sq_sum_kernel[(blocks.n_blocks,)](g_tab.anchor, g_tab.offsets, blocks.tensor_id, blocks.start, blocks.numel,
+                                          part, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return part.sum()
 
 
 @triton.jit
-def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, c_tab, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, scale_ptr, lr, beta1, beta2, eps, decay, bc1,
+                 bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr):
+    # lanes outside the tensor (mask False) compute garbage that is never stored
+    g = tl.load(g_ptr + idx, mask=mask).to(tl.float32)
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr)
+    p = tl.load(p_ptr + idx, mask=mask)
+    m = tl.load(m_ptr + idx, mask=mask)
+    v = tl.load(v_ptr + idx, mask=mask)
+    p = p * (1.0 - lr * decay)
+    m = m + (1.0 - beta1) * (g - m)  # torch's lerp
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(p_ptr + idx, p, mask=mask)
+    tl.store(m_ptr + idx, m, mask=mask)
+    tl.store(v_ptr + idx, v, mask=mask)
+    if HAS_COPY:
+        tl.store(c_ptr + idx, p.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
+                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
-                  G_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, ALIGN: tl.constexpr,
                   BLOCK: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
     pid = tl.program_id(0)
     t = tl.load(tid_ptr + pid)
-    offs = tl.load(start_ptr + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numel_ptr + t)
-    p_base = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
-    g_base = tl.load(g_tab + t).to(tl.pointer_type(G_DTYPE))
-    m_base = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
-    v_base = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
-    step = tl.load(tl.load(step_tab + t).to(tl.pointer_type(tl.float32)))  # this step's count (1 on the first)
+    start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
+    n = tl.load(numel_ptr + t)
+    p_ptr += tl.multiple_of(tl.load(p_off + t), ALIGN) + start
+    g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
+    m_ptr += tl.multiple_of(tl.load(m_off + t), ALIGN) + start
+    v_ptr += tl.multiple_of(tl.load(v_off + t), ALIGN) + start
+    if HAS_COPY:
+        c_ptr += tl.multiple_of(tl.load(c_off + t), ALIGN) + start
+    step = tl.load(step_ptr + tl.load(step_off + t))  # this step's count (1 on the first)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-
-    g = tl.load(g_base + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g / tl.load(scale_ptr)
-    p = tl.load(p_base + offs, mask=mask, other=0.0)
-    m = tl.load(m_base + offs, mask=mask, other=0.0)
-    v = tl.load(v_base + offs, mask=mask, other=0.0)
-    p = p * (1.0 - lr * decay)
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(p_base + offs, p, mask=mask)
-    tl.store(m_base + offs, m, mask=mask)
-    tl.store(v_base + offs, v, mask=mask)
-    if HAS_COPY:
-        c_base = tl.load(c_tab + t).to(tl.pointer_type(tl.bfloat16))
-        tl.store(c_base + offs, p.to(tl.bfloat16), mask=mask)
+    idx = tl.arange(0, BLOCK)
+    if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, scale_ptr, lr, beta1, beta2, eps, decay, bc1,
+                     bc2_sqrt, HAS_SCALE, HAS_COPY)
+    else:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, start + idx < n, scale_ptr, lr, beta1, beta2, eps, decay,
+                     bc1, bc2_sqrt, HAS_SCALE, HAS_COPY)
 
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def adamw_(tabs: dict[str, torch.Tensor], blocks: TensorBlocks, grad_dtype: torch.dtype, *, lr: float,
+def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, grad_dtype: torch.dtype | None = None, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
-    in grad_dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies written
-    from the new weights). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
+    in any float dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies
+    written from the new weights). grad_dtype is the gradients' (their table's anchor says it too). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
     nonzero skips the whole step."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
-    dummy = tabs["p"]
-    c = tabs.get("c")
+    p, c = tabs["p"], tabs.get("c")
+    c = c if c is not None else p
     _adamw_kernel[(blocks.n_blocks,)](
-        tabs["p"], tabs["g"], tabs["m"], tabs["v"], tabs["step"], dummy if c is None else c,
+        p.anchor, p.offsets, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor, tabs["m"].offsets,
+        tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
         blocks.tensor_id, blocks.start, blocks.numel,
-        dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
+        p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay),
-        G_DTYPE=_TL[grad_dtype], HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None,
-        HAS_COPY=c is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs, ALIGN=ALIGN,
+        BLOCK=BLOCK, num_warps=NUM_WARPS)
