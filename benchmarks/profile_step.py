@@ -88,7 +88,7 @@ def _triton_families() -> dict[str, str]:
         except Exception:  # a backend whose import needs a missing extra: its kernels stay unnamed
             continue
         folder = info.name.split(".")[2]
-        label = {"kda": "KDA", "dsa": "DSA", "moe": "MoE", "loss": "loss"}.get(folder, folder)
+        label = {"kda": "KDA", "dsa": "DSA", "moe": "MoE", "loss": "loss", "optim": "optimizer"}.get(folder, folder)
         if info.name.endswith("triton_conv"):
             label = "conv"
         for name, obj in vars(mod).items():

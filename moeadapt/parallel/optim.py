@@ -129,9 +129,13 @@ class CopyAdamW(torch.optim.Optimizer):
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
 
     def load_state_dict(self, state_dict):
-        """torch's load, then each step count as the kernel reads it: a float32 scalar on its parameter's device
+        """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor
+        may be a view into the file's buffer), the step count a float32 scalar on its parameter's device
         (torch.optim.Optimizer keeps non-fused step counts on the host)."""
         super().load_state_dict(state_dict)
         for p, st in self.state.items():
             if "step" in st:
-                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(())
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    st[k] = st[k].to(device=p.device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)
