@@ -54,6 +54,11 @@ class LoRALinear(nn.Linear):
         return {"lora_A.weight": Rule("uniform", -bound, bound), "lora_B.weight": Rule("const", 0.0)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        if (torch.is_autocast_enabled(dev) and isinstance(self.dropout, nn.Identity) and not self.weight.requires_grad
+                and x.dtype != torch.float64):
+            return _FrozenLoRA.apply(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
+                                     torch.get_autocast_dtype(dev))
         y = F.linear(x, self.weight, self.bias)
         xa = self.dropout(x)
         if torch.is_autocast_enabled(xa.device.type):
@@ -73,6 +78,41 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, lora_rank={self.rank}, scaling={self.scaling:g}"
+
+
+class _FrozenLoRA(torch.autograd.Function):
+    """x W^T + b + s (x A^T) B^T for a frozen W under autocast, every product in the autocast dtype `dt`.
+
+    What autograd would run for the composition, less two activation-sized passes per layer: the adapter's term
+    is added into the base output in place (addmm_), and in the backward the adapter's share of dx is added into
+    W's share by the same GEMM (dx = dy W, then dx += dh A as one addmm_) instead of being a tensor of its own
+    and a separate add. Gradients: A and B in their own dtype (fp32 adapters), x in dt, none for W and b."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s, dt):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dt)
+        wc, ac, bc = w.to(dt), a.to(dt), b.to(dt)
+        h = x2 @ ac.t()
+        y = x2 @ wc.t() if bias is None else torch.addmm(bias.to(dt), x2, wc.t())
+        y.addmm_(h, bc.t(), alpha=s)
+        ctx.save_for_backward(x2, h, wc, ac, bc)
+        ctx.s, ctx.x_dtype, ctx.ab_dtypes = s, x.dtype, (a.dtype, b.dtype)
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, h, wc, ac, bc = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(wc.dtype)
+        dh = (dy2 @ bc).mul_(ctx.s)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy2 @ wc
+            dx.addmm_(dh, ac)
+            dx = dx.view(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
+        da = (dh.t() @ x2).to(ctx.ab_dtypes[0]) if ctx.needs_input_grad[3] else None
+        db = (dy2.t() @ h).mul_(ctx.s).to(ctx.ab_dtypes[1]) if ctx.needs_input_grad[4] else None
+        return dx, None, None, da, db, None, None
 
 
 class GroupedLoRALinear(GroupedLinear):

@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moeadapt.config import LoRASpec
 from moeadapt.lora import GroupedLoRALinear, LoRALinear, export_peft, inject_lora, load_peft, merge_lora
@@ -249,3 +250,43 @@ def test_lora_linear_under_autocast_matches_float64_and_skips_fp32_copy(seed):
     assert gB is not None and gB.dtype == torch.float32 and lin.lora_A.weight.grad.dtype == torch.float32
     gB_ref = lin.scaling * dy.double().reshape(-1, 40).T @ xa.reshape(-1, 8)
     assert (gB.double() - gB_ref).norm() / gB_ref.norm() < 2e-2
+
+
+@pytest.mark.parametrize("bias, x_dtype", [(False, torch.bfloat16), (True, torch.float32)])
+def test_frozen_lora_linear_folds_match_autograds_composition(seed, bias, x_dtype):
+    """A frozen base under autocast takes layers._FrozenLoRA (the adapter term added into y in place; the adapter's
+    dx added into the base's dx by the same GEMM): output and every gradient as autograd's composition of the same
+    bf16 products computes them, and against float64."""
+    torch.manual_seed(seed)
+    n_in, n_out, r = 48 + int(torch.randint(0, 16, ())), 40, 8
+    base = torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    lin = LoRALinear(base, rank=r, alpha=16.0)
+    torch.nn.init.normal_(lin.lora_B.weight, std=0.5)
+    x = torch.randn(3, 7, n_in).to(x_dtype).requires_grad_(True)
+    dy = torch.randn(3, 7, n_out).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.grad_fn is not None and "_FrozenLoRA" in type(y.grad_fn).__name__
+    y.backward(dy)
+    got = [y.detach(), x.grad, lin.lora_A.weight.grad, lin.lora_B.weight.grad]
+    assert got[1].dtype == x_dtype and got[2].dtype == got[3].dtype == torch.float32
+    # autograd's composition of the same bf16 products
+    x2 = x.detach().clone().requires_grad_(True)
+    A = lin.lora_A.weight.detach().clone().requires_grad_(True)
+    B = lin.lora_B.weight.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y2 = F.linear(x2, base.weight, base.bias)
+        y2 = torch.addmm(y2.reshape(-1, n_out), F.linear(x2, A).reshape(-1, r), B.t(), alpha=lin.scaling).view(y2.shape)
+    y2.backward(dy)
+    want = [y2.detach(), x2.grad, A.grad, B.grad]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+    # float64
+    W, b = base.weight.double(), (base.bias.double() if bias else 0.0)
+    Ab, Bb = A.detach().to(torch.bfloat16).double(), B.detach().to(torch.bfloat16).double()
+    x64, dy64 = x.detach().to(torch.bfloat16).double(), dy.double()
+    ref = x64 @ W.T + b + lin.scaling * (x64 @ Ab.T) @ Bb.T
+    dx_ref = dy64 @ W + lin.scaling * (dy64 @ Bb) @ Ab
+    for g, w in ((got[0], ref), (got[1], dx_ref)):
+        err = (g.double() - w).norm() / w.norm()
+        assert err < 1e-2, err
