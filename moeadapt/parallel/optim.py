@@ -115,6 +115,8 @@ class CopyAdamW(torch.optim.Optimizer):
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif st["step"].device != p.device or st["step"].dtype != torch.float32:
+                    _own_state(p, st)  # state set from outside load_state_dict (the DCP resume writes it in place)
             steps = [self.state[p]["step"] for p in ps]
             torch._foreach_add_(steps, 1.0)
             if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
@@ -134,8 +136,14 @@ class CopyAdamW(torch.optim.Optimizer):
         (torch.optim.Optimizer keeps non-fused step counts on the host)."""
         super().load_state_dict(state_dict)
         for p, st in self.state.items():
-            if "step" in st:
-                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st:
-                    st[k] = st[k].to(device=p.device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)
+            _own_state(p, st)
+
+
+def _own_state(p: torch.Tensor, st: dict) -> None:
+    """A CopyAdamW state as its kernel reads it: the step count a float32 scalar on p's device, the moments fp32
+    on p's device in their own (aligned, contiguous) storage."""
+    if "step" in st:
+        st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
+    for k in ("exp_avg", "exp_avg_sq"):
+        if k in st:
+            st[k] = st[k].to(device=p.device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)

@@ -50,6 +50,7 @@ from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
 from .copies import WeightCopies, plan_copies
+from .copies import why_not as why_not_copies
 from .errors import TrainingError
 from .graph import StepGraph, check_graphable
 from .local import LocalRun
@@ -780,6 +781,10 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {run.device}, "
                       f"{n_rows} train rows x {t.seq_len} tokens")
+        if cfg.lora is None and run.device.type == "cuda" and run.world == 1:  # full FT on one GPU: say which step
+            why = why_not_copies(cfg, run, run.device)
+            console.print("weights: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
+                                               else f"cast to bf16 at each use (no weight copies: {why})"))
     eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed, speed = fit(lp, start)
@@ -796,7 +801,8 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    # the training speed: train steps only, after the first STEADY_SKIP (None if too few steps)
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
-                   "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets}
+                   "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
+                   "weight_copies": lp.copies is not None}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

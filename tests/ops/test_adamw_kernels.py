@@ -128,3 +128,24 @@ def test_copy_adamw_matches_torch_adamw(seed):
     back.load_state_dict(t2.state_dict())
     for st in back.state.values():
         assert st["step"].dtype == torch.float32 and st["step"].dim() == 0 and int(st["step"]) == 2
+
+
+def test_copy_adamw_takes_state_set_from_outside(seed):
+    """The DCP resume writes AdamW state straight into optimizer.state (a host step count, moments as DCP made
+    them): CopyAdamW's next step reads them as its own, as torch's AdamW would."""
+    ps = [torch.nn.Parameter(torch.randn(5, 70)), torch.nn.Parameter(torch.randn(33))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    opt, topt = CopyAdamW(ps, None, **kw), torch.optim.AdamW(ref, **kw)
+    for p, r in zip(ps, ref):
+        m, v = torch.randn(p.shape), torch.rand(p.shape)
+        opt.state[p] = {"step": torch.tensor(4.0, dtype=torch.float64), "exp_avg": m.clone(),
+                        "exp_avg_sq": v[None].expand(2, *p.shape)[0]}
+        topt.state[r] = {"step": torch.tensor(4.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+        g = torch.randn(p.shape)
+        p.grad, r.grad = g, g.clone()
+    opt.step()
+    topt.step()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+        assert opt.state[p]["step"].dtype == torch.float32 and int(opt.state[p]["step"]) == 5
