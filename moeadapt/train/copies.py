@@ -107,12 +107,6 @@ class WeightCopies:
             for (m, n), w in zip(self.slots, self.weights):
                 m._parameters[n] = w
 
-    def release(self) -> None:
-        """The weights' gradients go back to fp32 and the copies are dropped."""
-        for w in self.weights:
-            w.grad_dtype = None
-        self.copies = []
-
 
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:
     """The run's WeightCopies, or None where it does not take them (`why_not`)."""

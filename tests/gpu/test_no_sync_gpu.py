@@ -122,3 +122,39 @@ def test_trainer_steps_never_wait(seed):
             trainer.train_step(lp)
     finally:
         trainer._read = read
+
+
+def test_trainer_steps_with_weight_copies_never_wait(seed):
+    """Full fine-tuning with bf16 weight copies (train/copies.py): CopyAdamW's tables, gradient norm and update
+    make no host sync either, once its block maps exist (the first step)."""
+    from moeadapt.config import RunConfig
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.train import trainer
+    from moeadapt.train.local import LocalRun
+    from moeadapt.train.metrics import NullLogger
+
+    spec, model = _model(seed)
+    cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
+        "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": 10,
+        "log_every": 1}})
+    batch = _batch(spec, seed)
+
+    class _Batches:
+        def next(self):
+            x, y, pos = batch
+            return x, y, {"position_ids": pos}
+
+    run = LocalRun(cfg, torch.device("cuda"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, copies = trainer.make_optimizer(cfg, run, model, params)
+    assert isinstance(opt, CopyAdamW) and copies is not None
+    lp = trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      _Batches(), NullLogger(), None, 1.0, True, copies=copies)
+    for step in range(2):  # compiles, autotunes, makes the optimizer state and its block maps
+        lp.step = step
+        trainer.train_step(lp)
+    with _NoSync():
+        lp.step = 2
+        st = trainer.train_step(lp)
+    assert st.step == 1 and st.skipped is None
+    assert trainer.settle(lp).skipped is None

@@ -8,9 +8,8 @@ of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 Ad
 
 How: the tensors stay where they are (the module's weights, autograd's gradients, the optimizer's state). A
 `TensorBlocks` cuts their elements into BLOCK-sized pieces that never straddle two tensors; program i works on
-tensor `tensor_id[i]` from element `start[i]`, and finds that tensor through int64 tables of addresses
-(`TensorTable`: each tensor's element offset from an anchor tensor), one per role (weight, gradient, moments,
-step count, copy). Every tensor must be contiguous and start on a 16-element boundary (any allocation of the
+tensor `tensor_id[i]` from element `start[i]`, and finds that tensor through an int64 table per role (weight,
+gradient, moments, step count, copy): `TensorTable`, each tensor's element offset from an anchor tensor. Every tensor must be contiguous and start on a 16-element boundary (any allocation of the
 caching allocator does); whole blocks run unmasked, so their loads and stores are 16-byte vectors.
 """
 
@@ -22,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import host_tensor
+from ..host import host_tensor, to_device
 
 BLOCK = 4096  # elements per program: 2.9B parameters make ~0.7M programs, each a few 16-byte vectors per lane
 NUM_WARPS = 4
@@ -39,8 +38,8 @@ class TensorBlocks:
                                       output_size=self.n_blocks)
         first = torch.tensor([0] + per[:-1]).cumsum(0)  # each tensor's first block
         start = (torch.arange(self.n_blocks) - first[ids.long()]) * BLOCK
-        self.tensor_id = ids.to(device)
-        self.start = start.to(device)
+        self.tensor_id = to_device(ids, device)  # sent without waiting for the device, like every table here
+        self.start = to_device(start, device)
         self.numel = host_tensor(numels, device)
 
 
