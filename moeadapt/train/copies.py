@@ -26,8 +26,9 @@ from torch import nn
 from ..models.moe import GroupedLinear
 
 
-def why_not(cfg, run, device: torch.device) -> str | None:
-    """Why this run does not take bf16 weight copies (None: it does)."""
+def why_not(cfg, run, device: torch.device, model: nn.Module | None = None) -> str | None:
+    """Why this run does not take bf16 weight copies (None: it does); with `model`, also whether CopyAdamW can
+    step its trainable tensors (each contiguous, in its own 64-byte-aligned storage)."""
     t = cfg.train
     if not t.weight_copies:
         return "train.weight_copies is off"
@@ -43,6 +44,10 @@ def why_not(cfg, run, device: torch.device) -> str | None:
         return "recompute re-runs blocks after the forward has given the weights back"
     if not hasattr(nn.Parameter(torch.zeros(1)), "grad_dtype"):
         return f"torch {torch.__version__} has no Parameter.grad_dtype"
+    if model is not None:
+        for n, p in model.named_parameters():
+            if p.requires_grad and (not p.is_contiguous() or p.data_ptr() % 64):
+                return f"{n} is not contiguous in its own aligned storage, which the multi-tensor AdamW needs"
     return None
 
 
@@ -110,7 +115,7 @@ class WeightCopies:
 
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:
     """The run's WeightCopies, or None where it does not take them (`why_not`)."""
-    if why_not(cfg, run, device) is not None:
+    if why_not(cfg, run, device, model) is not None:
         return None
     targets = copy_targets(model)
     return WeightCopies(targets) if targets else None

@@ -782,7 +782,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {run.device}, "
                       f"{n_rows} train rows x {t.seq_len} tokens")
         if cfg.lora is None and run.device.type == "cuda" and run.world == 1:  # full FT on one GPU: say which step
-            why = why_not_copies(cfg, run, run.device)
+            why = why_not_copies(cfg, run, run.device, lp.model)
             console.print("weights: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
                                                else f"cast to bf16 at each use (no weight copies: {why})"))
     eval_before, acc_before = _final_eval(lp, start, "before")

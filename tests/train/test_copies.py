@@ -124,3 +124,17 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path):
         assert torch.equal(pa, pb)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(a[3].state[pa][k], b[3].state[pb][k]), k
+
+
+def test_a_misaligned_trainable_tensor_keeps_autocasts_casts(seed):
+    """A trainable tensor that is a view at an odd offset cannot be stepped by the multi-tensor AdamW: the run keeps
+    autocast's casts and torch's AdamW, and says why."""
+    cfg = RunConfig(model=micro_spec())
+    run = LocalRun(cfg, torch.device("cuda"))
+    model = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed % 1000)
+    assert why_not(cfg, run, torch.device("cuda"), model) is None
+    norm = next(m for n, m in model.named_modules() if n.endswith("norm") and hasattr(m, "weight"))
+    buf = torch.zeros(norm.weight.numel() + 1)
+    buf[1:].copy_(norm.weight.detach())
+    norm.weight.data = buf[1:]
+    assert "aligned storage" in why_not(cfg, run, torch.device("cuda"), model)
