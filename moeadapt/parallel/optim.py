@@ -56,8 +56,8 @@ class CopyAdamW(torch.optim.Optimizer):
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.copies = dict(copies or {})
-        self._blocks: dict[tuple, object] = {}
-        self._tabs: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+        self._blocks: dict[tuple, object] = {}  # ops/optim TensorBlocks per list of sizes
+        self._tabs: dict[tuple, tuple] = {}  # (addresses, ops/optim TensorTable) per (group, part, role)
 
     def _parts(self) -> list[tuple[int, dict, tuple, list]]:
         """(group index, group, (grad dtype, copied), parameters with a gradient) for each kernel launch."""
@@ -70,7 +70,8 @@ class CopyAdamW(torch.optim.Optimizer):
             out += [(gi, group, key, ps) for key, ps in parts.items()]
         return out
 
-    def _table(self, key: tuple, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _table(self, key: tuple, tensors: list[torch.Tensor]):
+        """The tensors' TensorTable, made again only when one of them has moved (eager gradients, a load)."""
         from ..ops.optim.triton_adamw import ptr_table
 
         ptrs = tuple(t.data_ptr() for t in tensors)

@@ -428,7 +428,7 @@ def train_step(lp: Loop) -> StepStats | None:
     st.step = lp.step
     read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     in_opt = _fused_adam(lp)  # the clip applied inside the fused AdamW (its grad_scale), no pass of its own
-    if isinstance(lp.opt, CopyAdamW):  # one process; bf16 gradients summed in fp32
+    if isinstance(lp.opt, CopyAdamW):  # one rank; bf16 gradients summed in fp32
         st.grad_norm = lp.opt.grad_norm()
     else:
         st.grad_norm = run.clip(lp.params, t.grad_clip, scale=not in_opt)  # global norm over every rank's shards
@@ -784,7 +784,8 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         if cfg.lora is None and run.device.type == "cuda" and run.world == 1:  # full FT on one GPU: say which step
             why = why_not_copies(cfg, run, run.device, lp.model)
             console.print("weights: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
-                                               else f"cast to bf16 at each use (no weight copies: {why})"))
+                                               else "cast to bf16 at each use (no weight copies: "
+                                               f"{why or 'no trainable matmul weight to copy'})"))
     eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed, speed = fit(lp, start)
