@@ -28,3 +28,16 @@ def micro_spec(**kw):
                 max_position_embeddings=256)
     base.update(kw)
     return ModelSpec(**base)
+
+
+class ListBatches:
+    """The trainer's sampler over fixed rows: each next() is the next [rows, seq + 1] tensor as (inputs, labels,
+    no other model inputs)."""
+
+    def __init__(self, rows: list):
+        self.rows, self.i = rows, 0
+
+    def next(self):
+        x = self.rows[self.i]
+        self.i += 1
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous(), {}

@@ -72,12 +72,12 @@ class CopyAdamW(torch.optim.Optimizer):
 
     def _table(self, key: tuple, tensors: list[torch.Tensor]):
         """The tensors' TensorTable, made again only when one of them has moved (eager gradients, a load)."""
-        from ..ops.optim.triton_adamw import ptr_table
+        from ..ops.optim.triton_adamw import TensorTable
 
         ptrs = tuple(t.data_ptr() for t in tensors)
         hit = self._tabs.get(key)
         if hit is None or hit[0] != ptrs:
-            hit = self._tabs[key] = (ptrs, ptr_table(tensors, tensors[0].device))
+            hit = self._tabs[key] = (ptrs, TensorTable(tensors, tensors[0].device))
         return hit[1]
 
     def _block_map(self, ps: list[torch.Tensor]):
@@ -96,7 +96,7 @@ class CopyAdamW(torch.optim.Optimizer):
         total = None
         for gi, _, (dt, cp), ps in self._parts():
             grads = [p.grad for p in ps]
-            s = grad_sq_sum(self._table((gi, dt, cp, "g"), grads), self._block_map(ps), dt)
+            s = grad_sq_sum(self._table((gi, dt, cp, "g"), grads), self._block_map(ps))
             total = s if total is None else total + s
         if total is None:
             return torch.zeros((), device=self.param_groups[0]["params"][0].device)
@@ -128,7 +128,7 @@ class CopyAdamW(torch.optim.Optimizer):
                     "step": self._table((gi, dt, cp, "step"), steps)}
             if cp:
                 tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps])
-            adamw_(tabs, self._block_map(ps), dt, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+            adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
 
     def load_state_dict(self, state_dict):

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from tests.conftest import ListBatches
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -30,15 +32,6 @@ def test_copies_train_as_autocasts_casts(seed):
     g = torch.Generator().manual_seed(seed)
     data = [torch.randint(3, spec.vocab_size, (ROWS, SEQ + 1), generator=g) for _ in range(STEPS)]
 
-    class _Batches:
-        def __init__(self):
-            self.i = 0
-
-        def next(self):
-            x = data[self.i]
-            self.i += 1
-            return x[:, :-1].contiguous(), x[:, 1:].contiguous(), {}
-
     base = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
     base.set_backend("auto")
     runs = []
@@ -52,7 +45,7 @@ def test_copies_train_as_autocasts_casts(seed):
         opt, copies = trainer.make_optimizer(cfg, run, m, params)
         assert isinstance(opt, CopyAdamW) == copies_on and (copies is not None) == copies_on
         lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                          _Batches(), NullLogger(), None, 1.0, True, copies=copies)
+                          ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
         if graphed:
             trainer.use_cuda_graph(lp)
         start = [p.detach().clone() for p in params]

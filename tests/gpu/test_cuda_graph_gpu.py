@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from tests.conftest import ListBatches
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -49,22 +51,13 @@ def _loops(seed, lora):
     g = torch.Generator().manual_seed(seed)
     data = [torch.randint(3, spec.vocab_size, (ROWS, SEQ + 1), generator=g) for _ in range(2 * STEPS)]
 
-    class _Batches:
-        def __init__(self):
-            self.i = 0
-
-        def next(self):
-            x = data[self.i]
-            self.i += 1
-            return x[:, :-1].contiguous(), x[:, 1:].contiguous(), {}
-
     out = []
     for graphed in (False, True):
         m = copy.deepcopy(model).train()
         params = [p for p in m.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=LR, fused=True)
         lp = trainer.Loop(cfg, LocalRun(cfg, torch.device("cuda")), m, params, opt,
-                          torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), _Batches(), NullLogger(), None,
+                          torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), ListBatches(data), NullLogger(), None,
                           1.0, True)
         if graphed:
             trainer.use_cuda_graph(lp)

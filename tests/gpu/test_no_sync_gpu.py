@@ -42,6 +42,17 @@ def _model(seed):
     return spec, model.train()
 
 
+class _SameBatch:
+    """The trainer's sampler giving the same packed batch every step."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def next(self):
+        x, y, pos = self.batch
+        return x, y, {"position_ids": pos}
+
+
 class _NoSync:
     def __enter__(self):
         torch.cuda.synchronize()
@@ -83,11 +94,6 @@ def test_trainer_steps_never_wait(seed):
         "steps": 10, "log_every": 1}})  # every step logged: its host copies run under the check too
     batch = _batch(spec, seed)
 
-    class _Batches:
-        def next(self):
-            x, y, pos = batch
-            return x, y, {"position_ids": pos}
-
     run = LocalRun(cfg, torch.device("cuda"))
     reads = []
     read = trainer._read
@@ -102,7 +108,7 @@ def test_trainer_steps_never_wait(seed):
 
         def loop(opt):
             return trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                _Batches(), NullLogger(), None, 1.0, True)
+                                _SameBatch(batch), NullLogger(), None, 1.0, True)
 
         lp = loop(torch.optim.AdamW(params, lr=1e-4, fused=True))
         assert trainer.train_step(lp) is None  # warm-up: compiles, autotunes, makes the optimizer state
@@ -139,17 +145,12 @@ def test_trainer_steps_with_weight_copies_never_wait(seed):
         "log_every": 1}})
     batch = _batch(spec, seed)
 
-    class _Batches:
-        def next(self):
-            x, y, pos = batch
-            return x, y, {"position_ids": pos}
-
     run = LocalRun(cfg, torch.device("cuda"))
     params = [p for p in model.parameters() if p.requires_grad]
     opt, copies = trainer.make_optimizer(cfg, run, model, params)
     assert isinstance(opt, CopyAdamW) and copies is not None
     lp = trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                      _Batches(), NullLogger(), None, 1.0, True, copies=copies)
+                      _SameBatch(batch), NullLogger(), None, 1.0, True, copies=copies)
     for step in range(2):  # compiles, autotunes, makes the optimizer state and its block maps
         lp.step = step
         trainer.train_step(lp)

@@ -8,11 +8,11 @@ import torch
 
 from moeadapt.ops.optim import (
     TensorBlocks,
+    TensorTable,
     adamw_,
     adamw_reference,
     grad_norm_reference,
     grad_sq_sum,
-    ptr_table,
 )
 from moeadapt.ops.optim.triton_adamw import BLOCK
 from moeadapt.parallel.optim import CopyAdamW
@@ -37,7 +37,7 @@ def _assert_copy(c, p):
 
 
 def _tables(ts):
-    return ptr_table(ts, ts[0].device)
+    return TensorTable(ts, ts[0].device)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
@@ -54,7 +54,7 @@ def test_adamw_kernel_matches_reference(seed, grad_dtype, scaled):
                             0.1, grad_scale=2.5 if scaled else None) for pi, gi, mi, vi, si in zip(p, g, m, v, steps)]
     tabs = {"p": _tables(p), "g": _tables(g), "m": _tables(m), "v": _tables(v), "step": _tables(steps),
             "c": _tables(c)}
-    adamw_(tabs, TensorBlocks(sizes, p[0].device), grad_dtype, lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+    adamw_(tabs, TensorBlocks(sizes, p[0].device), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
            weight_decay=0.1, grad_scale=torch.tensor(2.5) if scaled else None, found_inf=torch.tensor(0.0))
     for got, ref in zip(zip(p, m, v), want):
         for x, y in zip(got, ref):
@@ -70,7 +70,7 @@ def test_adamw_kernel_skip_changes_nothing(seed):
     before = {k: [x.clone() for x in v] for k, v in ts.items()}
     steps = [torch.ones(()) for _ in sizes]
     tabs = {k: _tables(v) for k, v in ts.items()} | {"step": _tables(steps)}
-    adamw_(tabs, TensorBlocks(sizes, torch.device("cpu")), torch.float32, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+    adamw_(tabs, TensorBlocks(sizes, torch.device("cpu")), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
            weight_decay=0.0, found_inf=torch.tensor(1.0))
     for k in ts:
         for x, y in zip(ts[k], before[k]):
@@ -81,13 +81,13 @@ def test_adamw_kernel_skip_changes_nothing(seed):
 def test_grad_sq_sum_matches_reference(seed, grad_dtype):
     sizes = _sizes()
     g = [(torch.randn(n) * 3).to(grad_dtype) for n in sizes]
-    got = grad_sq_sum(_tables(g), TensorBlocks(sizes, torch.device("cpu")), grad_dtype).sqrt()
+    got = grad_sq_sum(_tables(g), TensorBlocks(sizes, torch.device("cpu"))).sqrt()
     torch.testing.assert_close(got.double(), grad_norm_reference(g), rtol=1e-5, atol=0)
 
 
-def test_ptr_table_refuses_strided_tensors():
+def test_tensor_table_refuses_strided_tensors():
     with pytest.raises(ValueError, match="contiguous"):
-        ptr_table([torch.randn(8, 8).t()], torch.device("cpu"))
+        TensorTable([torch.randn(8, 8).t()], torch.device("cpu"))
 
 
 def test_copy_adamw_matches_torch_adamw(seed):

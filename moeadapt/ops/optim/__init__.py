@@ -5,6 +5,6 @@ optional bf16 copy of each updated weight). Used by `parallel.optim.CopyAdamW`.
 """
 
 from .reference import adamw_reference, grad_norm_reference
-from .triton_adamw import TensorBlocks, adamw_, grad_sq_sum, ptr_table
+from .triton_adamw import TensorBlocks, TensorTable, adamw_, grad_sq_sum
 
-__all__ = ["adamw_reference", "grad_norm_reference", "TensorBlocks", "adamw_", "grad_sq_sum", "ptr_table"]
+__all__ = ["adamw_reference", "grad_norm_reference", "TensorBlocks", "adamw_", "grad_sq_sum", "TensorTable"]

@@ -49,7 +49,7 @@ ALIGN = 16  # elements: every tensor must start at a multiple of this from its t
 class TensorTable:
     """Where a list of tensors of one dtype lie: an anchor tensor (the first; its address is a kernel argument,
     which Triton knows is 16-byte aligned) and each tensor's start as an element offset from it (int64 on the
-    device). The offsets are multiples of ALIGN elements (the caching allocator aligns to 512 bytes), which the
+    device), sent without waiting for the device. The offsets are multiples of ALIGN elements (the caching allocator aligns to 512 bytes), which the
     kernels assume so that their loads and stores are 16-byte vectors."""
 
     def __init__(self, tensors: list[torch.Tensor], device: torch.device):
@@ -69,11 +69,6 @@ class TensorTable:
         self.offsets = host_tensor(offs, device)
 
 
-def ptr_table(tensors: list[torch.Tensor], device: torch.device) -> TensorTable:
-    """The tensors' TensorTable on `device` (sent without waiting for the device)."""
-    return TensorTable(tensors, device)
-
-
 @triton.jit
 def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -89,7 +84,7 @@ def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: 
     tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
 
 
-def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks) -> torch.Tensor:
     """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device."""
     part = torch.empty(blocks.n_blocks, dtype=torch.float32, device=blocks.start.device)
     if blocks.n_blocks:
@@ -150,12 +145,12 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
                      bc1, bc2_sqrt, HAS_SCALE, HAS_COPY)
 
 
-def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, grad_dtype: torch.dtype | None = None, *, lr: float,
+def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
     in any float dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies
-    written from the new weights). grad_dtype is the gradients' (their table's anchor says it too). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
+    written from the new weights). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
     nonzero skips the whole step."""
     if not blocks.n_blocks:
         return
