@@ -72,6 +72,16 @@ class LoRALinear(nn.Linear):
         xa = xa.to(self.lora_A.weight.dtype)
         return y + (self.lora_B(self.lora_A(xa)) * self.scaling).to(y.dtype)
 
+    def shared_input_terms(self):
+        """(weight, bias, (A, B, scaling)) for models.shared_input.shared_input_linears, which runs this layer with
+        the others of the same input as one node; None where forward's fused path would not apply either."""
+        if not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad:
+            return None
+        if self.lora_A._forward_hooks or self.lora_A._forward_pre_hooks or self.lora_B._forward_hooks \
+                or self.lora_B._forward_pre_hooks:
+            return None
+        return self.weight, self.bias, (self.lora_A.weight, self.lora_B.weight, self.scaling)
+
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling

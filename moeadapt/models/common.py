@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..ops.cp_comm import predecessor_tails
 from ..ops.kda.short_conv import causal_conv_silu, conv_with_history
 from ..ops.moe import swiglu_pair
+from .shared_input import shared_input_linears
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,10 @@ class SwiGLU(nn.Module):
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.w1(x), self.w3(x)
+        return self.down(*shared_input_linears(x, (self.w1, self.w3)))
+
+    def down(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """w2(silu(g) * u) for g = w1 x, u = w3 x computed by the caller (with other projections of x)."""
         a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend,
                         limit=self.limit)
         return self.w2(a.view(g.shape))

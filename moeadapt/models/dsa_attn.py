@@ -24,6 +24,7 @@ from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_
 from ..ops.dsa.cp import dsa_attention_cp
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
 from .documents import Documents, flat_rows
+from .shared_input import shared_input_linears
 
 
 class DSAAttention(nn.Module):
@@ -78,11 +79,18 @@ class DSAAttention(nn.Module):
 
         return {"kpool_ape": Rule("const", 0.0)} if self.kpool else {}
 
-    def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(self, x_BTD: torch.Tensor, q_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, q latent) of x; q_in: x's first query projection (wq_a or wq) when already computed."""
         if self.spec.q_lora_rank:
-            q_lat = self.q_norm(self.wq_a(x_BTD))
+            q_lat = self.q_norm(self.wq_a(x_BTD) if q_in is None else q_in)
             return self.wq_b(q_lat), q_lat
-        return self.wq(x_BTD), x_BTD
+        return (self.wq(x_BTD) if q_in is None else q_in), x_BTD
+
+    @property
+    def _x_projections(self) -> tuple[nn.Module, ...]:
+        """The layers whose gradient reaches x (looked up at each call: LoRA injection replaces them)."""
+        first = (self.wq_a if self.spec.q_lora_rank else self.wq, self.wkv_a)
+        return first if self.w_gate is None else (*first, self.w_gate)
 
     def indexer(self, x_BTD, q_lat, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x_BTD.shape
@@ -101,10 +109,11 @@ class DSAAttention(nn.Module):
         same selection). docs: packed documents (cos / sin are then per row, [B, T, rope / 2])."""
         B, T, _ = x_BTD.shape
         H, nope, r, kvl = self.n_heads, self.nope, self.rope, self.kvl
-        q, q_lat = self._queries(x_BTD)
+        # the projections of x as one autograd node (models/shared_input.py): one dx buffer for their gradients
+        q_in, kv, *out_gate = shared_input_linears(x_BTD, self._x_projections)
+        q, q_lat = self._queries(x_BTD, q_in)
         q = q.view(B, T, H, nope + r)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
-        kv = self.wkv_a(x_BTD)
         kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), kv[..., kvl:]
         if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
             q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
@@ -174,8 +183,8 @@ class DSAAttention(nn.Module):
                                          scale=self.softmax_scale, backend=self.backend)
         o_lat = o_lat.reshape(B, T, H, kvl)
         o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
-        if self.w_gate is not None:
-            o = o * torch.sigmoid(self.w_gate(x_BTD)).unsqueeze(-1).to(o.dtype)
+        if out_gate:
+            o = o * torch.sigmoid(out_gate[0]).unsqueeze(-1).to(o.dtype)
         aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux
 

@@ -5,6 +5,7 @@ beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
 g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection), or
 with spec.kda_gate_lower_bound b the lower-bounded g = b * sigmoid(exp(A_log[h]) * (x W_f_a W_f_b + dt_bias));
 output: per-head RMSNorm gated by sigmoid(x W_g_a W_g_b), then o_proj. Owns only its own parameters.
+The six projections of x (q, k, v, f_a, b, g_a) run as one autograd node (models/shared_input.py).
 Under context parallelism (`cp` set by parallel/) the state crosses ranks through ops/kda/cp.py. With packed
 documents (`docs`, models/documents.py) the convs and the state restart at every document start.
 """
@@ -19,6 +20,7 @@ from torch import nn
 from ..config import ModelSpec
 from .common import CausalConv1d, RMSNorm
 from .documents import Documents, run_kda
+from .shared_input import shared_input_linears
 
 
 class KDAAttention(nn.Module):
@@ -45,6 +47,11 @@ class KDAAttention(nn.Module):
         self.backend = "auto"
         self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
 
+    @property
+    def _x_projections(self) -> tuple[nn.Module, ...]:
+        """The layers that read x (looked up at each call: LoRA injection replaces them)."""
+        return self.q_proj, self.k_proj, self.v_proj, self.f_a, self.b_proj, self.g_a
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
             if self.gate_lower_bound is not None:  # as fla / transformers initialise the lower-bounded gate
@@ -58,16 +65,18 @@ class KDAAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, K = self.n_heads, self.head_dim
         pos = None if docs is None else docs.position_ids
-        q = self.q_conv(self.q_proj(x_BTD), pos).view(B, T, H, K)
-        k = self.k_conv(self.k_proj(x_BTD), pos).view(B, T, H, K)
-        v = self.v_conv(self.v_proj(x_BTD), pos).view(B, T, H, K)
-        g_raw = self.f_b(self.f_a(x_BTD)).view(B, T, H, K)
-        beta_logits = self.b_proj(x_BTD).float()
+        # the six projections of x as one autograd node: one dx buffer, the LoRA adapters' products batched
+        q, k, v, f, b, g = shared_input_linears(x_BTD, self._x_projections)
+        q = self.q_conv(q, pos).view(B, T, H, K)
+        k = self.k_conv(k, pos).view(B, T, H, K)
+        v = self.v_conv(v, pos).view(B, T, H, K)
+        g_raw = self.f_b(f).view(B, T, H, K)
+        beta_logits = b.float()
         opts = dict(backend=self.backend, use_qk_l2norm=True, A_log=self.A_log, dt_bias=self.dt_bias,
                     beta_is_logits=True)
         if self.gate_lower_bound is not None:
             opts["gate_lower_bound"] = self.gate_lower_bound
         o = run_kda(q, k, v, g_raw, beta_logits, docs, self.cp, **opts)
-        gate_logits = self.g_b(self.g_a(x_BTD)).view(B, T, H, K)
+        gate_logits = self.g_b(g).view(B, T, H, K)
         o = self.o_norm(o.to(x_BTD.dtype), gate=gate_logits)  # norm(o) * sigmoid(gate) in one pass
         return self.o_proj(o.reshape(B, T, H * K)), {}

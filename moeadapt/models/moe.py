@@ -25,6 +25,7 @@ from ..ops.moe import (
 )
 from .common import RMSNorm, SwiGLU
 from .router import Router
+from .shared_input import shared_input_linears
 
 
 class GroupedLinear(nn.Module):
@@ -167,22 +168,36 @@ class LatentMoE(nn.Module):
         self.dispatcher = LocalDispatcher(dropless=spec.capacity_factor is None)
         self.backend = "auto"
 
+    @property
+    def _x_projections(self) -> tuple[nn.Module, ...]:
+        """The linear layers that read the layer's input (looked up at each call: LoRA injection replaces them),
+        in the order forward unpacks them: the latent projection, the shared expert's w1, w3, its gate."""
+        mods = (self.fc1_latent_proj,) if self.latent else ()
+        if self.shared is not None:
+            mods += (self.shared.w1, self.shared.w3)
+            if self.shared_gate is not None:
+                mods += (self.shared_gate,)
+        return mods
+
     def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:
         B, T, D = h_BTD.shape
         x_TD = h_BTD.reshape(B * T, D)
         r = self.router(x_TD, batch_size=B)
+        # the projections of x (latent, shared expert's gate / up, its sigmoid gate) as one autograd node
+        # (models/shared_input.py): one dx buffer for their gradients, the LoRA adapters' products batched
+        outs = shared_input_linears(x_TD, self._x_projections)
         z_TL = x_TD
         if self.latent:
-            z_TL = self.fc1_latent_proj(x_TD)
+            z_TL = outs.pop(0)
             if self.latent_norm is not None:
                 z_TL = self.latent_norm(z_TL)
         y_TL = self.dispatcher(self.experts, z_TL, r.expert_ids_TK, r.weights_TK, self.spec.n_routed_experts,
                                backend=self.backend)
         out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
         if self.shared is not None:
-            sh_TD = self.shared(x_TD)
+            sh_TD = self.shared.down(outs[0], outs[1])
             if self.shared_gate is not None:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
-                sh_TD = sh_TD * torch.sigmoid(self.shared_gate(x_TD))
+                sh_TD = sh_TD * torch.sigmoid(outs[2])
             out_TD = out_TD + sh_TD
         stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
         return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}

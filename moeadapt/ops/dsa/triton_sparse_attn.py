@@ -495,6 +495,37 @@ def _sfa_bwd_dense_dq_kernel(
     tl.store(DQ + b * T * HQ * D + col[:, None] * D + offs_c[None, :], acc.to(DQ.dtype.element_ty),
              mask=mask_col[:, None] & mask_ck[None, :])
 
+@triton.jit
+def _zero_touched_tiles_kernel(
+    IDX, P_, DS_, si_t, spd_b, spd_key, T, TOPK,
+    HQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """Zero the tiles of the dense P / dS buffers that pass 1 may write into, before it runs: per (query block,
+    batch row), the key blocks from the block's smallest to its largest selected key. That range holds every
+    tile pass 1 flags (a superset: a key block inside it that no row selects is zeroed but never read), and
+    with causal selections it leaves the upper triangle (about half the buffer) unwritten. Grid (NQB, B)."""
+    qb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    lo = TOPK * 0 + 2147483647
+    hi = TOPK * 0 - 1
+    for r in range(BLOCK_Q):
+        t = qb * BLOCK_Q + r
+        if t < T:
+            for i0 in range(0, TOPK, BLOCK_I):
+                offs = i0 + tl.arange(0, BLOCK_I)
+                ix = tl.load(IDX + (b * T + t) * si_t + offs, mask=offs < TOPK, other=-1)
+                hi = tl.maximum(hi, tl.max(ix))
+                lo = tl.minimum(lo, tl.min(tl.where(ix >= 0, ix, 2147483647)))
+    M: tl.constexpr = BLOCK_Q * HQ
+    cols = qb * M + tl.arange(0, M)
+    keys = tl.arange(0, BLOCK_KEYS)
+    zero = tl.zeros([BLOCK_KEYS, M], P_.dtype.element_ty)
+    for kb in range(lo // BLOCK_KEYS, hi // BLOCK_KEYS + 1):  # no valid key (hi = -1): no iteration
+        off = b * spd_b + (kb * BLOCK_KEYS + keys)[:, None].to(tl.int64) * spd_key + cols[None, :]
+        tl.store(P_ + off, zero)
+        tl.store(DS_ + off, zero)
+
+
 # Launch configuration, from the sweeps of benchmarks/bench_dsa.py on an H200 (read-only: pass a changed copy).
 # Forward: BLOCK_H 64 query heads as the MMA's M (wgmma), 64-key blocks, 8 warps, 2 stages; DENSE took it from
 # 291-295 to 294-297 TFLOP/s at T = 32768 (the Gluon kernel replaces it where it applies).
@@ -783,8 +814,15 @@ def _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk,
     q, k, do = p1[0], p1[1], p1[6]
     Tk, HQ = k.shape[1], q.shape[2]
     bq, bkeys, nqb, nkb = tiles
-    # zero-padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked
-    pds = torch.zeros(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
+    # padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked; only the
+    # tiles pass 1 may write into are zeroed (the dense kernels read flagged tiles only)
+    pds = torch.empty(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
+    if _POISON_PDS:  # tests: a tile read without being zeroed shows as NaN
+        pds.fill_(float("nan"))
+    idx = p1[3]
+    _zero_touched_tiles_kernel[(nqb, B)](idx, pds[0], pds[1], idx.stride(1), pds.stride(1), pds.stride(2), T,
+                                         idx.shape[-1], HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys,
+                                         BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
     flags = torch.zeros(B, nqb, nkb, device=q.device, dtype=torch.int32)
     _pass1(cfg["PDS_CFG"], *p1, pds[0], pds[1], G, 1, B, T, D, DV, d1, d2, True, i64, walk, scale, 0, B * T,
            dense_out=(flags, bq, bkeys, nqb, nkb))

@@ -1,0 +1,155 @@
+"""models.shared_input: several linear layers of one input as one autograd node (one dx buffer, the LoRA adapters'
+products batched) against the layers run one by one and against float64."""
+
+import pytest
+import torch
+from torch import nn
+
+from moeadapt.lora.layers import LoRALinear
+from moeadapt.models.common import SwiGLU, rope_cos_sin
+from moeadapt.models.dsa_attn import DSAAttention
+from moeadapt.models.kda_attn import KDAAttention
+from moeadapt.models.model import build_model, materialize
+from moeadapt.models.moe import LatentMoE
+from moeadapt.models.shared_input import shared_input_linears
+from tests.conftest import micro_spec
+
+
+def _members(d: int, frozen_lora: bool = True, base_dtype: torch.dtype = torch.bfloat16) -> list[nn.Module]:
+    """A trainable fp32 Linear, one with a bias, and two LoRA layers (different ranks, one with a bias)."""
+    ranks = [int(r) for r in torch.randint(2, 9, (2,))]
+    mods = [nn.Linear(d, 24 + int(torch.randint(0, 8, ())), bias=False), nn.Linear(d, 5, bias=True)]
+    for r, bias in zip(ranks, (False, True)):
+        base = nn.Linear(d, 16 + int(torch.randint(0, 16, ())), bias=bias)
+        if frozen_lora:
+            base = base.to(base_dtype).requires_grad_(False)
+        lin = LoRALinear(base, rank=r, alpha=2.0 * r)
+        nn.init.normal_(lin.lora_B.weight, std=0.5)
+        mods.append(lin)
+    return mods
+
+
+def _run(mods, x, dys, grouped: bool):
+    x = x.detach().clone().requires_grad_(True)
+    for p in (p for m in mods for p in m.parameters()):
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = shared_input_linears(x, mods) if grouped else [m(x) for m in mods]
+    loss = sum((y.float() * d.float()).sum() for y, d in zip(ys, dys) if d is not None)
+    loss.backward()
+    params = [p for m in mods for p in m.parameters() if p.requires_grad]
+    return ys, x.grad, [p.grad for p in params], params
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_group_matches_layer_by_layer_and_float64(seed, x_dtype):
+    d = 40 + int(torch.randint(0, 24, ()))
+    mods = _members(d)
+    x = torch.randn(2, 3 + int(torch.randint(0, 6, ())), d).to(x_dtype)
+    dys = [torch.randn(*x.shape[:-1], m.out_features) for m in mods]
+    ys, dx, grads, params = _run(mods, x, dys, grouped=True)
+    assert "SharedInputLinears" in type(ys[0].grad_fn).__name__
+    assert dx.dtype == x_dtype and all(g.dtype == p.dtype for g, p in zip(grads, params))
+    ys1, dx1, grads1, _ = _run(mods, x, dys, grouped=False)
+    assert "SharedInputLinears" not in type(ys1[0].grad_fn).__name__
+    for a, b in zip([*ys, dx, *grads], [*ys1, dx1, *grads1]):
+        assert a.shape == b.shape and _rel(a, b) < 1e-2
+    # float64 from the same bf16-rounded operands
+    xb = x.to(torch.bfloat16).double().reshape(-1, d)
+    dx_ref = torch.zeros_like(xb)
+    for m, y, dy in zip(mods, ys, dys):
+        w = m.weight.detach().to(torch.bfloat16).double()
+        dy64 = dy.to(torch.bfloat16).double().reshape(-1, w.shape[0])
+        ref = xb @ w.T + (m.bias.detach().to(torch.bfloat16).double() if m.bias is not None else 0.0)
+        dx_ref += dy64 @ w
+        if isinstance(m, LoRALinear):
+            a = m.lora_A.weight.detach().to(torch.bfloat16).double()
+            b = m.lora_B.weight.detach().to(torch.bfloat16).double()
+            ref = ref + m.scaling * (xb @ a.T) @ b.T
+            dx_ref += m.scaling * (dy64 @ b) @ a
+            assert _rel(m.lora_A.weight.grad, m.scaling * (dy64 @ b).T @ xb) < 2e-2
+            assert _rel(m.lora_B.weight.grad, m.scaling * dy64.T @ (xb @ a.T)) < 2e-2
+        else:
+            assert _rel(m.weight.grad, dy64.T @ xb) < 2e-2
+            if m.bias is not None:
+                assert _rel(m.bias.grad, dy64.sum(0)) < 2e-2
+        assert _rel(y.reshape(ref.shape), ref) < 1e-2
+    assert _rel(dx.reshape(dx_ref.shape), dx_ref) < 1e-2
+
+
+def test_unused_outputs_give_no_gradient(seed):
+    """Members whose outputs the loss does not read get no gradient; dx is the used members' sum."""
+    d = 32
+    mods = _members(d)
+    x = torch.randn(2, 5, d, dtype=torch.bfloat16)
+    dys = [torch.randn(2, 5, m.out_features) for m in mods]
+    dys[0] = dys[2] = None  # a plain Linear and a LoRA layer unused
+    _, dx, grads, _ = _run(mods, x, dys, grouped=True)
+    _, dx1, grads1, _ = _run(mods, x, dys, grouped=False)
+    assert _rel(dx, dx1) < 1e-2
+    assert mods[0].weight.grad is None and mods[2].lora_A.weight.grad is None and mods[2].lora_B.weight.grad is None
+    assert mods[3].lora_A.weight.grad is not None and mods[1].weight.grad is not None
+
+
+def test_falls_back_where_the_node_cannot_stand_in(seed):
+    """No autocast, a hook on a member, a LoRA layer with a trainable base: the layers run one by one."""
+    d = 24
+    x = torch.randn(2, 3, d)
+    ys = shared_input_linears(x, _members(d, base_dtype=torch.float32))
+    assert all("SharedInputLinears" not in type(y.grad_fn).__name__ for y in ys)
+    mods = _members(d)
+    h = mods[1].register_forward_hook(lambda m, i, o: None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = shared_input_linears(x, mods)
+    h.remove()
+    assert all("SharedInputLinears" not in type(y.grad_fn).__name__ for y in ys)
+    mods = _members(d, frozen_lora=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = shared_input_linears(x, mods)
+    assert all("SharedInputLinears" not in type(y.grad_fn).__name__ for y in ys)
+
+
+@pytest.mark.parametrize("where", [("attn", 1), ("attn", 3), ("ffn", 2), ("ffn", 0)])
+def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
+    """KDA (six projections of x grouped), DSA (three), the latent MoE (latent projection, shared expert's w1 / w3)
+    and the dense SwiGLU (w1 / w3) under autocast with LoRA on every linear layer: output and every gradient as
+    with the projections run one by one."""
+    part, layer_id = where
+    spec = micro_spec(attn_output_gate=True)
+    model = materialize(build_model(spec), seed=seed % 1000)
+    layer = getattr(model.layers[layer_id], part)
+    assert isinstance(layer, {1: KDAAttention, 3: DSAAttention, 2: LatentMoE, 0: SwiGLU}[layer_id])
+    for mod in list(layer.modules()):
+        for name, base in list(mod.named_children()):
+            if type(base) is nn.Linear:
+                lin = LoRALinear(base.to(torch.bfloat16).requires_grad_(False), rank=4, alpha=8.0)
+                nn.init.normal_(lin.lora_B.weight, std=0.3)
+                setattr(mod, name, lin)
+    layer.backend = "reference"
+    members = layer._x_projections if hasattr(layer, "_x_projections") else (layer.w1, layer.w3)
+    T = 12
+    x = torch.randn(2, T, spec.hidden_size, dtype=torch.bfloat16)
+    dy = torch.randn(2, T, spec.hidden_size)
+    cos, sin = rope_cos_sin(torch.arange(T), spec.qk_rope_head_dim, spec.rope_theta)
+    out = []
+    for grouped in (True, False):
+        xx = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        # a forward hook on a member makes the layers run one by one
+        hooks = [] if grouped else [m.register_forward_hook(lambda m, i, o: None) for m in members]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xx, cos=cos, sin=sin) if part == "attn" else layer(xx)
+        for h in hooks:
+            h.remove()
+        y = y[0] if isinstance(y, tuple) else y
+        (y.float() * dy).sum().backward()
+        out.append([y.detach(), xx.grad] + [p.grad for p in layer.parameters() if p.requires_grad])
+    assert len(members) >= 2
+    # every projection of x has adapter gradients (the DSA indexer's, trained only by its KL loss, may have none)
+    assert all(m.lora_A.weight.grad is not None for m in members)
+    for a, b in zip(*out):
+        assert (a is None) == (b is None) and (a is None or _rel(a, b) < 2e-2)
