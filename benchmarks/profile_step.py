@@ -9,7 +9,8 @@ Levers (cumulative, in this order; `--variants` picks a subset by name):
   +loss         ops.loss.linear_cross_entropy (chunked): no [tokens x vocab] fp32 logits
   +norm_cast    RMSNorm emits the autocast dtype: one cast per norm instead of one per consuming GEMM
   +fused_adamw  torch.optim.AdamW(fused=True)
-  +compile_norm RMSNorm (and the KDA output gate folded into it) through torch.compile, the model's default
+  +compile_norm RMSNorm (and the KDA output gate, and the residual add before the FFN norm, folded into it)
+                through torch.compile, the model's default
   +compile_static  the same compiled with static shapes (one graph per shape) instead of dynamic ones
 Full fine-tuning (fp32 master weights) runs every variant; LoRA r = 16 (frozen bf16 base, the trainer's layout)
 runs baseline and the final variant. Kernel families: our Triton kernels by the ops/ folder that defines them
@@ -176,6 +177,7 @@ def configure(model, v: dict) -> None:
 
         torch._dynamo.reset()
         common._compiled_rms_norm = torch.compile(common.rms_norm, dynamic=not v["compile_static"])
+        common._compiled_add_rms_norm = torch.compile(common.add_rms_norm, dynamic=not v["compile_static"])
         _compile_static = v["compile_static"]
     model.set_backend("auto")
     model.backend = v["loss"]

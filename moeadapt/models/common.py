@@ -51,6 +51,29 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
     return _compiled_rms_norm(x.reshape(-1, d), weight, eps, out, g2).view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + a, rms_norm(x + a)): a residual add (torch's type promotion: an fp32 stream plus a bf16 branch stays
+    fp32) and the norm that reads the sum."""
+    s = x + a
+    return s, rms_norm(s, weight, eps, out)
+
+
+_compiled_add_rms_norm = None
+
+
+def _add_rms_norm_cuda(x, a, weight, eps, out):
+    """add_rms_norm through torch.compile: the add, the norm and (backward) the sum of the residual's and the
+    norm's gradients with the branch's cast each as one kernel, instead of an add, the norm and an add + a cast
+    (flattened to [rows, dim], dynamic shapes, as _rms_norm_cuda)."""
+    global _compiled_add_rms_norm
+    if _compiled_add_rms_norm is None:
+        _compiled_add_rms_norm = torch.compile(add_rms_norm, dynamic=True)
+    d = x.shape[-1]
+    s, y = _compiled_add_rms_norm(x.reshape(-1, d), a.reshape(-1, d), weight, eps, out)
+    return s.view(x.shape), y.view(x.shape)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in fp32 (or float64), optionally gated: norm(x) * weight * sigmoid(gate) (the KDA output gate).
 
@@ -66,15 +89,32 @@ class RMSNorm(nn.Module):
         self.autocast_output = True
         self.compiled = True
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        out = x.dtype
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         if self.autocast_output and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-            out = torch.get_autocast_dtype(x.device.type)
-        if self.compiled and x.is_cuda and _get_current_dispatch_mode() is None:
-            # (inside a TorchDispatchMode - selective activation checkpointing's - the eager ops run instead:
-            # the mode must see each op, which a compiled kernel hides)
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
+    def _compiles(self, x: torch.Tensor) -> bool:
+        # (inside a TorchDispatchMode - selective activation checkpointing's - the eager ops run instead:
+        # the mode must see each op, which a compiled kernel hides)
+        return self.compiled and x.is_cuda and _get_current_dispatch_mode() is None
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        out = self._out_dtype(x)
+        if self._compiles(x):
             return _rms_norm_cuda(x, self.weight, self.eps, out, gate)
         return rms_norm(x, self.weight, self.eps, out, gate)
+
+    def after_add(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, self(x + a)) for a residual stream x and a branch output a: on CUDA one compiled pass each way
+        (`add_rms_norm`). A module hook on this norm is honoured by running the two steps apart."""
+        if self._forward_hooks or self._forward_pre_hooks or a.shape != x.shape:
+            s = x + a
+            return s, self(s)
+        out = self._out_dtype(x)
+        if self._compiles(x):
+            return _add_rms_norm_cuda(x, a, self.weight, self.eps, out)
+        return add_rms_norm(x, a, self.weight, self.eps, out)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

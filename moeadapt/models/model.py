@@ -71,15 +71,19 @@ class Block(nn.Module):
                      for j, (c, co, si, d) in enumerate(mbs)]
             a = torch.cat([p[0] for p in parts], dim=0)
             attn_aux = {k: sum(p[1][k] for p in parts) / micro_batches for k in parts[0][1]}
-        x = x + a if mix is None else self.attn_hc.merge(a, x, mix)
         info: dict = {"aux": dict(attn_aux)}
-        h, mix = self.ffn_hc(x) if self.ffn_hc is not None else (x, None)
+        if mix is None and self.ffn_hc is None:  # the residual add and the FFN's norm in one pass
+            x, h = self.ffn_norm.after_add(x, a)
+        else:
+            x = x + a if mix is None else self.attn_hc.merge(a, x, mix)
+            h, mix = self.ffn_hc(x) if self.ffn_hc is not None else (x, None)
+            h = self.ffn_norm(h)
         if self.is_moe:
-            f, moe_info = self.ffn(self.ffn_norm(h))
+            f, moe_info = self.ffn(h)
             info["aux"].update(moe_info["aux"])
             info["moe"] = moe_info["moe"]
         else:
-            f = self.ffn(self.ffn_norm(h))
+            f = self.ffn(h)
         return (x + f if mix is None else self.ffn_hc.merge(f, x, mix)), info
 
 

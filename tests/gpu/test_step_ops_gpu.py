@@ -85,3 +85,27 @@ def test_model_levers_keep_loss_and_grads(seed):
     print(f"loss {l0:.5f} / {l2:.5f}, rel grad floor {floor:.2e}, levers {_rel(g2, g0):.2e}")
     assert abs(l0 - l2) < 1e-2 * abs(l0)
     assert _rel(g2, g0) < max(5 * floor, 5e-2)
+
+
+def test_add_rms_norm_compiled_matches_eager_under_autocast(seed):
+    """RMSNorm.after_add on CUDA (torch.compile: the residual add, the norm and their backward fused) against the
+    same math as eager torch ops: the fp32 sum, the bf16 normed output and every gradient."""
+    from moeadapt.models.common import RMSNorm
+
+    norm = RMSNorm(2048).cuda()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 1000, 2048, device="cuda") * 3
+    a = torch.randn(2, 1000, 2048, device="cuda").bfloat16()
+    ds, dy = torch.randn_like(x), torch.randn_like(x)
+    outs = []
+    for compiled in (True, False):
+        norm.compiled = compiled
+        norm.weight.grad = None
+        xx, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            s, y = norm.after_add(xx, aa)
+        ((s * ds).sum() + (y.float() * dy).sum()).backward()
+        outs.append([s, y, xx.grad, aa.grad, norm.weight.grad])
+    for g, w in zip(*outs):
+        assert g.dtype == w.dtype and _rel(g, w) < 1e-2

@@ -1,5 +1,6 @@
-"""models.shared_input: several linear layers of one input as one autograd node (one dx buffer, the LoRA adapters'
-products batched) against the layers run one by one and against float64."""
+"""Fusions of the step's glue against what they replace and float64: several linear layers of one input as one
+autograd node (models.shared_input: one dx buffer, the LoRA adapters' products batched) and the residual add
+fused with the norm after it (models.common.add_rms_norm)."""
 
 import pytest
 import torch
@@ -153,3 +154,46 @@ def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
     assert all(m.lora_A.weight.grad is not None for m in members)
     for a, b in zip(*out):
         assert (a is None) == (b is None) and (a is None or _rel(a, b) < 2e-2)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_add_then_the_norm(seed, x_dtype):
+    """RMSNorm.after_add (the block's residual add fused with the FFN norm): the sum, the normed output and every
+    gradient as `s = x + a; norm(s)`, eager and through a traced graph (the compiled path's autograd, on CPU by
+    aot_eager), under autocast (an fp32 stream comes out bf16) and against float64."""
+    from moeadapt.models import common
+
+    d = 16 + int(torch.randint(0, 48, ()))
+    norm = common.RMSNorm(d)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, d, dtype=x_dtype) * 3
+    a = torch.randn(2, 5, d, dtype=torch.bfloat16)
+    ds, dy = torch.randn(2, 5, d), torch.randn(2, 5, d)
+    traced = torch.compile(common.add_rms_norm, backend="aot_eager", dynamic=True)
+
+    def run(how):
+        xx, aa = x.clone().requires_grad_(True), a.clone().requires_grad_(True)
+        norm.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if how == "apart":
+                s = xx + aa
+                y = norm(s)
+            elif how == "fused":
+                s, y = norm.after_add(xx, aa)
+            else:
+                s, y = traced(xx, aa, norm.weight, norm.eps, norm._out_dtype(xx))
+        ((s.float() * ds).sum() + (y.float() * dy).sum()).backward()
+        return [s, y, xx.grad, aa.grad, norm.weight.grad]
+
+    want = run("apart")
+    assert want[0].dtype == x_dtype and want[1].dtype == torch.bfloat16
+    for how in ("fused", "traced"):
+        got = run(how)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
+    # float64
+    s64 = x.double() + a.double()
+    y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.detach().double()
+    assert _rel(want[1], y64) < 1e-2 and _rel(want[0], s64) < 1e-2
