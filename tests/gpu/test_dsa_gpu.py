@@ -13,6 +13,7 @@ from moeadapt.ops.dsa import (
     lightning_indexer,
     sparse_attention,
 )
+from moeadapt.ops.dsa.triton_sparse_attn import DENSE_PDS_CONFIG
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -72,6 +73,8 @@ def _rand_indices(T, topk, g):
     (torch.float32, 8, 96, 64, False, None, True),
     (torch.bfloat16, 16, 576, 512, True, None, True),  # the dense pass 2 (the default at <= 32 heads)
     (torch.bfloat16, 16, 576, 512, True, {"DENSE": None}, True),  # the slot pass 2
+    # the dense pass 2 zeroing only the tiles pass 1 may write (ZERO_TOUCHED; the buffer is NaN-poisoned)
+    (torch.bfloat16, 16, 576, 512, True, {"DENSE": {**DENSE_PDS_CONFIG, "ZERO_TOUCHED": True}}, True),
     (torch.bfloat16, 32, 576, 512, True, None, True),
     (torch.bfloat16, 128, 576, 512, True, None, True),  # on sm_90: the Gluon forward and backward pass 1
     (torch.bfloat16, 128, 576, 512, True, None, False),  # the same shape on the Triton kernels

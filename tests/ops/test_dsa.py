@@ -386,9 +386,10 @@ _BWD_VARIANTS = {
     "pds_kmix": {"SKIP": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_K": 32, "BLOCK_C": 16}},
     # the dense pass 2 (MLA layout only; the per-head layout takes the slot pass 2): 2-query x 16-key tiles, so T = 45
     # ends in a partial query block and a partial key block, segments of 3 query blocks (several atomic tiles
-    # per key block), dk / dq channel chunks that end past D
+    # per key block), dk / dq channel chunks that end past D; only the tiles pass 1 may write zeroed (the buffer is
+    # NaN-poisoned, so a flagged tile left unzeroed fails)
     "dense": {"SKIP": True, "REVERSE": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16},
-              "DENSE": {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 2, "BLOCK_KEYS": 16, "SEG": 3,
+              "DENSE": {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 2, "BLOCK_KEYS": 16, "SEG": 3, "ZERO_TOUCHED": True,
                         "DK_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
                         "DQ_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1}}},
 }

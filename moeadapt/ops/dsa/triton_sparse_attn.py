@@ -535,7 +535,11 @@ FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SK
 # key's place in [B * T, Tk, HQ] and flags the touched (BLOCK_Q queries, BLOCK_KEYS keys) tiles; dk sums over a
 # tile's (query, head) pairs in the MMA (programs of SEG query blocks, one atomic tile each), dq reads K as
 # contiguous tiles. It replaces the slot pass 2, whose one dk row per selected pair bounds it at few heads.
-DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16,
+# ZERO_TOUCHED: zero only the tiles pass 1 may write (`_zero_touched_tiles_kernel`, about half the 2 GiB buffer at
+# seq 4096 x 2, where zeroing all of it takes ~0.7 ms a layer on an H100) instead of the whole buffer. Off until it
+# has run on a GPU: it is checked in the interpreter only (tests/ops/test_dsa.py's dense variant); the GPU test
+# (tests/gpu/test_dsa_gpu.py) has a case for it.
+DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16, "ZERO_TOUCHED": False,
                     "DK_CFG": {"BLOCK_C": 128, "num_warps": 4, "num_stages": 1},
                     "DQ_CFG": {"BLOCK_C": 128, "num_warps": 8, "num_stages": 1}}
 # Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
@@ -814,15 +818,18 @@ def _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk,
     q, k, do = p1[0], p1[1], p1[6]
     Tk, HQ = k.shape[1], q.shape[2]
     bq, bkeys, nqb, nkb = tiles
-    # padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked; only the
-    # tiles pass 1 may write into are zeroed (the dense kernels read flagged tiles only)
+    # padded to whole (query block, key block) tiles, so that the dense kernels load tiles unmasked; with
+    # ZERO_TOUCHED only the tiles pass 1 may write into are zeroed (the dense kernels read flagged tiles only)
     pds = torch.empty(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
     if _POISON_PDS:  # tests: a tile read without being zeroed shows as NaN
         pds.fill_(float("nan"))
-    idx = p1[3]
-    _zero_touched_tiles_kernel[(nqb, B)](idx, pds[0], pds[1], idx.stride(1), pds.stride(1), pds.stride(2), T,
-                                         idx.shape[-1], HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys,
-                                         BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+    if cfg["DENSE"].get("ZERO_TOUCHED", False):
+        idx = p1[3]
+        _zero_touched_tiles_kernel[(nqb, B)](idx, pds[0], pds[1], idx.stride(1), pds.stride(1), pds.stride(2), T,
+                                             idx.shape[-1], HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys,
+                                             BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+    else:
+        pds.zero_()
     flags = torch.zeros(B, nqb, nkb, device=q.device, dtype=torch.int32)
     _pass1(cfg["PDS_CFG"], *p1, pds[0], pds[1], G, 1, B, T, D, DV, d1, d2, True, i64, walk, scale, 0, B * T,
            dense_out=(flags, bq, bkeys, nqb, nkb))
