@@ -185,6 +185,32 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
 
 
 # ------------------------------------------------------------------ ours: the trainer's step
+UNFUSE = ("projections", "add_norm")
+
+
+def unfuse(model, what: set[str]) -> int:
+    """Turn the named glue fusions off for an A/B run, by the fallback each has: a no-op forward hook on a member
+    makes models/shared_input run that group's layers one by one ("projections": KDA / DSA / MoE / SwiGLU), one on
+    a block's FFN norm makes RMSNorm.after_add add and normalise apart ("add_norm"). Returns the hooks placed."""
+    from moeadapt.models.common import SwiGLU
+    from moeadapt.models.model import Block
+
+    def noop(*_):
+        return None
+
+    n = 0
+    for m in model.modules():
+        if "projections" in what:
+            group = getattr(m, "_x_projections", None) or ((m.w1,) if isinstance(m, SwiGLU) else ())
+            if group:  # one hooked member runs its whole group layer by layer
+                group[0].register_forward_hook(noop)
+                n += 1
+        if "add_norm" in what and isinstance(m, Block):
+            m.ffn_norm.register_forward_hook(noop)
+            n += 1
+    return n
+
+
 def run_ours(args, mode: str) -> dict:
     from moeadapt.data.dataset import Sampler
     from moeadapt.models.model import build_model
@@ -208,6 +234,11 @@ def run_ours(args, mode: str) -> dict:
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fpt = flops_per_token(model, cfg)
     materialize_shards(model, cfg, run)
+    off = {w for w in args.unfuse.split(",") if w}
+    if off - set(UNFUSE):
+        raise SystemExit(f"--unfuse {args.unfuse!r}: expected a comma list of {', '.join(UNFUSE)}")
+    if off and not unfuse(model, off):
+        raise SystemExit(f"--unfuse {args.unfuse!r}: this model has no such fusion")
     params = [p for p in model.parameters() if p.requires_grad]
     t = cfg.train  # the optimizer and schedule exactly as trainer.train builds them
     opt, copies = make_optimizer(cfg, run, model, params)
@@ -246,6 +277,7 @@ def run_ours(args, mode: str) -> dict:
         return None if st is None else st.loss
 
     res = timed_steps(step, run.device, args.warmup, args.steps)
+    res["unfused"] = sorted(off)
     for k in ("issue", "wait"):  # medians over the timed steps
         v = sorted(marks[f"{k}_s"][args.warmup:])
         res[f"host_{k}_s"] = v[len(v) // 2]
@@ -401,6 +433,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
+        cmd += ["--unfuse", args.unfuse] if side == "ours" and args.unfuse else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         try:  # the run's output goes straight to ours: what it printed survives a kill of this process
@@ -505,6 +538,8 @@ def main() -> None:
                    "for the backward (off: no second all-gather, one more unsharded copy of the model)")
     p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
+    p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
+                   f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
