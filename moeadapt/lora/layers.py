@@ -27,6 +27,7 @@ from torch import nn
 
 from ..models.init import Rule
 from ..models.moe import GroupedLinear
+from ..models.shared_input import add_lowrank
 from ..ops.moe import fused_lora, grouped_lora
 from ..ops.moe.fused_lora import aliases_cat, make_cat_buffer
 
@@ -94,9 +95,10 @@ class _FrozenLoRA(torch.autograd.Function):
     """x W^T + b + s (x A^T) B^T for a frozen W under autocast, every product in the autocast dtype `dt`.
 
     What autograd would run for the composition, less two activation-sized passes per layer: the adapter's term
-    is added into the base output in place (addmm_), and in the backward the adapter's share of dx is added into
-    W's share by the same GEMM (dx = dy W, then dx += dh A as one addmm_) instead of being a tensor of its own
-    and a separate add. Gradients: A and B in their own dtype (fp32 adapters), x in dt, none for W and b."""
+    is added into the base output in place (addmm_; a new tensor under selective recompute's dispatch mode, which
+    forbids changing the GEMM output it caches: shared_input.add_lowrank), and in the backward the adapter's
+    share of dx is added into W's share by the same GEMM (dx = dy W, then dx += dh A as one addmm_) instead of
+    being a tensor of its own and a separate add. Gradients: A and B in their own dtype (fp32 adapters), x in dt, none for W and b."""
 
     @staticmethod
     def forward(ctx, x, w, bias, a, b, s, dt):
@@ -105,7 +107,7 @@ class _FrozenLoRA(torch.autograd.Function):
         wc, ac, bc = w.to(dt), a.to(dt), b.to(dt)
         h = x2 @ ac.t()
         y = x2 @ wc.t() if bias is None else torch.addmm(bias.to(dt), x2, wc.t())
-        y.addmm_(h, bc.t(), alpha=s)
+        y = add_lowrank(y, h, bc, s)
         ctx.save_for_backward(x2, h, wc, ac, bc)
         ctx.s, ctx.x_dtype, ctx.ab_dtypes = s, x.dtype, (a.dtype, b.dtype)
         return y.view(*shape[:-1], y.shape[-1])

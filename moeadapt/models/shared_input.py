@@ -23,6 +23,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+
+def add_lowrank(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """y + s h b^T: into y in place (no second activation-sized buffer), except under a dispatch mode. Selective
+    activation checkpointing's mode caches the GEMM that made y for its recompute and refuses a cached tensor
+    that was changed in place, so there the sum is a new tensor."""
+    if _get_current_dispatch_mode() is not None:
+        return torch.addmm(y, h, b.t(), alpha=s)
+    return y.addmm_(h, b.t(), alpha=s)
 
 
 def _terms(m: nn.Module):
@@ -79,7 +89,7 @@ class _SharedInputLinears(torch.autograd.Function):
             j = o = 0
             for i in range(n):
                 if lora[i]:
-                    ys[i].addmm_(h[:, o:o + r[j]], bc[j].t(), alpha=scales[j])
+                    ys[i] = add_lowrank(ys[i], h[:, o:o + r[j]], bc[j], scales[j])
                     o += r[j]
                     j += 1
         ctx.save_for_backward(x2, h, a_cat, *wc, *(bc or ()))

@@ -48,6 +48,31 @@ def test_selective_keeps_gemms_and_full_recomputes_them():
             assert torch.equal(a, b), f"{mode}: the recompute counted routed tokens again"
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_recompute_under_bf16_autocast_keeps_every_gradient(lora):
+    """Under bf16 autocast (the GPU step's precision; CPU autocast here) the model runs the grouped projections
+    (models/shared_input.py) and, with LoRA, the frozen-base adapter nodes, which add the adapter's term into a
+    GEMM's output: selective recompute caches that GEMM's output and must not see it changed in place. Selective
+    and full recompute give the no-recompute gradients."""
+    from moeadapt.parallel import apply_activation_checkpointing
+
+    spec = micro_spec(attn_output_gate=True)
+    x, y = batch(spec, 2, 32)
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        model = build(spec, lora=lora)
+        apply_activation_checkpointing(model, mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, y, return_logits=False)
+        (out.loss + out.aux_loss).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["none"]
+    for mode in ("selective", "full"):
+        assert grads[mode].keys() == grads["none"].keys(), mode
+        for n, g in grads["none"].items():
+            torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-7, msg=f"{mode}: grad {n}")
+
+
 def _host_copies(fn) -> int:
     """How many block inputs `fn`'s graph sends to host memory (_ToHost nodes)."""
     seen, todo, n = set(), [fn], 0
