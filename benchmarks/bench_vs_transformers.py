@@ -192,7 +192,6 @@ def unfuse(model, what: set[str]) -> int:
     """Turn the named glue fusions off for an A/B run, by the fallback each has: a no-op forward hook on a member
     makes models/shared_input run that group's layers one by one ("projections": KDA / DSA / MoE / SwiGLU), one on
     a block's FFN norm makes RMSNorm.after_add add and normalise apart ("add_norm"). Returns the hooks placed."""
-    from moeadapt.models.common import SwiGLU
     from moeadapt.models.model import Block
 
     def noop(*_):
@@ -201,7 +200,7 @@ def unfuse(model, what: set[str]) -> int:
     n = 0
     for m in model.modules():
         if "projections" in what:
-            group = getattr(m, "_x_projections", None) or ((m.w1,) if isinstance(m, SwiGLU) else ())
+            group = getattr(m, "_x_projections", None)
             if group:  # one hooked member runs its whole group layer by layer
                 group[0].register_forward_hook(noop)
                 n += 1

@@ -56,8 +56,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
-        if (torch.is_autocast_enabled(dev) and isinstance(self.dropout, nn.Identity) and not self.weight.requires_grad
-                and x.dtype != torch.float64):
+        if torch.is_autocast_enabled(dev) and x.dtype != torch.float64 and self.shared_input_terms() is not None:
             return _FrozenLoRA.apply(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
                                      torch.get_autocast_dtype(dev))
         y = F.linear(x, self.weight, self.bias)
@@ -74,8 +73,9 @@ class LoRALinear(nn.Linear):
         return y + (self.lora_B(self.lora_A(xa)) * self.scaling).to(y.dtype)
 
     def shared_input_terms(self):
-        """(weight, bias, (A, B, scaling)) for models.shared_input.shared_input_linears, which runs this layer with
-        the others of the same input as one node; None where forward's fused path would not apply either."""
+        """(weight, bias, (A, B, scaling)) where the adapter can run as one node with its frozen base (forward's
+        `_FrozenLoRA` under autocast, or models.shared_input.shared_input_linears with the other layers of the same
+        input): a frozen base, no dropout, no hook on lora_A / lora_B (the node does not call them); else None."""
         if not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad:
             return None
         if self.lora_A._forward_hooks or self.lora_A._forward_pre_hooks or self.lora_B._forward_hooks \

@@ -195,8 +195,13 @@ class SwiGLU(nn.Module):
         self.limit = limit  # clamped SwiGLU (ModelSpec.swiglu_limit)
         self.backend = "auto"
 
+    @property
+    def _x_projections(self) -> tuple[nn.Module, ...]:
+        """The layers that read x (looked up at each call: LoRA injection replaces them)."""
+        return self.w1, self.w3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(*shared_input_linears(x, (self.w1, self.w3)))
+        return self.down(*shared_input_linears(x, self._x_projections))
 
     def down(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """w2(silu(g) * u) for g = w1 x, u = w3 x computed by the caller (with other projections of x)."""

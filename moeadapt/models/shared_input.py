@@ -128,7 +128,10 @@ class _SharedInputLinears(torch.autograd.Function):
         grads_ab = [None] * (2 * na)
         if na:
             r = [b.shape[1] for b in bc]
-            dhT = x2.new_zeros(sum(r), rows)  # (s_j dy_j B_j)^T stacked: rows of the adapters' [sum r, tokens]
+            # (s_j dy_j B_j)^T stacked: rows of the adapters' [sum r, tokens]; zeroed only if an adapter member has
+            # no gradient (its rows are then not written)
+            unwritten = any(dy2[i] is None for i in range(n) if lora[i])
+            dhT = x2.new_zeros(sum(r), rows) if unwritten else x2.new_empty(sum(r), rows)
             j = o = 0
             members = []
             for i in range(n):

@@ -30,8 +30,7 @@ def _one(rank, world, par: dict, lora: bool):
         hooks = []
         if not grouped:  # a forward hook on a member makes its group run layer by layer
             for m in model.modules():
-                members = getattr(m, "_x_projections", None) or ((m.w1,) if hasattr(m, "w3") and
-                                                                 isinstance(m.w1, torch.nn.Linear) else ())
+                members = getattr(m, "_x_projections", ())
                 hooks += [p.register_forward_hook(lambda *_: None) for p in members]
         calls = []
         si._SharedInputLinears.apply = lambda *a: (calls.append(1), real(*a))[1]

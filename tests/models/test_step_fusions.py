@@ -131,7 +131,7 @@ def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
                 nn.init.normal_(lin.lora_B.weight, std=0.3)
                 setattr(mod, name, lin)
     layer.backend = "reference"
-    members = layer._x_projections if hasattr(layer, "_x_projections") else (layer.w1, layer.w3)
+    members = layer._x_projections
     T = 12
     x = torch.randn(2, T, spec.hidden_size, dtype=torch.bfloat16)
     dy = torch.randn(2, T, spec.hidden_size)

@@ -495,6 +495,7 @@ def _sfa_bwd_dense_dq_kernel(
     tl.store(DQ + b * T * HQ * D + col[:, None] * D + offs_c[None, :], acc.to(DQ.dtype.element_ty),
              mask=mask_col[:, None] & mask_ck[None, :])
 
+
 @triton.jit
 def _zero_touched_tiles_kernel(
     IDX, P_, DS_, si_t, spd_b, spd_key, T, TOPK,
