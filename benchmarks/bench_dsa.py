@@ -213,6 +213,11 @@ CHECK_FWD_MORE = {  # --fwd-only: the default walk and the launch shapes that lo
     "dense": dict(tsa.FWD_CONFIG),
     "w16": {**tsa.FWD_CONFIG, "DENSE": False, "num_warps": 16},
     "w16_k32s3": {**tsa.FWD_CONFIG, "DENSE": False, "num_warps": 16, "BLOCK_K": 32, "num_stages": 3},
+    # the dense-tile forward (one KV head, <= 32 query heads, dense selections; MIN_DENSITY 0 so that it also
+    # runs where its default would not) and its launch shapes: 3 stages, 32-key tiles, 4 warps
+    **{f"tiles{n}": {**tsa.DENSE_FWD_CONFIG, "MIN_DENSITY": 0.0, **o} for n, o in (
+        ("", {}), ("_s3", {"num_stages": 3}), ("_s1", {"num_stages": 1}), ("_k32", {"BLOCK_KEYS": 32}),
+        ("_k32s3", {"BLOCK_KEYS": 32, "num_stages": 3}), ("_w4", {"num_warps": 4}))},
 }
 GLUON_FWD = "gluon_ws"  # the warp-specialised Gluon forward (MLA shape, sm_90), the default where it applies
 _APPLY = tsa.BWD_CONFIG["APPLY_CFG"]

@@ -120,6 +120,36 @@ def test_sparse_attention_gpu(dtype, H, D, DV, shared, bwd, gluon, monkeypatch):
             assert err < 1.5e-2, f"relative max error {err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [16, 32])
+def test_sparse_attention_tiles_forward_gpu(dtype, H):
+    """The dense-tile forward (DENSE_FWD_CONFIG, forced on at a sparse selection too) against the fp32 reference,
+    with the default backward reading its lse; a query with no key gets 0."""
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    T, topk, D, DV = 600, 128, 576, 512
+    q = torch.randn(2, T, H, D, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(2, T, 1, D, device="cuda", generator=g).to(dtype)
+    do = torch.randn(2, T, H, DV, device="cuda", generator=g).to(dtype)
+    idx = torch.stack([_rand_indices(T, topk, g)[0] for _ in range(2)])
+    idx[1, 9] = -1
+    res = []
+    for backend, dt in (("triton", dtype), ("reference", torch.float32)):
+        qq, kk = (x.to(dt).requires_grad_() for x in (q, kv))
+        if backend == "triton":
+            small = {"BLOCK_M": 32, "BLOCK_KEYS": 32, "num_stages": 1} if dt == torch.float32 else {}
+            o = tsa.sparse_attention_triton(qq, kk, kk[..., :DV], idx,
+                                            fwd_cfg={**tsa.DENSE_FWD_CONFIG, "MIN_DENSITY": 0.0, **small})
+        else:
+            o = sparse_attention(qq, kk, kk[..., :DV], idx, backend=backend)
+        res.append((o, *torch.autograd.grad(o, (qq, kk), do.to(dt))))
+    assert torch.all(res[0][0][1, 9] == 0)
+    for a, b in zip(*res):
+        err = (a.float() - b).abs().max() / b.abs().max()
+        assert err < (2e-4 if dtype == torch.float32 else 1.5e-2), f"relative max error {err:.3g}"
+
+
 def test_kl_loss_gpu():
     g = torch.Generator(device="cuda").manual_seed(SEED)
     T, H, D, HI, DI, topk = 500, 16, 96, 8, 64, 64

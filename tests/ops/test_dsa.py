@@ -369,6 +369,10 @@ _FWD_VARIANTS = {
     # unmasked full blocks on dense rows (the default walk)
     "dense": {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True,
               "DENSE": True},
+    # dense tiles (MLA layout only): 4 queries x 4 heads a tile, so T = 45 ends in a partial query block; 16-key
+    # tiles from each block's smallest to its largest selected key, the last one partial
+    "tiles": {"TILES": True, "AUTO": False, "MAX_HEADS": 32, "MASK_BYTES": 2**27, "MIN_DENSITY": 0.0, "BLOCK_M": 16,
+              "BLOCK_KEYS": 16, "num_warps": 4, "num_stages": 1},
 }
 _BWD_SUB = {"BLOCK_H": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "SKIP": True, "REVERSE": True}
 _BWD_VARIANTS = {
@@ -396,19 +400,21 @@ _BWD_VARIANTS = {
 
 
 _SFA_VARIANTS = [("full_walk", "pds"), ("dense", "pds"), ("skip_rev", "pds"), ("full_walk", "pds_c32"),
-                 ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"), ("dense", "pds_kmix"), ("skip_rev", "dense")]
+                 ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"), ("dense", "pds_kmix"), ("skip_rev", "dense"),
+                 ("tiles", "dense")]
 
 
 # CI: a subset that runs every forward walk and every backward config on the MLA layout, and the multi-chunk pds
 # on the per-head GQA layout too (20-36 s each interpreted); every pair on both layouts before a release
 _SFA_CI = {("mla", "skip_rev", "pds"), ("mla", "full_walk", "pds_c32"), ("mla", "dense", "pds_hmix"),
-           ("mla", "skip_rev", "pds_kmix"), ("gqa_per_head", "full_walk", "pds"), ("mla", "skip_rev", "dense")}
+           ("mla", "skip_rev", "pds_kmix"), ("gqa_per_head", "full_walk", "pds"), ("mla", "skip_rev", "dense"),
+           ("mla", "tiles", "dense")}
 
 
 @triton_only
 @pytest.mark.parametrize("layout,fwd,bwd", [
     (lay, f, b) if (lay, f, b) in _SFA_CI else pytest.param(lay, f, b, marks=pytest.mark.slow)
-    for lay in ("gqa_per_head", "mla") for f, b in _SFA_VARIANTS])
+    for lay in ("gqa_per_head", "mla") for f, b in _SFA_VARIANTS if lay == "mla" or f != "tiles"])
 def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     from moeadapt.ops.dsa import triton_sparse_attn as tsa
 
@@ -438,6 +444,43 @@ def test_triton_sparse_attention_variants(gen, monkeypatch, fwd, bwd, layout):
     assert torch.all(outs[0][0][0, 7] == 0)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=3e-4, rtol=3e-4)
+
+
+def test_dense_tile_forward_applies_only_where_it_pays():
+    """DENSE_FWD_CONFIG's conditions: MLA (one KV head, v = k[..., :DV]), <= 32 query heads, the selected pairs
+    >= MIN_DENSITY of the causal ones (seq 4096 with top-2048: 0.75; seq 8192: 0.44, where it lost on the GPU)."""
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    cfg = tsa.DENSE_FWD_CONFIG
+
+    def applies(B=2, T=4096, HQ=16, HK=1, topk=2048, vk=True, dv=512):
+        return tsa._tiles_apply(cfg, B, T, T, HQ, HK, topk, vk, dv, 512)
+    assert applies() and applies(HQ=32) and applies(T=45, topk=40, B=1)
+    assert not applies(T=8192) and not applies(HQ=64) and not applies(HQ=24) and not applies(HK=2)
+    assert not applies(vk=False) and not applies(dv=256) and not applies(B=16, T=4096)  # mask over MASK_BYTES
+
+
+@triton_only
+def test_triton_dense_tile_forward_is_the_default_where_it_applies(gen, monkeypatch):
+    """bf16 MLA inputs with a dense selection take the dense-tile forward (cfg=None); its o and lse match the
+    gathering forward's; an explicit TILES cfg on a layout it cannot run names the conditions."""
+    from moeadapt.ops.dsa import triton_sparse_attn as tsa
+
+    calls = []
+    real = tsa._forward_tiles
+    monkeypatch.setattr(tsa, "_forward_tiles", lambda *a: calls.append(1) or real(*a))
+    T, topk, HQ, D, DV = 37, 32, 8, 48, 32
+    q, k, _, idx = _attn_inputs(gen, 2, T, HQ, 1, D, DV, topk, dtype=torch.bfloat16)
+    q, k, idx = q.to(DEV), k.to(DEV), idx.to(DEV)
+    o, lse = tsa.sfa_forward(q, k, None, idx, 0.2)
+    assert calls == [1]
+    o_ref, lse_ref = tsa.sfa_forward(q, k, None, idx, 0.2, cfg=tsa.FWD_CONFIG)
+    assert calls == [1]
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
+    qg, kg, vg, idg = _attn_inputs(gen, 1, T, 4, 2, D, DV, topk, per_head=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dense-tile forward"):
+        tsa.sfa_forward(qg.to(DEV), kg.to(DEV), vg.to(DEV), idg.to(DEV), 0.2, cfg=dict(tsa.DENSE_FWD_CONFIG))
 
 
 @triton_only

@@ -18,6 +18,14 @@ masks, then the masked tail); SKIP (and so DENSE) is off for topk > MAX_SKIP_TOP
 On sm_90 with bf16 MLA shapes the forward and backward pass 1 run the warp-specialised Gluon kernels of
 gluon_sparse_attn.py instead (same contract; `gluon=False` keeps everything here).
 
+Forward on dense tiles (DENSE_FWD_CONFIG: MLA, a power of two <= 32 query heads, the selected pairs >= 0.7 of the
+causal ones, e.g. the `small` preset's seq 4096 with top-2048). With few heads per key the gathering forward's
+MMA has only HQ rows. `_sfa_fwd_tiles_kernel` makes the (query, head) pairs of BLOCK_M / HQ queries the MMA's M
+instead and walks contiguous key tiles from the block's smallest to its largest selected key, masking each
+pair's unselected keys with a byte mask that `_mark_selected_kernel` writes from the indices. It computes the
+masked pairs too, so it pays only where the selection is dense (H200, B = 2, T = 4096, 16 heads: 2.86 vs 3.19
+ms; at T = 8192, density 0.44, it lost 5.4 vs 3.7 ms).
+
 Backward: two passes per chunk of rows. Pass 1 (`_sfa_bwd_pds_kernel`, shaped like the forward) recomputes
 P from lse and dS = P (dO V^T - delta) * scale and stores both in q's dtype ([rows, HQ, TOPK], at most
 PDS_BYTES at a time, 1 GiB by default). Pass 2 (`_sfa_bwd_from_pds_kernel`) runs per (query, head block,
@@ -241,6 +249,81 @@ def _sfa_fwd_kernel(
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < DV))
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row * sl_t + heads, lse, mask=mask_h)
+
+
+@triton.jit
+def _mark_selected_kernel(IDX, SEL, LO, HI, si_t, ssel_t, TOPK, BLOCK_I: tl.constexpr):
+    """Per query row (program b * T + t): SEL[row, key] = 1 for each selected key (SEL zeroed by the caller), and
+    the row's smallest / largest selected key in LO / HI (TK / -1 when it selects none)."""
+    row = tl.program_id(0).to(tl.int64)
+    lo = TOPK * 0 + 2147483647
+    hi = TOPK * 0 - 1
+    for i0 in range(0, TOPK, BLOCK_I):
+        offs = i0 + tl.arange(0, BLOCK_I)
+        ix = tl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
+        ok = ix >= 0
+        tl.store(SEL + row * ssel_t + tl.where(ok, ix, 0), tl.full([BLOCK_I], 1, tl.uint8), mask=ok)
+        hi = tl.maximum(hi, tl.max(ix))
+        lo = tl.minimum(lo, tl.min(tl.where(ok, ix, 2147483647)))
+    tl.store(LO + row, lo)
+    tl.store(HI + row, hi)
+
+
+@triton.jit
+def _sfa_fwd_tiles_kernel(
+    Q, K, SEL, LO, HI, O, LSE,
+    sk_b, sk_t, ssel_t, T, TK, D, DV, NQB, qk_scale,
+    HQ: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Forward on dense tiles (one KV head, v = k[..., :DV]): per (block of BLOCK_M / HQ queries, batch row) the
+    MMA's M is the block's (query, head) pairs, which share every key, and the keys are walked as contiguous
+    BLOCK_KEYS tiles from the block's smallest to its largest selected key; a pair's unselected keys are masked
+    by SEL ([B * T, TK] bytes). It does the tile's unselected pairs too, so it pays where the selection is dense
+    (DENSE_FWD_CONFIG), and needs no gather. q, o are [B * T * HQ, D / DV] rows, lse [B * T * HQ]."""
+    qb = NQB - 1 - tl.program_id(0)  # the last (widest) query blocks first
+    b = tl.program_id(1).to(tl.int64)
+    col = qb * BLOCK_M + tl.arange(0, BLOCK_M)  # t * HQ + h
+    t = col // HQ
+    row_ok = t < T
+    brow = b * T + tl.where(row_ok, t, 0)  # b * T + t
+    lo = tl.min(tl.load(LO + brow, mask=row_ok, other=2147483647))
+    hi = tl.max(tl.load(HI + brow, mask=row_ok, other=-1))
+    offs_d1 = tl.arange(0, D1)
+    q_b = Q + b * T * HQ * D
+    q1 = tl.load(q_b + col[:, None] * D + offs_d1[None, :], mask=row_ok[:, None], other=0.0)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_b + col[:, None] * D + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < D),
+                     other=0.0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D1], tl.float32)
+    k_b = K + b * sk_b
+    sel_rows = SEL + brow[:, None] * ssel_t
+    for kb in tl.range(lo // BLOCK_KEYS, hi // BLOCK_KEYS + 1):  # no selected key (hi = -1): no iteration
+        keys = kb * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+        key_ok = keys < TK
+        k1 = tl.load(k_b + keys[:, None] * sk_t + offs_d1[None, :], mask=key_ok[:, None], other=0.0)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        if D2 > 0:
+            k2 = tl.load(k_b + keys[:, None] * sk_t + offs_d2[None, :],
+                         mask=key_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
+            s = _mm(q2, tl.trans(k2), IEEE, s)
+        sel = tl.load(sel_rows + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0)
+        s = tl.where(sel != 0, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _mm(p.to(k1.dtype), k1, IEEE, acc * alpha[:, None])  # v = k[..., :DV], DV = D1
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(O + b * T * HQ * DV + col[:, None] * DV + offs_d1[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + b * T * HQ + col, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["ROW0", "NROWS"])
@@ -532,15 +615,21 @@ def _zero_touched_tiles_kernel(
 # 291-295 to 294-297 TFLOP/s at T = 32768 (the Gluon kernel replaces it where it applies).
 FWD_CONFIG = {"BLOCK_H": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "SKIP": True, "REVERSE": True,
               "DENSE": True}
+# Forward on dense tiles (`_sfa_fwd_tiles_kernel`): one KV head with v = k[..., :DV] (MLA), a power-of-two number
+# of query heads up to MAX_HEADS (BLOCK_M / HQ queries a tile share its keys: the MMA's M is 64 even at 16 heads,
+# where the gathering forward's is 16), the selection mask ([B * T, Tk] bytes) within MASK_BYTES, and the selected
+# pairs at least MIN_DENSITY of the causal ones (a tile computes its unselected pairs too). AUTO: the default
+# forward (cfg=None) takes it where it applies; an explicit cfg with TILES always does.
+DENSE_FWD_CONFIG = {"TILES": True, "AUTO": True, "MAX_HEADS": 32, "MASK_BYTES": 2**27, "MIN_DENSITY": 0.7,
+                    "BLOCK_M": 64, "BLOCK_KEYS": 64, "num_warps": 8, "num_stages": 2}
 # Dense pass 2 (one KV head, v = k[..., :DV], P and dS for all rows within BYTES): pass 1 writes P / dS at their
 # key's place in [B * T, Tk, HQ] and flags the touched (BLOCK_Q queries, BLOCK_KEYS keys) tiles; dk sums over a
 # tile's (query, head) pairs in the MMA (programs of SEG query blocks, one atomic tile each), dq reads K as
 # contiguous tiles. It replaces the slot pass 2, whose one dk row per selected pair bounds it at few heads.
 # ZERO_TOUCHED: zero only the tiles pass 1 may write (`_zero_touched_tiles_kernel`, about half the 2 GiB buffer at
-# seq 4096 x 2, where zeroing all of it takes ~0.7 ms a layer on an H100) instead of the whole buffer. Off until it
-# has run on a GPU: it is checked in the interpreter only (tests/ops/test_dsa.py's dense variant); the GPU test
-# (tests/gpu/test_dsa_gpu.py) has a case for it.
-DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16, "ZERO_TOUCHED": False,
+# seq 4096 x 2) instead of the whole buffer: on an H100 the `small` step's fills drop by 2.6 ms and the DSA family
+# grows by 1.6 ms (LoRA step 176.9 -> 176.0 ms, full FT 219.4 -> 218.9, benchmarks/RESULTS.md run 10).
+DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16, "ZERO_TOUCHED": True,
                     "DK_CFG": {"BLOCK_C": 128, "num_warps": 4, "num_stages": 1},
                     "DQ_CFG": {"BLOCK_C": 128, "num_warps": 8, "num_stages": 1}}
 # Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
@@ -623,14 +712,25 @@ def _gluon_module(q, k, v, indices, gluon: bool = True):
 
 def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True, v_from_k: bool | None = None):
     """o, lse of sparse attention. cfg=None: the Gluon kernel where it applies (H200, T = 32768: 388-398 vs
-    294-297 TFLOP/s for this one), else FWD_CONFIG; an explicit cfg always runs the Triton kernel.
+    294-297 TFLOP/s for this one), else the dense-tile kernel where DENSE_FWD_CONFIG applies (with AUTO), else
+    FWD_CONFIG; an explicit cfg always runs the Triton kernel it names (with TILES: the dense-tile one).
     v=None or v_from_k=True: v is k[..., :D1] (MLA's shared latent); v_from_k=None: detected (`_v_from_k`)."""
     B, T, HQ, HK, G, D, DV, idx, si_h, d1, d2 = _common(q, k, v, indices)
     v_sel = k[..., :d1] if (v is None or v_from_k) else v
     if cfg is None and (v_from_k is not False) and (gws := _gluon_module(q, k, v_sel, indices, gluon)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
-    cfg = cfg or FWD_CONFIG
+    tiles = cfg is None and DENSE_FWD_CONFIG["AUTO"] or bool(cfg and cfg.get("TILES"))
+    cfg = cfg or (DENSE_FWD_CONFIG if tiles else FWD_CONFIG)
     q, k, v, vk = _prep(q, k, v, d1, v_from_k)
+    if tiles:  # the default takes it for 2-byte dtypes only (its tiles are sized for them)
+        if (cfg is not DENSE_FWD_CONFIG or q.element_size() == 2) and _tiles_apply(
+                cfg, B, T, k.shape[1], HQ, HK, idx.shape[-1], vk, DV, d1):
+            return _forward_tiles(q, k, idx, scale, cfg, B, T, HQ, D, d1, d2)
+        if cfg is not DENSE_FWD_CONFIG:
+            raise ValueError("the dense-tile forward (fwd_cfg with TILES) needs one KV head with v = k[..., :DV], "
+                             f"a power-of-two number of query heads <= {cfg['MAX_HEADS']} and a dense selection; "
+                             f"got HK = {HK}, HQ = {HQ}, v from k: {vk}, T = {T}, topk = {idx.shape[-1]}")
+        cfg = FWD_CONFIG
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
@@ -644,6 +744,37 @@ def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True, v_from_k:
         V_FROM_K=vk, IEEE=use_ieee(q), I64=max(T, k.shape[1]) * max(k.stride(1), v.stride(1), D) >= 2**31,
         DENSE=bool(cfg.get("DENSE", False)) and walk["SKIP"],  # DENSE counts the valid slots of the read row
         **walk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, lse
+
+
+def _tiles_apply(cfg, B, T, Tk, HQ, HK, topk, vk, dv, d1) -> bool:
+    """Whether the dense-tile forward (DENSE_FWD_CONFIG's conditions, cfg a copy of it) can run this call and
+    is expected to pay: the selected pairs (each query's min(t + 1, topk) keys) over the causal ones."""
+    if HK != 1 or not vk or dv != d1 or HQ & (HQ - 1) or HQ > cfg["MAX_HEADS"] or HQ > cfg["BLOCK_M"]:
+        return False
+    if B * T * Tk > cfg["MASK_BYTES"]:
+        return False
+    n = min(T, topk)
+    return (n * (n + 1) // 2 + (T - n) * topk) >= cfg["MIN_DENSITY"] * T * (T + 1) // 2
+
+
+def _forward_tiles(q, k, idx, scale, cfg, B, T, HQ, D, d1, d2):
+    """o, lse by `_sfa_fwd_tiles_kernel`: marks each row's selected keys in a byte mask first."""
+    Tk = k.shape[1]
+    idx = idx.view(B * T, idx.shape[-1])
+    sel = torch.zeros(B * T, Tk, device=q.device, dtype=torch.uint8)
+    lo = torch.empty(B * T, device=q.device, dtype=torch.int32)
+    hi = torch.empty_like(lo)
+    _mark_selected_kernel[(B * T,)](idx, sel, lo, hi, idx.stride(0), sel.stride(0), idx.shape[-1],
+                                    BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+    o = torch.empty(B, T, HQ, d1, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    nqb = triton.cdiv(T * HQ, cfg["BLOCK_M"])
+    _sfa_fwd_tiles_kernel[(nqb, B)](
+        q, k, sel, lo, hi, o, lse, k.stride(0), k.stride(1), sel.stride(0), T, Tk, D, d1, nqb, scale * LOG2E,
+        HQ=HQ, D1=d1, D2=d2, BLOCK_M=cfg["BLOCK_M"], BLOCK_KEYS=cfg["BLOCK_KEYS"], IEEE=use_ieee(q),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
@@ -717,10 +848,11 @@ def _slot_rows(cfg, B, T, HQ, topk, elem) -> int:
 def _dense_tiles(cfg, B, T, Tk, HQ, elem, mla) -> tuple[int, int, int, int] | None:
     """(query block, key block, query blocks, key blocks) of the dense pass 2 where it applies, else None: cfg["DENSE"]
     set, mla (one KV head with v = k[..., :DV]), a power-of-two number of query heads up to MAX_HEADS (a query's
-    heads are one run of a tile's columns), B * T <= 65535 (pass 1's grid axis 1) and P + dS of every row
-    ([B, Tk, T, HQ] each) within BYTES."""
+    heads are one run of a tile's columns; 4-byte elements count twice: fp32 tiles of 32 heads need more shared
+    memory than an H100 has), B * T <= 65535 (pass 1's grid axis 1) and P + dS of every row ([B, Tk, T, HQ]
+    each) within BYTES."""
     dense = cfg.get("DENSE")
-    if not dense or not mla or B * T > 65535 or HQ & (HQ - 1) or HQ > dense["MAX_HEADS"]:
+    if not dense or not mla or B * T > 65535 or HQ & (HQ - 1) or HQ * elem > 2 * dense["MAX_HEADS"]:
         return None
     if 2 * B * T * Tk * HQ * elem > dense["BYTES"]:
         return None
