@@ -237,6 +237,10 @@ CHECK_BWD = {
         ("dq64", {"DQ_CFG": {**_DENSE["DQ_CFG"], "BLOCK_C": 64, "num_warps": 4}}),
         ("st2", {"DK_CFG": {**_DENSE["DK_CFG"], "num_stages": 2}, "DQ_CFG": {**_DENSE["DQ_CFG"], "num_stages": 2}}),
     )},
+    # pass 1 on dense tiles (no zeroing): (query, head) columns x keys a program, warps, stages
+    **{f"dense_p1t_{m}x{k}w{w}s{st}": ({**tsa.BWD_CONFIG, "DENSE": {**_DENSE, "P1_TILES": {
+        "BLOCK_M": m, "BLOCK_KEYS": k, "num_warps": w, "num_stages": st}}}, True)
+       for m, k, w, st in ((64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (128, 32, 8, 1))},
     "pds_triton_p1": (dict(tsa.BWD_CONFIG), False),  # pass 1 by the Triton kernel
     # pass 1 at head blocks of 16 / 32 with 32-key blocks (the default takes 64 there)
     "pds_p1k32": ({**tsa.BWD_CONFIG, "PDS_CFG": {**tsa.BWD_CONFIG["PDS_CFG"], "BLOCK_K_H32": 32}}, True),

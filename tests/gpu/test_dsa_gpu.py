@@ -69,12 +69,18 @@ def _rand_indices(T, topk, g):
     return torch.where(dup, -1, idx).int()
 
 
+_P1T = {"BLOCK_M": 64, "BLOCK_KEYS": 32, "num_warps": 4, "num_stages": 2}
+
+
 @pytest.mark.parametrize("dtype,H,D,DV,shared,bwd,gluon", [
     (torch.float32, 8, 96, 64, False, None, True),
     (torch.bfloat16, 16, 576, 512, True, None, True),  # the dense pass 2 (the default at <= 32 heads)
     (torch.bfloat16, 16, 576, 512, True, {"DENSE": None}, True),  # the slot pass 2
     # the dense pass 2 zeroing only the tiles pass 1 may write (ZERO_TOUCHED; the buffer is NaN-poisoned)
     (torch.bfloat16, 16, 576, 512, True, {"DENSE": {**DENSE_PDS_CONFIG, "ZERO_TOUCHED": True}}, True),
+    # pass 1 on dense tiles (P1_TILES: nothing zeroed, so a tile it leaves unwritten reads as NaN)
+    (torch.bfloat16, 16, 576, 512, True, {"DENSE": {**DENSE_PDS_CONFIG, "P1_TILES": _P1T}}, True),
+    (torch.bfloat16, 32, 576, 512, True, {"DENSE": {**DENSE_PDS_CONFIG, "P1_TILES": _P1T, "BYTES": 2**32}}, True),
     (torch.bfloat16, 32, 576, 512, True, None, True),
     (torch.bfloat16, 128, 576, 512, True, None, True),  # on sm_90: the Gluon forward and backward pass 1
     (torch.bfloat16, 128, 576, 512, True, None, False),  # the same shape on the Triton kernels

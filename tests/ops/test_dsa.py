@@ -396,19 +396,27 @@ _BWD_VARIANTS = {
               "DENSE": {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 2, "BLOCK_KEYS": 16, "SEG": 3, "ZERO_TOUCHED": True,
                         "DK_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
                         "DQ_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1}}},
+    # the dense pass 2 with pass 1 on dense tiles: 8-query x 16-key buffer tiles (32 columns), each written by two
+    # 16-column programs in two 8-key steps; nothing zeroed (the NaN-poisoned buffer fails a tile left unwritten)
+    "dense_p1t": {"SKIP": True, "REVERSE": True, "PDS_CFG": _BWD_SUB, "APPLY_CFG": {**_BWD_SUB, "BLOCK_C": 16},
+                  "DENSE": {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 16, "SEG": 3,
+                            "ZERO_TOUCHED": True,
+                            "P1_TILES": {"BLOCK_M": 16, "BLOCK_KEYS": 8, "num_warps": 4, "num_stages": 1},
+                            "DK_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1},
+                            "DQ_CFG": {"BLOCK_C": 32, "num_warps": 4, "num_stages": 1}}},
 }
 
 
 _SFA_VARIANTS = [("full_walk", "pds"), ("dense", "pds"), ("skip_rev", "pds"), ("full_walk", "pds_c32"),
                  ("dense", "pds_hmix"), ("skip_rev", "pds_kmix"), ("dense", "pds_kmix"), ("skip_rev", "dense"),
-                 ("tiles", "dense")]
+                 ("tiles", "dense"), ("tiles", "dense_p1t")]
 
 
 # CI: a subset that runs every forward walk and every backward config on the MLA layout, and the multi-chunk pds
 # on the per-head GQA layout too (20-36 s each interpreted); every pair on both layouts before a release
 _SFA_CI = {("mla", "skip_rev", "pds"), ("mla", "full_walk", "pds_c32"), ("mla", "dense", "pds_hmix"),
            ("mla", "skip_rev", "pds_kmix"), ("gqa_per_head", "full_walk", "pds"), ("mla", "skip_rev", "dense"),
-           ("mla", "tiles", "dense")}
+           ("mla", "tiles", "dense"), ("mla", "tiles", "dense_p1t")}
 
 
 @triton_only

@@ -45,6 +45,9 @@ keys' places in a zeroed [B, Tk, T, HQ] buffer and flags each (query block, key 
 then a dense MMA per key block over the flagged tiles (the (query, head) pairs as the MMA's K, summed before one
 atomic tile per program) and dq one over contiguous K tiles. It relies on a row's indices being distinct (the
 index convention: ascending, -1 padded). At 64 heads it loses (the slot pass 2's MMA already has K = 64).
+With DENSE_PDS_CONFIG["P1_TILES"] pass 1 runs on dense tiles too (`_sfa_bwd_pds_tiles_kernel`, shaped like the
+dense-tile forward below): it writes every tile of its query block's selected-key range whole, so nothing is
+zeroed. It is off until it has been timed on a GPU.
 
 The launch configurations (FWD_CONFIG, BWD_CONFIG) are read-only constants; the forward and backward take a
 changed copy as an argument (`sparse_attention_triton(..., fwd_cfg=, bwd_cfg=)`). Measured on the H200 with
@@ -411,6 +414,62 @@ def _sfa_bwd_pds_kernel(
             tl.store(ds_base + offs_k[None, :], ds.to(DS_.dtype.element_ty), mask=st_mask)
 
 
+@triton.jit
+def _sfa_bwd_pds_tiles_kernel(
+    Q, K, O, DO, LSE, SEL, LO, HI, P_, DS_, FLAGS,
+    sk_b, sk_t, ssel_t, spd_b, spd_key, T, TK, D, NQB, NKB, qk_scale, scale,
+    HQ: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+    FQ: tl.constexpr, FK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Pass 1 of the dense backward on dense tiles (one KV head, v = k[..., :DV], DV = D1): per (BLOCK_M of the
+    (query, head) columns, batch row) P = exp(S - lse) on the selected pairs (0 elsewhere) and
+    dS = P (dO V^T - delta) * scale over contiguous BLOCK_KEYS key tiles, stored as [keys, columns] tiles of the
+    dense buffers ([B, Tk, T * HQ] padded to whole FQ-query x FK-key tiles). It walks every key tile from the
+    smallest to the largest selected key of its FQ-query block, so each tile the dense pass 2 may read is written
+    whole (the buffers need no zeroing), and flags the tiles that hold a selected pair. BLOCK_M divides FQ * HQ,
+    BLOCK_KEYS divides FK."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    col = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # t * HQ + h, < NQB * FQ * HQ (the padded width)
+    t = col // HQ
+    row_ok = t < T
+    brow = b * T + tl.where(row_ok, t, 0)
+    qb = (pid * BLOCK_M) // (FQ * HQ)  # the dense buffers' query block
+    tq = qb * FQ + tl.arange(0, FQ)
+    lo = tl.min(tl.load(LO + b * T + tq, mask=tq < T, other=2147483647))
+    hi = tl.max(tl.load(HI + b * T + tq, mask=tq < T, other=-1))
+    offs_d1 = tl.arange(0, D1)
+    q_b = Q + b * T * HQ * D
+    q1 = tl.load(q_b + col[:, None] * D + offs_d1[None, :], mask=row_ok[:, None], other=0.0)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_b + col[:, None] * D + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < D),
+                     other=0.0)
+    o_off = b * T * HQ * D1 + col[:, None] * D1 + offs_d1[None, :]
+    do = tl.load(DO + o_off, mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32), 1)
+    lse2 = tl.load(LSE + b * T * HQ + col, mask=row_ok, other=0.0) * 1.4426950408889634
+    k_b = K + b * sk_b
+    sel_rows = SEL + brow[:, None] * ssel_t
+    for k0 in range((lo // FK) * FK, (hi // FK + 1) * FK, BLOCK_KEYS):  # no selected key: no iteration
+        keys = k0 + tl.arange(0, BLOCK_KEYS)
+        key_ok = keys < TK
+        k1 = tl.load(k_b + keys[:, None] * sk_t + offs_d1[None, :], mask=key_ok[:, None], other=0.0)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        if D2 > 0:
+            k2 = tl.load(k_b + keys[:, None] * sk_t + offs_d2[None, :],
+                         mask=key_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
+            s = _mm(q2, tl.trans(k2), IEEE, s)
+        sel = tl.load(sel_rows + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+        p = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (_mm(do, tl.trans(k1), IEEE) - delta[:, None]) * scale
+        off = b * spd_b + keys[:, None].to(tl.int64) * spd_key + col[None, :]  # inside the padded buffers
+        tl.store(P_ + off, tl.trans(p).to(P_.dtype.element_ty))
+        tl.store(DS_ + off, tl.trans(ds).to(DS_.dtype.element_ty))
+        if tl.max(sel.to(tl.int32)) > 0:
+            tl.store(FLAGS + (b * NQB + qb) * NKB + k0 // FK, 1)
+
+
 @triton.jit(do_not_specialize=["ROW0", "NROWS"])
 def _sfa_bwd_from_pds_kernel(
     Q, K, IDX, DO, P_, DS_, DQ, DK, DV_,
@@ -629,7 +688,11 @@ DENSE_FWD_CONFIG = {"TILES": True, "AUTO": True, "MAX_HEADS": 32, "MASK_BYTES": 
 # ZERO_TOUCHED: zero only the tiles pass 1 may write (`_zero_touched_tiles_kernel`, about half the 2 GiB buffer at
 # seq 4096 x 2) instead of the whole buffer: on an H100 the `small` step's fills drop by 2.6 ms and the DSA family
 # grows by 1.6 ms (LoRA step 176.9 -> 176.0 ms, full FT 219.4 -> 218.9, benchmarks/RESULTS.md run 10).
+# P1_TILES (a launch config, or None: the gathering pass 1): pass 1 on dense tiles, `_sfa_bwd_pds_tiles_kernel`
+# (BLOCK_M (query, head) columns x BLOCK_KEYS keys), which writes every tile it walks whole, so nothing is zeroed.
+# Off until it has run on a GPU (the interpreter test runs it; tests/gpu/test_dsa_gpu.py has a case).
 DENSE_PDS_CONFIG = {"BYTES": 2**31, "MAX_HEADS": 32, "BLOCK_Q": 8, "BLOCK_KEYS": 64, "SEG": 16, "ZERO_TOUCHED": True,
+                    "P1_TILES": None,
                     "DK_CFG": {"BLOCK_C": 128, "num_warps": 4, "num_stages": 1},
                     "DQ_CFG": {"BLOCK_C": 128, "num_warps": 8, "num_stages": 1}}
 # Backward: pass 1 stores P and dS (bf16, <= PDS_BYTES of rows at a time); pass 2 reads them back per
@@ -763,12 +826,7 @@ def _tiles_apply(cfg, B, T, Tk, HQ, HK, topk, vk, dv, d1) -> bool:
 def _forward_tiles(q, k, idx, scale, cfg, B, T, HQ, D, d1, d2):
     """o, lse by `_sfa_fwd_tiles_kernel`: marks each row's selected keys in a byte mask first."""
     Tk = k.shape[1]
-    idx = idx.view(B * T, idx.shape[-1])
-    sel = torch.zeros(B * T, Tk, device=q.device, dtype=torch.uint8)
-    lo = torch.empty(B * T, device=q.device, dtype=torch.int32)
-    hi = torch.empty_like(lo)
-    _mark_selected_kernel[(B * T,)](idx, sel, lo, hi, idx.stride(0), sel.stride(0), idx.shape[-1],
-                                    BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+    sel, lo, hi = _mark_selected(idx, B, T, Tk)
     o = torch.empty(B, T, HQ, d1, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     nqb = triton.cdiv(T * HQ, cfg["BLOCK_M"])
@@ -944,9 +1002,36 @@ def _backward_pds(q, k, v, idx, si_h, o, do, lse, dq, dk, dv, scale, vk, G, HK, 
         _with_fallback(lambda c, r=row0, m=n: pass2(c, r, m), cfg["APPLY_CFG"], APPLY_FALLBACK, "P/dS pass 2")
 
 
+def _mark_selected(idx, B, T, Tk):
+    """(byte mask [B * T, Tk] of each row's selected keys, each row's smallest and largest selected key) by
+    `_mark_selected_kernel`; idx [B, T, 1, topk] or [B, T, topk], contiguous."""
+    idx = idx.reshape(B * T, idx.shape[-1])
+    sel = torch.zeros(B * T, Tk, device=idx.device, dtype=torch.uint8)
+    lo = torch.empty(B * T, device=idx.device, dtype=torch.int32)
+    hi = torch.empty_like(lo)
+    _mark_selected_kernel[(B * T,)](idx, sel, lo, hi, idx.stride(0), sel.stride(0), idx.shape[-1],
+                                    BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+    return sel, lo, hi
+
+
+def _pass1_tiles(p1, pds, flags, scale, c, B, T, D, d1, d2, tiles):
+    """Pass 1 of the dense backward by `_sfa_bwd_pds_tiles_kernel` (v = k[..., :D1]) into pds / flags."""
+    q, k, idx, o, do, lse = p1[0], p1[1], p1[3], p1[5], p1[6], p1[7].contiguous()
+    HQ, Tk = q.shape[2], k.shape[1]
+    bq, bkeys, nqb, nkb = tiles
+    sel, lo, hi = _mark_selected(idx, B, T, Tk)
+    bm, bk = min(c["BLOCK_M"], bq * HQ), min(c["BLOCK_KEYS"], bkeys)
+    _sfa_bwd_pds_tiles_kernel[(nqb * bq * HQ // bm, B)](
+        q, k, o, do, lse, sel, lo, hi, pds[0], pds[1], flags,
+        k.stride(0), k.stride(1), sel.stride(0), pds.stride(1), pds.stride(2), T, Tk, D, nqb, nkb, scale * LOG2E,
+        scale, HQ=HQ, D1=d1, D2=d2, BLOCK_M=bm, BLOCK_KEYS=bk, FQ=bq, FK=bkeys, IEEE=use_ieee(q),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+
+
 def _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk, i64):
-    """Backward with the dense pass 2: pass 1 (Triton, dense_out) writes P and dS at their keys' places
-    ([B, Tk, T, HQ], padded) and flags the touched tiles; `_sfa_bwd_dense_dk_kernel` adds dk (+ dv, folded),
+    """Backward with the dense pass 2: pass 1 (Triton, dense_out; or on dense tiles with P1_TILES) writes P and
+    dS at their keys' places ([B, Tk, T, HQ], padded) and flags the touched tiles; `_sfa_bwd_dense_dk_kernel` adds dk (+ dv, folded),
     `_sfa_bwd_dense_dq_kernel` stores dq. q, do and dq are contiguous here (sfa_backward)."""
     q, k, do = p1[0], p1[1], p1[6]
     Tk, HQ = k.shape[1], q.shape[2]
@@ -956,16 +1041,20 @@ def _backward_dense(p1, dq, dk, scale, G, B, T, D, DV, d1, d2, cfg, tiles, walk,
     pds = torch.empty(2, B, nkb * bkeys, nqb * bq, HQ, device=q.device, dtype=q.dtype)
     if _POISON_PDS:  # tests: a tile read without being zeroed shows as NaN
         pds.fill_(float("nan"))
-    if cfg["DENSE"].get("ZERO_TOUCHED", False):
-        idx = p1[3]
-        _zero_touched_tiles_kernel[(nqb, B)](idx, pds[0], pds[1], idx.stride(1), pds.stride(1), pds.stride(2), T,
-                                             idx.shape[-1], HQ=HQ, BLOCK_Q=bq, BLOCK_KEYS=bkeys,
-                                             BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
-    else:
-        pds.zero_()
     flags = torch.zeros(B, nqb, nkb, device=q.device, dtype=torch.int32)
-    _pass1(cfg["PDS_CFG"], *p1, pds[0], pds[1], G, 1, B, T, D, DV, d1, d2, True, i64, walk, scale, 0, B * T,
-           dense_out=(flags, bq, bkeys, nqb, nkb))
+    t1 = cfg["DENSE"].get("P1_TILES")
+    if t1 and d1 == DV:  # pass 1 on dense tiles writes whole every tile pass 2 may read: nothing to zero
+        _pass1_tiles(p1, pds, flags, scale, t1, B, T, D, d1, d2, tiles)
+    else:
+        if cfg["DENSE"].get("ZERO_TOUCHED", False):
+            idx = p1[3]
+            _zero_touched_tiles_kernel[(nqb, B)](
+                idx, pds[0], pds[1], idx.stride(1), pds.stride(1), pds.stride(2), T, idx.shape[-1], HQ=HQ,
+                BLOCK_Q=bq, BLOCK_KEYS=bkeys, BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
+        else:
+            pds.zero_()
+        _pass1(cfg["PDS_CFG"], *p1, pds[0], pds[1], G, 1, B, T, D, DV, d1, d2, True, i64, walk, scale, 0, B * T,
+               dense_out=(flags, bq, bkeys, nqb, nkb))
     spd_b, spd_key = pds.stride(1), pds.stride(2)
     ck, cq, seg = cfg["DENSE"]["DK_CFG"], cfg["DENSE"]["DQ_CFG"], cfg["DENSE"]["SEG"]
     nck = triton.cdiv(D, ck["BLOCK_C"])
