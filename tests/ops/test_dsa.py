@@ -466,6 +466,7 @@ def test_dense_tile_forward_applies_only_where_it_pays():
     assert applies() and applies(HQ=32) and applies(T=45, topk=40, B=1)
     assert not applies(T=8192) and not applies(HQ=64) and not applies(HQ=24) and not applies(HK=2)
     assert not applies(vk=False) and not applies(dv=256) and not applies(B=16, T=4096)  # mask over MASK_BYTES
+    assert not tsa._tiles_apply(cfg, 2, 1024, 4096, 16, 1, 2048, True, 512, 512)  # context parallelism's local queries
 
 
 @triton_only

@@ -255,18 +255,19 @@ def _sfa_fwd_kernel(
 
 
 @triton.jit
-def _mark_selected_kernel(IDX, SEL, LO, HI, si_t, ssel_t, TOPK, BLOCK_I: tl.constexpr):
+def _mark_selected_kernel(IDX, SEL, LO, HI, si_t, ssel_t, TOPK, TK, BLOCK_I: tl.constexpr):
     """Per query row (program b * T + t): SEL[row, key] = 1 for each selected key (SEL zeroed by the caller), and
-    the row's smallest / largest selected key in LO / HI (TK / -1 when it selects none)."""
+    the row's smallest / largest selected key in LO / HI (2^31 - 1 / -1 when it selects none). An index outside
+    [0, TK) is not a key (never written outside the row)."""
     row = tl.program_id(0).to(tl.int64)
     lo = TOPK * 0 + 2147483647
     hi = TOPK * 0 - 1
     for i0 in range(0, TOPK, BLOCK_I):
         offs = i0 + tl.arange(0, BLOCK_I)
         ix = tl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
-        ok = ix >= 0
+        ok = (ix >= 0) & (ix < TK)
         tl.store(SEL + row * ssel_t + tl.where(ok, ix, 0), tl.full([BLOCK_I], 1, tl.uint8), mask=ok)
-        hi = tl.maximum(hi, tl.max(ix))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, ix, -1)))
         lo = tl.minimum(lo, tl.min(tl.where(ok, ix, 2147483647)))
     tl.store(LO + row, lo)
     tl.store(HI + row, hi)
@@ -814,8 +815,10 @@ def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True, v_from_k:
 
 def _tiles_apply(cfg, B, T, Tk, HQ, HK, topk, vk, dv, d1) -> bool:
     """Whether the dense-tile forward (DENSE_FWD_CONFIG's conditions, cfg a copy of it) can run this call and
-    is expected to pay: the selected pairs (each query's min(t + 1, topk) keys) over the causal ones."""
-    if HK != 1 or not vk or dv != d1 or HQ & (HQ - 1) or HQ > cfg["MAX_HEADS"] or HQ > cfg["BLOCK_M"]:
+    is expected to pay: the selected pairs (each query's min(t + 1, topk) keys) over the causal ones. Queries of
+    a longer key sequence (Tk > T, context parallelism) sit at positions this estimate does not know (a local
+    block near the end walks ~Tk keys a query for topk selected ones), so they take the gathering forward."""
+    if HK != 1 or not vk or dv != d1 or HQ & (HQ - 1) or HQ > cfg["MAX_HEADS"] or HQ > cfg["BLOCK_M"] or Tk != T:
         return False
     if B * T * Tk > cfg["MASK_BYTES"]:
         return False
@@ -1009,7 +1012,7 @@ def _mark_selected(idx, B, T, Tk):
     sel = torch.zeros(B * T, Tk, device=idx.device, dtype=torch.uint8)
     lo = torch.empty(B * T, device=idx.device, dtype=torch.int32)
     hi = torch.empty_like(lo)
-    _mark_selected_kernel[(B * T,)](idx, sel, lo, hi, idx.stride(0), sel.stride(0), idx.shape[-1],
+    _mark_selected_kernel[(B * T,)](idx, sel, lo, hi, idx.stride(0), sel.stride(0), idx.shape[-1], Tk,
                                     BLOCK_I=min(1024, triton.next_power_of_2(idx.shape[-1])), num_warps=4)
     return sel, lo, hi
 
