@@ -783,18 +783,18 @@ def sfa_forward(q, k, v, indices, scale, cfg=None, gluon: bool = True, v_from_k:
     v_sel = k[..., :d1] if (v is None or v_from_k) else v
     if cfg is None and (v_from_k is not False) and (gws := _gluon_module(q, k, v_sel, indices, gluon)) is not None:
         return gws.sfa_forward_ws(q, k, indices, scale)
-    tiles = cfg is None and DENSE_FWD_CONFIG["AUTO"] or bool(cfg and cfg.get("TILES"))
-    cfg = cfg or (DENSE_FWD_CONFIG if tiles else FWD_CONFIG)
     q, k, v, vk = _prep(q, k, v, d1, v_from_k)
-    if tiles:  # the default takes it for 2-byte dtypes only (its tiles are sized for them)
-        if (cfg is not DENSE_FWD_CONFIG or q.element_size() == 2) and _tiles_apply(
-                cfg, B, T, k.shape[1], HQ, HK, idx.shape[-1], vk, DV, d1):
-            return _forward_tiles(q, k, idx, scale, cfg, B, T, HQ, D, d1, d2)
-        if cfg is not DENSE_FWD_CONFIG:
-            raise ValueError("the dense-tile forward (fwd_cfg with TILES) needs one KV head with v = k[..., :DV], "
-                             f"a power-of-two number of query heads <= {cfg['MAX_HEADS']} and a dense selection; "
-                             f"got HK = {HK}, HQ = {HQ}, v from k: {vk}, T = {T}, topk = {idx.shape[-1]}")
-        cfg = FWD_CONFIG
+    if not cfg:  # dense tiles where they apply and pay (2-byte dtypes: the tiles are sized for them)
+        tiles = (DENSE_FWD_CONFIG["AUTO"] and q.element_size() == 2
+                 and _tiles_apply(DENSE_FWD_CONFIG, B, T, k.shape[1], HQ, HK, idx.shape[-1], vk, DV, d1))
+        cfg = DENSE_FWD_CONFIG if tiles else FWD_CONFIG
+    elif cfg.get("TILES") and not _tiles_apply(cfg, B, T, k.shape[1], HQ, HK, idx.shape[-1], vk, DV, d1):
+        raise ValueError("the dense-tile forward (fwd_cfg with TILES) needs one KV head with v = k[..., :DV], "
+                         f"a power-of-two number of query heads <= {cfg['MAX_HEADS']}, Tk = T and a selection "
+                         f"at least MIN_DENSITY dense; got HK = {HK}, HQ = {HQ}, v from k: {vk}, T = {T}, "
+                         f"Tk = {k.shape[1]}, topk = {idx.shape[-1]}")
+    if cfg.get("TILES"):
+        return _forward_tiles(q, k, idx, scale, cfg, B, T, HQ, D, d1, d2)
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     bh, nhb, grid = _launch_args(cfg, G, HK, B, T)
