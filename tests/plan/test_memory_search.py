@@ -86,6 +86,8 @@ def test_dsa_backward_workspace_in_the_planner(monkeypatch):
     assert tsa.backward_workspace_bytes(2, 4100, 4100, 16, 2048) == min(8200, 2**30 // (16 * 2048 * 4)) * 16 * 2048 * 4
     assert tsa.backward_workspace_bytes(2, 4096, 4096, 64, 2048) == 2**30  # 64 heads: the slot chunk (1 GiB)
     assert tsa.backward_workspace_bytes(1, 40, 40, 4, 24, 4) == 2 * 64 * 40 * 4 * 4  # keys padded to 64, queries to 8
+    p1t = {**tsa.BWD_CONFIG, "DENSE": {**tsa.DENSE_PDS_CONFIG, "P1_TILES": {"BLOCK_M": 64}}}  # + the selection mask
+    assert tsa.backward_workspace_bytes(2, 4096, 4096, 16, 2048, cfg=p1t) == 2 * 2 * 4096 * 4096 * 16 * 2 + 2 * 4096 * 4104
     spec = get_preset("small")
     plan = Plan(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
     types = spec.resolved_layer_types()

@@ -1080,13 +1080,14 @@ def backward_workspace_bytes(B: int, T: int, Tk: int, HQ: int, topk: int, elem: 
                              shared_v: bool = True) -> int:
     """Bytes the backward allocates for P and dS on top of its inputs and gradients (the planner's DSA backward
     transient): the dense buffer ([B, Tk, T, HQ] x 2, padded to whole tiles) where the dense pass 2 applies (one KV
-    head, shared_v: v = k[..., :DV]), else one chunk of the slot buffer (<= PDS_BYTES; on a GPU it is rounded
-    down to whole waves)."""
+    head, shared_v: v = k[..., :DV]; with P1_TILES also its selection mask and key ranges, [B * T, Tk] bytes and
+    8 bytes a row), else one chunk of the slot buffer (<= PDS_BYTES; on a GPU it is rounded down to whole waves)."""
     cfg = cfg or BWD_CONFIG
     tiles = _dense_tiles(cfg, B, T, Tk, HQ, elem, shared_v)
     if tiles is not None:
         bq, bkeys, nqb, nkb = tiles
-        return 2 * B * nkb * bkeys * nqb * bq * HQ * elem
+        mask = B * T * (Tk + 8) if cfg["DENSE"].get("P1_TILES") else 0
+        return 2 * B * nkb * bkeys * nqb * bq * HQ * elem + mask
     return _slot_rows(cfg, B, T, HQ, topk, elem) * HQ * topk * elem * 2
 
 
