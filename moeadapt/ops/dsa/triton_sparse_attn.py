@@ -274,6 +274,39 @@ def _mark_selected_kernel(IDX, SEL, LO, HI, si_t, ssel_t, TOPK, TK, BLOCK_I: tl.
 
 
 @triton.jit
+def _tile_q(Q, b, col, row_ok, T, D, HQ: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
+    """The dense-tile kernels' query rows: q[b] as [T * HQ, D] rows `col` (a tile's (query, head) pairs), split
+    into the D1 and D2 channel parts (q2 = q1 when D2 = 0, unused)."""
+    q_b = Q + b * T * HQ * D
+    offs_d1 = tl.arange(0, D1)
+    q1 = tl.load(q_b + col[:, None] * D + offs_d1[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = q1
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_b + col[:, None] * D + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < D),
+                     other=0.0)
+    return q1, q2
+
+
+@triton.jit
+def _tile_scores(q1, q2, k_b, sel_rows, keys, row_ok, sk_t, TK, D, D1: tl.constexpr, D2: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One contiguous key tile of the dense-tile kernels: (its first D1 channels k1 [keys, D1], the unscaled scores
+    S = q k^T [rows, keys] fp32, which pairs are selected [rows, keys] from the byte mask rows `sel_rows`)."""
+    key_ok = keys < TK
+    offs_d1 = tl.arange(0, D1)
+    k1 = tl.load(k_b + keys[:, None] * sk_t + offs_d1[None, :], mask=key_ok[:, None], other=0.0)
+    s = _mm(q1, tl.trans(k1), IEEE)
+    if D2 > 0:
+        offs_d2 = D1 + tl.arange(0, D2)
+        k2 = tl.load(k_b + keys[:, None] * sk_t + offs_d2[None, :], mask=key_ok[:, None] & (offs_d2[None, :] < D),
+                     other=0.0)
+        s = _mm(q2, tl.trans(k2), IEEE, s)
+    sel = tl.load(sel_rows + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+    return k1, s, sel
+
+
+@triton.jit
 def _sfa_fwd_tiles_kernel(
     Q, K, SEL, LO, HI, O, LSE,
     sk_b, sk_t, ssel_t, T, TK, D, DV, NQB, qk_scale,
@@ -293,29 +326,16 @@ def _sfa_fwd_tiles_kernel(
     brow = b * T + tl.where(row_ok, t, 0)  # b * T + t
     lo = tl.min(tl.load(LO + brow, mask=row_ok, other=2147483647))
     hi = tl.max(tl.load(HI + brow, mask=row_ok, other=-1))
-    offs_d1 = tl.arange(0, D1)
-    q_b = Q + b * T * HQ * D
-    q1 = tl.load(q_b + col[:, None] * D + offs_d1[None, :], mask=row_ok[:, None], other=0.0)
-    if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        q2 = tl.load(q_b + col[:, None] * D + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < D),
-                     other=0.0)
+    q1, q2 = _tile_q(Q, b, col, row_ok, T, D, HQ, D1, D2)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D1], tl.float32)
     k_b = K + b * sk_b
     sel_rows = SEL + brow[:, None] * ssel_t
     for kb in tl.range(lo // BLOCK_KEYS, hi // BLOCK_KEYS + 1):  # no selected key (hi = -1): no iteration
-        keys = kb * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
-        key_ok = keys < TK
-        k1 = tl.load(k_b + keys[:, None] * sk_t + offs_d1[None, :], mask=key_ok[:, None], other=0.0)
-        s = _mm(q1, tl.trans(k1), IEEE)
-        if D2 > 0:
-            k2 = tl.load(k_b + keys[:, None] * sk_t + offs_d2[None, :],
-                         mask=key_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
-            s = _mm(q2, tl.trans(k2), IEEE, s)
-        sel = tl.load(sel_rows + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0)
-        s = tl.where(sel != 0, s * qk_scale, float("-inf"))
+        k1, s, sel = _tile_scores(q1, q2, k_b, sel_rows, kb * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS), row_ok,
+                                  sk_t, TK, D, D1, D2, IEEE)
+        s = tl.where(sel, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -324,7 +344,7 @@ def _sfa_fwd_tiles_kernel(
         m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(O + b * T * HQ * DV + col[:, None] * DV + offs_d1[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + b * T * HQ * DV + col[:, None] * DV + tl.arange(0, D1)[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None])
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + b * T * HQ + col, lse, mask=row_ok)
@@ -439,14 +459,8 @@ def _sfa_bwd_pds_tiles_kernel(
     tq = qb * FQ + tl.arange(0, FQ)
     lo = tl.min(tl.load(LO + b * T + tq, mask=tq < T, other=2147483647))
     hi = tl.max(tl.load(HI + b * T + tq, mask=tq < T, other=-1))
-    offs_d1 = tl.arange(0, D1)
-    q_b = Q + b * T * HQ * D
-    q1 = tl.load(q_b + col[:, None] * D + offs_d1[None, :], mask=row_ok[:, None], other=0.0)
-    if D2 > 0:
-        offs_d2 = D1 + tl.arange(0, D2)
-        q2 = tl.load(q_b + col[:, None] * D + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < D),
-                     other=0.0)
-    o_off = b * T * HQ * D1 + col[:, None] * D1 + offs_d1[None, :]
+    q1, q2 = _tile_q(Q, b, col, row_ok, T, D, HQ, D1, D2)
+    o_off = b * T * HQ * D1 + col[:, None] * D1 + tl.arange(0, D1)[None, :]
     do = tl.load(DO + o_off, mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32), 1)
     lse2 = tl.load(LSE + b * T * HQ + col, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -454,14 +468,7 @@ def _sfa_bwd_pds_tiles_kernel(
     sel_rows = SEL + brow[:, None] * ssel_t
     for k0 in range((lo // FK) * FK, (hi // FK + 1) * FK, BLOCK_KEYS):  # no selected key: no iteration
         keys = k0 + tl.arange(0, BLOCK_KEYS)
-        key_ok = keys < TK
-        k1 = tl.load(k_b + keys[:, None] * sk_t + offs_d1[None, :], mask=key_ok[:, None], other=0.0)
-        s = _mm(q1, tl.trans(k1), IEEE)
-        if D2 > 0:
-            k2 = tl.load(k_b + keys[:, None] * sk_t + offs_d2[None, :],
-                         mask=key_ok[:, None] & (offs_d2[None, :] < D), other=0.0)
-            s = _mm(q2, tl.trans(k2), IEEE, s)
-        sel = tl.load(sel_rows + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+        k1, s, sel = _tile_scores(q1, q2, k_b, sel_rows, keys, row_ok, sk_t, TK, D, D1, D2, IEEE)
         p = tl.where(sel, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = p * (_mm(do, tl.trans(k1), IEEE) - delta[:, None]) * scale
         off = b * spd_b + keys[:, None].to(tl.int64) * spd_key + col[None, :]  # inside the padded buffers
