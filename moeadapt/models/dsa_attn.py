@@ -22,6 +22,7 @@ from ..config import ModelSpec
 from ..ops.custom import traced
 from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
+from ..ops.dsa.flex_attn import mha_form_pays
 from .common import RMSNorm, apply_rope, rope_softmax_mscale
 from .documents import Documents, flat_rows
 from .shared_input import shared_input_linears
@@ -68,7 +69,18 @@ class DSAAttention(nn.Module):
         # YaRN (DeepSeek): the softmax scale carries mscale(factor, mscale_all_dim)^2 as well
         self.softmax_scale = (nope + rope) ** -0.5 * rope_softmax_mscale(spec.rope_scaling)
         self.backend = "auto"
+        # "absorbed" (MQA form on the kv latent), "mha" (per-head keys and values) or "auto": the MHA form where
+        # ops.dsa.flex_attn.mha_form_pays (short contexts, dense selections, CUDA)
+        self.form = "auto"
         self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
+
+    def _mha_form(self, T: int, is_cuda: bool) -> bool:
+        if self.form not in ("auto", "absorbed", "mha"):
+            raise ValueError(f"DSA layer {self.layer_id}: form={self.form!r} is not one of 'auto', 'absorbed', 'mha'")
+        if self.form != "auto":
+            return self.form == "mha"
+        nope, r, vd, kvl = self.nope, self.rope, self.vd, self.kvl
+        return mha_form_pays(T, self.spec.index_topk, nope + r, vd, kvl + r, kvl, is_cuda)
 
     def reset_parameters(self) -> None:
         if self.kpool:
@@ -117,19 +129,25 @@ class DSAAttention(nn.Module):
         kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), kv[..., kvl:]
         if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
             q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
-        # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
-        w = self.wkv_b.weight
-        if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself
-            w = w + (self.wkv_b.lora_B.weight @ self.wkv_b.lora_A.weight).to(w.dtype) * self.wkv_b.scaling
-        wkv_b = w.view(H, nope + self.vd, kvl)
-        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
-        q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
-        k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
         flat = docs is not None and self.cp is None  # packed documents, one process: one varlen row of B * T
         cu = docs.flat_cu_seqlens if flat else None
-        if flat:
-            q_full, k_full = flat_rows(q_full), flat_rows(k_full)
-        v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
+        mha = self._mha_form(T, x_BTD.is_cuda) and self.cp is None and not flat
+        if mha:  # per-head keys and values, attention over dense tiles of the selection (ops/dsa/flex_attn.py)
+            kvb = self.wkv_b(kv_lat).view(B, T, H, nope + self.vd)
+            q_full = torch.cat([q_nope, q_pe], dim=-1)
+            k_full = torch.cat([kvb[..., :nope], k_pe.unsqueeze(2).expand(B, T, H, r).to(kvb.dtype)], dim=-1)
+            k_full, v_lat = k_full.to(q_full.dtype), kvb[..., nope:].to(q_full.dtype)
+        else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
+            w = self.wkv_b.weight
+            if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself
+                w = w + (self.wkv_b.lora_B.weight @ self.wkv_b.lora_A.weight).to(w.dtype) * self.wkv_b.scaling
+            wkv_b = w.view(H, nope + self.vd, kvl)
+            q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
+            q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
+            k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
+            if flat:
+                q_full, k_full = flat_rows(q_full), flat_rows(k_full)
+            v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
 
         want_kl = (self.training and self.spec.index_loss_coef > 0 and torch.is_grad_enabled()
                    and self.index_from is None)
@@ -181,8 +199,11 @@ class DSAAttention(nn.Module):
                 if want_kl:
                     kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
                                          scale=self.softmax_scale, backend=self.backend)
-        o_lat = o_lat.reshape(B, T, H, kvl)
-        o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
+        if mha:
+            o = o_lat
+        else:
+            o_lat = o_lat.reshape(B, T, H, kvl)
+            o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if out_gate:
             o = o * torch.sigmoid(out_gate[0]).unsqueeze(-1).to(o.dtype)
         aux = {} if kl is None else {"index_kl": kl}

@@ -212,3 +212,61 @@ def test_sparse_attention_gluon_forward(B, HQ, T, topk):
 
     o_t, _ = tsa.sfa_forward(q, kv, v, idx, scale, tsa.FWD_CONFIG)
     assert (o.float() - o_t.float()).abs().max().item() < 2e-2 * o_t.float().abs().max().item()
+
+
+@pytest.mark.parametrize("H,D,DV", [(4, 192, 128), (2, 64, 64)])
+def test_sparse_attention_flex_gpu(H, D, DV):
+    """The MHA layout (one K/V head per query head) with a dense selection takes FlexAttention's dense tiles
+    (ops/dsa/flex_attn.py) through sparse_attention: o and its gradients against the fp32 reference."""
+    from moeadapt.ops.dsa import flex_attn as fa
+
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    B, T, topk = 2, 1024, 640
+    qi = torch.randn(B, T, 4, 32, device="cuda", generator=g)
+    ki = torch.randn(B, T, 32, device="cuda", generator=g)
+    wi = torch.randn(B, T, 4, device="cuda", generator=g)
+    idx = lightning_indexer(qi, ki, wi, topk, backend="reference")
+    q, k = (torch.randn(B, T, H, D, device="cuda", generator=g) for _ in range(2))
+    v = torch.randn(B, T, H, DV, device="cuda", generator=g)
+    do = torch.randn(B, T, H, DV, device="cuda", generator=g)
+    assert fa.dense_tiles_apply(q, k, idx)
+    res = []
+    for backend, dt in (("triton", torch.bfloat16), ("reference", torch.float32)):
+        qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
+        o = sparse_attention(qq, kk, vv, idx, scale=D**-0.5, backend=backend)
+        res.append((o, *torch.autograd.grad(o, (qq, kk, vv), do.to(dt))))
+    for a, b in zip(*res):
+        err = (a.float() - b).abs().max() / b.abs().max()
+        assert err < 1.5e-2, f"relative max error {err:.3g}"
+
+
+def test_dsa_layer_mha_form_gpu(monkeypatch):
+    """On CUDA the DSA layer at a dense selection takes the MHA form by itself (with FLEX_CONFIG["MHA_FORM"]) and
+    matches the absorbed form under bf16 autocast: output and the input's gradient."""
+    from moeadapt.ops.dsa import flex_attn as fa
+    from moeadapt.models.common import rope_cos_sin
+    from moeadapt.models.dsa_attn import DSAAttention
+    from moeadapt.models.model import build_model, materialize
+    from tests.conftest import micro_spec
+
+    spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                      v_head_dim=32, index_topk=192, max_position_embeddings=512)
+    model = materialize(build_model(spec), seed=SEED % 1000)
+    layer = next(m for m in model.modules() if isinstance(m, DSAAttention)).cuda()
+    T = 256
+    monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", True)
+    assert layer._mha_form(T, True) and not layer._mha_form(T, False)
+    x = torch.randn(2, T, spec.hidden_size, device="cuda")
+    dy = torch.randn(2, T, spec.hidden_size, device="cuda")
+    cos, sin = (t.cuda() for t in rope_cos_sin(torch.arange(T), spec.qk_rope_head_dim, spec.rope_theta))
+    out = []
+    for form in ("auto", "absorbed"):
+        layer.form = form
+        xx = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, _ = layer(xx, cos=cos, sin=sin)
+        (y.float() * dy).sum().backward()
+        out.append((y.float(), xx.grad))
+    for a, b in zip(*out):
+        err = (a - b).abs().max() / b.abs().max()
+        assert err < 2e-2, f"relative max error {err:.3g}"
