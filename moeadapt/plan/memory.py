@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
+from ..ops.dsa.flex_attn import mha_form_pays
 from ..ops.moe import expert_lora_path
 
 GiB = 1024**3
@@ -264,14 +265,16 @@ def _keep_swiglu(acc, who: str, S: float, ref: bool, ref_widths: int = 3) -> Non
 
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
                targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None,
-               expert_lora: str | None = None, fused_buffer: bool = True, expert_rows: float | None = None) -> _Acc:
+               expert_lora: str | None = None, fused_buffer: bool = True, expert_rows: float | None = None,
+               cp: int = 1) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
     block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`. Kernel path: `expert_lora` forces the
     grouped LoRA backend ("lean" | "fused" | "triton" | "torch"; "fused" never lean); None = what ops/moe
     `expert_lora_path` picks on CUDA for these rows per expert (`fused_buffer`: the layer owns its [W | Bᵀ]
     buffer, i.e. no FSDP). expert_rows: rows the experts' GEMMs and SwiGLU run over per local token (None: K;
     under EP the fixed-capacity exchange's padded rows, `ep_rows_per_token`); the reference path's padded
-    [E, C, in] buffers follow the real rows (K)."""
+    [E, C, in] buffers follow the real rows (K). cp: the context-parallel degree (a DSA layer takes the MHA form
+    only at cp = 1, where `ops.dsa.flex_attn.mha_form_pays`)."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
     # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
@@ -374,28 +377,41 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
-        if full:
+        mha = not ref and cp == 1 and _dsa_mha_form(spec, seq)
+        if full and not mha:
             acc.keep("q (q_nope: absorb bmm input)", H * (n + r), gemm_out=1)
         acc.gemm("wkv_a", c + r)
         lora("attn.wkv_a", c + r)
         acc.keep("wkv_a out (kv_norm input)", c + r, gemm_out=1)
         _norm(acc, "kv_norm", c, full, act_bytes != 2)
-        acc.gemm("q absorb bmm", H * c)
-        acc.keep("q_full (attention input)", H * (c + r))
+        if mha:  # MHA form (ops/dsa/flex_attn.py): per-head k, v from wkv_b; FlexAttention keeps q, k, v (a view
+            # of wkv_b's output), o, lse and the mask_mod's selection bytes ([T, Tk])
+            _lin_in(acc, "kv_lat (wkv_b input)", c, int(tr("attn.wkv_b")))
+            acc.gemm("wkv_b", H * (n + vd))
+            lora("attn.wkv_b", H * (n + vd))
+            acc.keep("q, k (flex inputs), wkv_b out (v)", 2 * H * (n + r) + H * (n + vd),
+                     gemm_out=(n + vd) / (2 * (n + r) + n + vd))
+            acc.keep("flex lse", H, "f")
+            acc.keep("selection mask", seq, "b")
+            acc.gemm("flex o", H * vd)
+        else:
+            acc.gemm("q absorb bmm", H * c)
+            acc.keep("q_full (attention input)", H * (c + r))
         if ref:  # sparse_attention_reference gathers k and v rows per query and keeps the scores/probs
             acc.keep("gathered k, v", k * (2 * c + r), "f")
             acc.keep("scores, probs, lse", 2 * H * k + H, "f", gemm_out=0.5)
             acc.keep("gather indices int64 x2, mask", 2 * k * 8 + k, "b")
             acc.gemm("attention bmm (scores, o)", H * k + H * c, "f")
             acc.gemm("indexer dense scores (no_grad bmm)", (HI + 1) * seq, "f")
-        else:  # triton sparse attention: q, k, indices (int32), o, lse; selective keeps the op's o and lse
+        elif not mha:  # triton sparse attention: q, k, indices (int32), o, lse; selective keeps the op's o and lse
             acc.keep("k_full, indices, lse", (c + r) + H, "f")
             acc.keep("indices", k * 4, "b")
             acc.gemm("sparse_attn_fwd o", H * c)
             acc.gemm("sparse_attn_fwd lse", H, "f")
-        if full:
+        if full and not mha:
             acc.keep("o_lat (o bmm input)", H * c, gemm_out=1)
-        acc.gemm("o bmm", H * vd)
+        if not mha:
+            acc.gemm("o bmm", H * vd)
         if spec.attn_output_gate:
             acc.gemm("w_gate", H)
             acc.keep("o, sigmoid gate (mul inputs)", H * vd + H, gemm_out=vd / (vd + 1))
@@ -603,7 +619,7 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
     rows = ep_rows_per_token(spec, plan)
     accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s, expert_lora,
-                       fused_buffer=plan.shard == 1, expert_rows=rows) for i in range(spec.n_layers)]
+                       fused_buffer=plan.shard == 1, expert_rows=rows, cp=plan.cp) for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     if backend == "kernel":  # ops.loss chunked: one chunk of logits in the compute dtype (its gradient in
@@ -659,8 +675,16 @@ def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend
     from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
 
     mb, seq = plan.micro_batch, plan.seq_len
+    if plan.cp == 1 and _dsa_mha_form(spec, seq):  # FlexAttention's backward: no P / dS buffer
+        return [0.0] * spec.n_layers
     ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
     return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]
+
+
+def _dsa_mha_form(spec: ModelSpec, seq: int) -> bool:
+    """Whether the DSA layers (on CUDA, one process's whole sequence) attend in MHA form (models/dsa_attn.py)."""
+    n, r, vd, c = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+    return mha_form_pays(seq, spec.index_topk, n + r, vd, c + r, c, True)
 
 
 def kept_selections(spec: ModelSpec, plan: Plan, t: int) -> float:

@@ -243,10 +243,10 @@ def test_sparse_attention_flex_gpu(H, D, DV):
 def test_dsa_layer_mha_form_gpu(monkeypatch):
     """On CUDA the DSA layer at a dense selection takes the MHA form by itself (with FLEX_CONFIG["MHA_FORM"]) and
     matches the absorbed form under bf16 autocast: output and the input's gradient."""
-    from moeadapt.ops.dsa import flex_attn as fa
     from moeadapt.models.common import rope_cos_sin
     from moeadapt.models.dsa_attn import DSAAttention
     from moeadapt.models.model import build_model, materialize
+    from moeadapt.ops.dsa import flex_attn as fa
     from tests.conftest import micro_spec
 
     spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
