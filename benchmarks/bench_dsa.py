@@ -6,6 +6,7 @@ user would write vs dense causal SDPA.
     python benchmarks/bench_dsa.py --check --T 32768 --H 64 128   # SFA / SFAG launch variants, one table
     python benchmarks/bench_dsa.py --check --fwd-only --T 32768 --H 64 128   # SFA only: Triton vs Gluon
     python benchmarks/bench_dsa.py --sweep [fwd bwd li]   # time candidate launch configs at T = 16384, H = 128
+    python benchmarks/bench_dsa.py --forms --T 4096 8192 --H 16 32 --batch 2   # MLA attention: absorbed vs MHA form
 
 Every variant is passed to the op as an argument (fwd_cfg / bwd_cfg / gluon of triton_sparse_attn, cfg of
 the indexer); nothing here changes the op's defaults.
@@ -441,6 +442,84 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
     return r
 
 
+
+# ------------------------------------------------------------ --forms: MLA attention, absorbed vs MHA form
+MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD = 128, 64, 512, 128
+
+
+def forms(log, Ts, Hs, batch, reps=5):
+    """MLA attention fwd + bwd in its two forms (models/dsa_attn.py) from the same q_nope, q_pe, kv latent, k_pe
+    and wkv_b, at DeepSeek's dims (nope 128, rope 64, kv_lora_rank 512, v_head_dim 128), LI selections of top-2048:
+    absorbed (W_uk into q, MQA sparse attention on the latent, W_uv after) vs MHA (per-head k, v = kv latent x
+    wkv_b; FlexAttention's dense tiles, ops/dsa/flex_attn.py). Checks the MHA form's o and gradients against the
+    absorbed form's and prints ms and the ratio."""
+    rows = []
+    for T in Ts:
+        torch.manual_seed(0)
+        q_idx = torch.randn(batch, T, HI, DI, device="cuda", dtype=torch.bfloat16)
+        k_idx = torch.randn(batch, T, DI, device="cuda", dtype=torch.bfloat16)
+        w_idx = torch.randn(batch, T, HI, device="cuda", dtype=torch.bfloat16) * (HI**-0.5 * DI**-0.5)
+        idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
+        del q_idx, k_idx, w_idx
+        for H in Hs:
+            rows.append(_forms_row(idx, T, H, batch, reps, log))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _forms_row(idx, T, H, batch, reps, log):
+    """One (T, H) row of `forms`; its tensors are freed on return."""
+    from moeadapt.ops.dsa import flex_attn as fa
+    from moeadapt.ops.dsa import sparse_attention
+
+    dev, dt = "cuda", torch.bfloat16
+    NOPE, R, KVL, VD = MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD
+    scale = (NOPE + R) ** -0.5
+    q_nope = torch.randn(batch, T, H, NOPE, device=dev, dtype=dt, requires_grad=True)
+    q_pe = torch.randn(batch, T, H, R, device=dev, dtype=dt, requires_grad=True)
+    kv_lat = torch.randn(batch, T, KVL, device=dev, dtype=dt, requires_grad=True)
+    k_pe = torch.randn(batch, T, R, device=dev, dtype=dt, requires_grad=True)
+    w = (torch.randn(H, NOPE + VD, KVL, device=dev, dtype=dt) * KVL**-0.5).requires_grad_()
+    do = torch.randn(batch, T, H, VD, device=dev, dtype=dt)
+    leaves = (q_nope, q_pe, kv_lat, k_pe, w)
+
+    def absorbed():
+        q = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w[:, :NOPE]), q_pe], -1)
+        kv = torch.cat([kv_lat, k_pe], -1).unsqueeze(2)
+        o_lat = sparse_attention(q, kv, kv[..., :KVL], idx, scale=scale)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w[:, NOPE:])
+
+    def mha():
+        kvb = torch.einsum("btc,hnc->bthn", kv_lat, w)
+        k = torch.cat([kvb[..., :NOPE], k_pe.unsqueeze(2).expand(batch, T, H, R)], -1)
+        return sparse_attention(torch.cat([q_nope, q_pe], -1), k, kvb[..., NOPE:], idx, scale=scale)
+
+    def fb(f):
+        def run():
+            for x in leaves:
+                x.grad = None
+            o = f()
+            o.backward(do)
+            return o
+        return run
+
+    probe = torch.empty(batch, T, H, 1, device=dev)
+    row = {"T": T, "H": H, "batch": batch, "mha_dense_tiles": fa.dense_tiles_apply(probe, probe, idx)}
+    got = {}
+    for name, f in (("absorbed", absorbed), ("mha", mha)):
+        o = fb(f)()
+        got[name] = [o.float()] + [x.grad.float() for x in leaves]
+        row[f"{name}_fwd_ms"] = timeit(f, reps=reps)
+        row[f"{name}_fwdbwd_ms"] = timeit(fb(f), reps=reps)
+    row["rel_err"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["mha"], got["absorbed"]))
+    row["mask_ms"] = timeit(lambda: fa.selection_block_mask(idx, T, T), reps=reps)
+    row["ratio"] = row["absorbed_fwdbwd_ms"] / row["mha_fwdbwd_ms"]
+    log(f"forms T={T} H={H} B={batch}: absorbed fwd {row['absorbed_fwd_ms']:.2f} fwd+bwd "
+        f"{row['absorbed_fwdbwd_ms']:.2f} ms | MHA fwd {row['mha_fwd_ms']:.2f} fwd+bwd {row['mha_fwdbwd_ms']:.2f} ms "
+        f"(block mask {row['mask_ms']:.2f}) | absorbed / MHA {row['ratio']:.2f}x | rel err {row['rel_err']:.2g}")
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -458,7 +537,9 @@ def main():
     ap.add_argument("--li", action="store_true", help="the indexer's launch variants (LI_CANDIDATES) "
                     "at each --T and --hi; then exit")
     ap.add_argument("--hi", type=int, nargs="+", default=[HI], help="indexer heads for --li")
-    ap.add_argument("--batch", type=int, default=1, help="batch size for --li and --check")
+    ap.add_argument("--batch", type=int, default=1, help="batch size for --li, --check and --forms")
+    ap.add_argument("--forms", action="store_true", help="MLA attention fwd + bwd, absorbed vs MHA form, at each "
+                    "--T and --H; then exit")
     a = ap.parse_args()
     t_start = time.time()
 
@@ -473,6 +554,12 @@ def main():
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
                              fwd_only=a.fwd_only, bwd_names=a.bwd, batch=a.batch)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        log("done")
+        return
+    if a.forms:
+        res["forms"] = forms(log, a.T, a.H, a.batch)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")
