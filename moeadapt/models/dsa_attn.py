@@ -74,6 +74,16 @@ class DSAAttention(nn.Module):
         self.form = "auto"
         self.cp = None  # an ops.cp_comm.CPLayout when parallel/ splits the sequence over a cp group
 
+    def _absorbed(self, q_nope, q_pe, kv_lat, k_pe):
+        """MLA's absorbed form: (wkv_b as [H, nope + vd, kvl], q = [q_nope W_uk, q_pe] [B, T, H, kvl + r],
+        k = [kv_lat, k_pe] [B, T, 1, kvl + r])."""
+        w = self.wkv_b.weight
+        if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself
+            w = w + (self.wkv_b.lora_B.weight @ self.wkv_b.lora_A.weight).to(w.dtype) * self.wkv_b.scaling
+        wkv_b = w.view(self.n_heads, self.nope + self.vd, self.kvl)
+        q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :self.nope].to(q_nope.dtype))
+        return wkv_b, torch.cat([q_abs, q_pe], dim=-1), torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)
+
     def _mha_form(self, T: int, is_cuda: bool) -> bool:
         if self.form not in ("auto", "absorbed", "mha"):
             raise ValueError(f"DSA layer {self.layer_id}: form={self.form!r} is not one of 'auto', 'absorbed', 'mha'")
@@ -138,13 +148,7 @@ class DSAAttention(nn.Module):
             k_full = torch.cat([kvb[..., :nope], k_pe.unsqueeze(2).expand(B, T, H, r).to(kvb.dtype)], dim=-1)
             k_full, v_lat = k_full.to(q_full.dtype), kvb[..., nope:].to(q_full.dtype)
         else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
-            w = self.wkv_b.weight
-            if hasattr(self.wkv_b, "lora_A"):  # a LoRA on wkv_b: the absorbed form needs the adapted weight itself
-                w = w + (self.wkv_b.lora_B.weight @ self.wkv_b.lora_A.weight).to(w.dtype) * self.wkv_b.scaling
-            wkv_b = w.view(H, nope + self.vd, kvl)
-            q_abs = torch.einsum("bthn,hnc->bthc", q_nope, wkv_b[:, :nope].to(q_nope.dtype))
-            q_full = torch.cat([q_abs, q_pe], dim=-1)  # [B,T,H,kvl+r]
-            k_full = torch.cat([kv_lat, k_pe], dim=-1).unsqueeze(2)  # [B,T,1,kvl+r]
+            wkv_b, q_full, k_full = self._absorbed(q_nope, q_pe, kv_lat, k_pe)
             if flat:
                 q_full, k_full = flat_rows(q_full), flat_rows(k_full)
             v_lat = k_full[..., :kvl]  # a view: the fused kernel reads each selected row once for k and v
@@ -196,9 +200,12 @@ class DSAAttention(nn.Module):
                     shared[(self.layer_id, chunk)] = indices
                 o_lat = sparse_attention(q_full, k_full, v_lat, indices, scale=self.softmax_scale,
                                          backend=self.backend)
-                if want_kl:
-                    kl = indexer_kl_loss(q_full.detach(), k_full.detach(), indices, q_idx, k_idx, w_idx,
-                                         scale=self.softmax_scale, backend=self.backend)
+                if want_kl:  # the KL target in absorbed form (one latent key for all heads: the gathering
+                    # kernel reads 576 channels a pair, not H x 192), on detached inputs
+                    with torch.no_grad():
+                        q_kl, k_kl = self._absorbed(q_nope, q_pe, kv_lat, k_pe)[1:] if mha else (q_full, k_full)
+                    kl = indexer_kl_loss(q_kl, k_kl, indices, q_idx, k_idx, w_idx, scale=self.softmax_scale,
+                                         backend=self.backend)
         if mha:
             o = o_lat
         else:
