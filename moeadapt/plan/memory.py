@@ -266,15 +266,16 @@ def _keep_swiglu(acc, who: str, S: float, ref: bool, ref_widths: int = 3) -> Non
 def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, full: bool,
                targets: frozenset, rank: int, tokens: int | None = None, fp32_stream: bool | None = None,
                expert_lora: str | None = None, fused_buffer: bool = True, expert_rows: float | None = None,
-               cp: int = 1) -> _Acc:
+               cp: int = 1, selective: bool = False) -> _Acc:
     """Itemised saved tensors of layer i. full: full training; else LoRA on `targets` (names relative to the
     block, e.g. 'attn.q_proj', 'ffn.experts.w1') with rank `rank`. Kernel path: `expert_lora` forces the
     grouped LoRA backend ("lean" | "fused" | "triton" | "torch"; "fused" never lean); None = what ops/moe
     `expert_lora_path` picks on CUDA for these rows per expert (`fused_buffer`: the layer owns its [W | Bᵀ]
     buffer, i.e. no FSDP). expert_rows: rows the experts' GEMMs and SwiGLU run over per local token (None: K;
     under EP the fixed-capacity exchange's padded rows, `ep_rows_per_token`); the reference path's padded
-    [E, C, in] buffers follow the real rows (K). cp: the context-parallel degree (a DSA layer takes the MHA form
-    only at cp = 1, where `ops.dsa.flex_attn.mha_form_pays`)."""
+    [E, C, in] buffers follow the real rows (K). cp, selective: the context-parallel degree and whether the
+    recompute is selective (a DSA layer takes the MHA form only at cp = 1 without selective recompute, where
+    `ops.dsa.flex_attn.mha_form_pays`)."""
     acc = _Acc(act_bytes)
     ref = backend == "reference"
     # the residual stream (and the norms' outputs): fp32 under autocast with fp32 parameters (one GPU), bf16
@@ -377,7 +378,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
-        mha = not ref and cp == 1 and _dsa_mha_form(spec, seq)
+        mha = not ref and cp == 1 and not selective and _dsa_mha_form(spec, seq)
         if full and not mha:
             acc.keep("q (q_nope: absorb bmm input)", H * (n + r), gemm_out=1)
         acc.gemm("wkv_a", c + r)
@@ -570,7 +571,8 @@ def layer_activation_bytes(spec: ModelSpec, i: int, tokens: int, seq: int, recom
                            rank: int = 0, expert_lora: str | None = None) -> float:
     """Bytes layer i keeps from forward to backward for `tokens` local tokens: recompute 'none' (everything
     backward needs) or 'selective' (the block input and every GEMM output of the block)."""
-    acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank, tokens, expert_lora=expert_lora)
+    acc = _layer_acc(spec, i, seq, backend, act_bytes, full, targets, rank, tokens, expert_lora=expert_lora,
+                     selective=recompute == "selective")
     return tokens * (acc.sel if recompute == "selective" else acc.none)
 
 
@@ -619,7 +621,8 @@ def activation_bytes(spec: ModelSpec, plan: Plan, act_bytes: int = 2, backend: s
     f32s = (act_bytes == 2) if fp32_stream is None else fp32_stream
     rows = ep_rows_per_token(spec, plan)
     accs = [_layer_acc(spec, i, plan.seq_len, backend, act_bytes, full, tg[i], rank, t, f32s, expert_lora,
-                       fused_buffer=plan.shard == 1, expert_rows=rows, cp=plan.cp) for i in range(spec.n_layers)]
+                       fused_buffer=plan.shard == 1, expert_rows=rows, cp=plan.cp,
+                       selective=plan.recompute == "selective") for i in range(spec.n_layers)]
     wc = weight_casts or (0.0,) * spec.n_layers
     per = [t * a.none + wc[i] for i, a in enumerate(accs)]
     if backend == "kernel":  # ops.loss chunked: one chunk of logits in the compute dtype (its gradient in
@@ -675,14 +678,15 @@ def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend
     from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
 
     mb, seq = plan.micro_batch, plan.seq_len
-    if plan.cp == 1 and _dsa_mha_form(spec, seq):  # FlexAttention's backward: no P / dS buffer
+    if plan.cp == 1 and plan.recompute != "selective" and _dsa_mha_form(spec, seq):  # FlexAttention: no P / dS
         return [0.0] * spec.n_layers
     ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
     return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]
 
 
 def _dsa_mha_form(spec: ModelSpec, seq: int) -> bool:
-    """Whether the DSA layers (on CUDA, one process's whole sequence) attend in MHA form (models/dsa_attn.py)."""
+    """Whether the DSA layers (on CUDA, one process's whole sequence, no selective recompute) attend in MHA form
+    (models/dsa_attn.py)."""
     n, r, vd, c = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
     return mha_form_pays(seq, spec.index_topk, n + r, vd, c + r, c, True)
 

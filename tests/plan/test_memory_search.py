@@ -97,3 +97,35 @@ def test_dsa_backward_workspace_in_the_planner(monkeypatch):
     huge = memory_breakdown(spec, plan, LoRASpec(rank=16))
     assert huge["peak_phase"].startswith("backward") and types[int(huge["peak_phase"].split()[1])] == "dsa"
     assert mem._dsa_backward_workspace(spec, plan, 2, "reference") == [0.0] * spec.n_layers
+
+
+def test_dsa_mha_form_in_the_plan(monkeypatch):
+    """Where the DSA layer takes the MHA form (FLEX_CONFIG["MHA_FORM"], cp = 1, no selective recompute) the planner
+    drops the P / dS backward buffer and counts FlexAttention's saved set instead of the absorbed form's."""
+    from moeadapt.ops.dsa import flex_attn as fa
+    from moeadapt.plan import memory as mem
+
+    spec = get_preset("small")
+    dsa = spec.resolved_layer_types().index("dsa")
+
+    def plan(recompute="none", cp=1, seq=4096):
+        return Plan(gpus=cp, dp_replicate=1, dp_shard=1, cp=cp, ep=1, recompute=recompute, micro_batch=2, seq_len=seq)
+
+    def layer(recompute="none", seq=4096):
+        return mem.layer_activation_bytes(spec, dsa, 2 * seq, seq, recompute, 2)
+
+    absorbed = (max(mem._dsa_backward_workspace(spec, plan(), 2, "kernel")), layer(), layer("selective"))
+    monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", True)
+    assert max(mem._dsa_backward_workspace(spec, plan(), 2, "kernel")) == 0
+    assert max(mem._dsa_backward_workspace(spec, plan("selective"), 2, "kernel")) == absorbed[0]
+    assert max(mem._dsa_backward_workspace(spec, plan(cp=2), 2, "kernel")) > 0
+    assert max(mem._dsa_backward_workspace(spec, plan(seq=65536), 2, "kernel")) > 0  # sparse: absorbed
+    # per token: q, k [16 x 192], wkv_b's output [16 x 256] (bf16), lse (fp32), the selection mask (seq bytes)
+    # against the absorbed form's q / q_full / o_lat chain
+    mha = layer()
+    assert mha != absorbed[1] and layer("selective") == absorbed[2]
+    n, r, vd, H = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.n_heads
+    dsa_items = dict((name, b) for name, b, _ in mem._layer_acc(spec, dsa, 4096, "kernel", 2, True, frozenset(), 0,
+                                                                 8192).items)
+    assert dsa_items["q, k (flex inputs), wkv_b out (v)"] == (2 * H * (n + r) + H * (n + vd)) * 2
+    assert dsa_items["selection mask"] == 4096 and "q_full (attention input)" not in dsa_items

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
@@ -41,10 +42,13 @@ def selected_pairs(T: int, topk: int) -> int:
 
 def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, cfg: dict | None = None) -> bool:
     """Whether an MHA-layout call (HK = HQ) takes FlexAttention's dense tiles: CUDA, one selection per token,
-    T = Tk a multiple of BLOCK, and a selection dense enough (top-k of T vs every causal pair)."""
+    T = Tk a multiple of BLOCK, and a selection dense enough (top-k of T vs every causal pair); not under a
+    TorchDispatchMode (selective activation checkpointing's: it must see each op, which the compiled kernel
+    hides, and FlexAttention's eager path materialises every score)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
     B, T, HQ, _ = q.shape
-    if not (q.is_cuda and k.shape[2] == HQ and indices.dim() == 3 and k.shape[1] == T and T % BLOCK == 0):
+    if not (q.is_cuda and _get_current_dispatch_mode() is None and k.shape[2] == HQ and indices.dim() == 3
+            and k.shape[1] == T and T % BLOCK == 0):
         return False
     return selected_pairs(T, indices.shape[-1]) >= cfg["MIN_DENSITY"] * T * (T + 1) / 2
 
@@ -52,9 +56,10 @@ def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, c
 def mha_form_pays(T: int, topk: int, d_mha: int, dv_mha: int, d_abs: int, dv_abs: int, is_cuda: bool,
                   cfg: dict | None = None) -> bool:
     """Whether an MLA layer should attend in the MHA form (per-head d_mha / dv_mha channels over dense tiles of
-    every causal pair) rather than the absorbed one (d_abs / dv_abs channels over the selected pairs)."""
+    every causal pair) rather than the absorbed one (d_abs / dv_abs channels over the selected pairs). Not under a
+    TorchDispatchMode (selective recompute), where the dense tiles do not run (`dense_tiles_apply`)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
-    if not cfg["MHA_FORM"] or not is_cuda or T % BLOCK:
+    if not cfg["MHA_FORM"] or not is_cuda or T % BLOCK or _get_current_dispatch_mode() is not None:
         return False
     causal = T * (T + 1) / 2
     if selected_pairs(T, topk) < cfg["MIN_DENSITY"] * causal:
