@@ -85,6 +85,14 @@ def test_dense_tiles_apply_only_where_they_pay():
     assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=False, cfg=on)
     assert not fa.mha_form_pays(4096 + 64, 2048, *mla, is_cuda=True, cfg=on)
     assert not fa.mha_form_pays(65536, 2048, *mla, is_cuda=True, cfg=on)  # top-2048 of 64k: 6% of causal pairs
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):  # as selective activation checkpointing's modes: must see each op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=True, cfg=on)
     q = torch.zeros(1, 256, 4, 8)
     idx = torch.zeros(1, 256, 200, dtype=torch.int32)
     assert not fa.dense_tiles_apply(q, q, idx)  # CPU
