@@ -1,6 +1,8 @@
 """The MHA form of MLA attention: FlexAttention's dense tiles of a selection (ops/dsa/flex_attn.py) against the
 reference, and the DSA layer's two forms (absorbed MQA, per-head MHA) against each other."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -50,6 +52,32 @@ def test_flex_dense_tiles_match_reference():
     wrong.full_kv_num_blocks[0, 0, -1] += 1
     with pytest.raises(AssertionError, match="full block"):
         _check_blocks(wrong, idx, T)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_flex_walks_the_block_lists():
+    """The compiled FlexAttention (inductor's CPU kernel: it walks the block lists as the GPU one does; eager
+    FlexAttention reads mask_mod everywhere) on the selection's BlockMask equals the reference, in float32; a block
+    list one key block short of a query block's largest selected key fails."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, T, H, D, DV = 2, 512, 2, 32, 16
+    q, k = (torch.randn(B, T, H, D, generator=g) for _ in range(2))
+    v = torch.randn(B, T, H, DV, generator=g)
+    idx = _indices(B, T, int(torch.randint(260, 380, ())), g, torch.float32)
+    ref = sparse_attention_reference(q, k, v, idx, 0.2)
+    flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
+
+    def run(bm):
+        with torch.no_grad():
+            return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                        scale=0.2).transpose(1, 2)
+
+    for full in (True, False):
+        torch.testing.assert_close(run(fa.selection_block_mask(idx, T, T, full)), ref, atol=2e-5, rtol=2e-5)
+    short = fa.selection_block_mask(idx, T, T, full_blocks=True)
+    short.kv_num_blocks.sub_(1).clamp_(min=0)
+    assert (run(short) - ref).abs().max() > 1e-2
 
 
 def _check_blocks(bm, idx, T):
