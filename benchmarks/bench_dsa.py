@@ -445,6 +445,8 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
 
 # ------------------------------------------------------------ --forms: MLA attention, absorbed vs MHA form
 MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD = 128, 64, 512, 128
+# FlexAttention settings timed beside the default (ops/dsa/flex_attn.py FLEX_CONFIG)
+FLEX_VARIANTS = {"autotune": {"AUTOTUNE": True}, "nofull": {"FULL_BLOCKS": False}}
 
 
 def forms(log, Ts, Hs, batch, reps=5):
@@ -489,10 +491,13 @@ def _forms_row(idx, T, H, batch, reps, log):
         o_lat = sparse_attention(q, kv, kv[..., :KVL], idx, scale=scale)
         return torch.einsum("bthc,hvc->bthv", o_lat, w[:, NOPE:])
 
-    def mha():
+    def mha(cfg=None):
         kvb = torch.einsum("btc,hnc->bthn", kv_lat, w)
         k = torch.cat([kvb[..., :NOPE], k_pe.unsqueeze(2).expand(batch, T, H, R)], -1)
-        return sparse_attention(torch.cat([q_nope, q_pe], -1), k, kvb[..., NOPE:], idx, scale=scale)
+        q = torch.cat([q_nope, q_pe], -1)
+        if cfg is None:
+            return sparse_attention(q, k, kvb[..., NOPE:], idx, scale=scale)
+        return fa.sparse_attention_flex(q, k, kvb[..., NOPE:], idx, scale, cfg)
 
     def fb(f):
         def run():
@@ -506,17 +511,22 @@ def _forms_row(idx, T, H, batch, reps, log):
     probe = torch.empty(batch, T, H, 1, device=dev)
     row = {"T": T, "H": H, "batch": batch, "mha_dense_tiles": fa.dense_tiles_apply(probe, probe, idx)}
     got = {}
-    for name, f in (("absorbed", absorbed), ("mha", mha)):
+    variants = [("absorbed", absorbed), ("mha", mha)] + [
+        (f"mha_{n}", lambda c=c: mha({**fa.FLEX_CONFIG, **c})) for n, c in FLEX_VARIANTS.items()]
+    for name, f in variants:
         o = fb(f)()
         got[name] = [o.float()] + [x.grad.float() for x in leaves]
         row[f"{name}_fwd_ms"] = timeit(f, reps=reps)
         row[f"{name}_fwdbwd_ms"] = timeit(fb(f), reps=reps)
-    row["rel_err"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["mha"], got["absorbed"]))
+    row["rel_err"] = max(((a - b).abs().max() / b.abs().max()).item() for n, _ in variants[1:]
+                         for a, b in zip(got[n], got["absorbed"]))
     row["mask_ms"] = timeit(lambda: fa.selection_block_mask(idx, T, T), reps=reps)
     row["ratio"] = row["absorbed_fwdbwd_ms"] / row["mha_fwdbwd_ms"]
     log(f"forms T={T} H={H} B={batch}: absorbed fwd {row['absorbed_fwd_ms']:.2f} fwd+bwd "
         f"{row['absorbed_fwdbwd_ms']:.2f} ms | MHA fwd {row['mha_fwd_ms']:.2f} fwd+bwd {row['mha_fwdbwd_ms']:.2f} ms "
         f"(block mask {row['mask_ms']:.2f}) | absorbed / MHA {row['ratio']:.2f}x | rel err {row['rel_err']:.2g}")
+    for n, _ in variants[2:]:
+        log(f"forms T={T} H={H} B={batch}: {n} fwd {row[f'{n}_fwd_ms']:.2f} fwd+bwd {row[f'{n}_fwdbwd_ms']:.2f} ms")
     return row
 
 

@@ -28,10 +28,11 @@ BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
 # dense tiles; MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"), which it does where
 # its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most MHA_FORM_COST times the
-# absorbed form's on the selected pairs
-FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": False, "MHA_FORM_COST": 1.0}
+# absorbed form's on the selected pairs; AUTOTUNE: compile FlexAttention with inductor's max-autotune (it times
+# its launch configurations once per shape, forward and backward) instead of its fixed heuristics
+FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": False, "MHA_FORM_COST": 1.0, "AUTOTUNE": False}
 _ONES = 0x0101010101010101  # eight selected keys (bytes of 1) as one int64
-_compiled = None
+_compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
 
 def selected_pairs(T: int, topk: int) -> int:
@@ -105,15 +106,16 @@ def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     """`sparse_attention` for the MHA layout on dense tiles: q, k [B, T, H, D], v [B, T, H, DV], indices [B, T, K]
     -> o [B, T, H, DV] (0 for a query that selects nothing). Differentiable in q, k, v. On CUDA FlexAttention is
     compiled (once per shape); elsewhere it runs eagerly (its reference math, forward only)."""
-    global _compiled
     cfg = FLEX_CONFIG if cfg is None else cfg
     B, T, H, D = q.shape
     scale = D**-0.5 if scale is None else float(scale)
     bm = selection_block_mask(indices, T, k.shape[1], cfg["FULL_BLOCKS"])
     fn = flex_attention
     if q.is_cuda:
-        if _compiled is None:
-            _compiled = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled
+        tune = bool(cfg.get("AUTOTUNE"))
+        if tune not in _compiled:
+            mode = "max-autotune-no-cudagraphs" if tune else None
+            _compiled[tune] = torch.compile(flex_attention, dynamic=False, mode=mode)
+        fn = _compiled[tune]
     o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale)
     return o.transpose(1, 2)
