@@ -88,6 +88,9 @@ def test_dsa_backward_workspace_in_the_planner(monkeypatch):
     assert tsa.backward_workspace_bytes(1, 40, 40, 4, 24, 4) == 2 * 64 * 40 * 4 * 4  # keys padded to 64, queries to 8
     p1t = {**tsa.BWD_CONFIG, "DENSE": {**tsa.DENSE_PDS_CONFIG, "P1_TILES": {"BLOCK_M": 64}}}  # + the selection mask
     assert tsa.backward_workspace_bytes(2, 4096, 4096, 16, 2048, cfg=p1t) == 2 * 2 * 4096 * 4096 * 16 * 2 + 2 * 4096 * 4104
+    from moeadapt.ops.dsa import flex_attn
+
+    monkeypatch.setitem(flex_attn.FLEX_CONFIG, "MHA_FORM", False)  # the absorbed form (the MHA form has no P / dS)
     spec = get_preset("small")
     plan = Plan(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
     types = spec.resolved_layer_types()
@@ -114,6 +117,7 @@ def test_dsa_mha_form_in_the_plan(monkeypatch):
     def layer(recompute="none", seq=4096):
         return mem.layer_activation_bytes(spec, dsa, 2 * seq, seq, recompute, 2)
 
+    monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", False)
     absorbed = (max(mem._dsa_backward_workspace(spec, plan(), 2, "kernel")), layer(), layer("selective"))
     monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", True)
     assert max(mem._dsa_backward_workspace(spec, plan(), 2, "kernel")) == 0

@@ -28,9 +28,12 @@ BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
 # dense tiles; MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"), which it does where
 # its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most MHA_FORM_COST times the
-# absorbed form's on the selected pairs; AUTOTUNE: compile FlexAttention with inductor's max-autotune (it times
-# its launch configurations once per shape, forward and backward) instead of its fixed heuristics
-FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": False, "MHA_FORM_COST": 1.0, "AUTOTUNE": False}
+# absorbed form's on the selected pairs. At T = 4096, top-2048, 16 heads the MHA form has 0.39 of the absorbed
+# form's FLOPs and runs 1.33x faster (bench_dsa.py --forms, H100): FlexAttention reaches ~0.5 of the absorbed
+# kernels' FLOP rate, hence MHA_FORM_COST 0.5 (T = 8192: 0.67, absorbed). In the `small` full fine-tuning step
+# (H100, seq 4096 x 2) the MHA form took 216.4 -> 199.8 ms. AUTOTUNE: compile FlexAttention with inductor's
+# max-autotune (it times its launch configurations once per shape, forward and backward), not its heuristics
+FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False}
 _ONES = 0x0101010101010101  # eight selected keys (bytes of 1) as one int64
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
