@@ -5,8 +5,10 @@ spec.mla_rope = False that part is not rotated: NoPE MLA as in Kimi Linear);
 the lightning indexer (queries from the q latent, one LayerNorm'd key per token, RoPE on the first
 rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per query (with spec.index_kpool:
 whole blocks of keys by their pooled keys, plus the query's own incomplete block: ops.dsa.kpool_indexer);
-attention runs in MQA form on the kv latent (absorbed: D = kv_lora_rank + rope, DV = kv_lora_rank) over those keys
-only; then o <- o * sigmoid(x W_gate) per head and the output projection.
+attention runs over those keys only, in one of MLA's two forms (same result): absorbed, MQA on the kv latent (D =
+kv_lora_rank + rope, DV = kv_lora_rank; the gathering kernels), or MHA, per-head keys and values from wkv_b over
+FlexAttention's dense tiles of the selection (fewer FLOPs where the selection is dense, i.e. short contexts:
+`form`, ops/dsa/flex_attn.py); then o <- o * sigmoid(x W_gate) per head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
 Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
 Packed documents (`docs`, models/documents.py): RoPE restarts per document (the model's cos / sin) and a query
