@@ -18,6 +18,7 @@ def _indices(B, T, topk, g, dt=torch.float64):
     return lightning_indexer_reference(qi, ki, wi, topk)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU, on purpose
 def test_flex_dense_tiles_match_reference():
     """FlexAttention over the selection's block mask (full and partial blocks, a query that selects nothing) equals
     the reference on the selected keys alone; forward on CPU (FlexAttention has no CPU backward: the GPU suite
