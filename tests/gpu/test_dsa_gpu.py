@@ -249,8 +249,8 @@ def test_dsa_layer_mha_form_gpu(monkeypatch):
     from moeadapt.ops.dsa import flex_attn as fa
     from tests.conftest import micro_spec
 
-    spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                      v_head_dim=32, index_topk=192, max_position_embeddings=512)
+    spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                      v_head_dim=32, index_head_dim=32, index_topk=192, max_position_embeddings=512)
     model = materialize(build_model(spec), seed=SEED % 1000)
     layer = next(m for m in model.modules() if isinstance(m, DSAAttention)).cuda()
     T = 256
@@ -267,6 +267,6 @@ def test_dsa_layer_mha_form_gpu(monkeypatch):
             y, _ = layer(xx, cos=cos, sin=sin)
         (y.float() * dy).sum().backward()
         out.append((y.float(), xx.grad))
-    for a, b in zip(*out):
+    for a, b in zip(*out):  # bf16 through both forms (dx: ~2e-2 on CPU); a wrong form is off by O(1)
         err = (a - b).abs().max() / b.abs().max()
-        assert err < 2e-2, f"relative max error {err:.3g}"
+        assert err < 5e-2, f"relative max error {err:.3g}"
