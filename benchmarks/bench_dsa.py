@@ -564,18 +564,11 @@ def main():
         log(f"{res['gpu']} torch {res['torch']} triton {res['triton']}")
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
                              fwd_only=a.fwd_only, bwd_names=a.bwd, batch=a.batch)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-        log("done")
-        return
-    if a.forms:
+    elif a.forms:
         res["forms"] = forms(log, a.T, a.H, a.batch)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-        log("done")
-        return
-    if a.li:
+    elif a.li:
         res["li"] = li_shapes(log, a.T, a.hi, a.batch)
+    if a.check or a.forms or a.li:  # one mode, then exit
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         log("done")

@@ -147,8 +147,9 @@ class DSAAttention(nn.Module):
         if mha:  # per-head keys and values, attention over dense tiles of the selection (ops/dsa/flex_attn.py)
             kvb = self.wkv_b(kv_lat).view(B, T, H, nope + self.vd)
             q_full = torch.cat([q_nope, q_pe], dim=-1)
-            k_full = torch.cat([kvb[..., :nope], k_pe.unsqueeze(2).expand(B, T, H, r).to(kvb.dtype)], dim=-1)
-            k_full, v_lat = k_full.to(q_full.dtype), kvb[..., nope:].to(q_full.dtype)
+            dt = q_full.dtype  # FlexAttention takes q, k, v in one dtype
+            k_full = torch.cat([kvb[..., :nope].to(dt), k_pe.unsqueeze(2).expand(B, T, H, r).to(dt)], dim=-1)
+            v_lat = kvb[..., nope:].to(dt)
         else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
             wkv_b, q_full, k_full = self._absorbed(q_nope, q_pe, kv_lat, k_pe)
             if flat:

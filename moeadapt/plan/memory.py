@@ -378,7 +378,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
-        mha = not ref and cp == 1 and not selective and _dsa_mha_form(spec, seq)
+        mha = not ref and _dsa_mha_form(spec, seq, cp, selective)
         if full and not mha:
             acc.keep("q (q_nope: absorb bmm input)", H * (n + r), gemm_out=1)
         acc.gemm("wkv_a", c + r)
@@ -395,23 +395,22 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("flex lse", H, "f")
             acc.keep("selection mask", seq, "b")
             acc.gemm("flex o", H * vd)
-        else:
+        else:  # absorbed: W_uk into q, attention on the latent, W_uv after
             acc.gemm("q absorb bmm", H * c)
             acc.keep("q_full (attention input)", H * (c + r))
-        if ref:  # sparse_attention_reference gathers k and v rows per query and keeps the scores/probs
-            acc.keep("gathered k, v", k * (2 * c + r), "f")
-            acc.keep("scores, probs, lse", 2 * H * k + H, "f", gemm_out=0.5)
-            acc.keep("gather indices int64 x2, mask", 2 * k * 8 + k, "b")
-            acc.gemm("attention bmm (scores, o)", H * k + H * c, "f")
-            acc.gemm("indexer dense scores (no_grad bmm)", (HI + 1) * seq, "f")
-        elif not mha:  # triton sparse attention: q, k, indices (int32), o, lse; selective keeps the op's o and lse
-            acc.keep("k_full, indices, lse", (c + r) + H, "f")
-            acc.keep("indices", k * 4, "b")
-            acc.gemm("sparse_attn_fwd o", H * c)
-            acc.gemm("sparse_attn_fwd lse", H, "f")
-        if full and not mha:
-            acc.keep("o_lat (o bmm input)", H * c, gemm_out=1)
-        if not mha:
+            if ref:  # sparse_attention_reference gathers k and v rows per query and keeps the scores/probs
+                acc.keep("gathered k, v", k * (2 * c + r), "f")
+                acc.keep("scores, probs, lse", 2 * H * k + H, "f", gemm_out=0.5)
+                acc.keep("gather indices int64 x2, mask", 2 * k * 8 + k, "b")
+                acc.gemm("attention bmm (scores, o)", H * k + H * c, "f")
+                acc.gemm("indexer dense scores (no_grad bmm)", (HI + 1) * seq, "f")
+            else:  # triton sparse attention: q, k, indices (int32), o, lse; selective keeps the op's o and lse
+                acc.keep("k_full, indices, lse", (c + r) + H, "f")
+                acc.keep("indices", k * 4, "b")
+                acc.gemm("sparse_attn_fwd o", H * c)
+                acc.gemm("sparse_attn_fwd lse", H, "f")
+            if full:
+                acc.keep("o_lat (o bmm input)", H * c, gemm_out=1)
             acc.gemm("o bmm", H * vd)
         if spec.attn_output_gate:
             acc.gemm("w_gate", H)
@@ -678,15 +677,17 @@ def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend
     from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
 
     mb, seq = plan.micro_batch, plan.seq_len
-    if plan.cp == 1 and plan.recompute != "selective" and _dsa_mha_form(spec, seq):  # FlexAttention: no P / dS
+    if _dsa_mha_form(spec, seq, plan.cp, plan.recompute == "selective"):  # FlexAttention: no P / dS buffer
         return [0.0] * spec.n_layers
     ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
     return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]
 
 
-def _dsa_mha_form(spec: ModelSpec, seq: int) -> bool:
-    """Whether the DSA layers (on CUDA, one process's whole sequence, no selective recompute) attend in MHA form
-    (models/dsa_attn.py)."""
+def _dsa_mha_form(spec: ModelSpec, seq: int, cp: int, selective: bool) -> bool:
+    """Whether the DSA layers on CUDA attend in MHA form (models/dsa_attn.py): never under context parallelism
+    or selective recompute, else where `mha_form_pays` for the whole sequence."""
+    if cp > 1 or selective:
+        return False
     n, r, vd, c = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
     return mha_form_pays(seq, spec.index_topk, n + r, vd, c + r, c, True)
 

@@ -44,6 +44,11 @@ def selected_pairs(T: int, topk: int) -> int:
     return n * (n + 1) // 2 + (T - n) * topk
 
 
+def _dense_enough(T: int, topk: int, cfg: dict) -> bool:
+    """A causal top-k selection of T queries covers at least MIN_DENSITY of the causal pairs."""
+    return selected_pairs(T, topk) >= cfg["MIN_DENSITY"] * T * (T + 1) / 2
+
+
 def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, cfg: dict | None = None) -> bool:
     """Whether an MHA-layout call (HK = HQ) takes FlexAttention's dense tiles: CUDA, one selection per token,
     T = Tk a multiple of BLOCK, and a selection dense enough (top-k of T vs every causal pair); not under a
@@ -54,7 +59,7 @@ def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, c
     if not (q.is_cuda and _get_current_dispatch_mode() is None and k.shape[2] == HQ and indices.dim() == 3
             and k.shape[1] == T and T % BLOCK == 0):
         return False
-    return selected_pairs(T, indices.shape[-1]) >= cfg["MIN_DENSITY"] * T * (T + 1) / 2
+    return _dense_enough(T, indices.shape[-1], cfg)
 
 
 def mha_form_pays(T: int, topk: int, d_mha: int, dv_mha: int, d_abs: int, dv_abs: int, is_cuda: bool,
@@ -65,10 +70,9 @@ def mha_form_pays(T: int, topk: int, d_mha: int, dv_mha: int, d_abs: int, dv_abs
     cfg = FLEX_CONFIG if cfg is None else cfg
     if not cfg["MHA_FORM"] or not is_cuda or T % BLOCK or _get_current_dispatch_mode() is not None:
         return False
-    causal = T * (T + 1) / 2
-    if selected_pairs(T, topk) < cfg["MIN_DENSITY"] * causal:
+    if not _dense_enough(T, topk, cfg):
         return False
-    return causal * (d_mha + dv_mha) <= cfg["MHA_FORM_COST"] * selected_pairs(T, topk) * (d_abs + dv_abs)
+    return T * (T + 1) / 2 * (d_mha + dv_mha) <= cfg["MHA_FORM_COST"] * selected_pairs(T, topk) * (d_abs + dv_abs)
 
 
 def selection_block_mask(indices: torch.Tensor, T: int, Tk: int, full_blocks: bool = True) -> BlockMask:
