@@ -445,8 +445,23 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
 
 # ------------------------------------------------------------ --forms: MLA attention, absorbed vs MHA form
 MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD = 128, 64, 512, 128
-# FlexAttention settings timed beside the default (ops/dsa/flex_attn.py FLEX_CONFIG)
-FLEX_VARIANTS = {"autotune": {"AUTOTUNE": True}, "nofull": {"FULL_BLOCKS": False}}
+# FlexAttention settings timed beside the default (ops/dsa/flex_attn.py FLEX_CONFIG): launch tiles of the backward
+# (dk/dv: BLOCK_M1 queries x BLOCK_N1 keys; dq: BLOCK_M2 x BLOCK_N2) and forward, and inductor's max-autotune
+
+
+def _bwd(m1, n1, warps, stages):
+    return {"KERNEL_OPTIONS": {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": n1, "BLOCK_N2": m1,
+                               "bwd_num_warps": warps, "bwd_num_stages": stages}}
+
+
+FLEX_VARIANTS = {
+    "bwd64x64w8s2": _bwd(64, 64, 8, 2), "bwd32x64w4s2": _bwd(32, 64, 4, 2), "bwd32x64w4s3": _bwd(32, 64, 4, 3),
+    "bwd64x128w8s2": _bwd(64, 128, 8, 2), "bwd32x128w8s2": _bwd(32, 128, 8, 2), "bwd64x64w4s1": _bwd(64, 64, 4, 1),
+    "fwd128x64w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 2}},
+    "fwd128x32w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 2}},
+    "nofull": {"FULL_BLOCKS": False},
+    "autotune": {"AUTOTUNE": True},
+}
 
 
 def forms(log, Ts, Hs, batch, reps=5):
@@ -511,22 +526,57 @@ def _forms_row(idx, T, H, batch, reps, log):
     probe = torch.empty(batch, T, H, 1, device=dev)
     row = {"T": T, "H": H, "batch": batch, "mha_dense_tiles": fa.dense_tiles_apply(probe, probe, idx)}
     got = {}
-    variants = [("absorbed", absorbed), ("mha", mha)] + [
-        (f"mha_{n}", lambda c=c: mha({**fa.FLEX_CONFIG, **c})) for n, c in FLEX_VARIANTS.items()]
+    variants = [("absorbed", absorbed), ("mha", mha)]
     for name, f in variants:
         o = fb(f)()
         got[name] = [o.float()] + [x.grad.float() for x in leaves]
         row[f"{name}_fwd_ms"] = timeit(f, reps=reps)
         row[f"{name}_fwdbwd_ms"] = timeit(fb(f), reps=reps)
-    row["rel_err"] = max(((a - b).abs().max() / b.abs().max()).item() for n, _ in variants[1:]
-                         for a, b in zip(got[n], got["absorbed"]))
+    row["rel_err"] = max((a - b).abs().max().item() / b.abs().max().item()
+                         for a, b in zip(got["mha"], got["absorbed"]))
     row["mask_ms"] = timeit(lambda: fa.selection_block_mask(idx, T, T), reps=reps)
     row["ratio"] = row["absorbed_fwdbwd_ms"] / row["mha_fwdbwd_ms"]
     log(f"forms T={T} H={H} B={batch}: absorbed fwd {row['absorbed_fwd_ms']:.2f} fwd+bwd "
         f"{row['absorbed_fwdbwd_ms']:.2f} ms | MHA fwd {row['mha_fwd_ms']:.2f} fwd+bwd {row['mha_fwdbwd_ms']:.2f} ms "
         f"(block mask {row['mask_ms']:.2f}) | absorbed / MHA {row['ratio']:.2f}x | rel err {row['rel_err']:.2g}")
-    for n, _ in variants[2:]:
-        log(f"forms T={T} H={H} B={batch}: {n} fwd {row[f'{n}_fwd_ms']:.2f} fwd+bwd {row[f'{n}_fwdbwd_ms']:.2f} ms")
+    # FlexAttention's kernels alone (the block mask built once, outside the timing), default vs each variant,
+    # each checked against the default's output and gradients
+    with torch.no_grad():
+        kvb = torch.einsum("btc,hnc->bthn", kv_lat, w)
+        k0 = torch.cat([kvb[..., :NOPE], k_pe.unsqueeze(2).expand(batch, T, H, R)], -1).contiguous()
+        q0 = torch.cat([q_nope, q_pe], -1).contiguous()
+        v0 = kvb[..., NOPE:].contiguous()
+    qkv = [x.detach().requires_grad_() for x in (q0, k0, v0)]
+    bm = fa.selection_block_mask(idx, T, T)
+
+    def flex_fb(cfg, mask):
+        def run():
+            for x in qkv:
+                x.grad = None
+            fa.flex_on_mask(*qkv, mask, scale, cfg).backward(do)
+        return run
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph a variant
+
+    ref = None
+    for name, c in [("default", {})] + list(FLEX_VARIANTS.items()):
+        cfg = {**fa.FLEX_CONFIG, **c}
+        mask = fa.selection_block_mask(idx, T, T, cfg["FULL_BLOCKS"]) if "FULL_BLOCKS" in c else bm
+        run = flex_fb(cfg, mask)
+        try:
+            run()
+            grads = [x.grad.float() for x in qkv]
+            err = 0.0 if ref is None else max((a - b).abs().max().item() / b.abs().max().item()
+                                               for a, b in zip(grads, ref))
+            ref = grads if ref is None else ref
+            fwd = timeit(lambda m=mask, cf=cfg: fa.flex_on_mask(*qkv, m, scale, cf), reps=reps)
+            tot = timeit(run, reps=reps)
+        except Exception as e:  # a launch that does not fit (shared memory, registers) is reported, not fatal
+            log(f"forms T={T} H={H} B={batch}: flex {name} failed: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        row[f"flex_{name}"] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
+        log(f"forms T={T} H={H} B={batch}: flex {name}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms "
+            f"(grads vs default {err:.2g})")
     return row
 
 

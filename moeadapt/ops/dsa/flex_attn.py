@@ -32,8 +32,11 @@ BLOCK = 128  # FlexAttention's query and key block
 # form's FLOPs and runs 1.33x faster (bench_dsa.py --forms, H100): FlexAttention reaches ~0.5 of the absorbed
 # kernels' FLOP rate, hence MHA_FORM_COST 0.5 (T = 8192: 0.67, absorbed). In the `small` full fine-tuning step
 # (H100, seq 4096 x 2) the MHA form took 216.4 -> 199.8 ms. AUTOTUNE: compile FlexAttention with inductor's
-# max-autotune (it times its launch configurations once per shape, forward and backward), not its heuristics
-FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False}
+# max-autotune (it times its launch configurations once per shape, forward and backward), not its heuristics.
+# KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics), e.g. the backward's tiles
+# BLOCK_M1 / BLOCK_N1 (dk, dv: query x key) and BLOCK_M2 / BLOCK_N2 (dq) and its bwd_num_warps / bwd_num_stages
+FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False,
+               "KERNEL_OPTIONS": None}
 _ONES = 0x0101010101010101  # eight selected keys (bytes of 1) as one int64
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
@@ -114,15 +117,25 @@ def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     -> o [B, T, H, DV] (0 for a query that selects nothing). Differentiable in q, k, v. On CUDA FlexAttention is
     compiled (once per shape); elsewhere it runs eagerly (its reference math, forward only)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
-    B, T, H, D = q.shape
-    scale = D**-0.5 if scale is None else float(scale)
-    bm = selection_block_mask(indices, T, k.shape[1], cfg["FULL_BLOCKS"])
+    bm = selection_block_mask(indices, q.shape[1], k.shape[1], cfg["FULL_BLOCKS"])
+    return flex_on_mask(q, k, v, bm, scale, cfg)
+
+
+def flex_on_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm: BlockMask, scale: float | None = None,
+                 cfg: dict | None = None) -> torch.Tensor:
+    """FlexAttention of q, k [B, T, H, D], v [B, T, H, DV] over a BlockMask from `selection_block_mask`."""
+    cfg = FLEX_CONFIG if cfg is None else cfg
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     fn = flex_attention
+    opts = cfg.get("KERNEL_OPTIONS")
     if q.is_cuda:
         tune = bool(cfg.get("AUTOTUNE"))
         if tune not in _compiled:
             mode = "max-autotune-no-cudagraphs" if tune else None
             _compiled[tune] = torch.compile(flex_attention, dynamic=False, mode=mode)
         fn = _compiled[tune]
-    o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale)
+    else:
+        opts = None  # the eager path takes no launch options
+    o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
+           kernel_options=dict(opts) if opts else None)
     return o.transpose(1, 2)
