@@ -53,6 +53,10 @@ def test_flex_dense_tiles_match_reference():
     wrong.full_kv_num_blocks[0, 0, -1] += 1
     with pytest.raises(AssertionError, match="full block"):
         _check_blocks(wrong, idx, T)
+    stale = fa.selection_block_mask(idx, T, T, full_blocks=True)
+    stale.q_num_blocks[0, 0, 0] -= 1  # the backward's lists missing a block of the forward's
+    with pytest.raises(AssertionError, match="query lists"):
+        _check_blocks(stale, idx, T)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -82,6 +86,8 @@ def test_compiled_flex_walks_the_block_lists():
 
 
 def _check_blocks(bm, idx, T):
+    """Every selected pair lies in a listed block, a full block selects all its pairs, a listed block holds a
+    selected pair, and the query lists (the backward's) are the key lists transposed."""
     B, nb = idx.shape[0], T // fa.BLOCK
     sel = torch.zeros(B, T, T, dtype=torch.bool)
     rows = torch.arange(T)[None, :, None].expand_as(idx)
@@ -89,17 +95,25 @@ def _check_blocks(bm, idx, T):
     ok = idx >= 0
     sel[b[ok], rows[ok], idx[ok]] = True
     per_block = sel.view(B, nb, fa.BLOCK, nb, fa.BLOCK)
-    listed = torch.zeros(B, nb, nb, dtype=torch.bool)
-    full = torch.zeros(B, nb, nb, dtype=torch.bool)
-    for flags, num, ix in ((listed, bm.kv_num_blocks, bm.kv_indices), (full, bm.full_kv_num_blocks, bm.full_kv_indices)):
+
+    def listed(num, ix, transpose=False):
+        flags = torch.zeros(B, nb, nb, dtype=torch.bool)
         if num is None:
-            continue
+            return flags
         for bb in range(B):
-            for qb in range(nb):
-                flags[bb, qb, ix[bb, 0, qb, :num[bb, 0, qb]].long()] = True
+            for r in range(nb):
+                flags[bb, r, ix[bb, 0, r, :num[bb, 0, r]].long()] = True
+        return flags.transpose(1, 2) if transpose else flags
+
+    part, full = listed(bm.kv_num_blocks, bm.kv_indices), listed(bm.full_kv_num_blocks, bm.full_kv_indices)
     any_sel = per_block.any(4).any(2)
-    assert not (any_sel & ~(listed | full)).any(), "a selected pair is not in a listed block"
+    assert not (any_sel & ~(part | full)).any(), "a selected pair is not in a listed block"
     assert per_block.all(4).all(2)[full].all(), "a full block holds an unselected pair"
+    assert not ((part | full) & ~any_sel).any(), "a listed block selects nothing"
+    assert not (part & full).any(), "a block listed as partial and full"
+    assert torch.equal(listed(bm.q_num_blocks, bm.q_indices, True), part), "query lists are not the key lists'"
+    assert torch.equal(listed(bm.full_q_num_blocks, bm.full_q_indices, True), full), "full query lists differ"
+
 
 
 def test_dense_tiles_apply_only_where_they_pay():

@@ -13,14 +13,16 @@ form on dense tiles does less work than the absorbed form on the selected pairs 
 short sequences the same way (its "masked MHA mode").
 
 FlexAttention (torch.nn.attention.flex_attention, compiled by inductor) runs the tiles. Its BlockMask lists, per
-128-query block, the key blocks from the block's smallest to its largest selected key (`_mark_selected` writes a
-byte mask of the selected keys and each row's range); blocks whose every pair is selected are listed as full
-(no mask read), the others as partial, where mask_mod reads the byte mask.
+128-query block, the key blocks holding a selected pair (`_mark_selected` writes a byte mask of the selected keys,
+`_tile_flags_kernel` flags each 128 x 128 tile, `_block_lists_kernel` orders the lists); blocks whose every pair
+is selected are listed as full (no mask read), the others as partial, where mask_mod reads the byte mask.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -37,7 +39,6 @@ BLOCK = 128  # FlexAttention's query and key block
 # BLOCK_M1 / BLOCK_N1 (dk, dv: query x key) and BLOCK_M2 / BLOCK_N2 (dq) and its bwd_num_warps / bwd_num_stages
 FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False,
                "KERNEL_OPTIONS": None}
-_ONES = 0x0101010101010101  # eight selected keys (bytes of 1) as one int64
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
 
@@ -78,37 +79,88 @@ def mha_form_pays(T: int, topk: int, d_mha: int, dv_mha: int, d_abs: int, dv_abs
     return T * (T + 1) / 2 * (d_mha + dv_mha) <= cfg["MHA_FORM_COST"] * selected_pairs(T, topk) * (d_abs + dv_abs)
 
 
+@triton.jit
+def _tile_flags_kernel(SEL, FLAGS, T, TK, NQB, NKB, FULL: tl.constexpr, BLOCK: tl.constexpr):
+    """FLAGS[b, qb, kb] = 0 (no selected pair in the tile), 1 (some), 2 (all; with FULL) from the byte mask SEL
+    [B * T, TK]; program (b * NQB + qb, kb)."""
+    bq = tl.program_id(0)
+    kb = tl.program_id(1)
+    b = bq // NQB
+    qb = bq % NQB
+    rows = (b * T + qb * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(SEL + rows[:, None] * TK + cols[None, :], mask=cols[None, :] < TK, other=0)
+    n = tl.sum(tl.sum((x != 0).to(tl.int32), 1), 0)
+    flag = (n > 0).to(tl.int32)
+    if FULL:
+        flag += (n == BLOCK * BLOCK).to(tl.int32)
+    tl.store(FLAGS + bq * NKB + kb, flag.to(tl.int8))
+
+
+@triton.jit
+def _block_lists_kernel(FLAGS, NUM, IDX, FNUM, FIDX, s_b, s_row, s_col, NROWS, NCOLS, FULL: tl.constexpr,
+                        NC: tl.constexpr):
+    """One row of a BlockMask's lists from the tile flags (read with strides: rows are query blocks for the key
+    lists, key blocks for the query lists): NUM[b, row] partial blocks (flag 1) listed first in IDX[b, row, :] in
+    column order, then the row's other columns; with FULL the same for the full blocks (flag 2) in FNUM / FIDX.
+    Program (b, row)."""
+    b = tl.program_id(0)
+    row = tl.program_id(1)
+    cols = tl.arange(0, NC)
+    ok = cols < NCOLS
+    f = tl.load(FLAGS + b * s_b + row * s_row + cols * s_col, mask=ok, other=0).to(tl.int32)
+    out = (b * NROWS + row) * NCOLS
+    part = ((f == 1) & ok).to(tl.int32)
+    n = tl.sum(part, 0)
+    rest = (ok & (f != 1)).to(tl.int32)
+    pos = tl.where(part != 0, tl.cumsum(part, 0) - 1, n + tl.cumsum(rest, 0) - 1)
+    tl.store(IDX + out + pos, cols, mask=ok)
+    tl.store(NUM + b * NROWS + row, n)
+    if FULL:
+        full = ((f == 2) & ok).to(tl.int32)
+        nf = tl.sum(full, 0)
+        rest = (ok & (f != 2)).to(tl.int32)
+        pos = tl.where(full != 0, tl.cumsum(full, 0) - 1, nf + tl.cumsum(rest, 0) - 1)
+        tl.store(FIDX + out + pos, cols, mask=ok)
+        tl.store(FNUM + b * NROWS + row, nf)
+
+
+def _lists(flags, rows, cols, transpose, full):
+    """(num [B, 1, rows], indices [B, 1, rows, cols], full num, full indices or None, None) of flags [B, nqb, nkb],
+    the key lists (rows = query blocks) or with transpose the query lists (rows = key blocks)."""
+    B = flags.shape[0]
+    buf = torch.empty(2 if full else 1, B * rows * (cols + 1), device=flags.device, dtype=torch.int32)
+    num, idx = buf[:, : B * rows].view(-1, B, 1, rows), buf[:, B * rows:].view(-1, B, 1, rows, cols)
+    s_b, s_q, s_k = flags.stride()
+    s_row, s_col = (s_k, s_q) if transpose else (s_q, s_k)
+    _block_lists_kernel[(B, rows)](flags, num[0], idx[0], num[-1], idx[-1], s_b, s_row, s_col, rows, cols,
+                                   FULL=full, NC=triton.next_power_of_2(cols), num_warps=1)
+    return num[0], idx[0], (num[1] if full else None), (idx[1] if full else None)
+
+
 def selection_block_mask(indices: torch.Tensor, T: int, Tk: int, full_blocks: bool = True) -> BlockMask:
-    """The BlockMask of a selection: indices [B, T, K] (-1 unused) -> per 128-query block the key blocks from its
-    smallest to its largest selected key; with full_blocks those whose every pair is selected are listed apart.
-    No host synchronisation (the step can be captured in a CUDA graph)."""
+    """The BlockMask of a selection: indices [B, T, K] (-1 unused) -> per 128-query block the key blocks holding a
+    selected pair; with full_blocks those whose every pair is selected are listed apart (no mask read there).
+    The byte mask, the tile flags and both sides' lists (the backward walks the query lists) are four kernels:
+    no host synchronisation (the step can be captured in a CUDA graph), little host time (the eager step)."""
     from .triton_sparse_attn import _mark_selected
 
     B = indices.shape[0]
-    sel, lo, hi = _mark_selected(indices.contiguous(), B, T, Tk)
+    sel, _, _ = _mark_selected(indices.contiguous(), B, T, Tk)
     nqb, nkb = T // BLOCK, -(-Tk // BLOCK)
-    lo_b = lo.view(B, nqb, BLOCK).amin(-1).long() // BLOCK  # (2^31 - 1) // BLOCK where a block selects nothing
-    hi_b = hi.view(B, nqb, BLOCK).amax(-1).long() // BLOCK  # -1 there
-    kb = torch.arange(nkb, device=indices.device)
-    walk = (kb >= lo_b[..., None]) & (kb <= hi_b[..., None])  # [B, nqb, nkb]
-    full = None
-    if full_blocks and Tk % BLOCK == 0:
-        words = sel.view(torch.int64).view(B, nqb, BLOCK, nkb, BLOCK // 8)
-        full = (words == _ONES).all(-1).all(2) & walk
-        walk = walk & ~full
+    full = bool(full_blocks and Tk % BLOCK == 0)
+    flags = torch.empty(B, nqb, nkb, device=indices.device, dtype=torch.int8)
+    _tile_flags_kernel[(B * nqb, nkb)](sel, flags, T, Tk, nqb, nkb, FULL=full, BLOCK=BLOCK, num_warps=4)
+    kv = _lists(flags, nqb, nkb, False, full)
+    q = _lists(flags, nkb, nqb, True, full)
     sel = sel.view(B, T, Tk)
-
-    def ordered(flags):  # listed blocks first, in key order: (count [B, 1, nqb], indices [B, 1, nqb, nkb])
-        num = flags.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~flags).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num.unsqueeze(1), order.unsqueeze(1)
 
     def keep(b, h, q_idx, kv_idx):
         return sel[b, q_idx, kv_idx] != 0
 
-    num, idx = ordered(walk)
-    fnum, fidx = ordered(full) if full is not None else (None, None)
-    return BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(T, Tk))
+    bm = BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(T, Tk), compute_q_blocks=False)
+    bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices = q
+    return bm
 
 
 def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
