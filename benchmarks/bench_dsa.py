@@ -459,6 +459,7 @@ FLEX_VARIANTS = {
     "bwd64x128w8s2": _bwd(64, 128, 8, 2), "bwd32x128w8s2": _bwd(32, 128, 8, 2), "bwd64x64w4s1": _bwd(64, 64, 4, 1),
     "fwd128x64w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 2}},
     "fwd128x32w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 2}},
+    "prescale": {"KERNEL_OPTIONS": {"PRESCALE_QK": True}},
     "nofull": {"FULL_BLOCKS": False},
     "autotune": {"AUTOTUNE": True},
 }
