@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from moeadapt.ops.dsa import gluon_sparse_attn as gws
 from moeadapt.ops.dsa import triton_indexer as ti
 from moeadapt.ops.dsa import triton_sparse_attn as tsa
+from moeadapt.ops.dsa.flex_attn import FLEX_CONFIG
 from moeadapt.ops.dsa.triton_indexer import lightning_indexer_triton
 
 PEAK_TFLOPS = 790.0  # H200 bf16 dense, measured ceiling used in this repo
@@ -449,23 +450,27 @@ MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD = 128, 64, 512, 128
 # (dk/dv: BLOCK_M1 queries x BLOCK_N1 keys; dq: BLOCK_M2 x BLOCK_N2) and forward, and inductor's max-autotune
 
 
+FLEX_BWD = dict(FLEX_CONFIG["KERNEL_OPTIONS"] or {})  # the default backward launch, kept by the forward variants
+
+
 def _bwd(m1, n1, warps, stages):
     return {"KERNEL_OPTIONS": {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": n1, "BLOCK_N2": m1,
                                "bwd_num_warps": warps, "bwd_num_stages": stages}}
 
 
 FLEX_VARIANTS = {
-    "bwd64x64w8s2": _bwd(64, 64, 8, 2), "bwd32x64w4s2": _bwd(32, 64, 4, 2), "bwd32x64w4s3": _bwd(32, 64, 4, 3),
-    "bwd64x128w8s2": _bwd(64, 128, 8, 2), "bwd32x128w8s2": _bwd(32, 128, 8, 2), "bwd64x64w4s1": _bwd(64, 64, 4, 1),
-    "fwd128x64w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 2}},
-    "fwd128x32w8s2": {"KERNEL_OPTIONS": {"BLOCK_M": 128, "BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 2}},
-    "prescale": {"KERNEL_OPTIONS": {"PRESCALE_QK": True}},
+    "heuristic": {"KERNEL_OPTIONS": None},  # inductor's launch for head dim 192: 64 x 64 tiles, 4 warps, 2 stages
+    "bwd64x64w8s2": _bwd(64, 64, 8, 2), "bwd32x64w4s2": _bwd(32, 64, 4, 2), "bwd32x128w8s2": _bwd(32, 128, 8, 2),
+    "bwd64x128w4s2": _bwd(64, 128, 4, 2), "bwd64x128w8s1": _bwd(64, 128, 8, 1), "bwd64x128w8s3": _bwd(64, 128, 8, 3),
+    "bwd128x128w8s1": _bwd(128, 128, 8, 1), "bwd64x128w16s2": _bwd(64, 128, 16, 2),
+    "fwd128x64w8s2": {"KERNEL_OPTIONS": {**FLEX_BWD, "BLOCK_M": 128, "BLOCK_N": 64, "fwd_num_warps": 8,
+                                         "fwd_num_stages": 2}},
+    "prescale": {"KERNEL_OPTIONS": {**FLEX_BWD, "PRESCALE_QK": True}},
     "nofull": {"FULL_BLOCKS": False},
-    "autotune": {"AUTOTUNE": True},
 }
 
 
-def forms(log, Ts, Hs, batch, reps=5):
+def forms(log, Ts, Hs, batch, reps=5, variants=True):
     """MLA attention fwd + bwd in its two forms (models/dsa_attn.py) from the same q_nope, q_pe, kv latent, k_pe
     and wkv_b, at DeepSeek's dims (nope 128, rope 64, kv_lora_rank 512, v_head_dim 128), LI selections of top-2048:
     absorbed (W_uk into q, MQA sparse attention on the latent, W_uv after) vs MHA (per-head k, v = kv latent x
@@ -480,12 +485,12 @@ def forms(log, Ts, Hs, batch, reps=5):
         idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
         del q_idx, k_idx, w_idx
         for H in Hs:
-            rows.append(_forms_row(idx, T, H, batch, reps, log))
+            rows.append(_forms_row(idx, T, H, batch, reps, log, variants))
             torch.cuda.empty_cache()
     return rows
 
 
-def _forms_row(idx, T, H, batch, reps, log):
+def _forms_row(idx, T, H, batch, reps, log, variants=True):
     """One (T, H) row of `forms`; its tensors are freed on return."""
     from moeadapt.ops.dsa import flex_attn as fa
     from moeadapt.ops.dsa import sparse_attention
@@ -560,7 +565,7 @@ def _forms_row(idx, T, H, batch, reps, log):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph a variant
 
     ref = None
-    for name, c in [("default", {})] + list(FLEX_VARIANTS.items()):
+    for name, c in [("default", {})] + (list(FLEX_VARIANTS.items()) if variants else []):
         cfg = {**fa.FLEX_CONFIG, **c}
         mask = fa.selection_block_mask(idx, T, T, cfg["FULL_BLOCKS"]) if "FULL_BLOCKS" in c else bm
         run = flex_fb(cfg, mask)
@@ -599,6 +604,8 @@ def main():
                     "at each --T and --hi; then exit")
     ap.add_argument("--hi", type=int, nargs="+", default=[HI], help="indexer heads for --li")
     ap.add_argument("--batch", type=int, default=1, help="batch size for --li, --check and --forms")
+    ap.add_argument("--no-flex-variants", dest="flex_variants", action="store_false",
+                    help="--forms: time FlexAttention's default launch only, not FLEX_VARIANTS")
     ap.add_argument("--forms", action="store_true", help="MLA attention fwd + bwd, absorbed vs MHA form, at each "
                     "--T and --H; then exit")
     a = ap.parse_args()
@@ -616,7 +623,7 @@ def main():
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
                              fwd_only=a.fwd_only, bwd_names=a.bwd, batch=a.batch)
     elif a.forms:
-        res["forms"] = forms(log, a.T, a.H, a.batch)
+        res["forms"] = forms(log, a.T, a.H, a.batch, variants=a.flex_variants)
     elif a.li:
         res["li"] = li_shapes(log, a.T, a.hi, a.batch)
     if a.check or a.forms or a.li:  # one mode, then exit

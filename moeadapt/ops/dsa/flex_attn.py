@@ -30,15 +30,17 @@ BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
 # dense tiles; MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"), which it does where
 # its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most MHA_FORM_COST times the
-# absorbed form's on the selected pairs. At T = 4096, top-2048, 16 heads the MHA form has 0.39 of the absorbed
-# form's FLOPs and runs 1.33x faster (bench_dsa.py --forms, H100): FlexAttention reaches ~0.5 of the absorbed
-# kernels' FLOP rate, hence MHA_FORM_COST 0.5 (T = 8192: 0.67, absorbed). In the `small` full fine-tuning step
-# (H100, seq 4096 x 2) the MHA form took 216.4 -> 199.8 ms. AUTOTUNE: compile FlexAttention with inductor's
-# max-autotune (it times its launch configurations once per shape, forward and backward), not its heuristics.
-# KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics), e.g. the backward's tiles
-# BLOCK_M1 / BLOCK_N1 (dk, dv: query x key) and BLOCK_M2 / BLOCK_N2 (dq) and its bwd_num_warps / bwd_num_stages
+# absorbed form's on the selected pairs (T = 4096, top-2048: 0.39; T = 8192: 0.67, absorbed at 0.5). AUTOTUNE:
+# compile FlexAttention with inductor's max-autotune (it times its launch configurations once per shape) instead
+# of its heuristics. KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics): the backward's
+# tiles BLOCK_M1 x BLOCK_N1 (dk, dv: queries x keys) and BLOCK_M2 x BLOCK_N2 (dq), bwd_num_warps, bwd_num_stages.
+# For q/k head dim 192 inductor launches the backward on 64 x 64 tiles with 4 warps; 64 x 128 (dk, dv) and
+# 128 x 64 (dq) with 8 warps run it 1.83x faster (4.22 -> 2.30 ms at B 2, T 4096, 16 heads; bench_dsa.py
+# --forms, H100, RESULTS.md), same gradients to the bit; max-autotune found 3.70 ms. In the `small` steps
+# (H100, seq 4096 x 2) the MHA form with these tiles: full FT 217.2 -> 192.3 ms, LoRA 174.9 -> 150.6 ms.
 FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False,
-               "KERNEL_OPTIONS": None}
+               "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+                                  "bwd_num_warps": 8, "bwd_num_stages": 2}}
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
 
