@@ -446,18 +446,18 @@ def bench_shape(T, H, log, run_torch=True, run_sdpa=True):
 
 # ------------------------------------------------------------ --forms: MLA attention, absorbed vs MHA form
 MLA_NOPE, MLA_ROPE, MLA_KVL, MLA_VD = 128, 64, 512, 128
-# FlexAttention settings timed beside the default (ops/dsa/flex_attn.py FLEX_CONFIG): launch tiles of the backward
-# (dk/dv: BLOCK_M1 queries x BLOCK_N1 keys; dq: BLOCK_M2 x BLOCK_N2) and forward, and inductor's max-autotune
-
-
 FLEX_BWD = dict(FLEX_CONFIG["KERNEL_OPTIONS"] or {})  # the default backward launch, kept by the forward variants
 
 
 def _bwd(m1, n1, warps, stages):
+    """A backward launch: dk/dv on m1 queries x n1 keys, dq on n1 queries x m1 keys."""
     return {"KERNEL_OPTIONS": {"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": n1, "BLOCK_N2": m1,
                                "bwd_num_warps": warps, "bwd_num_stages": stages}}
 
 
+# FlexAttention settings timed beside the default (ops/dsa/flex_attn.py FLEX_CONFIG): backward launches (the
+# fastest is the default now), a forward launch, PRESCALE_QK, no full-block lists. Max-autotune (AUTOTUNE) is
+# left out: it costs ~70 s of compiling and found 3.70 ms against the default's 2.30 (RESULTS.md)
 FLEX_VARIANTS = {
     "heuristic": {"KERNEL_OPTIONS": None},  # inductor's launch for head dim 192: 64 x 64 tiles, 4 warps, 2 stages
     "bwd64x64w8s2": _bwd(64, 64, 8, 2), "bwd32x64w4s2": _bwd(32, 64, 4, 2), "bwd32x128w8s2": _bwd(32, 128, 8, 2),
