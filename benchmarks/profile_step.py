@@ -117,9 +117,10 @@ def family(name: str, triton_fam: dict[str, str]) -> str:
 
 
 # GPU-side ranges the profiler draws for CPU-side annotations (Optimizer.step#AdamW.step, ProfilerStep#N, FSDP2's
-# FSDP::pre_forward (layers.i) ...): not kernels, and they overlap the kernels they enclose ('#' alone is no sign:
+# FSDP::pre_forward (layers.i) ..., inductor's "## Call CompiledFxGraph <hash> ##" around a compiled graph's
+# kernels in an eager step): not kernels, and they overlap the kernels they enclose ('#' alone is no sign:
 # demangled lambdas carry it)
-_ANNOTATION = re.compile(r"^(ProfilerStep|Optimizer\.|FSDP::)")
+_ANNOTATION = re.compile(r"^(ProfilerStep|Optimizer\.|FSDP::|## Call CompiledFxGraph)")
 
 
 def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
