@@ -128,8 +128,9 @@ def _block_lists_kernel(FLAGS, NUM, IDX, FNUM, FIDX, s_b, s_row, s_col, NROWS, N
 
 
 def _lists(flags, rows, cols, transpose, full):
-    """(num [B, 1, rows], indices [B, 1, rows, cols], full num, full indices or None, None) of flags [B, nqb, nkb],
-    the key lists (rows = query blocks) or with transpose the query lists (rows = key blocks)."""
+    """(num, indices, full num, full indices) of flags [B, nqb, nkb]: int32 [B, 1, rows] and [B, 1, rows, cols],
+    the full pair None unless `full`; the key lists (rows = query blocks) or, with transpose, the query lists
+    (rows = key blocks). One int32 buffer holds them all."""
     B = flags.shape[0]
     buf = torch.empty(2 if full else 1, B * rows * (cols + 1), device=flags.device, dtype=torch.int32)
     num, idx = buf[:, : B * rows].view(-1, B, 1, rows), buf[:, B * rows:].view(-1, B, 1, rows, cols)
