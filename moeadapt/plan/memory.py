@@ -243,10 +243,14 @@ def _lin_in(acc: _Acc, name: str, width: float, savers: int) -> None:
         acc.keep(name, width, "a")
 
 
-def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool) -> None:
+def _norm(acc: _Acc, name: str, width: float, trainable: bool, src_fp32: bool, compiled: bool = False) -> None:
     """RMSNorm internals (its input is counted by whoever produced it): 1/rms, normalised copy if the weight
-    trains; on GPU a bf16 input is upcast (an fp32 copy saved)."""
+    trains; on GPU a bf16 input is upcast (an fp32 copy saved). compiled: the CUDA RMSNorm's torch.compile graph
+    (models/common.py), whose backward recomputes the normalised rows from its input and 1/rms: it saves only
+    those (the input, a gate's logits: counted by their producers)."""
     acc.keep(name + ".rstd", 1, "f")
+    if compiled:
+        return
     if trainable:
         acc.keep(name + ".normed", width, "f")
     if not src_fp32 and acc.ab == 2:
@@ -293,8 +297,10 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.gemm(name + ".lora_gemms", per_choice * (rank + out), "a")
 
     kind = spec.resolved_layer_types()[i]
+    # the GPU's RMSNorms run compiled (RMSNorm._compiles: CUDA, not under selective recompute's dispatch mode)
+    cn = not ref and act_bytes == 2 and not selective
     acc.keep("residual", 2 * d, rk)  # h = x + attn (ffn_norm input), block output
-    _norm(acc, "attn_norm", d, full, f32s or act_bytes != 2)
+    _norm(acc, "attn_norm", d, full, f32s or act_bytes != 2, cn)
     acc.gemm("block_input", d, rk)
     if kind == "kda":
         H, K = spec.kda_n_heads, spec.kda_head_dim
@@ -334,8 +340,11 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.gemm("chunk_kda_fwd outputs o, w, kd, qg, u, v_new", 6 * HK)
             acc.gemm("chunk_kda_fwd outputs A_qk, T_inv, gate, chunk states", H * 2 * 64 + HK / 64 + HK * K / 64, "f")
         acc.keep("o (o_norm input)", HK, gemm_out=0 if ref else 1)
-        _norm(acc, "o_norm", HK, full, act_bytes != 2)
-        acc.keep("o_norm out, sigmoid gate (mul inputs)", 2 * HK)
+        _norm(acc, "o_norm", HK, full, act_bytes != 2, cn)
+        if cn:  # the gate is inside the compiled norm: its logits are what it saves
+            acc.keep("output gate logits (compiled o_norm input)", HK)
+        else:
+            acc.keep("o_norm out, sigmoid gate (mul inputs)", 2 * HK)
         acc.gemm("o_proj", d)
         lora("attn.o_proj", d)
         _lin_in(acc, "o_proj input", HK, int(tr("attn.o_proj")))
@@ -374,7 +383,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         if qr:
             acc.gemm("wq_a", qr)
             acc.keep("wq_a out (q_norm input)", qr, gemm_out=1)
-            _norm(acc, "q_norm", qr, full, act_bytes != 2)
+            _norm(acc, "q_norm", qr, full, act_bytes != 2, cn)
             _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
@@ -384,7 +393,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         acc.gemm("wkv_a", c + r)
         lora("attn.wkv_a", c + r)
         acc.keep("wkv_a out (kv_norm input)", c + r, gemm_out=1)
-        _norm(acc, "kv_norm", c, full, act_bytes != 2)
+        _norm(acc, "kv_norm", c, full, act_bytes != 2, cn)
         if mha:  # MHA form (ops/dsa/flex_attn.py): per-head k, v from wkv_b; FlexAttention keeps q, k, v (a view
             # of wkv_b's output), o, lse and the mask_mod's selection bytes ([T, Tk])
             _lin_in(acc, "kv_lat (wkv_b input)", c, int(tr("attn.wkv_b")))
@@ -434,7 +443,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         if not ref and spec.index_loss_coef > 0:  # moeadapt::indexer_kl_fwd's outputs: selective keeps them
             acc.gemm("indexer_kl_fwd dq_idx, dk_idx, dw_idx", HI * DI + DI + HI, "f")
     # FFN
-    _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2)
+    _norm(acc, "ffn_norm", d, full, f32s or act_bytes != 2, cn)
     if not spec.is_moe_layer(i):
         S = spec.intermediate_size
         _lin_in(acc, "ffn_norm.out", d, int(tr("ffn.w1")) + int(tr("ffn.w3")))
@@ -464,7 +473,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
         lora("ffn.fc1_latent_proj", L)
         if spec.latent_norm:
             acc.keep("fc1 out (latent_norm input)", L, gemm_out=1)
-            _norm(acc, "latent_norm", L, full, act_bytes != 2)
+            _norm(acc, "latent_norm", L, full, act_bytes != 2, cn)
     acc.keep("permute indices", Kt * 8, "b")
     lean = False  # the kernel path's lean_lora experts (set below)
     if ref:
