@@ -100,6 +100,18 @@ def _tile_flags_kernel(SEL, FLAGS, T, TK, NQB, NKB, FULL: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def _write_list(f, flag, cols, ok, NUM, IDX, out, at):
+    """The columns whose flag is `flag` first in IDX[out:], in column order, then the other columns; their count
+    at NUM[at]."""
+    hit = ((f == flag) & ok).to(tl.int32)
+    n = tl.sum(hit, 0)
+    rest = (ok & (f != flag)).to(tl.int32)
+    pos = tl.where(hit != 0, tl.cumsum(hit, 0) - 1, n + tl.cumsum(rest, 0) - 1)
+    tl.store(IDX + out + pos, cols, mask=ok)
+    tl.store(NUM + at, n)
+
+
+@triton.jit
 def _block_lists_kernel(FLAGS, NUM, IDX, FNUM, FIDX, s_b, s_row, s_col, NROWS, NCOLS, FULL: tl.constexpr,
                         NC: tl.constexpr):
     """One row of a BlockMask's lists from the tile flags (read with strides: rows are query blocks for the key
@@ -112,19 +124,9 @@ def _block_lists_kernel(FLAGS, NUM, IDX, FNUM, FIDX, s_b, s_row, s_col, NROWS, N
     ok = cols < NCOLS
     f = tl.load(FLAGS + b * s_b + row * s_row + cols * s_col, mask=ok, other=0).to(tl.int32)
     out = (b * NROWS + row) * NCOLS
-    part = ((f == 1) & ok).to(tl.int32)
-    n = tl.sum(part, 0)
-    rest = (ok & (f != 1)).to(tl.int32)
-    pos = tl.where(part != 0, tl.cumsum(part, 0) - 1, n + tl.cumsum(rest, 0) - 1)
-    tl.store(IDX + out + pos, cols, mask=ok)
-    tl.store(NUM + b * NROWS + row, n)
+    _write_list(f, 1, cols, ok, NUM, IDX, out, b * NROWS + row)
     if FULL:
-        full = ((f == 2) & ok).to(tl.int32)
-        nf = tl.sum(full, 0)
-        rest = (ok & (f != 2)).to(tl.int32)
-        pos = tl.where(full != 0, tl.cumsum(full, 0) - 1, nf + tl.cumsum(rest, 0) - 1)
-        tl.store(FIDX + out + pos, cols, mask=ok)
-        tl.store(FNUM + b * NROWS + row, nf)
+        _write_list(f, 2, cols, ok, FNUM, FIDX, out, b * NROWS + row)
 
 
 def _lists(flags, rows, cols, transpose, full):
