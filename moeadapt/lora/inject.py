@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import LoRASpec
 from ..config.schema import DEFAULT_LORA_TARGETS
-from ..models.moe import GroupedLinear
+from ..models.moe import GroupedExperts, GroupedLinear
 from .layers import GroupedLoRALinear, LoRALinear
 
 LORA_TYPES = (LoRALinear, GroupedLoRALinear)
@@ -103,12 +103,15 @@ def merge_lora(model: nn.Module) -> int:
             plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
             plain.weight, plain.bias = m.weight, m.bias
         else:
-            m.weight.data = m.weight.data.contiguous()  # leave the [W | B] buffer behind
+            m.weight.data = m.weight.data.contiguous()  # leave the [W | B] (or gate/up) buffer behind
             plain = GroupedLinear.__new__(GroupedLinear)
             nn.Module.__init__(plain)
             plain.n_experts, plain.in_features, plain.out_features = m.n_experts, m.in_features, m.out_features
             plain.weight, plain.backend = m.weight, m.backend
         setattr(parent, child, plain)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.release_cat()
     return len(mods)
 
 

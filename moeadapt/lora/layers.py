@@ -181,6 +181,18 @@ class GroupedLoRALinear(GroupedLinear):
         self._wcat = None
         self.weight.data = self.weight.data.contiguous()
 
+    @torch.no_grad()
+    def share_storage(self, view: torch.Tensor) -> None:
+        """Make the frozen base weight `view`, part of a buffer another module owns (GroupedExperts' gate/up
+        buffer, `gate_up_cat`), holding the same values, and drop this layer's own [W | Bᵀ] buffer: the weight
+        stays stored once; this layer's folded passes then do not run. `.to()` and `cast_base_` give it its own
+        buffer again."""
+        if view.shape != self.weight.shape or view.dtype != self.weight.dtype:
+            raise ValueError(f"share_storage: {tuple(view.shape)} {view.dtype} for a weight "
+                             f"{tuple(self.weight.shape)} {self.weight.dtype}")
+        self._wcat = None
+        self.weight.data = view
+
     def cat_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The concatenated buffer when `weight` is still its view in `dtype`, else None.
 

@@ -63,6 +63,7 @@ class GroupedExperts(nn.Module):
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.backend = "auto"  # the SwiGLU between them (the linears keep their own, e.g. a grouped-LoRA kernel)
         self.lora_path = "auto"
+        self._gu_cat = None  # lean path: the buffer w1's and w3's frozen weights are views of (gate_up_cat)
 
     def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
@@ -114,7 +115,35 @@ class GroupedExperts(nn.Module):
         return lean_lora.lean_lora_experts(
             z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B, w3.lora_B),
             w1.scaling, w2.weight.transpose(1, 2), w2.lora_A, w2.lora_B, w2.scaling,
-            wcat_d=w2.cat_weight(z_TL.dtype))
+            wcat_d=w2.cat_weight(z_TL.dtype), wk_gu=self.gate_up_cat(z_TL.dtype))
+
+    @torch.no_grad()
+    def gate_up_cat(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [E, 2F + RW, L] buffer that w1's and w3's frozen weights are views of (lean_lora.gate_up_buffer),
+        made on first use: the lean path's backward then runs dx of gate/up with its LoRA term as one GEMM.
+
+        Made only where both layers own their weight's storage in `dtype` (each still the view of its own
+        [W | Bᵀ] buffer: one process, not FSDP2's sharded or gathered parameters); it takes the weights over
+        (their own buffers are dropped, so the weights stay stored once). A buffer the weights are no longer
+        views of (a cast, `.to()`, FSDP2's `release_cat`) is dropped here and, where the layers allow, made
+        again. None: the lean path's two-GEMM backward."""
+        w1, w3 = self.w1, self.w3
+        F, RA = w1.out_features, w1.rank + w3.rank
+        wk = self._gu_cat
+        if wk is not None and wk.dtype == dtype and lean_lora.is_gate_up_view(w1.weight, w3.weight, wk, RA):
+            return wk
+        self._gu_cat = None
+        if w1.cat_weight(dtype) is None or w3.cat_weight(dtype) is None or w1.weight.shape != w3.weight.shape:
+            return None
+        wk = lean_lora.gate_up_buffer(w1.weight, w3.weight, RA)
+        w1.share_storage(wk[:, :F])
+        w3.share_storage(wk[:, F:2 * F])
+        self._gu_cat = wk
+        return wk
+
+    def release_cat(self) -> None:
+        """Drop the gate/up buffer (FSDP2 shards contiguous parameters: parallelize gives w1 / w3 their own)."""
+        self._gu_cat = None
 
     def forward_gather(self, z_TL, row_index_N, K: int, offsets_E) -> torch.Tensor:
         """forward(z[row_index // K]) without materialising the permuted rows (path "gather")."""

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..lora.layers import GroupedLoRALinear
 from ..models.model import set_context_parallel
-from ..models.moe import LatentMoE
+from ..models.moe import GroupedExperts, LatentMoE
 from ..models.router import Router
 from .activation import apply_activation_checkpointing
 from .expert import EPDispatcher, shard_experts
@@ -62,8 +62,8 @@ def parallelize_model(model: nn.Module, dims: ParallelDims, dispatch_timing: dic
                                             capacity_factor=spec.ep_capacity_factor, tokens=tokens_per_forward,
                                             top_k=m.spec.n_experts_per_tok)
     apply_activation_checkpointing(model, spec.activation_checkpointing, spec.offload_activations)
-    for m in model.modules():  # a grouped LoRA base that is a view of its [W | Bᵀ] buffer is not contiguous
-        if isinstance(m, GroupedLoRALinear):
+    for m in model.modules():  # a grouped LoRA base that is a view of a [W | Bᵀ] or gate/up buffer is not contiguous
+        if isinstance(m, (GroupedLoRALinear, GroupedExperts)):
             m.release_cat()
     if dims.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -194,7 +194,10 @@ def test_fold_io_model_matches(seed, monkeypatch, backend):
 def test_lean_model_matches(seed, monkeypatch, backend):
     """GroupedExperts.lora_path "auto" vs "layers": the whole model with its LoRA'd experts through lean_lora.py (w1 / w3 GEMMs at
     native width, their rank terms in the gather / SwiGLU passes) gives the plain model's logits and every adapter
-    gradient; it runs with backend "fused" and, with "auto", only where the fused GEMM would (CUDA), so not here."""
+    gradient; it runs with backend "fused" and, with "auto", only where the fused GEMM would (CUDA), so not here.
+    With "fused", w1's and w3's weights become views of the experts' gate/up buffer (stored once), which lean_lora
+    gets (wk_gu): its backward's one dx GEMM."""
+    from moeadapt.models.moe import GroupedExperts
     from moeadapt.ops.moe import lean_lora
 
     m, _ = model_with_lora(seed)
@@ -202,13 +205,30 @@ def test_lean_model_matches(seed, monkeypatch, backend):
     for mod in grouped:
         mod.backend = backend
         torch.nn.init.normal_(mod.lora_B, std=0.1)  # nonzero B: the rank terms matter
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
     x = torch.randint(0, 256, (2, 11))
-    calls = _count_calls(monkeypatch, lean_lora, lean="lean_lora_experts")
+    bufs = []
+    real = lean_lora.lean_lora_experts
+
+    def spy(*a, **k):
+        bufs.append(k.get("wk_gu"))
+        return real(*a, **k)
+    monkeypatch.setattr(lean_lora, "lean_lora_experts", spy)
     res = _logits_and_grads_per_path(m, x, ("layers", "auto"))
     n_moe = len(grouped) // 3
-    assert calls["lean"] == (n_moe if backend == "fused" else 0), calls
+    assert len(bufs) == (n_moe if backend == "fused" else 0), bufs
+    assert all(b is not None for b in bufs)
     for a, b in zip(res["layers"], res["auto"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for n, p in m.named_parameters():  # the weights moved into the buffers unchanged, the adapter rows aside
+        assert torch.equal(p, before[n]), n
+    if backend == "fused":
+        for ex in (mod for mod in m.modules() if isinstance(mod, GroupedExperts)):
+            wk = ex._gu_cat
+            assert wk is not None and ex.w1._wcat is None and ex.w3._wcat is None  # stored once
+            assert ex.w1.weight.data_ptr() == wk.data_ptr() and ex.gate_up_cat(wk.dtype) is wk
+            ex.w1.cast_base_(torch.float64)  # the weight has new storage: the buffer is dropped, not reused
+            assert ex.gate_up_cat(torch.float32) is None and ex._gu_cat is None
 
 
 def test_lora_linear_under_autocast_matches_float64_and_skips_fp32_copy(seed):

@@ -536,13 +536,15 @@ def _lean_ref(z64, ids_TK, E, w_gu, A, B_g, B_u, s, w_d, A_d, B_d, s_d, shared):
 
 
 @pytest.mark.parametrize("shared,pair", [(True, False), (False, False), (False, True)])
-@pytest.mark.parametrize("dx", ["cat", "split", "no buffer"])
+@pytest.mark.parametrize("dx", ["cat", "split", "no buffer", "gate/up buffer"])
 @pytest.mark.parametrize("triton_passes,col_split", [(True, 1), (True, 3), (False, 1)])
 def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, col_split):
     """lean_lora_experts (gate/up base GEMM at native width, LoRA terms inside the gather / SwiGLU passes)
     against float64 loops: y and the gradients of z, A, B (one LoRA on the packed gate/up, or gate's and
     up's), A_d, B_d; dropped choices, an empty expert, rows not a multiple of the tile. "no buffer": w2 owns
-    no [W | Bᵀ] buffer (as under FSDP2): a temporary one for the forward, the backward on the weight."""
+    no [W | Bᵀ] buffer (as under FSDP2): a temporary one for the forward, the backward on the weight.
+    "gate/up buffer": the gate/up weights are views of a gate_up_buffer (_LeanCatFn: dx of gate/up with its
+    LoRA term as one GEMM over [d(gate) | d(up) | dh])."""
     from moeadapt.ops.moe import fused_lora, lean_lora, permutation
 
     if triton_passes and not INTERPRET:
@@ -572,9 +574,15 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
     else:
         B_arg = (bg, bu)
     w_arg = (w_gu[:, :Fh].contiguous(), w_gu[:, Fh:].contiguous()) if pair else w_gu  # pair: the model's w1, w3
+    wk = None
     if dx == "no buffer":
         y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s, w_d.transpose(1, 2), ad, bd,
                                         s_d)
+    elif dx == "gate/up buffer":
+        wk = lean_lora.gate_up_buffer(w_gu[:, :Fh], w_gu[:, Fh:], A.shape[2])
+        w_arg = (wk[:, :Fh], wk[:, Fh:2 * Fh]) if pair else wk[:, :2 * Fh]
+        y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
+                                        wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d, wk_gu=wk)
     else:
         y = lean_lora.lean_lora_experts(z, row_index, K, offsets, w_arg, a, B_arg, s,
                                         wcat_d[:, :, :Fh].transpose(1, 2), ad, bd, s_d, wcat_d=wcat_d, dx=dx)
@@ -596,6 +604,27 @@ def test_lean_lora_experts(gen, monkeypatch, shared, pair, dx, triton_passes, co
         _close(g, w, 1e-4)
     assert a.grad[1].abs().max() == 0 and bd.grad[1].abs().max() == 0  # the empty expert
     assert torch.equal(wcat_d[:, :, :Fh], w_d)
+    if wk is not None:
+        assert torch.equal(wk[:, :2 * Fh], w_gu)  # the weights' rows untouched by the adapter rows' refills
+
+
+def test_lean_gate_up_buffer_checks(gen):
+    """lean_lora_experts refuses a gate/up buffer the weights are not views of, or one with no room for the rank."""
+    from moeadapt.ops.moe import lean_lora, permutation
+
+    T, K, E, I, Fh, R = 9, 2, 3, 16, 8, 4
+    ids = _routing(gen, T, K, E)
+    row_index, counts = permutation(ids, E, backend="reference")
+    w_g, w_u = torch.randn(E, Fh, I), torch.randn(E, Fh, I)
+    w_d, A, B = torch.randn(E, I, Fh), torch.randn(E, I, 2 * R), (torch.zeros(E, R, Fh), torch.zeros(E, R, Fh))
+    A_d, B_d = torch.randn(E, Fh, R), torch.zeros(E, R, I)
+    wk = lean_lora.gate_up_buffer(w_g, w_u, 2 * R)
+    args = (torch.randn(T, I), row_index, K, offsets_from_counts(counts))
+    with pytest.raises(ValueError, match="views of wk_gu"):
+        lean_lora.lean_lora_experts(*args, (w_g, w_u), A, B, 2.0, w_d, A_d, B_d, 1.0, wk_gu=wk)
+    small = lean_lora.gate_up_buffer(w_g, w_u, R)[:, :2 * Fh]
+    with pytest.raises(ValueError, match="not a gate/up buffer"):
+        lean_lora.lean_lora_experts(*args, (small[:, :Fh], small[:, Fh:]), A, B, 2.0, w_d, A_d, B_d, 1.0, wk_gu=small)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")

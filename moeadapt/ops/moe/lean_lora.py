@@ -360,6 +360,32 @@ class _GatherBaseFn(torch.autograd.Function):
         return dz, dA, None, None, None, None, None, None
 
 
+def _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
+                  w_d_EOI):
+    """_SwiGLUDownFn's forward (its docstring): returns y and the tensors its backward needs (`_down_backward`),
+    and leaves the rest on ctx."""
+    ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
+    Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
+    packed = u is None
+    F = g.shape[1] // 2 if packed else g.shape[1]
+    g_NF, u_NF = (g[:, :F], g[:, F:]) if packed else (g, u)
+    N = g.shape[0]
+    RD, J = Ad_EFR.shape[2], wcat_EOJ.shape[2]
+    hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
+    with torch.no_grad():
+        wcat_EOJ[:, :, F:F + RD].copy_(Bd_ERO.transpose(1, 2))
+    acat_NJ = torch.empty(N, J, dtype=g.dtype, device=g.device)
+    swiglu_lora_in(g_NF, u_NF, hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d, acat_NJ[:, :F], acat_NJ[:, F:])
+    y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
+    ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed, ctx.dx = scaling_d, F, RD, R, shared, packed, dx
+    # w_d_EOI (the base weight itself) given: wcat is this call's temporary copy. It is not kept for the
+    # backward, which runs dx "split" on the base weight (under FSDP2 the gathered parameter, which FSDP2
+    # gathers again before this block's backward, as it does for any saved weight)
+    ctx.wcat = wcat_EOJ if w_d_EOI is None else None
+    ctx.w_d = w_d_EOI
+    return y_NO, (acat_NJ, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
+
+
 class _SwiGLUDownFn(torch.autograd.Function):
     """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(g + h_g·B_g)·(u + h_u·B_u); u None: g is gate/up packed.
     The adapters come in their own dtype (fp32): cast here, gradients returned in it (no autograd casts)."""
@@ -367,60 +393,100 @@ class _SwiGLUDownFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
                 w_d_EOI=None):
-        ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
-        Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
-        packed = u is None
-        F = g.shape[1] // 2 if packed else g.shape[1]
-        g_NF, u_NF = (g[:, :F], g[:, F:]) if packed else (g, u)
-        N = g.shape[0]
-        RD, J = Ad_EFR.shape[2], wcat_EOJ.shape[2]
-        hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
-        with torch.no_grad():
-            wcat_EOJ[:, :, F:F + RD].copy_(Bd_ERO.transpose(1, 2))
-        acat_NJ = torch.empty(N, J, dtype=g.dtype, device=g.device)
-        swiglu_lora_in(g_NF, u_NF, hg, hu, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scaling_d, acat_NJ[:, :F], acat_NJ[:, F:])
-        y_NO = gmm(acat_NJ, wcat_EOJ.transpose(1, 2), offsets_E)
-        ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.packed, ctx.dx = scaling_d, F, RD, R, shared, packed, dx
-        # w_d_EOI (the base weight itself) given: wcat is this call's temporary copy. It is not kept for the
-        # backward, which runs dx "split" on the base weight (under FSDP2 the gathered parameter, which FSDP2
-        # gathers again before this block's backward, as it does for any saved weight)
-        ctx.wcat = wcat_EOJ if w_d_EOI is None else None
-        ctx.w_d = w_d_EOI
-        ctx.save_for_backward(acat_NJ, g, u, h_NW, Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO, offsets_E)
+        y_NO, saved = _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ,
+                                    shared, R, dx, w_d_EOI)
+        ctx.save_for_backward(*saved)
         return y_NO
 
     @staticmethod
     def backward(ctx, dy_NO):
         acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E = ctx.saved_tensors
-        s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
-        dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
-        if wcat is None:  # no persistent buffer: the base GEMM on the weight + the thin dy·Bᵀ pass
-            da_NF, gd_NR = _dx_parts(dy_NO, ctx.w_d, Bd, offsets_E, F, RD, True, "split")
-        else:
-            with torch.no_grad():
-                wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
-            da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True, ctx.dx)
+        F, R, shared = ctx.I, ctx.RL, ctx.shared
         if ctx.packed:
             dg = torch.empty_like(g)
             du = None
-            g_NF, u_NF, dg_NF, du_NF = g[:, :F], g[:, F:], dg[:, :F], dg[:, F:]
+            dg_NF, du_NF = dg[:, :F], dg[:, F:]
         else:
             dg, du = torch.empty_like(g), torch.empty_like(u)
-            g_NF, u_NF, dg_NF, du_NF = g, u, dg, du
+            dg_NF, du_NF = dg, du
         dh_NW = torch.zeros_like(h_NW)
-        hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
-        swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E,
-                        dg_NF, du_NF, dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R])
-        tg, tu, ta, tb = ctx.dtypes
-        dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, 1.0, tg)
-        dBu = kgmm(hu.contiguous(), du_NF, offsets_E, 1.0, tu)
-        dAd = kgmm(acat_NJ[:, :F], gd_NR, offsets_E, s_d, ta)
-        dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, 1.0, tb)
+        dhg, dhu = dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R]
+        dBg, dBu, dAd, dBd = _down_backward(ctx, dy_NO, (acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E),
+                                            dg_NF, du_NF, dhg, dhu)
         return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None, None
 
 
+def _down_backward(ctx, dy_NO, saved, dg_NF, du_NF, dhg, dhu):
+    """The backward of the SwiGLU and down projection (ctx as _SwiGLUDownFn.forward leaves it): d(gate), d(up)
+    into dg_NF, du_NF, their rank-R gradients d(gate)·B_gᵀ (+ d(up)·B_uᵀ when shared) into dhg (and
+    d(up)·B_uᵀ into dhu), and the adapters' gradients (dB_g, dB_u, dA_d, dB_d), returned."""
+    acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E = saved
+    s_d, F, RD, R, shared, wcat = ctx.scaling, ctx.I, ctx.R, ctx.RL, ctx.shared, ctx.wcat
+    dy_NO = dy_NO.contiguous().to(acat_NJ.dtype)
+    if wcat is None:  # no persistent buffer: the base GEMM on the weight + the thin dy·Bᵀ pass
+        da_NF, gd_NR = _dx_parts(dy_NO, ctx.w_d, Bd, offsets_E, F, RD, True, "split")
+    else:
+        with torch.no_grad():
+            wcat[:, :, F:F + RD].copy_(Bd.transpose(1, 2))
+        da_NF, gd_NR = _dx_parts(dy_NO, wcat, Bd, offsets_E, F, RD, True, ctx.dx)
+    g_NF, u_NF = (g[:, :F], g[:, F:]) if ctx.packed else (g, u)
+    hg, hu = (h_NW[:, :R], h_NW[:, :R]) if shared else (h_NW[:, :R], h_NW[:, R:2 * R])
+    swiglu_lora_bwd(da_NF, gd_NR, Ad, s_d, g_NF, u_NF, hg, hu, Bg, Bu, offsets_E, dg_NF, du_NF, dhg, dhu)
+    tg, tu, ta, tb = ctx.dtypes
+    dBg = kgmm(hg.contiguous(), dg_NF, offsets_E, 1.0, tg)
+    dBu = kgmm(hu.contiguous(), du_NF, offsets_E, 1.0, tu)
+    dAd = kgmm(acat_NJ[:, :F], gd_NR, offsets_E, s_d, ta)
+    dBd = kgmm(acat_NJ[:, F:F + RD], dy_NO, offsets_E, 1.0, tb)
+    return dBg, dBu, dAd, dBd
+
+
+class _LeanCatFn(torch.autograd.Function):
+    """The lean experts block as one node, for gate/up weights that live in a buffer wk [E, 2F + RW, I] (W_g,
+    then W_u, then RW rows for the adapters' A): _GatherBaseFn and _SwiGLUDownFn in one, with one change in
+    the backward. There dx of the gate/up projection, its LoRA term included, is one grouped GEMM,
+        dx = [d(gate) | d(up) | dh] · [W_g; W_u; s·Aᵀ]     (K = 2F + RW),
+    on one buffer the SwiGLU backward writes all three into; the pair of base GEMMs (each a [N, I] output) and the
+    pass that adds them and s·dh·Aᵀ (lora_out) are gone. The forward's gate/up GEMM is one GEMM on wk[:, :2F]."""
+
+    @staticmethod
+    def forward(ctx, z_TI, A_in, Bg_in, Bu_in, Ad_in, Bd_ERO, row_index_N, offsets_E, K, scaling, scaling_d, wk,
+                shared, R, wcat_d, dx, w_d_EOI):
+        T, I = z_TI.shape
+        N, RA = row_index_N.shape[0], A_in.shape[2]
+        F2 = wk.shape[1] - padded_rank(RA)
+        A_EIR = A_in.to(z_TI.dtype)
+        x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
+        h_NW = torch.empty(N, padded_rank(RA), dtype=z_TI.dtype, device=z_TI.device)
+        gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
+        gu = gmm(x_NI, wk[:, :F2].transpose(1, 2), offsets_E)
+        y, down = _down_forward(ctx, gu, None, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_d,
+                                shared, R, dx, w_d_EOI)
+        ctx.lean = (scaling, K, T, RA, wk, A_in.dtype)
+        ctx.save_for_backward(x_NI, A_EIR, row_index_N, *down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, A_EIR, row_index_N, *down = ctx.saved_tensors
+        s, K, T, RA, wk, a_dtype = ctx.lean
+        offsets_E = down[-1]
+        RW = padded_rank(RA)
+        F2 = wk.shape[1] - RW
+        N, F, R = x_NI.shape[0], ctx.I, ctx.RL
+        dcat = torch.empty(N, F2 + RW, dtype=x_NI.dtype, device=x_NI.device)
+        if RW > RA:
+            dcat[:, F2 + RA:].zero_()  # the buffer's padding rows are zero; NaN-free columns keep them so
+        dhg, dhu = dcat[:, F2:F2 + R], None if ctx.shared else dcat[:, F2 + R:F2 + 2 * R]
+        dBg, dBu, dAd, dBd = _down_backward(ctx, dy_NO, down, dcat[:, :F], dcat[:, F:F2], dhg, dhu)
+        with torch.no_grad():
+            wk[:, F2:F2 + RA].copy_((A_EIR * s).transpose(1, 2))
+        dz = _combine_copies(gmm(dcat, wk, offsets_E), row_index_N, K, T) if ctx.needs_input_grad[0] else None
+        dA = kgmm(x_NI, dcat[:, F2:F2 + RA], offsets_E, s, a_dtype) if ctx.needs_input_grad[1] else None
+        return dz, dA, dBg, dBu, dAd, dBd, *([None] * 11)
+
+
 def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
-                      scaling_d, wcat_d=None, dx: str = "cat"):
+                      scaling_d, wcat_d=None, dx: str = "cat", wk_gu=None):
     """The LoRA'd SwiGLU experts over permute's rows, base GEMMs of gate/up at native width.
 
     z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI the frozen gate/up
@@ -430,7 +496,10 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     (a view of wcat_d [E, L, F + RW] when given) with A_d [E, F, R_d], B_d [E, R_d, L]. Without wcat_d (the
     layer owns no buffer: FSDP2) a temporary one serves the forward GEMM, and the backward runs dx "split" on
     w_d itself, so nothing weight-sized is held until the backward.
-    dx: the down projection's backward GEMM, as fused_lora.DX_MODES. Returns y_NL (sorted rows, unweighted)."""
+    dx: the down projection's backward GEMM, as fused_lora.DX_MODES. wk_gu: the buffer the gate/up weights are
+    views of (`gate_up_buffer`; the layers own it: one process): the block then runs as _LeanCatFn, whose
+    backward takes dx of the gate/up projection, LoRA term included, in one GEMM. Returns y_NL (sorted rows,
+    unweighted)."""
     check_dx(dx)
     pair = isinstance(w_gu_EOI, (tuple, list))
     w_a, w_b = (w_gu_EOI[0], w_gu_EOI[1]) if pair else (w_gu_EOI, None)
@@ -452,7 +521,44 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     else:
         w_d_EOI = None
         wcat_d = _fold_cat(w_d_EIO, wcat_d, A_d.shape[2], dt)
+    if wk_gu is not None:
+        _check_gate_up_buffer(wk_gu, w_a, w_b, F, A_EIR.shape[2], dt)
+        return _LeanCatFn.apply(z_TI, A_EIR, Bg, Bu, A_d, B_d, row_index_N, offsets_E, int(K), float(scaling),
+                                float(scaling_d), wk_gu, shared, R, wcat_d, dx, w_d_EOI)
     y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
     return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
                                float(scaling_d), wcat_d, shared, R, dx, w_d_EOI)
+
+
+def gate_up_buffer(w_g_EFI: torch.Tensor, w_u_EFI: torch.Tensor, RA: int) -> torch.Tensor:
+    """A fresh [E, 2F + padded_rank(RA), I] buffer holding W_gate, then W_up, then zeros: the rows _LeanCatFn's
+    backward fills with s·Aᵀ of an adapter A [E, I, RA]. Make the layers' weights views of its first 2F rows."""
+    E, F, I = w_g_EFI.shape
+    wk = torch.empty(E, 2 * F + padded_rank(RA), I, dtype=w_g_EFI.dtype, device=w_g_EFI.device)
+    wk[:, :F].copy_(w_g_EFI)
+    wk[:, F:2 * F].copy_(w_u_EFI)
+    wk[:, 2 * F:].zero_()
+    return wk
+
+
+def _is_rows(w: torch.Tensor, wk: torch.Tensor, start: int, stop: int) -> bool:
+    v = wk[:, start:stop]
+    return w.shape == v.shape and w.stride() == v.stride() and w.data_ptr() == v.data_ptr() and w.dtype == v.dtype
+
+
+def is_gate_up_view(w_g, w_u, wk, RA: int) -> bool:
+    """True when the gate/up weights are the first 2F rows of a gate/up buffer for rank RA: (w_g, w_u) a pair of
+    [E, F, I] views, or w_u None and w_g the packed [E, 2F, I] view."""
+    F = w_g.shape[1] if w_u is not None else w_g.shape[1] // 2
+    if wk.shape[1] != 2 * F + padded_rank(RA):
+        return False
+    return _is_rows(w_g, wk, 0, F) and _is_rows(w_u, wk, F, 2 * F) if w_u is not None else _is_rows(w_g, wk, 0, 2 * F)
+
+
+def _check_gate_up_buffer(wk, w_a, w_b, F, RA, dtype):
+    if wk.dtype != dtype or wk.shape[1] != 2 * F + padded_rank(RA):
+        raise ValueError(f"lean_lora_experts: wk_gu {tuple(wk.shape)} {wk.dtype} is not a gate/up buffer for F = "
+                         f"{F}, rank {RA} in {dtype} (gate_up_buffer)")
+    if not is_gate_up_view(w_a, w_b, wk, RA):
+        raise ValueError("lean_lora_experts: the gate/up weights must be views of wk_gu's first 2F rows")
