@@ -86,7 +86,7 @@ def _bwd_dv(
         b_do = tl.load(do + o_v, mask=rmask[:, None], other=0.0).to(DT)
         b_v = tl.load(v + o_v, mask=rmask[:, None], other=0.0).to(tl.float32)
         b_dRu = tl.dot(tl.trans(b_Ti), b_dd, input_precision=PREC)
-        tl.store(dv + o_v, b_dRu * b_beta[:, None], mask=rmask[:, None])
+        tl.store(dv + o_v, (b_dRu * b_beta[:, None]).to(dv.dtype.element_ty), mask=rmask[:, None])
         tl.store(dRu + o_v, b_dRu.to(dRu.dtype.element_ty), mask=rmask[:, None])
         b_db += tl.sum(b_dRu * b_v, axis=1)
         b_dAkk = tl.dot((-b_dRu).to(DT), tl.trans(b_d), b_dAkk, input_precision=PREC)
@@ -164,13 +164,14 @@ def _dA_block(A, o_r, m, cols):
 
 
 @triton.jit
-def _bwd_sub_add(dq, dk, dg, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
-    """One sub-chunk: dq += rq, dk += beta rk + cq + ckk stored; returns dG = (partial dg) + q rq + k (beta rk - cq
-    - ckk)."""
+def _bwd_sub_add(dq, dk, dg, dq_out, dk_out, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
+    """One sub-chunk: dq + rq and dk + beta rk + cq + ckk stored into dq_out, dk_out (dq / dk themselves, or the
+    final gradients in their own dtype); returns dG = (partial dg) + q rq + k (beta rk - cq - ckk)."""
     o = tok[:, None] * sg + cg[None, :]
     mm = m[:, None]
-    tl.store(dq + o, tl.load(dq + o, mask=mm, other=0.0) + rq, mask=mm)
-    tl.store(dk + o, tl.load(dk + o, mask=mm, other=0.0) + b_b * rk + cq + ckk, mask=mm)
+    tl.store(dq_out + o, (tl.load(dq + o, mask=mm, other=0.0) + rq).to(dq_out.dtype.element_ty), mask=mm)
+    tl.store(dk_out + o, (tl.load(dk + o, mask=mm, other=0.0) + b_b * rk + cq + ckk).to(dk_out.dtype.element_ty),
+             mask=mm)
     return tl.load(dg + o, mask=mm, other=0.0) + b_q * rq + b_k * (b_b * rk - cq - ckk)
 
 
@@ -192,7 +193,7 @@ def _bwd_sub_dg(dg, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_h
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA,
+    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dq_out, dk_out,
     H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
     DIAG_SPREAD: tl.constexpr,
@@ -291,7 +292,7 @@ def _bwd_intra(
                 d_k = tl.load(dAkk + o_c, mask=ii < c, other=0.0) * tl.load(beta + t_c * HV + i_hv).to(tl.float32)
                 cqq += d_q[:, None] * E * q_c
                 ckk += d_k[:, None] * E * k_c
-        dG = _bwd_sub_add(dq, dk, dg, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
+        dG = _bwd_sub_add(dq, dk, dg, dq_out, dk_out, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
         s += tl.sum(dG, axis=0)
         _bwd_sub_dg(dg, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
         tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)

@@ -273,7 +273,7 @@ def _chunk_kda_bwd_impl(
     dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dg = torch.empty_like(dq)
-    dv = torch.empty(Tt, HV, V, device=dev, dtype=torch.float32)
+    dv = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)  # stored once, by _bwd_dv: in v's dtype there
     dRu = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
     dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
     dAkk = torch.empty_like(dAqk)
@@ -292,8 +292,12 @@ def _chunk_kda_bwd_impl(
     )
     Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
     dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
+    # _bwd_intra adds the last terms of dq, dk and stores them in q's / k's dtype (no cast pass after it), except
+    # where HV > H sums them over the value heads first
+    dq_out = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) if HV == H else dq
+    dk_out = torch.empty(Tt, HV, K, device=dev, dtype=k.dtype) if HV == H else dk
     _bwd_intra[(NC, HV, K // BK2)](
-        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA,
+        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dq_out, dk_out,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
         DIAG_SPREAD=cfg["diag_spread"],
@@ -302,10 +306,11 @@ def _chunk_kda_bwd_impl(
     dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate else _empty(q)
     ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate and dt_bias is not None else _empty(q)
     dbeta = db0 + db1.sum(0) + db2.sum(0)
+    dq, dk = dq_out, dk_out
     if HV != H:
         dq = dq.view(Tt, H, HV // H, K).sum(2)
         dk = dk.view(Tt, H, HV // H, K).sum(2)
-    return (dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.view(B, T, HV, V).to(v.dtype),
+    return (dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.view(B, T, HV, V),
             dg.view(B, T, HV, K).to(g.dtype), dbeta.view(B, T, HV).to(beta.dtype),
             dh0 if dh0 is not None else _empty(q), dA_log, ddt)
 
