@@ -184,3 +184,53 @@ def test_router_logits_frozen_weight_saves_no_input():
     assert all(t is None or t.shape == w.shape for t in saved)  # W only
     out.sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(8, 16), rtol=1e-5, atol=1e-5)
+
+
+INTERPRET = __import__("os").environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_triton_router_mm_matches_float64(precision):
+    """triton_router.mm (the router's logit GEMMs without fp32 copies of x) against float64 on fresh shapes: a bf16
+    x times a transposed fp32 W into fp32 (forward), an fp32 g times W into bf16 (dx); K and N not multiples of
+    the blocks; chaining shapes checked."""
+    from moeadapt.ops.moe import triton_router
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    T, D, E = (int(v) for v in torch.randint(5, 70, (3,), generator=g))
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w = torch.randn(E, D, generator=g)
+    tol = 1e-5 if precision == "ieee" else 5e-3  # TF32 rounds the fp32 operand to 10 mantissa bits
+    out = triton_router.mm(x, w.t(), torch.float32, precision)
+    assert out.dtype == torch.float32
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * D ** 0.5)
+    gr = torch.randn(T, E, generator=g)
+    dx = triton_router.mm(gr, w, torch.bfloat16, precision)
+    assert dx.dtype == torch.bfloat16
+    torch.testing.assert_close(dx.double(), (gr.double() @ w.double()), rtol=1e-2, atol=1e-2 * E ** 0.5)
+    with pytest.raises(ValueError, match="do not chain"):
+        triton_router.mm(x, w, torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_router_logits_tf32_kernel_path(monkeypatch):
+    """router_logits in "tf32" mode through triton_router (CUDA's path, forced here): fp32 logits, dx straight in
+    x's dtype (bf16: no fp32 copy and cast), dW as before; against float64."""
+    from moeadapt.models import router as R
+
+    monkeypatch.setattr(R, "_tf32_kernel", lambda t, mode: mode == "tf32")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    x = torch.randn(37, 48, generator=g).bfloat16().requires_grad_(True)
+    w = torch.randn(10, 48, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = R.router_logits(x, w, "tf32")
+    assert out.dtype == torch.float32
+    gout = torch.randn(out.shape, generator=g)
+    out.backward(gout)
+    x64, w64 = x.detach().double(), w.detach().double()
+    torch.testing.assert_close(out.double(), x64 @ w64.T, rtol=1e-4, atol=1e-4)
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad.double(), gout.double() @ w64, rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.double(), gout.double().T @ x64, rtol=1e-4, atol=1e-3)
