@@ -246,19 +246,26 @@ def test_fold_io_gpu(gen, dx, zipf):
     assert torch.equal(c1[:, :, :c.L], c.w1) and torch.equal(c2[:, :, :c.Fh], c.w2)
 
 
-@pytest.mark.parametrize("dx,col_split", [("cat", 1), ("split", 1), ("cat", 8)])
+@pytest.mark.parametrize("dx,col_split,buf", [("cat", 1, False), ("split", 1, False), ("cat", 8, False),
+                                              ("cat", 1, True)])
 @pytest.mark.parametrize("zipf", [False, True])
-def test_lean_lora_gpu(gen, monkeypatch, dx, col_split, zipf):
+def test_lean_lora_gpu(gen, monkeypatch, dx, col_split, buf, zipf):
     """lean_lora (bf16): gate/up base GEMM at native width with the LoRA terms in the gather / SwiGLU passes,
-    against the unfolded fp32 reference."""
+    against the unfolded fp32 reference; buf: the gate/up weight a view of a gate_up_buffer (_LeanCatFn)."""
     from moeadapt.ops.moe import fused_lora, lean_lora
 
     monkeypatch.setitem(lean_lora.LEAN_TILES, "swiglu_bwd", {**lean_lora.LEAN_TILES["swiglu_bwd"], "SPLIT": col_split})
     c = _experts_case(zipf)
     c2 = fused_lora.make_cat_buffer(c.w2, c.R)
+    F = c.w1.shape[1] // 2
+    wk = lean_lora.gate_up_buffer(c.w1[:, :F], c.w1[:, F:], c.R) if buf else None
+    w_gu = wk[:, :2 * F] if buf else c.w1
     _check_experts(c, lambda zz, a1, b1, a2, b2: lean_lora.lean_lora_experts(
-        zz, c.ri, c.K, c.offs, c.w1, a1, b1, 2.0, c2[:, :, :c.Fh].transpose(1, 2), a2, b2, 2.0, wcat_d=c2, dx=dx))
+        zz, c.ri, c.K, c.offs, w_gu, a1, b1, 2.0, c2[:, :, :c.Fh].transpose(1, 2), a2, b2, 2.0, wcat_d=c2, dx=dx,
+        wk_gu=wk))
     assert torch.equal(c2[:, :, :c.Fh], c.w2)
+    if buf:
+        assert torch.equal(wk[:, :2 * F], c.w1)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
