@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelSpec
-from ..ops.moe import triton_router
 
 
 def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -51,17 +50,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = flag
 
 
-def _tf32_kernel(x: torch.Tensor, mode: str) -> bool:
-    """The "tf32" GEMMs of x's logits through ops/moe/triton_router (CUDA): no fp32 copy of x, dx in x's dtype."""
-    return mode == "tf32" and x.is_cuda
-
-
 class _RouterLogits(torch.autograd.Function):
     """logits = x·Wᵀ in fp32 under CUDA autocast, which would otherwise run this linear in bf16 and round the
-    logits to bf16 before the scores. Forward and backward GEMMs in `mode` (ModelSpec.router_matmul; "tf32" on
-    CUDA through triton_router, which reads x and writes dx in their own dtype). Saved for the backward: W (dx),
-    and x only when W trains (dW): as a bf16 copy, as autocast's linear would, except in "fp32" mode (x as
-    given). Gradients return in x's and W's dtypes."""
+    logits to bf16 before the scores. Forward and backward GEMMs in `mode` (ModelSpec.router_matmul). Saved for
+    the backward: W (dx), and x only when W trains (dW): as a bf16 copy, as autocast's linear would, except in
+    "fp32" mode (x as given). Gradients return in x's and W's dtypes."""
 
     @staticmethod
     def forward(ctx, x_TD, w_ED, mode):
@@ -69,22 +62,14 @@ class _RouterLogits(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         x_bf = x_TD.to(torch.bfloat16) if mode == "bf16" or (need_w and mode != "fp32") else None  # cast once
         ctx.save_for_backward((x_TD if mode == "fp32" else x_bf) if need_w else None, w_ED)
-        if _tf32_kernel(x_TD, mode):
-            return triton_router.mm(x_TD, w_ED.t(), torch.float32)
         with torch.autocast(x_TD.device.type, enabled=False):
             return _mm(x_bf if mode == "bf16" else x_TD, w_ED.t(), mode)
 
     @staticmethod
     def backward(ctx, g_TE):
         x_keep, w_ED = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            if _tf32_kernel(g_TE, ctx.mode):
-                dx = triton_router.mm(g_TE, w_ED, ctx.x_dtype)
-            else:
-                dx = _mm(g_TE, w_ED, ctx.mode).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _mm(g_TE.t(), x_keep, ctx.mode).to(w_ED.dtype)
+        dx = _mm(g_TE, w_ED, ctx.mode).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm(g_TE.t(), x_keep, ctx.mode).to(w_ED.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
