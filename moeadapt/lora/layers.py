@@ -117,7 +117,7 @@ class _FrozenLoRA(torch.autograd.Function):
         dh = (dy2 @ bc).mul_(ctx.s)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.addmm(dh @ ac, dy2, wc)
+            dx = (dh @ ac).addmm_(dy2, wc)  # in place: an out-of-place addmm copies its input first
             dx = dx.view(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
         da = (dh.t() @ x2).to(ctx.ab_dtypes[0]) if ctx.needs_input_grad[3] else None
         db = (dy2.t() @ h).mul_(ctx.s).to(ctx.ab_dtypes[1]) if ctx.needs_input_grad[4] else None

@@ -23,18 +23,23 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def linear_lowrank(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor, b: torch.Tensor,
                    s: float) -> torch.Tensor:
     """x2 w^T + bias + s h b^T in x2's dtype as two GEMMs: the rank-r term first (with the bias), then the base
-    GEMM adds into it (beta = 1, in its epilogue). Adding the rank term to the base GEMM's output afterwards takes
-    one more read and write of the [tokens, out] output, in a memory-bound kernel. `b` in its own dtype: the
-    scaling is applied to it (r x out values) before the cast, not to an activation-sized product."""
+    GEMM adds into it in place (beta = 1, in its epilogue). Adding the rank term to the base GEMM's output
+    afterwards takes one more read and write of the [tokens, out] output, in a memory-bound kernel; so does an
+    out-of-place addmm (it copies its input into the result first), which runs only under a dispatch mode:
+    selective recompute's caches the first GEMM's output and refuses it changed in place. `b` in its own dtype:
+    the scaling is applied to it (r x out values) before the cast, not to an activation-sized product."""
     dt = x2.dtype
     bs = (b * s).to(dt).t()
     c = h @ bs if bias is None else torch.addmm(bias.to(dt), h, bs)
-    return torch.addmm(c, x2, w.t())
+    if _get_current_dispatch_mode() is not None:
+        return torch.addmm(c, x2, w.t())
+    return c.addmm_(x2, w.t())
 
 
 def _terms(m: nn.Module):
