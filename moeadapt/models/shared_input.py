@@ -26,20 +26,13 @@ from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
-def linear_lowrank(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor, b: torch.Tensor,
-                   s: float) -> torch.Tensor:
-    """x2 w^T + bias + s h b^T in x2's dtype as two GEMMs: the rank-r term first (with the bias), then the base
-    GEMM adds into it in place (beta = 1, in its epilogue). Adding the rank term to the base GEMM's output
-    afterwards takes one more read and write of the [tokens, out] output, in a memory-bound kernel; so does an
-    out-of-place addmm (it copies its input into the result first), which runs only under a dispatch mode:
-    selective recompute's caches the first GEMM's output and refuses it changed in place. `b` in its own dtype:
-    the scaling is applied to it (r x out values) before the cast, not to an activation-sized product."""
-    dt = x2.dtype
-    bs = (b * s).to(dt).t()
-    c = h @ bs if bias is None else torch.addmm(bias.to(dt), h, bs)
+def add_lowrank(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """y + s h b^T: into y in place (no second activation-sized buffer), except under a dispatch mode. Selective
+    activation checkpointing's mode caches the GEMM that made y for its recompute and refuses a cached tensor
+    that was changed in place, so there the sum is a new tensor."""
     if _get_current_dispatch_mode() is not None:
-        return torch.addmm(c, x2, w.t())
-    return c.addmm_(x2, w.t())
+        return torch.addmm(y, h, b.t(), alpha=s)
+    return y.addmm_(h, b.t(), alpha=s)
 
 
 def _terms(m: nn.Module):
@@ -86,20 +79,19 @@ class _SharedInputLinears(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dt)
         wc = [w.to(dt) for w in ws]
+        ys = [x2 @ w.t() if b is None else torch.addmm(b.to(dt), x2, w.t()) for w, b in zip(wc, bs)]
         a_cat = bc = h = None
         if na:
             r = [a.shape[0] for a in As]
             a_cat = torch.cat([a.to(dt) for a in As])  # [sum r, in]
             bc = [b.to(dt) for b in Bs]
             h = x2 @ a_cat.t()  # [tokens, sum r]: every adapter's x A^T in one GEMM
-        ys, j, o = [], 0, 0
-        for i, (w, b) in enumerate(zip(wc, bs)):
-            if lora[i]:
-                ys.append(linear_lowrank(x2, w, b, h[:, o:o + r[j]], Bs[j], scales[j]))
-                o += r[j]
-                j += 1
-            else:
-                ys.append(x2 @ w.t() if b is None else torch.addmm(b.to(dt), x2, w.t()))
+            j = o = 0
+            for i in range(n):
+                if lora[i]:
+                    ys[i] = add_lowrank(ys[i], h[:, o:o + r[j]], bc[j], scales[j])
+                    o += r[j]
+                    j += 1
         ctx.save_for_backward(x2, h, a_cat, *wc, *(bc or ()))
         ctx.meta = (shape, x.dtype, lora, scales, [w.dtype for w in ws], [b is not None for b in bs],
                     [(a.dtype, b.dtype) for a, b in zip(As, Bs)])
@@ -116,29 +108,8 @@ class _SharedInputLinears(torch.autograd.Function):
         rows = x2.shape[0]
         # a member whose output took no part in the loss gives no gradient (None): it adds nothing
         dy2 = [None if d is None else d.reshape(rows, -1).to(dt) for d in dys]
-        dhT = None
-        if na:
-            r = [b.shape[1] for b in bc]
-            # (s_j dy_j B_j)^T stacked: rows of the adapters' [sum r, tokens]; zeroed only if an adapter member has
-            # no gradient (its rows are then not written)
-            unwritten = any(dy2[i] is None for i in range(n) if lora[i])
-            dhT = x2.new_zeros(sum(r), rows) if unwritten else x2.new_empty(sum(r), rows)
-            j = o = 0
-            members = []
-            for i in range(n):
-                if lora[i]:
-                    members.append((i, j, o))
-                    if dy2[i] is not None:
-                        torch.mm(bc[j].t(), dy2[i].t(), out=dhT[o:o + r[j]])
-                        dhT[o:o + r[j]].mul_(scales[j])
-                    o += r[j]
-                    j += 1
         dx = None
         if needs[0]:
-            # every adapter's share of dx first (one rank-(sum r) GEMM), then each weight's GEMM adds into dx
-            # (beta = 1): the adapters' share costs no read of dx
-            if dhT is not None:
-                dx = dhT.t() @ a_cat
             for d, w in zip(dy2, wc):
                 if d is None:
                     continue
@@ -156,6 +127,26 @@ class _SharedInputLinears(torch.autograd.Function):
             grads_w += [gw, gb]
         grads_ab = [None] * (2 * na)
         if na:
+            r = [b.shape[1] for b in bc]
+            # (s_j dy_j B_j)^T stacked: rows of the adapters' [sum r, tokens]; zeroed only if an adapter member has
+            # no gradient (its rows are then not written)
+            unwritten = any(dy2[i] is None for i in range(n) if lora[i])
+            dhT = x2.new_zeros(sum(r), rows) if unwritten else x2.new_empty(sum(r), rows)
+            j = o = 0
+            members = []
+            for i in range(n):
+                if lora[i]:
+                    members.append((i, j, o))
+                    if dy2[i] is not None:
+                        torch.mm(bc[j].t(), dy2[i].t(), out=dhT[o:o + r[j]])
+                        dhT[o:o + r[j]].mul_(scales[j])
+                    o += r[j]
+                    j += 1
+            if needs[0]:
+                if dx is None:
+                    dx = dhT.t() @ a_cat
+                else:
+                    dx.addmm_(dhT.t(), a_cat)  # every adapter's share of dx: one rank-(sum r) GEMM
             base = 2 * n + 4
             da_cat = dhT @ x2 if any(needs[base + 2 * j] for _, j, _ in members) else None
             for i, j, o in members:
