@@ -522,7 +522,8 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("experts h = s x [A1 | A3] (lean)", Kx * ((2 * rank + 7) // 8 * 8))
             acc.keep("experts.w2 acat [a | s a A] (lean)", Kx * (F + (rank + 7) // 8 * 8))
             # selective keeps the three torch._grouped_mm outputs inside lean's autograd Functions (w1 / w3 in
-            # the gather Function, w2 in the SwiGLU one); measured on the H200: without the w1 / w3 ones the
+            # the gather Function, w2 in the SwiGLU one; with the experts' gate/up buffer, one process, w1 / w3
+            # are one [rows, 2F] output of _LeanCatFn: the same bytes); measured on the H200: without the w1 / w3 ones the
             # selective + LoRA row missed by -13.6% (3.0 GiB = 8192 tokens x 15 layers x 8 x 2 x 768 x 2 B)
             acc.gemm("experts.w1, w3 grouped mm outs (lean)", Kx * 2 * F)
             acc.gemm("experts.w2 grouped mm out (lean)", Kx * L)

@@ -15,6 +15,8 @@ and the rank-R terms go into the memory-bound passes that touch those rows anywa
             SwiGLU bwd:   da += s_d·g_d·A_dᵀ; gate, up recomputed with their LoRA terms; d(gate), d(up);
                           dh_g = d(gate)·B_gᵀ, dh_u = d(up)·B_uᵀ accumulated over the row   (one pass)
             gmm:          dx = d(gu)·W_gu (native width);  dx += s·dh·Aᵀ (epilogue);  dz = Σ over copies
+                          (with W_g, W_u as views of a gate/up buffer [W_g; W_u; s·Aᵀ] — gate_up_buffer, one
+                          process — one GEMM: dx = [d(gate) | d(up) | dh]·[W_g; W_u; s·Aᵀ], _LeanCatFn)
             K-grouped:    dA = s·xᵀ·dh, dB_g = hᵀ·d(gate), dB_u = hᵀ·d(up), dA_d, dB_d as in fused_lora.
 
 The gate/up projection is one packed weight [E, 2F, I] (W_gu; gate = the first F outputs) with either one
