@@ -477,7 +477,7 @@ class _LeanCatFn(torch.autograd.Function):
         N, F, R = x_NI.shape[0], ctx.I, ctx.RL
         dcat = torch.empty(N, F2 + RW, dtype=x_NI.dtype, device=x_NI.device)
         if RW > RA:
-            dcat[:, F2 + RA:].zero_()  # the buffer's padding rows are zero; NaN-free columns keep them so
+            dcat[:, F2 + RA:].zero_()  # they meet wk's zero padding rows: uninitialised, a NaN there would spread
         dhg, dhu = dcat[:, F2:F2 + R], None if ctx.shared else dcat[:, F2 + R:F2 + 2 * R]
         dBg, dBu, dAd, dBd = _down_backward(ctx, dy_NO, down, dcat[:, :F], dcat[:, F:F2], dhg, dhu)
         with torch.no_grad():
