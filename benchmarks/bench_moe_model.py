@@ -69,27 +69,31 @@ def build(E, K, D, L, F, lora, seed=0, lora_backend="auto", router_matmul=None, 
         for w in (m.experts.w1, m.experts.w3, m.experts.w2):
             w.backend = lora_backend  # "fused": lean_lora.py at any rows per expert (where "auto" picks Triton)
     cast_frozen_(m, torch.bfloat16)
-    if release:  # no [W | Bᵀ] buffers, as under FSDP2 (parallel/parallelize.py)
+    if release:  # no [W | Bᵀ] or gate/up buffers, as under FSDP2 (parallel/parallelize.py)
+        m.experts.release_cat()
         for w in (m.experts.w1, m.experts.w3, m.experts.w2):
             w.release_cat()
     return m
 
 
 def _lora_path(step) -> str:
-    """Which expert path one LoRA step takes: lean_lora.py or grouped_lora's auto choice."""
+    """Which expert path one LoRA step takes: lean_lora.py (with the experts' gate/up buffer: one dx GEMM for
+    gate/up) or grouped_lora's auto choice."""
     from moeadapt.ops.moe import lean_lora
 
     fn, calls = lean_lora.lean_lora_experts, []
 
     def counted(*args, **kw):
-        calls.append(1)
+        calls.append(kw.get("wk_gu") is not None)
         return fn(*args, **kw)
     lean_lora.lean_lora_experts = counted
     try:
         step()
     finally:
         lean_lora.lean_lora_experts = fn
-    return "lean" if calls else "grouped_lora auto"
+    if not calls:
+        return "grouped_lora auto"
+    return "lean + gate/up buffer" if all(calls) else "lean"
 
 
 def _forward(m, h):
