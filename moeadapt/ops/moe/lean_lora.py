@@ -315,6 +315,17 @@ def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
 
 
 # ---------------------------------------------------------------- autograd
+def _gathered(z_TI, A_in, row_index_N, offsets_E, scaling, K):
+    """(A in z's dtype, x = z[row_index // K] [N, I], h = scaling·x·A [N, padded rank]): the gather pass that both
+    lean autograd Functions open with."""
+    N, I = row_index_N.shape[0], z_TI.shape[1]
+    A_EIR = A_in.to(z_TI.dtype)
+    x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
+    h_NW = torch.empty(N, padded_rank(A_in.shape[2]), dtype=z_TI.dtype, device=z_TI.device)
+    gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
+    return A_EIR, x_NI, h_NW
+
+
 class _GatherBaseFn(torch.autograd.Function):
     """(y_a, y_b, h) = (x·W_aᵀ, x·W_bᵀ, s·x·A) with x = z[row_index // K]; dz in token order. h is [N, RW].
     w_b None (packed gate/up in w_a): y_b is an empty placeholder. A in any dtype (the fp32 adapter itself):
@@ -322,13 +333,9 @@ class _GatherBaseFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z_TI, A_in, row_index_N, offsets_E, K, scaling, w_a, w_b):
-        T, I = z_TI.shape
-        N, R = row_index_N.shape[0], A_in.shape[2]
-        A_EIR = A_in.to(z_TI.dtype)
+        T, R = z_TI.shape[0], A_in.shape[2]
         ctx.a_dtype = A_in.dtype
-        x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
-        h_NW = torch.empty(N, padded_rank(R), dtype=z_TI.dtype, device=z_TI.device)
-        gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
+        A_EIR, x_NI, h_NW = _gathered(z_TI, A_in, row_index_N, offsets_E, scaling, K)
         y_a = gmm(x_NI, w_a.transpose(1, 2), offsets_E)
         if w_b is None:
             y_b = y_a.new_empty(0)
@@ -453,13 +460,9 @@ class _LeanCatFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z_TI, A_in, Bg_in, Bu_in, Ad_in, Bd_ERO, row_index_N, offsets_E, K, scaling, scaling_d, wk,
                 shared, R, wcat_d, dx, w_d_EOI):
-        T, I = z_TI.shape
-        N, RA = row_index_N.shape[0], A_in.shape[2]
+        T, RA = z_TI.shape[0], A_in.shape[2]
         F2 = wk.shape[1] - padded_rank(RA)
-        A_EIR = A_in.to(z_TI.dtype)
-        x_NI = torch.empty(N, I, dtype=z_TI.dtype, device=z_TI.device)
-        h_NW = torch.empty(N, padded_rank(RA), dtype=z_TI.dtype, device=z_TI.device)
-        gather_lora_in(z_TI, A_EIR, offsets_E, scaling, row_index_N, K, x_NI, h_NW)
+        A_EIR, x_NI, h_NW = _gathered(z_TI, A_in, row_index_N, offsets_E, scaling, K)
         gu = gmm(x_NI, wk[:, :F2].transpose(1, 2), offsets_E)
         y, down = _down_forward(ctx, gu, None, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_d,
                                 shared, R, dx, w_d_EOI)
