@@ -177,8 +177,8 @@ def configure(model, v: dict) -> None:
         import moeadapt.models.common as common
 
         torch._dynamo.reset()
-        common._compiled_rms_norm = torch.compile(common.rms_norm, dynamic=not v["compile_static"])
-        common._compiled_add_rms_norm = torch.compile(common.add_rms_norm, dynamic=not v["compile_static"])
+        for fn in (common.rms_norm, common.add_rms_norm):
+            common._COMPILED[fn] = torch.compile(fn, dynamic=not v["compile_static"])
         _compile_static = v["compile_static"]
     model.set_backend("auto")
     model.backend = v["loss"]

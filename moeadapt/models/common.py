@@ -34,21 +34,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
     return y.to(out)
 
 
-_compiled_rms_norm = None
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """fn through torch.compile with dynamic shapes, made once per function on first use. For the model's glue
+    (norms, rotations, gates, casts): one fused kernel each way instead of a chain of elementwise passes, and with
+    dynamic shapes every size the model meets (hidden, latent, head dims; training and evaluation batches)
+    shares a handful of graphs rather than one per shape (Dynamo falls back to eager past its recompile limit)."""
+    c = _COMPILED.get(fn)
+    if c is None:
+        c = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return c
+
+
+def compiles(x: torch.Tensor) -> bool:
+    """Whether glue on x runs compiled: on CUDA, and not inside a TorchDispatchMode (selective activation
+    checkpointing's: the mode must see each op, which a compiled kernel hides)."""
+    return x.is_cuda and _get_current_dispatch_mode() is None
 
 
 def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype,
                    gate: torch.Tensor | None) -> torch.Tensor:
-    """rms_norm through torch.compile: one fused kernel each way instead of ~6 elementwise / reduction passes
-    (forward) and ~10 (backward). Inputs are flattened to [rows, dim] and compiled with dynamic shapes, so every
-    norm of the model (hidden, latent, head dims; training and evaluation batches) shares a handful of graphs
-    rather than one per shape (Dynamo falls back to eager past its recompile limit)."""
-    global _compiled_rms_norm
-    if _compiled_rms_norm is None:
-        _compiled_rms_norm = torch.compile(rms_norm, dynamic=True)
+    """rms_norm compiled: one fused kernel each way instead of ~6 elementwise / reduction passes (forward) and
+    ~10 (backward). Inputs are flattened to [rows, dim]."""
     d = x.shape[-1]
     g2 = None if gate is None else gate.reshape(-1, d)
-    return _compiled_rms_norm(x.reshape(-1, d), weight, eps, out, g2).view(x.shape)
+    return compiled(rms_norm)(x.reshape(-1, d), weight, eps, out, g2).view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -59,18 +71,12 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: fl
     return s, rms_norm(s, weight, eps, out)
 
 
-_compiled_add_rms_norm = None
-
-
 def _add_rms_norm_cuda(x, a, weight, eps, out):
-    """add_rms_norm through torch.compile: the add, the norm and (backward) the sum of the residual's and the
-    norm's gradients with the branch's cast each as one kernel, instead of an add, the norm and an add + a cast
-    (flattened to [rows, dim], dynamic shapes, as _rms_norm_cuda)."""
-    global _compiled_add_rms_norm
-    if _compiled_add_rms_norm is None:
-        _compiled_add_rms_norm = torch.compile(add_rms_norm, dynamic=True)
+    """add_rms_norm compiled: the add, the norm and (backward) the sum of the residual's and the norm's gradients
+    with the branch's cast each as one kernel, instead of an add, the norm and an add + a cast (flattened to
+    [rows, dim], as _rms_norm_cuda)."""
     d = x.shape[-1]
-    s, y = _compiled_add_rms_norm(x.reshape(-1, d), a.reshape(-1, d), weight, eps, out)
+    s, y = compiled(add_rms_norm)(x.reshape(-1, d), a.reshape(-1, d), weight, eps, out)
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -95,9 +101,7 @@ class RMSNorm(nn.Module):
         return x.dtype
 
     def _compiles(self, x: torch.Tensor) -> bool:
-        # (inside a TorchDispatchMode - selective activation checkpointing's - the eager ops run instead:
-        # the mode must see each op, which a compiled kernel hides)
-        return self.compiled and x.is_cuda and _get_current_dispatch_mode() is None
+        return self.compiled and compiles(x)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         out = self._out_dtype(x)

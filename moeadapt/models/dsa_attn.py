@@ -25,9 +25,38 @@ from ..ops.custom import traced
 from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
 from ..ops.dsa.flex_attn import mha_form_pays
-from .common import RMSNorm, apply_rope, rope_softmax_mscale
+from .common import RMSNorm, apply_rope, compiled, compiles, rope_softmax_mscale
 from .documents import Documents, flat_rows
 from .shared_input import shared_input_linears
+
+
+def mha_inputs(q: torch.Tensor, kvb: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               nope: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's MHA-form attention inputs (q, k, v), each a new contiguous tensor in q's dtype: q [B, T, H, nope + r]
+    -> [q_nope, rope(q_pe)]; k = [kvb's key channels, rope(k_pe) for every head] (kvb [B, T, H, nope + vd] =
+    wkv_b(kv latent), k_pe [B, T, r] shared by the heads); v = kvb's value channels. `rotate` False: the rope
+    channels unrotated (NoPE MLA). On CUDA it runs compiled (DSAAttention.forward): q's and kvb's gradients then
+    come out whole from one pass, where autograd's route (slices, cats, the rotation's fp32 copies) makes a
+    zero-filled buffer per slice and adds them."""
+    B, T, H, _ = q.shape
+    dt, r = q.dtype, k_pe.shape[-1]
+    q_pe = q[..., nope:]
+    if rotate:
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
+    q_full = torch.cat([q[..., :nope], q_pe], dim=-1)
+    k_full = torch.cat([kvb[..., :nope].to(dt), k_pe.unsqueeze(2).expand(B, T, H, r).to(dt)], dim=-1)
+    return q_full, k_full, kvb[..., nope:].to(dt).contiguous()
+
+
+def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """x with RoPE on its first r channels and the rest as they are (the lightning indexer's layout)."""
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+def gate_heads(o: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
+    """o [B, T, H, V] * sigmoid(gate_logits [B, T, H]) per head, as [B, T, H * V] (contiguous) in o's dtype."""
+    B, T, H, V = o.shape
+    return (o * torch.sigmoid(gate_logits).unsqueeze(-1).to(o.dtype)).reshape(B, T, H * V)
 
 
 class DSAAttention(nn.Module):
@@ -119,10 +148,10 @@ class DSAAttention(nn.Module):
     def indexer(self, x_BTD, q_lat, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x_BTD.shape
         r = self.rope
-        q_idx = self.wq_idx(q_lat).view(B, T, self.HI, self.DI)
-        q_idx = torch.cat([apply_rope(q_idx[..., :r], cos, sin), q_idx[..., r:]], dim=-1)
+        rot = compiled(rope_first) if compiles(x_BTD) else rope_first
+        q_idx = rot(self.wq_idx(q_lat).view(B, T, self.HI, self.DI), cos, sin, r)
         k_idx = self.k_idx_norm(self.wk_idx(x_BTD)).to(q_idx.dtype)  # LayerNorm runs in fp32 under autocast
-        k_idx = torch.cat([apply_rope(k_idx[..., :r], cos, sin), k_idx[..., r:]], dim=-1)
+        k_idx = rot(k_idx, cos, sin, r)
         w_idx = (self.w_idx(x_BTD) * (self.HI ** -0.5 * self.DI ** -0.5)).to(q_idx.dtype)
         return q_idx, k_idx, w_idx
 
@@ -137,20 +166,18 @@ class DSAAttention(nn.Module):
         q_in, kv, *out_gate = shared_input_linears(x_BTD, self._x_projections)
         q, q_lat = self._queries(x_BTD, q_in)
         q = q.view(B, T, H, nope + r)
-        q_nope, q_pe = q[..., :nope], q[..., nope:]
         kv_lat, k_pe = self.kv_norm(kv[..., :kvl]), kv[..., kvl:]
-        if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
-            q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
         flat = docs is not None and self.cp is None  # packed documents, one process: one varlen row of B * T
         cu = docs.flat_cu_seqlens if flat else None
         mha = self._mha_form(T, x_BTD.is_cuda) and self.cp is None and not flat
         if mha:  # per-head keys and values, attention over dense tiles of the selection (ops/dsa/flex_attn.py)
             kvb = self.wkv_b(kv_lat).view(B, T, H, nope + self.vd)
-            q_full = torch.cat([q_nope, q_pe], dim=-1)
-            dt = q_full.dtype  # FlexAttention takes q, k, v in one dtype
-            k_full = torch.cat([kvb[..., :nope].to(dt), k_pe.unsqueeze(2).expand(B, T, H, r).to(dt)], dim=-1)
-            v_lat = kvb[..., nope:].to(dt)
+            prep = compiled(mha_inputs) if compiles(q) else mha_inputs
+            q_full, k_full, v_lat = prep(q, kvb, k_pe, cos, sin, nope, self.spec.mla_rope)
         else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
+            q_nope, q_pe = q[..., :nope], q[..., nope:]
+            if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
+                q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
             wkv_b, q_full, k_full = self._absorbed(q_nope, q_pe, kv_lat, k_pe)
             if flat:
                 q_full, k_full = flat_rows(q_full), flat_rows(k_full)
@@ -205,8 +232,9 @@ class DSAAttention(nn.Module):
                                          backend=self.backend)
                 if want_kl:  # the KL target in absorbed form (one latent key for all heads: the gathering
                     # kernel reads 576 channels a pair, not H x 192), on detached inputs
-                    with torch.no_grad():
-                        q_kl, k_kl = self._absorbed(q_nope, q_pe, kv_lat, k_pe)[1:] if mha else (q_full, k_full)
+                    with torch.no_grad():  # (in MHA form q_full / k_full hold the rotated q_pe / k_pe)
+                        q_kl, k_kl = (self._absorbed(q_full[..., :nope], q_full[..., nope:], kv_lat,
+                                                     k_full[:, :, 0, nope:])[1:] if mha else (q_full, k_full))
                     kl = indexer_kl_loss(q_kl, k_kl, indices, q_idx, k_idx, w_idx, scale=self.softmax_scale,
                                          backend=self.backend)
         if mha:
@@ -214,8 +242,8 @@ class DSAAttention(nn.Module):
         else:
             o_lat = o_lat.reshape(B, T, H, kvl)
             o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
-        if out_gate:
-            o = o * torch.sigmoid(out_gate[0]).unsqueeze(-1).to(o.dtype)
+        if out_gate:  # the sigmoid gate per head, and o made contiguous for wo in the same pass
+            o = (compiled(gate_heads) if compiles(o) else gate_heads)(o, out_gate[0])
         aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux
 

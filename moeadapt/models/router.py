@@ -41,13 +41,27 @@ def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
 def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
     """a·b as an fp32 result: fp32 GEMM (TF32 off), TF32 tensor-core GEMM, or bf16 inputs with fp32 output."""
     if mode == "bf16":
-        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).float()
+        return mm_fp32_out(a.to(torch.bfloat16), b.to(torch.bfloat16))
     flag = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     try:
         return a.float() @ b.float()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = flag
+
+
+def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·b for bf16 a, b on bf16 tensor cores, summed and returned in fp32 (cuBLAS's `out_dtype`). On the CPU
+    the same math in fp32 ops: bf16 products are exact in fp32."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) in bf16 with hi + lo = t to 16 mantissa bits (t fp32): hi = bf16(t), lo = bf16(t - hi)."""
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi.float()).to(torch.bfloat16)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -73,11 +87,54 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw, None
 
 
+class _RouterLogitsBF16x2(torch.autograd.Function):
+    """router_matmul "bf16x2": logits = x·Wᵀ for a bf16 x (exact in bf16: autocast's activations) on bf16 tensor
+    cores, with the fp32 operands each split into two bf16 terms (split_bf16: 16 mantissa bits, TF32 keeps 10)
+    and fp32 sums:
+        logits = x·W_hiᵀ + x·W_loᵀ                     one GEMM: x · [W_hi; W_lo]ᵀ, fp32 out, halves added
+        dx     = g_hi·W_hi + g_lo·W_hi + g_hi·W_lo     one GEMM: [g_hi | g_lo | g_hi] · [W_hi; W_hi; W_lo], in x's dtype
+        dW     = g_hiᵀ·x + g_loᵀ·x                     one GEMM: [g_hi | g_lo]ᵀ · x, fp32 out, halves added
+    (the dropped g_lo·W_lo term is 2⁻¹⁶ of the product). Nothing activation-sized in fp32: no fp32 copy of x in
+    the forward nor of dx in the backward, which the "tf32" mode makes (a [tokens, hidden] cast each way).
+    Saved: [W_hi; W_hi; W_lo] (bf16, [3E, D]) and x itself when W trains."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        E = w_ED.shape[0]
+        hi, lo = split_bf16(w_ED.float())
+        w3 = torch.cat([hi, hi, lo])  # [3E, D]
+        ctx.save_for_backward(x_TD if ctx.needs_input_grad[1] else None, w3)
+        ctx.w_dtype = w_ED.dtype
+        with torch.autocast(x_TD.device.type, enabled=False):
+            out = mm_fp32_out(x_TD, w3[E:].t())  # [T, 2E]
+        return out[:, :E] + out[:, E:]
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TD, w3 = ctx.saved_tensors
+        E = g_TE.shape[1]
+        g_hi, g_lo = split_bf16(g_TE.float())
+        g3 = torch.cat([g_hi, g_lo, g_hi], 1)  # [T, 3E]
+        dx = dw = None
+        with torch.autocast(g_TE.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = g3 @ w3 if g3.is_cuda else mm_fp32_out(g3, w3).to(torch.bfloat16)
+            if ctx.needs_input_grad[1]:
+                d2 = mm_fp32_out(g3[:, :2 * E].t(), x_TD)  # [2E, D]
+                dw = (d2[:E] + d2[E:]).to(ctx.w_dtype)
+        return dx, dw
+
+
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str) -> torch.Tensor:
-    """fp32 (fp64 for fp64 input) router logits x·Wᵀ, also under autocast (see _RouterLogits)."""
+    """fp32 (fp64 for fp64 input) router logits x·Wᵀ, also under autocast (see _RouterLogits and
+    _RouterLogitsBF16x2; mode "bf16x2" with an x that is not bf16 runs as "tf32")."""
     if x_TD.dtype == torch.float64:
         return F.linear(x_TD, w_ED.double())
     if torch.is_autocast_enabled(x_TD.device.type):
+        if mode == "bf16x2":
+            if x_TD.dtype == torch.bfloat16:
+                return _RouterLogitsBF16x2.apply(x_TD, w_ED)
+            mode = "tf32"  # an fp32 or fp16 x is not exact in bf16: the TF32 GEMMs
         return _RouterLogits.apply(x_TD, w_ED, mode)
     return F.linear(x_TD.float(), w_ED.float())
 

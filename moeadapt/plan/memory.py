@@ -459,8 +459,8 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
     L = spec.latent_dim or d
     S = spec.n_shared_experts * (spec.shared_intermediate_size or F)
     sh = ("ffn.shared.w1", "ffn.shared.w3")
-    # the router saves its input only when its weight trains: a bf16 copy (router_matmul tf32 / bf16, like any
-    # autocast linear), or with router_matmul fp32 the input itself (its own fp32 tensor when the source is fp32)
+    # the router saves its input only when its weight trains: a bf16 copy (router_matmul bf16x2 / tf32 / bf16, like
+    # any autocast linear), or with router_matmul fp32 the input itself (its own fp32 tensor when the source is fp32)
     own_fp32 = full and spec.router_matmul == "fp32" and f32s and act_bytes == 2
     _lin_in(acc, "ffn_norm.out", d, int(full and not own_fp32) + int(tr("ffn.fc1_latent_proj")) * bool(spec.latent_dim)
             + sum(tr(m) for m in sh) * bool(S) + (0 if spec.latent_dim else int(tr("ffn.experts.w1") or tr("ffn.experts.w3"))))

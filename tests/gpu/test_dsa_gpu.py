@@ -270,3 +270,40 @@ def test_dsa_layer_mha_form_gpu(monkeypatch):
     for a, b in zip(*out):  # bf16 through both forms (dx: ~2e-2 on CPU); a wrong form is off by O(1)
         err = (a - b).abs().max() / b.abs().max()
         assert err < 5e-2, f"relative max error {err:.3g}"
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_mha_inputs_and_gate_compiled_gpu(per_row):
+    """The DSA layer's compiled glue (models/dsa_attn.py: mha_inputs, gate_heads) against the same functions run
+    as eager torch ops in float64: outputs and the gradients of q, kvb, k_pe and the gate logits (bf16 inputs;
+    per_row: packed documents' [B, T, r/2] cos / sin)."""
+    from moeadapt.models.common import compiled, rope_cos_sin
+    from moeadapt.models.dsa_attn import gate_heads, mha_inputs
+
+    B, T, H, nope, r, vd = 2, 300, 4, 32, 16, 24
+    q = torch.randn(B, T, H, nope + r, device="cuda").bfloat16().requires_grad_()
+    kvb = torch.randn(B, T, H, nope + vd, device="cuda").bfloat16().requires_grad_()
+    k_pe = torch.randn(B, T, r, device="cuda").bfloat16().requires_grad_()
+    pos = torch.randint(0, T, (B, T)) if per_row else torch.arange(T)
+    cos, sin = (t.cuda() for t in rope_cos_sin(pos, r, 10000.0))
+    o = torch.randn(B, H, T, vd, device="cuda").bfloat16().transpose(1, 2).requires_grad_()  # flex's layout
+    gl = torch.randn(B, T, H, device="cuda").bfloat16().requires_grad_()
+    dys = [torch.randn(B, T, H, nope + r, device="cuda"), torch.randn(B, T, H, nope + r, device="cuda"),
+           torch.randn(B, T, H, vd, device="cuda"), torch.randn(B, T, H * vd, device="cuda")]
+
+    def run(fi, fg, leaves):
+        outs = [*fi(*leaves[:3], *cs, nope, True), fg(*leaves[3:])]
+        sum((y.double() * d.double()).sum() for y, d in zip(outs, dys)).backward()
+        return outs, [t.grad for t in leaves]
+
+    leaves = [q, kvb, k_pe, o, gl]
+    cs = (cos, sin)
+    got, dgot = run(compiled(mha_inputs), compiled(gate_heads), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    cs = (cos.double(), sin.double())
+    want, dwant = run(mha_inputs, gate_heads, ref_leaves)
+    for a, b in zip(got + dgot, want + dwant):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        err = float((a.double() - b).norm() / b.norm())
+        assert err < 8e-3, f"relative error {err:.3g}"
+    assert all(t.is_contiguous() for t in got)

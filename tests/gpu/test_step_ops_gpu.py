@@ -109,3 +109,26 @@ def test_add_rms_norm_compiled_matches_eager_under_autocast(seed):
         outs.append([s, y, xx.grad, aa.grad, norm.weight.grad])
     for g, w in zip(*outs):
         assert g.dtype == w.dtype and _rel(g, w) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["bf16x2", "tf32"])
+def test_router_logits_cuda(seed, mode):
+    """The router's logits and gradients on CUDA under bf16 autocast (bf16x2: cuBLAS's fp32-out bf16 GEMMs; tf32)
+    against float64: bf16x2 to its 16 split bits, closer than TF32's 10; W in bf16 alone misses bf16x2's bound."""
+    from moeadapt.models.router import router_logits
+
+    T, D, E = 8192, 2048, 64
+    x = torch.randn(T, D, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(E, D, device="cuda") * 0.02).requires_grad_()
+    g = torch.randn(T, E, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = router_logits(x, w, mode)
+    out.backward(g)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    want = x64 @ w64.T
+    tol = 3e-5 if mode == "bf16x2" else 2e-3
+    assert out.dtype == torch.float32 and _rel(out, want) < tol
+    assert x.grad.dtype == torch.bfloat16 and _rel(x.grad, g64 @ w64) < 8e-3
+    assert w.grad.dtype == torch.float32 and _rel(w.grad, g64.T @ x64) < tol
+    if mode == "bf16x2":
+        assert _rel(x64 @ w64.bfloat16().double().T, want) > 5 * tol

@@ -136,7 +136,7 @@ def test_expert_counts_matches_bincount():
     assert expert_counts(torch.full((5, 2), -1), E).sum() == 0
 
 
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "bf16x2"])
 def test_router_logits_fp32_under_autocast(mode):
     """Under bf16 autocast the router's logits stay fp32 (autocast alone would give bf16), forward and backward
     against float64; bf16 mode within bf16 input rounding; no saved x for a frozen W."""
@@ -152,13 +152,54 @@ def test_router_logits_fp32_under_autocast(mode):
     gout = torch.randn(out.shape, generator=g)
     out.backward(gout)
     x64, w64 = x.detach().double(), w.detach().double()
-    tol = 2e-2 if mode == "bf16" else 1e-5  # CPU has no TF32: tf32 runs as fp32 here
+    # CPU has no TF32: tf32 runs as fp32 here, and so does bf16x2 (x is fp32, not exact in bf16)
+    tol = 2e-2 if mode == "bf16" else 1e-5
     torch.testing.assert_close(out.double(), x64 @ w64.T, rtol=tol, atol=tol * 8)
     torch.testing.assert_close(x.grad.double(), gout.double() @ w64, rtol=tol, atol=tol * 8)
     # dW reads x as a bf16 copy except in fp32 mode (as autocast's linear saved it): entries ~ N(0, 33)
     tol_w, atol_w = (tol, tol * 8) if mode == "fp32" else (2e-2, 0.1)
     torch.testing.assert_close(w.grad.double(), gout.double().T @ x64, rtol=tol_w, atol=atol_w)
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("w_trains", [True, False])
+def test_router_logits_bf16x2(w_trains):
+    """bf16x2 on a bf16 x: logits, dx and dW against float64 to the split's 16 mantissa bits (errors ~1e-4 of
+    bf16 rounding's); the same GEMMs with W rounded to bf16 alone (the lo term dropped) miss that tolerance, and
+    so does the "bf16" mode. Saves nothing activation-sized in fp32; x only when W trains."""
+    from moeadapt.models.router import router_logits, split_bf16
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    T, D, E = int(torch.randint(20, 90, (1,), generator=g)), 96, 16
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_(True)
+    w = (torch.randn(E, D, generator=g) * 0.05).requires_grad_(w_trains)
+    gout = torch.randn(T, E, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router_logits(x, w, "bf16x2")
+    assert out.dtype == torch.float32 and type(out.grad_fn).__name__ == "_RouterLogitsBF16x2Backward"
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    assert all(t.dtype == torch.bfloat16 for t in saved)
+    assert any(t is x or t.data_ptr() == x.data_ptr() for t in saved) == w_trains
+    out.backward(gout)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), gout.double()
+
+    def rel(a, b):
+        return float((a.detach().double() - b).norm() / b.norm())
+
+    tol = 3e-5  # the split keeps W and g to 2^-16 (measured ~3e-6); W in bf16 alone gives ~2e-3
+    assert rel(out, x64 @ w64.T) < tol
+    assert x.grad.dtype == torch.bfloat16 and rel(x.grad, g64 @ w64) < 8e-3  # dx rounded once to bf16 (2^-9)
+    if w_trains:
+        assert w.grad.dtype == torch.float32 and rel(w.grad, g64.T @ x64) < tol
+    else:
+        assert w.grad is None
+    # the check can fail: W's lo term dropped (W in bf16 alone), or the bf16 mode
+    hi, lo = split_bf16(w.detach())
+    assert rel(x64 @ hi.double().T, x64 @ w64.T) > 5 * tol
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rel(router_logits(x.detach(), w.detach(), "bf16"), x64 @ w64.T) > 5 * tol
+    # and hi + lo is W to 16 bits
+    assert rel(hi.double() + lo.double(), w64) < 2 ** -15
 
 
 def test_router_scores_fp32_under_autocast():
