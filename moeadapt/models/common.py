@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
@@ -187,6 +188,23 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
     return out.to(x.dtype)
 
 
+def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """c + m(x) for a linear layer m (m(x) when c is None). Where m is a plain bias-free nn.Linear without hooks,
+    under CUDA autocast with c in the autocast dtype, as one GEMM that adds c in its epilogue (cuBLAS beta = 1:
+    c is read inside the GEMM instead of by an add pass over [tokens, out] afterwards); elsewhere (an fp32
+    residual stream, a LoRA layer, the CPU) m(x) + c. Either way the gradient reaches c unchanged."""
+    if c is None:
+        return m(x)
+    dev = x.device.type
+    if (type(m) is nn.Linear and m.bias is None and x.is_cuda and torch.is_autocast_enabled(dev)
+            and c.dtype == torch.get_autocast_dtype(dev) and c.shape[:-1] == x.shape[:-1]
+            and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
+                     or _module._global_forward_pre_hooks)):
+        out = torch.addmm(c.reshape(-1, c.shape[-1]), x.reshape(-1, x.shape[-1]), m.weight.t())
+        return out.view(c.shape)
+    return c + m(x)
+
+
 class SwiGLU(nn.Module):
     """Dense FFN (also the shared expert): w2(silu(w1 x) * w3 x) (clamped with `limit`); silu·mul through ops/moe swiglu_pair (one Triton
     pass each way on CUDA, keeping w1 x and w3 x for the backward; torch's ops on CPU)."""
@@ -204,14 +222,16 @@ class SwiGLU(nn.Module):
         """The layers that read x (looked up at each call: LoRA injection replaces them)."""
         return self.w1, self.w3
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(*shared_input_linears(x, self._x_projections))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """w2(silu(w1 x) * w3 x), plus `residual` when given (added by w2's GEMM: linear_into)."""
+        return self.down(*shared_input_linears(x, self._x_projections), residual=residual)
 
-    def down(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """w2(silu(g) * u) for g = w1 x, u = w3 x computed by the caller (with other projections of x)."""
+    def down(self, g: torch.Tensor, u: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """w2(silu(g) * u) (+ residual) for g = w1 x, u = w3 x computed by the caller (with other projections of
+        x)."""
         a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend,
                         limit=self.limit)
-        return self.w2(a.view(g.shape))
+        return linear_into(self.w2, a.view(g.shape), residual)
 
 
 class CausalConv1d(nn.Module):
