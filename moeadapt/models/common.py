@@ -188,6 +188,13 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
     return out.to(x.dtype)
 
 
+def adds_in_gemm(c: torch.Tensor | None) -> bool:
+    """Whether linear_into can add c inside a GEMM: on CUDA under autocast, c in the autocast dtype (a bf16
+    residual stream: LoRA's frozen bf16 base; full fine-tuning's fp32 stream is added apart, in fp32)."""
+    return (c is not None and c.is_cuda and torch.is_autocast_enabled("cuda")
+            and c.dtype == torch.get_autocast_dtype("cuda"))
+
+
 def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
     """c + m(x) for a linear layer m (m(x) when c is None). Where m is a plain bias-free nn.Linear without hooks,
     under CUDA autocast with c in the autocast dtype, as one GEMM that adds c in its epilogue (cuBLAS beta = 1:
@@ -195,10 +202,7 @@ def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor | None) -> torch.
     residual stream, a LoRA layer, the CPU) m(x) + c. Either way the gradient reaches c unchanged."""
     if c is None:
         return m(x)
-    dev = x.device.type
-    if (type(m) is nn.Linear and m.bias is None and x.is_cuda and torch.is_autocast_enabled(dev)
-            and c.dtype == torch.get_autocast_dtype(dev) and c.shape[:-1] == x.shape[:-1]
-            and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
+    if (type(m) is nn.Linear and m.bias is None and adds_in_gemm(c) and c.shape[:-1] == x.shape[:-1] and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
                      or _module._global_forward_pre_hooks)):
         out = torch.addmm(c.reshape(-1, c.shape[-1]), x.reshape(-1, x.shape[-1]), m.weight.t())
         return out.view(c.shape)
@@ -223,8 +227,11 @@ class SwiGLU(nn.Module):
         return self.w1, self.w3
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """w2(silu(w1 x) * w3 x), plus `residual` when given (added by w2's GEMM: linear_into)."""
-        return self.down(*shared_input_linears(x, self._x_projections), residual=residual)
+        """w2(silu(w1 x) * w3 x), plus `residual` when given (added by w2's GEMM where adds_in_gemm)."""
+        gu = shared_input_linears(x, self._x_projections)
+        if residual is not None and not adds_in_gemm(residual):
+            return residual + self.down(*gu)
+        return self.down(*gu, residual=residual)
 
     def down(self, g: torch.Tensor, u: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """w2(silu(g) * u) (+ residual) for g = w1 x, u = w3 x computed by the caller (with other projections of

@@ -23,7 +23,7 @@ from ..ops.moe import (
     swiglu_pair,
     unpermute,
 )
-from .common import RMSNorm, SwiGLU, linear_into
+from .common import RMSNorm, SwiGLU, adds_in_gemm, linear_into
 from .router import Router
 from .shared_input import shared_input_linears
 
@@ -214,10 +214,14 @@ class LatentMoE(nn.Module):
         expert's w2, then fc2_latent_proj: common.linear_into) where they can, instead of two add passes."""
         B, T, D = h_BTD.shape
         x_TD = h_BTD.reshape(B * T, D)
-        r = self.router(x_TD, batch_size=B)
         # the projections of x (latent, shared expert's gate / up, its sigmoid gate) as one autograd node
-        # (models/shared_input.py): one dx buffer for their gradients, the LoRA adapters' products batched
-        outs = shared_input_linears(x_TD, self._x_projections)
+        # (models/shared_input.py): one dx buffer for their gradients, the LoRA adapters' products batched;
+        # with router_matmul bf16x2 and a bf16 x the router's logits too (its dx added into that buffer)
+        w_r = self.router.weight
+        in_node = (self.spec.router_matmul == "bf16x2" and x_TD.dtype == torch.bfloat16 and w_r.dtype != torch.float64
+                   and not (self.router._forward_hooks or self.router._forward_pre_hooks))
+        outs = shared_input_linears(x_TD, self._x_projections, logits_weight=w_r if in_node else None)
+        r = self.router(x_TD, batch_size=B, logits_TE=outs.pop() if in_node else None)
         z_TL = x_TD
         if self.latent:
             z_TL = outs.pop(0)
@@ -225,7 +229,10 @@ class LatentMoE(nn.Module):
                 z_TL = self.latent_norm(z_TL)
         y_TL = self.dispatcher(self.experts, z_TL, r.expert_ids_TK, r.weights_TK, self.spec.n_routed_experts,
                                backend=self.backend)
-        acc = None if residual is None else residual.reshape(B * T, D)
+        # the residual goes into the GEMMs where they can add it (bf16 stream on CUDA: residual + shared + routed);
+        # otherwise (fp32 stream, CPU) residual + (routed + shared), in that order, as an add of its own
+        into = adds_in_gemm(residual)
+        acc = residual.reshape(B * T, D) if into else None
         if self.shared is not None:
             if self.shared_gate is None:
                 acc = self.shared.down(outs[0], outs[1], residual=acc)
@@ -236,5 +243,8 @@ class LatentMoE(nn.Module):
             out_TD = linear_into(self.fc2_latent_proj, y_TL, acc)
         else:
             out_TD = y_TL if acc is None else acc + y_TL
+        out_BTD = out_TD.view(B, T, D)
+        if residual is not None and not into:
+            out_BTD = residual + out_BTD
         stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
-        return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}
+        return out_BTD, {"aux": r.aux, "moe": stats}
