@@ -188,24 +188,20 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
     return out.to(x.dtype)
 
 
-def adds_in_gemm(c: torch.Tensor | None) -> bool:
-    """Whether linear_into can add c inside a GEMM: on CUDA under autocast, c in the autocast dtype (a bf16
-    residual stream: LoRA's frozen bf16 base; full fine-tuning's fp32 stream is added apart, in fp32)."""
-    return (c is not None and c.is_cuda and torch.is_autocast_enabled("cuda")
-            and c.dtype == torch.get_autocast_dtype("cuda"))
-
-
-def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
-    """c + m(x) for a linear layer m (m(x) when c is None). Where m is a plain bias-free nn.Linear without hooks,
-    under CUDA autocast with c in the autocast dtype, as one GEMM that adds c in its epilogue (cuBLAS beta = 1:
-    c is read inside the GEMM instead of by an add pass over [tokens, out] afterwards); elsewhere (an fp32
-    residual stream, a LoRA layer, the CPU) m(x) + c. Either way the gradient reaches c unchanged."""
-    if c is None:
-        return m(x)
-    if (type(m) is nn.Linear and m.bias is None and adds_in_gemm(c) and c.shape[:-1] == x.shape[:-1] and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
+def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """c + m(x) for a linear layer m, where it can be one GEMM that adds into c in place (cuBLAS beta = 1: no add
+    pass over [tokens, out] afterwards, and no copy of c, which an out-of-place addmm makes first): m a plain
+    bias-free nn.Linear without hooks, on CUDA under autocast with c in the autocast dtype, outside a dispatch
+    mode (selective recompute's refuses in-place changes to the tensors it caches). The caller passes a c that
+    nothing else reads (another GEMM's output, whose backward does not save it). Elsewhere c + m(x) out of
+    place. Either way the gradient reaches c unchanged."""
+    if (type(m) is nn.Linear and m.bias is None and c.is_cuda and torch.is_autocast_enabled("cuda")
+            and c.dtype == torch.get_autocast_dtype("cuda") and c.shape[:-1] == x.shape[:-1] and c.is_contiguous()
+            and _get_current_dispatch_mode() is None
+            and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
                      or _module._global_forward_pre_hooks)):
-        out = torch.addmm(c.reshape(-1, c.shape[-1]), x.reshape(-1, x.shape[-1]), m.weight.t())
-        return out.view(c.shape)
+        n = c.shape[-1]
+        return c.view(-1, n).addmm_(x.reshape(-1, x.shape[-1]).to(c.dtype), m.weight.t().to(c.dtype)).view(c.shape)
     return c + m(x)
 
 
@@ -226,19 +222,14 @@ class SwiGLU(nn.Module):
         """The layers that read x (looked up at each call: LoRA injection replaces them)."""
         return self.w1, self.w3
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """w2(silu(w1 x) * w3 x), plus `residual` when given (added by w2's GEMM where adds_in_gemm)."""
-        gu = shared_input_linears(x, self._x_projections)
-        if residual is not None and not adds_in_gemm(residual):
-            return residual + self.down(*gu)
-        return self.down(*gu, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(*shared_input_linears(x, self._x_projections))
 
-    def down(self, g: torch.Tensor, u: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """w2(silu(g) * u) (+ residual) for g = w1 x, u = w3 x computed by the caller (with other projections of
-        x)."""
+    def down(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """w2(silu(g) * u) for g = w1 x, u = w3 x computed by the caller (with other projections of x)."""
         a = swiglu_pair(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), backend=self.backend,
                         limit=self.limit)
-        return linear_into(self.w2, a.view(g.shape), residual)
+        return self.w2(a.view(g.shape))
 
 
 class CausalConv1d(nn.Module):

@@ -78,15 +78,13 @@ class Block(nn.Module):
             x = x + a if mix is None else self.attn_hc.merge(a, x, mix)
             h, mix = self.ffn_hc(x) if self.ffn_hc is not None else (x, None)
             h = self.ffn_norm(h)
-        # without hyper-connections the FFN adds the residual stream itself (its last GEMM's epilogue where it can)
-        res = x if mix is None else None
         if self.is_moe:
-            f, moe_info = self.ffn(h, residual=res)
+            f, moe_info = self.ffn(h)
             info["aux"].update(moe_info["aux"])
             info["moe"] = moe_info["moe"]
         else:
-            f = self.ffn(h, residual=res)
-        return (f if mix is None else self.ffn_hc.merge(f, x, mix)), info
+            f = self.ffn(h)
+        return (x + f if mix is None else self.ffn_hc.merge(f, x, mix)), info
 
 
 @dataclass

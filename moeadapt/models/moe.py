@@ -23,7 +23,7 @@ from ..ops.moe import (
     swiglu_pair,
     unpermute,
 )
-from .common import RMSNorm, SwiGLU, adds_in_gemm, linear_into
+from .common import RMSNorm, SwiGLU, linear_into
 from .router import Router
 from .shared_input import shared_input_linears
 
@@ -208,10 +208,7 @@ class LatentMoE(nn.Module):
                 mods += (self.shared_gate,)
         return mods
 
-    def forward(self, h_BTD: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """(the layer's output [B, T, D], its aux losses and routing stats); with `residual` (the block's
-        residual stream) residual + output, the sums taken by the GEMMs that end the two branches (the shared
-        expert's w2, then fc2_latent_proj: common.linear_into) where they can, instead of two add passes."""
+    def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:
         B, T, D = h_BTD.shape
         x_TD = h_BTD.reshape(B * T, D)
         # the projections of x (latent, shared expert's gate / up, its sigmoid gate) as one autograd node
@@ -229,22 +226,13 @@ class LatentMoE(nn.Module):
                 z_TL = self.latent_norm(z_TL)
         y_TL = self.dispatcher(self.experts, z_TL, r.expert_ids_TK, r.weights_TK, self.spec.n_routed_experts,
                                backend=self.backend)
-        # the residual goes into the GEMMs where they can add it (bf16 stream on CUDA: residual + shared + routed);
-        # otherwise (fp32 stream, CPU) residual + (routed + shared), in that order, as an add of its own
-        into = adds_in_gemm(residual)
-        acc = residual.reshape(B * T, D) if into else None
-        if self.shared is not None:
-            if self.shared_gate is None:
-                acc = self.shared.down(outs[0], outs[1], residual=acc)
-            else:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
-                sh_TD = self.shared.down(outs[0], outs[1]) * torch.sigmoid(outs[2])
-                acc = sh_TD if acc is None else acc + sh_TD
-        if self.latent:
-            out_TD = linear_into(self.fc2_latent_proj, y_TL, acc)
+        if self.shared is None:
+            out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
         else:
-            out_TD = y_TL if acc is None else acc + y_TL
-        out_BTD = out_TD.view(B, T, D)
-        if residual is not None and not into:
-            out_BTD = residual + out_BTD
+            sh_TD = self.shared.down(outs[0], outs[1])
+            if self.shared_gate is not None:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
+                sh_TD = sh_TD * torch.sigmoid(outs[2])
+            # the routed part added into the shared expert's output by fc2_latent_proj's GEMM where it can
+            out_TD = linear_into(self.fc2_latent_proj, y_TL, sh_TD) if self.latent else sh_TD + y_TL
         stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
-        return out_BTD, {"aux": r.aux, "moe": stats}
+        return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}
