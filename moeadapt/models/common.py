@@ -11,7 +11,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
@@ -186,23 +185,6 @@ def apply_rope(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> t
         cos_TR, sin_TR = cos_TR[..., None, :], sin_TR[..., None, :]
     out = torch.cat([x1 * cos_TR - x2 * sin_TR, x1 * sin_TR + x2 * cos_TR], dim=-1)
     return out.to(x.dtype)
-
-
-def linear_into(m: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """c + m(x) for a linear layer m, where it can be one GEMM that adds into c in place (cuBLAS beta = 1: no add
-    pass over [tokens, out] afterwards, and no copy of c, which an out-of-place addmm makes first): m a plain
-    bias-free nn.Linear without hooks, on CUDA under autocast with c in the autocast dtype, outside a dispatch
-    mode (selective recompute's refuses in-place changes to the tensors it caches). The caller passes a c that
-    nothing else reads (another GEMM's output, whose backward does not save it). Elsewhere c + m(x) out of
-    place. Either way the gradient reaches c unchanged."""
-    if (type(m) is nn.Linear and m.bias is None and c.is_cuda and torch.is_autocast_enabled("cuda")
-            and c.dtype == torch.get_autocast_dtype("cuda") and c.shape[:-1] == x.shape[:-1] and c.is_contiguous()
-            and _get_current_dispatch_mode() is None
-            and not (m._forward_hooks or m._forward_pre_hooks or _module._global_forward_hooks
-                     or _module._global_forward_pre_hooks)):
-        n = c.shape[-1]
-        return c.view(-1, n).addmm_(x.reshape(-1, x.shape[-1]).to(c.dtype), m.weight.t().to(c.dtype)).view(c.shape)
-    return c + m(x)
 
 
 class SwiGLU(nn.Module):

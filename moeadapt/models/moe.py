@@ -23,7 +23,7 @@ from ..ops.moe import (
     swiglu_pair,
     unpermute,
 )
-from .common import RMSNorm, SwiGLU, linear_into
+from .common import RMSNorm, SwiGLU
 from .router import Router
 from .shared_input import shared_input_linears
 
@@ -211,14 +211,10 @@ class LatentMoE(nn.Module):
     def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:
         B, T, D = h_BTD.shape
         x_TD = h_BTD.reshape(B * T, D)
+        r = self.router(x_TD, batch_size=B)
         # the projections of x (latent, shared expert's gate / up, its sigmoid gate) as one autograd node
-        # (models/shared_input.py): one dx buffer for their gradients, the LoRA adapters' products batched;
-        # with router_matmul bf16x2 and a bf16 x the router's logits too (its dx added into that buffer)
-        w_r = self.router.weight
-        in_node = (self.spec.router_matmul == "bf16x2" and x_TD.dtype == torch.bfloat16 and w_r.dtype != torch.float64
-                   and not (self.router._forward_hooks or self.router._forward_pre_hooks))
-        outs = shared_input_linears(x_TD, self._x_projections, logits_weight=w_r if in_node else None)
-        r = self.router(x_TD, batch_size=B, logits_TE=outs.pop() if in_node else None)
+        # (models/shared_input.py): one dx buffer for their gradients, the LoRA adapters' products batched
+        outs = shared_input_linears(x_TD, self._x_projections)
         z_TL = x_TD
         if self.latent:
             z_TL = outs.pop(0)
@@ -226,13 +222,11 @@ class LatentMoE(nn.Module):
                 z_TL = self.latent_norm(z_TL)
         y_TL = self.dispatcher(self.experts, z_TL, r.expert_ids_TK, r.weights_TK, self.spec.n_routed_experts,
                                backend=self.backend)
-        if self.shared is None:
-            out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
-        else:
+        out_TD = self.fc2_latent_proj(y_TL) if self.latent else y_TL
+        if self.shared is not None:
             sh_TD = self.shared.down(outs[0], outs[1])
             if self.shared_gate is not None:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
                 sh_TD = sh_TD * torch.sigmoid(outs[2])
-            # the routed part added into the shared expert's output by fc2_latent_proj's GEMM where it can
-            out_TD = linear_into(self.fc2_latent_proj, y_TL, sh_TD) if self.latent else sh_TD + y_TL
+            out_TD = out_TD + sh_TD
         stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
         return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}

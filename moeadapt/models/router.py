@@ -53,7 +53,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a·b for bf16 a, b on bf16 tensor cores, summed and returned in fp32 (cuBLAS's `out_dtype`). On the CPU
     the same math in fp32 ops: bf16 products are exact in fp32."""
-    with torch.autocast(a.device.type, enabled=False):  # (autocast would run the CPU's fp32 matmul in bf16)
+    with torch.autocast(a.device.type, enabled=False):  # (CPU autocast would run the fp32 matmul in bf16)
         if a.is_cuda:
             return torch.mm(a, b, out_dtype=torch.float32)
         return a.float() @ b.float()
@@ -88,39 +88,6 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw, None
 
 
-def bf16x2_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 logits x·Wᵀ, w3 = [W_hi; W_hi; W_lo] bf16 [3E, D] for the backward) for a bf16 x: _RouterLogitsBF16x2's
-    forward GEMM, x · [W_hi; W_lo]ᵀ with fp32 output, its two halves added."""
-    E = w_ED.shape[0]
-    hi, lo = split_bf16(w_ED.float())
-    w3 = torch.cat([hi, hi, lo])
-    out = mm_fp32_out(x_TD, w3[E:].t())  # [T, 2E]
-    return out[:, :E] + out[:, E:], w3
-
-
-def bf16x2_grads(g_TE: torch.Tensor, x_TD: torch.Tensor | None, w_dtype: torch.dtype | None):
-    """(g3 = [g_hi | g_lo | g_hi] bf16 [T, 3E], dW or None) for the fp32 gradient g of bf16x2 logits: dx is
-    g3 · w3 (the caller's GEMM, into a buffer of its own or one it adds to); dW = [g_hi | g_lo]ᵀ · x, fp32 out,
-    halves added, in w_dtype (x None: no dW)."""
-    E = g_TE.shape[1]
-    g_hi, g_lo = split_bf16(g_TE.float())
-    g3 = torch.cat([g_hi, g_lo, g_hi], 1)
-    if x_TD is None:
-        return g3, None
-    d2 = mm_fp32_out(g3[:, :2 * E].t(), x_TD)  # [2E, D]
-    return g3, (d2[:E] + d2[E:]).to(w_dtype)
-
-
-def bf16x2_dx(g3: torch.Tensor, w3: torch.Tensor, dx: torch.Tensor | None = None) -> torch.Tensor:
-    """dx (+)= g3 · w3 in bf16 with fp32 sums: into dx in place when given (cuBLAS beta = 1; on the CPU the same
-    sum in fp32 ops)."""
-    if g3.is_cuda:
-        with torch.autocast("cuda", enabled=False):
-            return g3 @ w3 if dx is None else dx.addmm_(g3, w3)
-    out = mm_fp32_out(g3, w3)
-    return (out if dx is None else out + dx.float()).to(torch.bfloat16)
-
-
 class _RouterLogitsBF16x2(torch.autograd.Function):
     """router_matmul "bf16x2": logits = x·Wᵀ for a bf16 x (exact in bf16: autocast's activations) on bf16 tensor
     cores, with the fp32 operands each split into two bf16 terms (split_bf16: 16 mantissa bits, TF32 keeps 10)
@@ -130,21 +97,33 @@ class _RouterLogitsBF16x2(torch.autograd.Function):
         dW     = g_hiᵀ·x + g_loᵀ·x                     one GEMM: [g_hi | g_lo]ᵀ · x, fp32 out, halves added
     (the dropped g_lo·W_lo term is 2⁻¹⁶ of the product). Nothing activation-sized in fp32: no fp32 copy of x in
     the forward nor of dx in the backward, which the "tf32" mode makes (a [tokens, hidden] cast each way).
-    Saved: [W_hi; W_hi; W_lo] (bf16, [3E, D]) and x itself when W trains. (LatentMoE runs the same GEMMs inside
-    its shared-input node, models/shared_input.py, where dx goes into the node's buffer.)"""
+    Saved: [W_hi; W_hi; W_lo] (bf16, [3E, D]) and x itself when W trains."""
 
     @staticmethod
     def forward(ctx, x_TD, w_ED):
-        logits, w3 = bf16x2_logits(x_TD, w_ED)
+        E = w_ED.shape[0]
+        hi, lo = split_bf16(w_ED.float())
+        w3 = torch.cat([hi, hi, lo])  # [3E, D]
         ctx.save_for_backward(x_TD if ctx.needs_input_grad[1] else None, w3)
         ctx.w_dtype = w_ED.dtype
-        return logits
+        with torch.autocast(x_TD.device.type, enabled=False):
+            out = mm_fp32_out(x_TD, w3[E:].t())  # [T, 2E]
+        return out[:, :E] + out[:, E:]
 
     @staticmethod
     def backward(ctx, g_TE):
         x_TD, w3 = ctx.saved_tensors
-        g3, dw = bf16x2_grads(g_TE, x_TD if ctx.needs_input_grad[1] else None, ctx.w_dtype)
-        return bf16x2_dx(g3, w3) if ctx.needs_input_grad[0] else None, dw
+        E = g_TE.shape[1]
+        g_hi, g_lo = split_bf16(g_TE.float())
+        g3 = torch.cat([g_hi, g_lo, g_hi], 1)  # [T, 3E]
+        dx = dw = None
+        with torch.autocast(g_TE.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = g3 @ w3 if g3.is_cuda else mm_fp32_out(g3, w3).to(torch.bfloat16)
+            if ctx.needs_input_grad[1]:
+                d2 = mm_fp32_out(g3[:, :2 * E].t(), x_TD)  # [2E, D]
+                dw = (d2[:E] + d2[E:]).to(ctx.w_dtype)
+        return dx, dw
 
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str) -> torch.Tensor:
@@ -206,14 +185,11 @@ class Router(nn.Module):
             sel = sel.masked_fill(~keep_TG.repeat_interleave(E // G, dim=1), float("-inf"))
         return sel
 
-    def forward(self, x_TD: torch.Tensor, batch_size: int = 1, logits_TE: torch.Tensor | None = None) -> RouterOutput:
-        """Routing of x_TD; `logits_TE`: x·Wᵀ already computed by the caller (LatentMoE: in its shared-input node,
-        models/shared_input.py), as router_logits would."""
+    def forward(self, x_TD: torch.Tensor, batch_size: int = 1) -> RouterOutput:
         spec, E, K = self.spec, self.n_experts, self.top_k
         T = x_TD.shape[0]
         acc = torch.float64 if x_TD.dtype == torch.float64 else torch.float32  # fp32 at least
-        if logits_TE is None:
-            logits_TE = router_logits(x_TD, self.weight, spec.router_matmul)
+        logits_TE = router_logits(x_TD, self.weight, spec.router_matmul)
         scores_TE = logits_TE.sigmoid() if spec.score_func == "sigmoid" else logits_TE.softmax(-1)
         with torch.no_grad():
             sel_TE = self._select_scores(scores_TE)

@@ -10,11 +10,6 @@ adds per layer), and each LoRA adapter reads x in the forward and again for dA, 
 into dx. Here dx is one buffer that each weight's GEMM adds into (beta = 1), and the adapters of all LoRA members
 run as one: x [A_1; ...; A_n]^T once forward, one rank-(n r) GEMM into dx, and one GEMM for every dA backward.
 
-With `logits_weight` W_r (a router's fp32 [E, in] weight) the node also returns the router's fp32 logits x W_rᵀ in
-the router's "bf16x2" math (models/router.py, _RouterLogitsBF16x2), and in the backward that GEMM adds the
-router's share of dx into the same buffer (g3 [W_hi; W_hi; W_lo]) instead of a dx of its own that autograd adds
-to the node's.
-
 Members it takes: plain nn.Linear (trainable or frozen, fp32 weights cast to the autocast dtype as autocast would,
 their gradients returned in the weight's dtype) and layers that offer `shared_input_terms()` (LoRALinear with a
 frozen base and no dropout). Anything else (a hook on a member, a subclass, no autocast, float64 inputs) runs
@@ -29,8 +24,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-from .router import bf16x2_dx, bf16x2_grads, bf16x2_logits, router_logits
 
 
 def add_lowrank(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
@@ -52,25 +45,17 @@ def _terms(m: nn.Module):
     return get() if get is not None else None
 
 
-def shared_input_linears(x: torch.Tensor, mods: Sequence[nn.Module],
-                         logits_weight: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[m(x) for m in mods], as one autograd node where every member and the context allow (module docstring);
-    with `logits_weight` (a router's weight, for a bf16 x) the router's fp32 logits as the last output, as
-    router.router_logits(x, logits_weight, "bf16x2") computes them."""
+def shared_input_linears(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """[m(x) for m in mods], as one autograd node where every member and the context allow (module docstring)."""
     dev = x.device.type
     terms = None
-    # the router's bf16x2 GEMMs take x as it is: in the node only for a bf16 x under bf16 autocast
-    logits_ok = logits_weight is None or (x.dtype == torch.bfloat16 and torch.get_autocast_dtype(dev) == x.dtype)
-    if (len(mods) + (logits_weight is not None) > 1 and torch.is_autocast_enabled(dev) and x.dtype != torch.float64
-            and logits_ok and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)):
+    if (len(mods) > 1 and torch.is_autocast_enabled(dev) and x.dtype != torch.float64
+            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)):
         terms = [_terms(m) for m in mods]
         if any(t is None for t in terms):
             terms = None
     if terms is None:
-        outs = [m(x) for m in mods]
-        if logits_weight is not None:
-            outs.append(router_logits(x, logits_weight, "bf16x2"))
-        return outs
+        return [m(x) for m in mods]
     flat, lora = [], []
     for w, b, ab in terms:
         flat += [w, b]
@@ -79,18 +64,15 @@ def shared_input_linears(x: torch.Tensor, mods: Sequence[nn.Module],
     for a, b, _ in adapters:
         flat += [a, b]
     scales = tuple(s for _, _, s in adapters)
-    return list(_SharedInputLinears.apply(x, torch.get_autocast_dtype(dev), tuple(lora), scales, logits_weight,
-                                          *flat))
+    return list(_SharedInputLinears.apply(x, torch.get_autocast_dtype(dev), tuple(lora), scales, *flat))
 
 
 class _SharedInputLinears(torch.autograd.Function):
     """Forward and backward of `shared_input_linears` (module docstring). Inputs: x, the compute dtype, which
-    members carry an adapter, the adapters' scalings, the router weight (or None), then (W_i, b_i) per member and
-    (A_j, B_j) per adapter."""
+    members carry an adapter, the adapters' scalings, then (W_i, b_i) per member and (A_j, B_j) per adapter."""
 
     @staticmethod
-    def forward(ctx, x, dt, lora, scales, w_r, *flat):
-        ctx.set_materialize_grads(False)  # an output the loss does not read: None in backward, not zeros
+    def forward(ctx, x, dt, lora, scales, *flat):
         n, na = len(lora), len(scales)
         ws, bs = flat[0:2 * n:2], flat[1:2 * n:2]
         As, Bs = flat[2 * n::2], flat[2 * n + 1::2]
@@ -110,29 +92,22 @@ class _SharedInputLinears(torch.autograd.Function):
                     ys[i] = add_lowrank(ys[i], h[:, o:o + r[j]], bc[j], scales[j])
                     o += r[j]
                     j += 1
-        w3 = None
-        if w_r is not None:  # the router's logits, bf16x2 (router._RouterLogitsBF16x2)
-            logits, w3 = bf16x2_logits(x2, w_r)
-            ys.append(logits)
-        ctx.save_for_backward(x2, h, a_cat, w3, *wc, *(bc or ()))
+        ctx.save_for_backward(x2, h, a_cat, *wc, *(bc or ()))
         ctx.meta = (shape, x.dtype, lora, scales, [w.dtype for w in ws], [b is not None for b in bs],
-                    [(a.dtype, b.dtype) for a, b in zip(As, Bs)], None if w_r is None else w_r.dtype)
+                    [(a.dtype, b.dtype) for a, b in zip(As, Bs)])
         return tuple(y.view(*shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *dys):
-        shape, x_dtype, lora, scales, w_dtypes, has_b, ab_dtypes, r_dtype = ctx.meta
+        shape, x_dtype, lora, scales, w_dtypes, has_b, ab_dtypes = ctx.meta
         n, na = len(lora), len(scales)
-        x2, h, a_cat, w3, *rest = ctx.saved_tensors
+        x2, h, a_cat, *rest = ctx.saved_tensors
         wc, bc = rest[:n], rest[n:]
         dt = x2.dtype
         needs = ctx.needs_input_grad
         rows = x2.shape[0]
         # a member whose output took no part in the loss gives no gradient (None): it adds nothing
-        dy2 = [None if d is None else d.reshape(rows, -1).to(dt) for d in dys[:n]]
-        g3 = grad_r = None
-        if w3 is not None and dys[n] is not None:  # the router's logits (bf16x2)
-            g3, grad_r = bf16x2_grads(dys[n].reshape(rows, -1), x2 if needs[4] else None, r_dtype)
+        dy2 = [None if d is None else d.reshape(rows, -1).to(dt) for d in dys]
         dx = None
         if needs[0]:
             for d, w in zip(dy2, wc):
@@ -142,14 +117,12 @@ class _SharedInputLinears(torch.autograd.Function):
                     dx = d @ w
                 else:
                     dx.addmm_(d, w)
-            if g3 is not None:  # the router's share, into the same buffer
-                dx = bf16x2_dx(g3, w3, dx)
         grads_w = []
         for i, d in enumerate(dy2):
             gw = gb = None
-            if d is not None and needs[5 + 2 * i]:
+            if d is not None and needs[4 + 2 * i]:
                 gw = (d.t() @ x2).to(w_dtypes[i])
-            if d is not None and has_b[i] and needs[6 + 2 * i]:
+            if d is not None and has_b[i] and needs[5 + 2 * i]:
                 gb = d.sum(0).to(w_dtypes[i])
             grads_w += [gw, gb]
         grads_ab = [None] * (2 * na)
@@ -174,7 +147,7 @@ class _SharedInputLinears(torch.autograd.Function):
                     dx = dhT.t() @ a_cat
                 else:
                     dx.addmm_(dhT.t(), a_cat)  # every adapter's share of dx: one rank-(sum r) GEMM
-            base = 2 * n + 5
+            base = 2 * n + 4
             da_cat = dhT @ x2 if any(needs[base + 2 * j] for _, j, _ in members) else None
             for i, j, o in members:
                 if dy2[i] is None:
@@ -185,4 +158,4 @@ class _SharedInputLinears(torch.autograd.Function):
                     grads_ab[2 * j + 1] = (dy2[i].t() @ h[:, o:o + r[j]]).mul_(scales[j]).to(ab_dtypes[j][1])
         if dx is not None:
             dx = dx.view(shape).to(x_dtype)
-        return (dx, None, None, None, grad_r, *grads_w, *grads_ab)
+        return (dx, None, None, None, *grads_w, *grads_ab)

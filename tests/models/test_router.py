@@ -225,3 +225,21 @@ def test_router_logits_frozen_weight_saves_no_input():
     assert all(t is None or t.shape == w.shape for t in saved)  # W only
     out.sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(8, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_router_logits_bf16x2_any_leading_shape():
+    """router_logits in bf16x2 mode takes x of any leading shape, as the other modes do: the same logits and
+    gradients as the flattened call."""
+    from moeadapt.models.router import router_logits
+
+    x = torch.randn(2, 7, 32).bfloat16()
+    w = torch.randn(6, 32) * 0.1
+    g = torch.randn(2, 7, 6)
+    outs = []
+    for xx in (x.clone().requires_grad_(), x.reshape(14, 32).clone().requires_grad_()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = router_logits(xx, w, "bf16x2")
+        out.backward(g.reshape(out.shape))
+        outs.append((out.reshape(14, 6), xx.grad.reshape(14, 32)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

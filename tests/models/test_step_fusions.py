@@ -82,48 +82,6 @@ def test_group_matches_layer_by_layer_and_float64(seed, x_dtype):
     assert _rel(dx.reshape(dx_ref.shape), dx_ref) < 1e-2
 
 
-@pytest.mark.parametrize("w_trains", [True, False])
-def test_group_with_router_logits(seed, w_trains):
-    """The node with a router's weight (logits_weight): the fp32 logits and the router's weight gradient as
-    router_logits(x, W, "bf16x2") gives them, dx with the router's share added in, against the members and the
-    router run apart and float64; unused logits give no router gradient."""
-    from moeadapt.models.router import router_logits
-
-    d = 40 + int(torch.randint(0, 24, ()))
-    mods = _members(d)
-    x = torch.randn(2, 3 + int(torch.randint(0, 6, ())), d).bfloat16()
-    w_r = (torch.randn(12, d) * 0.1).requires_grad_(w_trains)
-    dys = [torch.randn(*x.shape[:-1], m.out_features) for m in mods] + [torch.randn(*x.shape[:-1], 12)]
-    runs = []
-    for grouped in (True, False):
-        xx = x.clone().requires_grad_(True)
-        w_r.grad = None
-        for p in (p for m in mods for p in m.parameters()):
-            p.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ys = (shared_input_linears(xx, mods, logits_weight=w_r) if grouped
-                  else [*(m(xx) for m in mods), router_logits(xx, w_r, "bf16x2")])
-        sum((y.float() * dy).sum() for y, dy in zip(ys, dys)).backward()
-        if grouped:
-            assert "SharedInputLinears" in type(ys[-1].grad_fn).__name__ and ys[-1].dtype == torch.float32
-        runs.append([*ys, xx.grad, w_r.grad] + [p.grad for m in mods for p in m.parameters() if p.requires_grad])
-    for a, b in zip(*runs):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.dtype == b.dtype and _rel(a, b) < 1e-2
-    x64, w64, g64 = x.double().reshape(-1, d), w_r.detach().double(), dys[-1].double().reshape(-1, 12)
-    assert _rel(runs[0][len(mods)].reshape(-1, 12), x64 @ w64.T) < 3e-5  # the logits to bf16x2's 16 bits
-    if w_trains:
-        assert _rel(runs[0][len(mods) + 2], g64.T @ x64) < 3e-5
-    # logits the loss does not read: no router gradient, dx as the members' alone
-    xx = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ys = shared_input_linears(xx, mods, logits_weight=w_r)
-    w_r.grad = None
-    sum((y.float() * dy).sum() for y, dy in zip(ys[:-1], dys)).backward()
-    assert w_r.grad is None
-
-
 def test_unused_outputs_give_no_gradient(seed):
     """Members whose outputs the loss does not read get no gradient; dx is the used members' sum."""
     d = 32
