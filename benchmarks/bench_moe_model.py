@@ -9,7 +9,7 @@ median LoRA ms / median frozen ms - 1 over interleaved rounds (do_bench means, L
     python benchmarks/bench_moe_model.py [--cases 64x8,256x16,896x16] [--rounds 5] [--out model.jsonl]
         [--bubbles]          host enqueue time vs wall time vs summed kernel time of one step (is it host-bound?)
         [--host-profile]     where the host time goes (Triton launches, cProfile of forward and Python backwards)
-        [--router-matmul M]  the router's logit GEMM (ModelSpec.router_matmul: tf32, fp32, bf16)
+        [--router-matmul M]  the router's logit GEMM (ModelSpec.router_matmul: bf16x2, tf32, fp32, bf16)
         [--no-buffer B ...]  also time the LoRA layer without its [W | Bᵀ] buffers (released as parallelize_model
                              does before FSDP2 shards the experts), once per expert LoRA backend B (auto, torch,
                              triton), interleaved with the others: the FSDP2 paths at one GPU's cost
@@ -290,7 +290,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant and case")
     ap.add_argument("--bubbles", action="store_true", help="host enqueue time vs kernel time per step (bubbles())")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of the steps (host_profile())")
-    ap.add_argument("--router-matmul", default=None, help="ModelSpec.router_matmul: fp32, tf32 or bf16 "
+    ap.add_argument("--router-matmul", default=None, help="ModelSpec.router_matmul: bf16x2, fp32, tf32 or bf16 "
                     "(default: the ModelSpec default)")
     ap.add_argument("--lora-backend", default="auto", help="the experts' grouped-LoRA backend (auto, fused, triton)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (small --T / --dims, wall-clock timing)")

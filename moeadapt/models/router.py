@@ -106,8 +106,7 @@ class _RouterLogitsBF16x2(torch.autograd.Function):
         w3 = torch.cat([hi, hi, lo])  # [3E, D]
         ctx.save_for_backward(x_TD if ctx.needs_input_grad[1] else None, w3)
         ctx.w_dtype = w_ED.dtype
-        with torch.autocast(x_TD.device.type, enabled=False):
-            out = mm_fp32_out(x_TD, w3[E:].t())  # [T, 2E]
+        out = mm_fp32_out(x_TD, w3[E:].t())  # [T, 2E]
         return out[:, :E] + out[:, E:]
 
     @staticmethod
@@ -117,12 +116,12 @@ class _RouterLogitsBF16x2(torch.autograd.Function):
         g_hi, g_lo = split_bf16(g_TE.float())
         g3 = torch.cat([g_hi, g_lo, g_hi], 1)  # [T, 3E]
         dx = dw = None
-        with torch.autocast(g_TE.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # bf16 out, fp32 sums (cuBLAS's; on the CPU in fp32 ops)
+            with torch.autocast(g3.device.type, enabled=False):
                 dx = g3 @ w3 if g3.is_cuda else mm_fp32_out(g3, w3).to(torch.bfloat16)
-            if ctx.needs_input_grad[1]:
-                d2 = mm_fp32_out(g3[:, :2 * E].t(), x_TD)  # [2E, D]
-                dw = (d2[:E] + d2[E:]).to(ctx.w_dtype)
+        if ctx.needs_input_grad[1]:
+            d2 = mm_fp32_out(g3[:, :2 * E].t(), x_TD)  # [2E, D]
+            dw = (d2[:E] + d2[E:]).to(ctx.w_dtype)
         return dx, dw
 
 
