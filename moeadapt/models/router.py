@@ -50,6 +50,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = flag
 
 
+# torch.mm's out_dtype (fp32 output from bf16 inputs, cuBLAS) arrived in torch 2.8; the project allows 2.6, where
+# router_matmul "bf16x2" runs as "tf32"
+MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")
+
+
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a·b for bf16 a, b on bf16 tensor cores, summed and returned in fp32 (cuBLAS's `out_dtype`). On the CPU
     the same math in fp32 ops: bf16 products are exact in fp32."""
@@ -127,17 +132,17 @@ class _RouterLogitsBF16x2(torch.autograd.Function):
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, mode: str) -> torch.Tensor:
     """fp32 (fp64 for fp64 input) router logits x·Wᵀ, also under autocast (see _RouterLogits and
-    _RouterLogitsBF16x2; mode "bf16x2" with an x that is not bf16 runs as "tf32")."""
+    _RouterLogitsBF16x2; mode "bf16x2" with an x that is not bf16, or on torch < 2.8, runs as "tf32")."""
     if x_TD.dtype == torch.float64:
         return F.linear(x_TD, w_ED.double())
     if torch.is_autocast_enabled(x_TD.device.type):
         if mode == "bf16x2":
-            if x_TD.dtype == torch.bfloat16:
+            if x_TD.dtype == torch.bfloat16 and MM_FP32_OUT:
                 if x_TD.dim() == 2:
                     return _RouterLogitsBF16x2.apply(x_TD, w_ED)
                 out = _RouterLogitsBF16x2.apply(x_TD.reshape(-1, x_TD.shape[-1]), w_ED)
                 return out.view(*x_TD.shape[:-1], w_ED.shape[0])
-            mode = "tf32"  # an fp32 or fp16 x is not exact in bf16: the TF32 GEMMs
+            mode = "tf32"  # an fp32 or fp16 x is not exact in bf16 (or torch < 2.8): the TF32 GEMMs
         return _RouterLogits.apply(x_TD, w_ED, mode)
     return F.linear(x_TD.float(), w_ED.float())
 

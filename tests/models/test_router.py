@@ -243,3 +243,17 @@ def test_router_logits_bf16x2_any_leading_shape():
         outs.append((out.reshape(14, 6), xx.grad.reshape(14, 32)))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_router_logits_bf16x2_falls_back_without_fp32_output_mm(monkeypatch):
+    """Where torch.mm has no fp32 output for bf16 inputs (torch < 2.8, MM_FP32_OUT False) bf16x2 runs as tf32:
+    the same fp32 logits, through the TF32 path's node."""
+    from moeadapt.models import router
+
+    x = torch.randn(9, 32).bfloat16()
+    w = torch.randn(5, 32, requires_grad=True)
+    monkeypatch.setattr(router, "MM_FP32_OUT", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router.router_logits(x, w, "bf16x2")
+    assert type(out.grad_fn).__name__ == "_RouterLogitsBackward" and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), x.double() @ w.detach().double().T, rtol=1e-5, atol=1e-5)
