@@ -200,8 +200,9 @@ class ModelSpec(_Strict):
         default="bf16x2", description="the router's logit GEMM under bf16 autocast (logits and scores stay fp32): "
         "bf16x2 = bf16 tensor cores with the fp32 weight (and, backward, the fp32 gradient) split into two bf16 "
         "terms, 16 mantissa bits, and the bf16 input exact, fp32 sums (no fp32 copy of the input; an input that "
-        "is not bf16, or torch < 2.8, runs as tf32); tf32 = tensor cores, inputs rounded to 10 mantissa bits (H200: within 3% of "
-        "bf16's layer time); fp32 = full precision (+31% on a frozen E=896 layer); bf16 = bf16 inputs")
+        "is not bf16, or torch < 2.8, runs as tf32); tf32 = tensor cores, inputs rounded to 10 mantissa bits "
+        "(H200: within 3% of bf16's layer time); fp32 = full precision (+31% on a frozen E=896 layer); "
+        "bf16 = bf16 inputs")
     n_group: int = Field(default=1, ge=1)
     topk_group: int = Field(default=1, ge=1)
     routed_scaling_factor: float = Field(default=1.0, gt=0)
