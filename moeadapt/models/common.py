@@ -54,6 +54,11 @@ def compiles(x: torch.Tensor) -> bool:
     return x.is_cuda and _get_current_dispatch_mode() is None
 
 
+def compiled_for(x: torch.Tensor, fn):
+    """fn compiled where glue on x runs compiled (`compiles`), else fn itself: the same math either way."""
+    return compiled(fn) if compiles(x) else fn
+
+
 def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype,
                    gate: torch.Tensor | None) -> torch.Tensor:
     """rms_norm compiled: one fused kernel each way instead of ~6 elementwise / reduction passes (forward) and

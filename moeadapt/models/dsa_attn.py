@@ -25,7 +25,7 @@ from ..ops.custom import traced
 from ..ops.dsa import indexer_kl_loss, kpool_indexer, lightning_indexer, sparse_attention
 from ..ops.dsa.cp import dsa_attention_cp
 from ..ops.dsa.flex_attn import mha_form_pays
-from .common import RMSNorm, apply_rope, compiled, compiles, rope_softmax_mscale
+from .common import RMSNorm, apply_rope, compiled_for, rope_softmax_mscale
 from .documents import Documents, flat_rows
 from .shared_input import shared_input_linears
 
@@ -148,7 +148,7 @@ class DSAAttention(nn.Module):
     def indexer(self, x_BTD, q_lat, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x_BTD.shape
         r = self.rope
-        rot = compiled(rope_first) if compiles(x_BTD) else rope_first
+        rot = compiled_for(x_BTD, rope_first)
         q_idx = rot(self.wq_idx(q_lat).view(B, T, self.HI, self.DI), cos, sin, r)
         k_idx = self.k_idx_norm(self.wk_idx(x_BTD)).to(q_idx.dtype)  # LayerNorm runs in fp32 under autocast
         k_idx = rot(k_idx, cos, sin, r)
@@ -172,8 +172,7 @@ class DSAAttention(nn.Module):
         mha = self._mha_form(T, x_BTD.is_cuda) and self.cp is None and not flat
         if mha:  # per-head keys and values, attention over dense tiles of the selection (ops/dsa/flex_attn.py)
             kvb = self.wkv_b(kv_lat).view(B, T, H, nope + self.vd)
-            prep = compiled(mha_inputs) if compiles(q) else mha_inputs
-            q_full, k_full, v_lat = prep(q, kvb, k_pe, cos, sin, nope, self.spec.mla_rope)
+            q_full, k_full, v_lat = compiled_for(q, mha_inputs)(q, kvb, k_pe, cos, sin, nope, self.spec.mla_rope)
         else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
             q_nope, q_pe = q[..., :nope], q[..., nope:]
             if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
@@ -243,7 +242,7 @@ class DSAAttention(nn.Module):
             o_lat = o_lat.reshape(B, T, H, kvl)
             o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if out_gate:  # the sigmoid gate per head, and o made contiguous for wo in the same pass
-            o = (compiled(gate_heads) if compiles(o) else gate_heads)(o, out_gate[0])
+            o = compiled_for(o, gate_heads)(o, out_gate[0])
         aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux
 

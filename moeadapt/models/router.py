@@ -56,10 +56,10 @@ MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a·b for bf16 a, b on bf16 tensor cores, summed and returned in fp32 (cuBLAS's `out_dtype`). On the CPU
-    the same math in fp32 ops: bf16 products are exact in fp32."""
+    """a·b for bf16 a, b on bf16 tensor cores, summed and returned in fp32 (cuBLAS's `out_dtype`). On the CPU, or
+    a torch without that output (< 2.8), the same math in fp32 ops: bf16 products are exact in fp32 (and TF32)."""
     with torch.autocast(a.device.type, enabled=False):  # (CPU autocast would run the fp32 matmul in bf16)
-        if a.is_cuda:
+        if a.is_cuda and MM_FP32_OUT:
             return torch.mm(a, b, out_dtype=torch.float32)
         return a.float() @ b.float()
 
