@@ -134,6 +134,7 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
     want = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
     fams: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    counted: dict[str, list] = {}  # kernel name (160 characters) -> [launches, ms]
     avgs = prof.key_averages()  # one aggregation of the events, read three ways below
     for e in avgs:
         if e.device_type != want or (device.type == "cuda" and _ANNOTATION.search(e.key)):
@@ -145,6 +146,9 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
         f = family(e.key, triton_fam)
         fams[f] = fams.get(f, 0.0) + us / 1e3
         kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
+        row = counted.setdefault(e.key[:160], [0, 0.0])
+        row[0] += e.count
+        row[1] += us / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:40]
     ops = []  # the aten ops whose kernels take the time, with their input shapes (CUDA only)
     if device.type == "cuda":
@@ -152,7 +156,7 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
             us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
             if e.device_type == torch.autograd.DeviceType.CPU and us and e.key.startswith("aten::"):
                 ops.append((e.key, str(e.input_shapes)[:80], e.count, us / 1e3))
-        ops = sorted(ops, key=lambda r: -r[3])[:40]
+        ops = sorted(ops, key=lambda r: -r[3])[:120]
     # the host side: where the step's CPU time goes (a step whose host time exceeds its CUDA time is launch-bound;
     # a blocking read such as aten::_local_scalar_dense shows here as the host waiting for the device)
     host = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in avgs
@@ -164,6 +168,7 @@ def profile_one(fn, device: torch.device, triton_fam: dict[str, str]) -> dict:
                   key=lambda r: -r[2])
     return {"fsdp_host_ms": fsdp[:25], "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
             "total_ms": sum(fams.values()), "top_kernels_ms": top, "top_ops_ms": ops,
+            "kernels": sorted(([k, n, ms] for k, (n, ms) in counted.items()), key=lambda r: -r[2])[:200],
             "host_ms": sum(r[2] for r in host), "top_host_ms": host[:25]}
 
 
