@@ -27,7 +27,7 @@ from torch import nn
 
 from ..models.init import Rule
 from ..models.moe import GroupedLinear
-from ..models.shared_input import add_lowrank
+from ..models.shared_input import linear_lowrank, lowrank
 from ..ops.moe import fused_lora, grouped_lora
 from ..ops.moe.fused_lora import aliases_cat, make_cat_buffer
 
@@ -95,10 +95,10 @@ class _FrozenLoRA(torch.autograd.Function):
     """x W^T + b + s (x A^T) B^T for a frozen W under autocast, every product in the autocast dtype `dt`.
 
     What autograd would run for the composition, less two activation-sized passes per layer: the adapter's term
-    is added into the base output in place (addmm_; a new tensor under selective recompute's dispatch mode, which
-    forbids changing the GEMM output it caches: shared_input.add_lowrank), and in the backward the adapter's
-    share of dx is added into W's share by the same GEMM (dx = dy W, then dx += dh A as one addmm_) instead of
-    being a tensor of its own and a separate add. Gradients: A and B in their own dtype (fp32 adapters), x in dt, none for W and b."""
+    is made first and the base GEMM adds into it (shared_input.linear_lowrank: no separate pass over the output),
+    and in the backward W's share of dx is added by its GEMM into the adapter's share (dx = dh A, then
+    dx += dy W as one addmm_) instead of being a tensor of its own and a separate add. Gradients: A and B in
+    their own dtype (fp32 adapters), x in dt, none for W and b."""
 
     @staticmethod
     def forward(ctx, x, w, bias, a, b, s, dt):
@@ -106,8 +106,7 @@ class _FrozenLoRA(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).to(dt)
         wc, ac, bc = w.to(dt), a.to(dt), b.to(dt)
         h = x2 @ ac.t()
-        y = x2 @ wc.t() if bias is None else torch.addmm(bias.to(dt), x2, wc.t())
-        y = add_lowrank(y, h, bc, s)
+        y = linear_lowrank(x2, wc, None if bias is None else bias.to(dt), h, bc, s)
         ctx.save_for_backward(x2, h, wc, ac, bc)
         ctx.s, ctx.x_dtype, ctx.ab_dtypes = s, x.dtype, (a.dtype, b.dtype)
         return y.view(*shape[:-1], y.shape[-1])
@@ -116,14 +115,13 @@ class _FrozenLoRA(torch.autograd.Function):
     def backward(ctx, dy):
         x2, h, wc, ac, bc = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).to(wc.dtype)
-        dh = (dy2 @ bc).mul_(ctx.s)
+        dh = lowrank(dy2, bc.t(), ctx.s)  # s dy B
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy2 @ wc
-            dx.addmm_(dh, ac)
+            dx = (dh @ ac).addmm_(dy2, wc)  # the rank-r share first, W's added in by its GEMM (linear_lowrank)
             dx = dx.view(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
         da = (dh.t() @ x2).to(ctx.ab_dtypes[0]) if ctx.needs_input_grad[3] else None
-        db = (dy2.t() @ h).mul_(ctx.s).to(ctx.ab_dtypes[1]) if ctx.needs_input_grad[4] else None
+        db = lowrank(dy2.t(), h.t(), ctx.s).to(ctx.ab_dtypes[1]) if ctx.needs_input_grad[4] else None
         return dx, None, None, da, db, None, None
 
 

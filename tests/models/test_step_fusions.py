@@ -12,7 +12,7 @@ from moeadapt.models.dsa_attn import DSAAttention
 from moeadapt.models.kda_attn import KDAAttention
 from moeadapt.models.model import build_model, materialize
 from moeadapt.models.moe import LatentMoE
-from moeadapt.models.shared_input import shared_input_linears
+from moeadapt.models.shared_input import linear_lowrank, lowrank, shared_input_linears
 from tests.conftest import micro_spec
 
 
@@ -112,6 +112,34 @@ def test_falls_back_where_the_node_cannot_stand_in(seed):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ys = shared_input_linears(x, mods)
     assert all("SharedInputLinears" not in type(y.grad_fn).__name__ for y in ys)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mode", [False, True])
+def test_linear_lowrank_against_float64(seed, bias, mode):
+    """x W^T + b + s h B^T with the rank-r product made first and the base GEMM added into it; under a dispatch
+    mode (selective recompute's) out of place in the original order. Against float64, and not within tolerance of
+    the sum without the scale or without the base term (the check can fail)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    rows, d, out, r = 30 + int(torch.randint(0, 20, ())), 48, 40 + int(torch.randint(0, 9, ())), 8
+    s = float(torch.rand(()) * 2 + 1.5)
+    x = torch.randn(rows, d, dtype=torch.bfloat16)
+    w, a, b = (torch.randn(*sh, dtype=torch.bfloat16) / d ** 0.5 for sh in ((out, d), (r, d), (out, r)))
+    bi = torch.randn(out, dtype=torch.bfloat16) if bias else None
+    h = x @ a.t()
+    with Passthrough() if mode else torch.no_grad():
+        y = linear_lowrank(x, w, bi, h, b, s)
+        lr = lowrank(h, b, s)
+    x64, w64, h64, b64 = (t.double() for t in (x, w, h, b))
+    ref = x64 @ w64.T + s * h64 @ b64.T + (bi.double() if bias else 0.0)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+    assert _rel(y, ref) < 1e-2 and _rel(lr, s * h64 @ b64.T) < 1e-2
+    assert _rel(y, ref - (s - 1) * h64 @ b64.T) > 3e-2 and _rel(y, ref - x64 @ w64.T) > 3e-2
 
 
 @pytest.mark.parametrize("where", [("attn", 1), ("attn", 3), ("ffn", 2), ("ffn", 0)])
