@@ -69,19 +69,20 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
 
 
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + a, rms_norm(x + a)): a residual add (torch's type promotion: an fp32 stream plus a bf16 branch stays
-    fp32) and the norm that reads the sum."""
-    s = x + a
+                 out: torch.dtype, b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + a (+ b), rms_norm of that sum): a residual add of one or two branch outputs (torch's type promotion:
+    an fp32 stream plus a bf16 branch stays fp32) and the norm that reads the sum."""
+    s = x + a if b is None else x + a + b
     return s, rms_norm(s, weight, eps, out)
 
 
-def _add_rms_norm_cuda(x, a, weight, eps, out):
+def _add_rms_norm_cuda(x, a, weight, eps, out, b=None):
     """add_rms_norm compiled: the add, the norm and (backward) the sum of the residual's and the norm's gradients
-    with the branch's cast each as one kernel, instead of an add, the norm and an add + a cast (flattened to
+    with the branches' cast each as one kernel, instead of the adds, the norm and an add + a cast (flattened to
     [rows, dim], as _rms_norm_cuda)."""
     d = x.shape[-1]
-    s, y = compiled(add_rms_norm)(x.reshape(-1, d), a.reshape(-1, d), weight, eps, out)
+    s, y = compiled(add_rms_norm)(x.reshape(-1, d), a.reshape(-1, d), weight, eps, out,
+                                  None if b is None else b.reshape(-1, d))
     return s.view(x.shape), y.view(x.shape)
 
 
@@ -114,16 +115,21 @@ class RMSNorm(nn.Module):
             return _rms_norm_cuda(x, self.weight, self.eps, out, gate)
         return rms_norm(x, self.weight, self.eps, out, gate)
 
-    def after_add(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + a, self(x + a)) for a residual stream x and a branch output a: on CUDA one compiled pass each way
+    def after_add(self, x: torch.Tensor, *branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + sum(branch), self(x + sum(branch))) for a residual stream x and one or two branch outputs (the MoE's
+        routed and shared experts' outputs may come unsummed): on CUDA one compiled pass each way
         (`add_rms_norm`). A module hook on this norm is honoured by running the two steps apart."""
-        if self._forward_hooks or self._forward_pre_hooks or a.shape != x.shape:
-            s = x + a
+        if (self._forward_hooks or self._forward_pre_hooks or len(branch) not in (1, 2)
+                or any(a.shape != x.shape for a in branch)):
+            s = x
+            for a in branch:
+                s = s + a
             return s, self(s)
         out = self._out_dtype(x)
+        b = branch[1] if len(branch) == 2 else None
         if self._compiles(x):
-            return _add_rms_norm_cuda(x, a, self.weight, self.eps, out)
-        return add_rms_norm(x, a, self.weight, self.eps, out)
+            return _add_rms_norm_cuda(x, branch[0], self.weight, self.eps, out, b)
+        return add_rms_norm(x, branch[0], self.weight, self.eps, out, b)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -33,6 +33,13 @@ from .router import Router
 from .vision import ImageBatch, VisionModel
 
 
+def _user_hooks(m: nn.Module) -> bool:
+    """Whether m has forward (pre-)hooks other than FSDP2's own, which gather and free its parameters and cast its
+    inputs but read nothing of the stream."""
+    return any(type(getattr(h, "__self__", None)).__name__ != "FSDPState"
+               for hooks in (m._forward_hooks, m._forward_pre_hooks) for h in hooks.values())
+
+
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int):
         super().__init__()
@@ -51,13 +58,22 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 micro_batches: int = 1, shared: dict | None = None,
-                docs: Documents | None = None) -> tuple[torch.Tensor, dict]:
+                docs: Documents | None = None, branch: tuple[torch.Tensor, ...] = (),
+                defer: bool = False) -> tuple[torch.Tensor, dict]:
         """micro_batches > 1: x holds several micro-batches along B; attention (and its aux losses) runs per
         micro-batch, the FFN / MoE once over all of them (small-batch merging for the experts). `shared`: the
         forward's DSA top-k selections, for layers that reuse an earlier layer's (spec.index_shared_layers).
-        docs: the batch's packed documents (models/documents.py; cos / sin are then per row, [B, T, R])."""
-        h, mix = self.attn_hc(x) if self.attn_hc is not None else (x, None)
-        h = self.attn_norm(h)
+        docs: the batch's packed documents (models/documents.py; cos / sin are then per row, [B, T, R]).
+        The residual add of the FFN's output can move into the next norm (`HybridMoEModel.forward` decides;
+        without hyper-connections only): `defer` leaves this block's FFN output(s) out of the returned stream and
+        hands them back in info["branch"], and `branch` takes the previous block's, added here by the attention
+        norm in the same pass (RMSNorm.after_add) instead of by a separate add each way."""
+        if branch:
+            x, h = self.attn_norm.after_add(x, *branch)
+            mix = None
+        else:
+            h, mix = self.attn_hc(x) if self.attn_hc is not None else (x, None)
+            h = self.attn_norm(h)
         if micro_batches == 1:
             a, attn_aux = self.attn(h, cos=cos, sin=sin, shared=shared, docs=docs)
         else:
@@ -79,11 +95,14 @@ class Block(nn.Module):
             h, mix = self.ffn_hc(x) if self.ffn_hc is not None else (x, None)
             h = self.ffn_norm(h)
         if self.is_moe:
-            f, moe_info = self.ffn(h)
+            f, moe_info = self.ffn(h, parts=defer)
             info["aux"].update(moe_info["aux"])
             info["moe"] = moe_info["moe"]
         else:
             f = self.ffn(h)
+        if defer:
+            info["branch"] = f if isinstance(f, tuple) else (f,)
+            return x, info
         return (x + f if mix is None else self.ffn_hc.merge(f, x, mix)), info
 
 
@@ -142,6 +161,16 @@ class HybridMoEModel(nn.Module):
                                 DSAAttention)):
                 m.reset_parameters()
 
+    def _defers_residual(self, block: Block, receiver: nn.Module) -> bool:
+        """Whether `block` hands its FFN output to `receiver` (the next block, or the final norm) to add into the
+        stream: not with hyper-connections (their merge mixes the streams), not where a hook on the block would
+        see its output without that add (onboard --validate records each block's output), and not into a
+        checkpointed block, whose saved inputs would then be the stream and one or two branch outputs instead of
+        the stream alone."""
+        if self.spec.hc_mult > 1 or _user_hooks(block):
+            return False
+        return not (isinstance(receiver, Block) and getattr(receiver, "_moeadapt_ac", None))
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 return_logits: bool = True, micro_batches: int = 1, images: ImageBatch | None = None,
                 position_ids: torch.Tensor | None = None) -> ModelOutput:
@@ -188,14 +217,18 @@ class HybridMoEModel(nn.Module):
         shared: dict = {}  # DSA top-k selections by (layer, micro-batch), for spec.index_shared_layers
         if self.spec.hc_mult > 1:  # hyper-connections: N copies of the embedding as the residual streams
             x = x.unsqueeze(2).expand(-1, -1, self.spec.hc_mult, -1)
-        for layer in self.layers:
-            x, info = layer(x, cos, sin, micro_batches, shared, docs)
+        branch: tuple[torch.Tensor, ...] = ()  # the last block's FFN output(s), not yet added to x
+        for i, layer in enumerate(self.layers):
+            receiver = self.layers[i + 1] if i + 1 < len(self.layers) else self.norm
+            x, info = layer(x, cos, sin, micro_batches, shared, docs, branch=branch,
+                            defer=self._defers_residual(layer, receiver))
+            branch = info.pop("branch", ())
             for k, v in info["aux"].items():
                 aux_total = aux_total + v.float()
                 aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
-        h = self.norm(x if self.spec.hc_mult == 1 else x.mean(2))
+        h = self.norm.after_add(x, *branch)[1] if branch else self.norm(x if self.spec.hc_mult == 1 else x.mean(2))
         logits, loss, weight = None, None, None
         if labels is not None:
             # per-token loss weights: the mean of the M per-micro-batch means, each over every token of the

@@ -208,7 +208,9 @@ class LatentMoE(nn.Module):
                 mods += (self.shared_gate,)
         return mods
 
-    def forward(self, h_BTD: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def forward(self, h_BTD: torch.Tensor, parts: bool = False) -> tuple[torch.Tensor | tuple, dict]:
+        """The routed experts' output plus the shared expert's, [B, T, D]; `parts`: the two unsummed, as a tuple
+        (the block then adds both into its residual stream in one pass, RMSNorm.after_add)."""
         B, T, D = h_BTD.shape
         x_TD = h_BTD.reshape(B * T, D)
         r = self.router(x_TD, batch_size=B)
@@ -227,6 +229,8 @@ class LatentMoE(nn.Module):
             sh_TD = self.shared.down(outs[0], outs[1])
             if self.shared_gate is not None:  # one sigmoid gate per token on the shared expert (Qwen3-Next)
                 sh_TD = sh_TD * torch.sigmoid(outs[2])
-            out_TD = out_TD + sh_TD
-        stats = {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}
-        return out_TD.view(B, T, D), {"aux": r.aux, "moe": stats}
+        info = {"aux": r.aux, "moe": {"counts": r.counts_E.detach(), "drop_rate": r.drop_rate}}
+        outs_TD = (out_TD,) if self.shared is None else (out_TD, sh_TD)
+        if parts:
+            return tuple(o.view(B, T, D) for o in outs_TD), info
+        return sum(outs_TD[1:], outs_TD[0]).view(B, T, D), info

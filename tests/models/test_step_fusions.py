@@ -225,3 +225,55 @@ def test_add_rms_norm_matches_the_add_then_the_norm(seed, x_dtype):
     s64 = x.double() + a.double()
     y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.detach().double()
     assert _rel(want[1], y64) < 1e-2 and _rel(want[0], s64) < 1e-2
+
+
+def test_residual_add_moves_into_the_next_norm(seed, monkeypatch):
+    """Each block hands its FFN output(s) (a MoE's routed and shared outputs unsummed) to the next block's attention
+    norm, or the final norm, to add in the same pass: the loss and every gradient as with the adds inside the
+    blocks (float64). A hook on a block keeps that block's add inside it (onboard --validate reads block outputs),
+    and a checkpointed block receives no branch (its saved inputs stay the stream alone)."""
+    import copy
+
+    from moeadapt.models.model import Block
+    from moeadapt.parallel.activation import apply_activation_checkpointing
+
+    spec = micro_spec()
+    model = materialize(build_model(spec), seed=seed % 1000, dtype=torch.float64)
+    ids = torch.randint(0, spec.vocab_size, (2, 10))
+    calls: list[tuple[int, bool]] = []
+    forward = Block.forward
+
+    def spy(self, *args, branch=(), defer=False, **kw):
+        calls.append((len(branch), defer))
+        return forward(self, *args, branch=branch, defer=defer, **kw)
+
+    monkeypatch.setattr(Block, "forward", spy)
+
+    def run(m, hooked=()):
+        calls.clear()
+        m.zero_grad(set_to_none=True)
+        hs = [m.layers[i].register_forward_hook(lambda *_: None) for i in hooked]
+        out = m(ids[:, :-1], labels=ids[:, 1:])
+        for h in hs:
+            h.remove()
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, list(calls)
+
+    moe = [b.is_moe for b in model.layers]
+    loss, grads, seen = run(model)
+    # block i receives block i-1's outputs: one from a dense FFN, two from a MoE with a shared expert
+    assert seen == [(0, True)] + [(2 if moe[i - 1] else 1, True) for i in range(1, spec.n_layers)]
+    loss1, grads1, seen1 = run(model, hooked=range(spec.n_layers))
+    assert seen1 == [(0, False)] * spec.n_layers
+    torch.testing.assert_close(loss, loss1, rtol=1e-12, atol=0)
+    assert grads.keys() == grads1.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads1[n], rtol=1e-9, atol=1e-12, msg=n)
+    _, _, seen2 = run(model, hooked=[1])
+    assert seen2[1] == (2 if moe[0] else 1, False) and seen2[2] == (0, True)
+    ac = copy.deepcopy(model)
+    apply_activation_checkpointing(ac, "full")
+    loss3, _, seen3 = run(ac)
+    torch.testing.assert_close(loss3, loss, rtol=1e-12, atol=0)
+    # (each checkpointed forward is seen twice: forward and recompute) only the last block hands its outputs on
+    assert {c for c in seen3} == {(0, False), (0, True)} and seen3[spec.n_layers - 1] == (0, True)
