@@ -218,6 +218,32 @@ def test_triton_matches_reference(seed, case, launch=None, decay=1.0, g_scale=No
 
 
 @needs_triton
+def test_triton_frozen_gate_parameters(seed):
+    """A_log and dt_bias frozen (LoRA): their token sums are skipped and dg is stored in g's dtype by the kernel
+    that finishes it. The other gradients against the float64 reference (g in fp32), no gradient for the frozen
+    two, and dg in bf16 for a bf16 g within bf16 rounding of the fp32 run's."""
+    B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    inp = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, fused=True, h0=False)
+    inp = {n: x.detach().to(dev).requires_grad_(n not in ("A_log", "dt_bias")) for n, x in inp.items()}
+    kw = dict(use_qk_l2norm=True, beta_is_logits=True, output_final_state=False)
+    o, _ = chunk_kda(**inp, backend="triton", **kw)
+    do = torch.randn_like(o)
+    trained = [n for n in inp if inp[n].requires_grad]
+    got = dict(zip(trained, torch.autograd.grad((o * do).sum(), [inp[n] for n in trained])))
+    inp64 = {n: x.detach().double().requires_grad_(x.requires_grad) for n, x in inp.items()}
+    o64, _ = chunk_kda_reference(**inp64, **kw)
+    want = dict(zip(trained, torch.autograd.grad((o64 * do.double()).sum(), [inp64[n] for n in trained])))
+    for n in trained:
+        assert_close(f"d{n}", got[n], want[n], 1e-4)
+    gb = inp["g"].detach().bfloat16().requires_grad_()
+    ob, _ = chunk_kda(**{**inp, "g": gb}, backend="triton", **kw)
+    (dgb,) = torch.autograd.grad((ob * do).sum(), [gb])
+    assert dgb.dtype == torch.bfloat16
+    assert_close("dg (bf16 g)", dgb, want["g"], 2e-2)
+
+
+@needs_triton
 @pytest.mark.slow
 def test_triton_strong_decay_and_no_final_state(seed):
     dev = "cuda" if torch.cuda.is_available() else "cpu"

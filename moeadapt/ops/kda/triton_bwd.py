@@ -176,10 +176,11 @@ def _bwd_sub_add(dq, dk, dg, dq_out, dk_out, tok, m, cg, sg, b_q, b_k, b_b, rq, 
 
 
 @triton.jit
-def _bwd_sub_dg(dg, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_hv, HV, K: tl.constexpr,
+def _bwd_sub_dg(dg_out, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_hv, HV, K: tl.constexpr,
                 USE_GATE: tl.constexpr):
     """One sub-chunk's dg = (sum of dG from its first row to the chunk's end: s_from at the first row) - the
-    in-sub-chunk cumsum + dG; with USE_GATE, through the fused gate (d/dA_log partials per row into o_dA)."""
+    in-sub-chunk cumsum + dG, stored into dg_out in its dtype; with USE_GATE, through the fused gate (d/dA_log
+    partials per row into o_dA)."""
     b_dg = s_from[None, :] - tl.cumsum(dG, axis=0) + dG
     o = tok[:, None] * sg + cg[None, :]
     mm = m[:, None]
@@ -188,12 +189,12 @@ def _bwd_sub_dg(dg, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias, i_h
                                                  axis=1), mask=m)
         x = tl.load(g + o, mask=mm, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv * K + ck).to(tl.float32)[None, :]
         b_dg *= -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.sigmoid(x)
-    tl.store(dg + o, b_dg, mask=mm)
+    tl.store(dg_out + o, b_dg.to(dg_out.dtype.element_ty), mask=mm)
 
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dq_out, dk_out,
+    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dq_out, dk_out, dg_out,
     H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
     DIAG_SPREAD: tl.constexpr,
@@ -294,5 +295,5 @@ def _bwd_intra(
                 ckk += d_k[:, None] * E * k_c
         dG = _bwd_sub_add(dq, dk, dg, dq_out, dk_out, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
         s += tl.sum(dG, axis=0)
-        _bwd_sub_dg(dg, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+        _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
         tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)

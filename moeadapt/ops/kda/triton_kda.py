@@ -244,12 +244,13 @@ def _chunk_kda_bwd_impl(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, Aqk: Tensor, Ti: Tensor, w: Tensor, u: Tensor,
     kd: Tensor, qg: Tensor, gl: Tensor, h: Tensor, vn: Tensor, cu: Tensor, cidx: Tensor, coff: Tensor,
     h0: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None, do: Tensor, dht: Tensor | None, scale: float,
-    launch: str,
+    launch: str, gate_grads: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of chunk_kda_fwd for the cotangents do [B,T,HV,V] and dht [N,HV,K,V] (None: zero), from its
     inputs and saved outputs: (dq, dk, dv, dg, dbeta in their inputs' dtypes, dh0 float32 [N,HV,K,V],
     dA_log [HV], ddt_bias like dt_bias); dh0 / dA_log / ddt_bias are shape [0] where h0 / A_log / dt_bias
-    is None."""
+    is None, and where `gate_grads` is False (a frozen gate: LoRA). Then dg is stored in g's dtype by the
+    kernel that finishes it; with them, dg stays fp32 until ddt_bias (its sum over tokens) is taken."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NC, N = gl.shape[0], cu.numel() - 1
@@ -296,15 +297,18 @@ def _chunk_kda_bwd_impl(
     # where HV > H sums them over the value heads first
     dq_out = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) if HV == H else dq
     dk_out = torch.empty(Tt, HV, K, device=dev, dtype=k.dtype) if HV == H else dk
+    gate_grads = gate and gate_grads
+    dg_out = dg if gate_grads else torch.empty(Tt, HV, K, device=dev, dtype=g.dtype)
     _bwd_intra[(NC, HV, K // BK2)](
-        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dq_out, dk_out,
+        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dq_out, dk_out, dg_out,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
         DIAG_SPREAD=cfg["diag_spread"],
     )
     del Gc
-    dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate else _empty(q)
-    ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate and dt_bias is not None else _empty(q)
+    dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate_grads else _empty(q)
+    ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate_grads and dt_bias is not None else _empty(q)
+    dg = dg_out
     dbeta = db0 + db1.sum(0) + db2.sum(0)
     dq, dk = dq_out, dk_out
     if HV != H:
@@ -321,11 +325,12 @@ chunk_kda_bwd_fast = impl_or_op(chunk_kda_bwd, _chunk_kda_bwd_impl)  # the imple
 
 @chunk_kda_bwd.register_fake
 def _(q, k, v, g, beta, Aqk, Ti, w, u, kd, qg, gl, h, vn, cu, cidx, coff, h0, A_log, dt_bias, do, dht, scale,
-      launch):
+      launch, gate_grads=True):
     def like(x):
         return torch.empty(x.shape, device=x.device, dtype=x.dtype) if x is not None else _empty(q)
 
-    return like(q), like(k), like(v), like(g), like(beta), like(h0), like(A_log), like(dt_bias)
+    gates = (like(A_log), like(dt_bias)) if gate_grads else (_empty(q), _empty(q))
+    return like(q), like(k), like(v), like(g), like(beta), like(h0), *gates
 
 
 def _kda_setup_context(ctx, inputs, output) -> None:
@@ -343,10 +348,14 @@ def _kda_backward(ctx, do, dht, *_):
         do = torch.zeros(shape, device=q.device, dtype=dtype)
     if dht is not None and dht.numel() == 0:  # the shape-[0] stand-in of an absent final state
         dht = None
+    # the gate's own parameters (A_log, dt_bias: inputs 9 and 10) frozen, as under LoRA: their token sums are not
+    # taken, and dg is stored straight in g's dtype
+    gate_grads = ctx.needs_input_grad[9] or ctx.needs_input_grad[10]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_kda_bwd_fast(
-        q, k, v, g, beta, *saved, h0, A_log, dt_bias, do, dht, ctx.scale, ctx.launch)
+        q, k, v, g, beta, *saved, h0, A_log, dt_bias, do, dht, ctx.scale, ctx.launch, gate_grads)
     return (dq, dk, dv, dg, dbeta, None, dh0 if h0 is not None else None, None, None,
-            dA_log if A_log is not None else None, ddt if dt_bias is not None else None, None)
+            dA_log if A_log is not None and gate_grads else None, ddt if dt_bias is not None and gate_grads else None,
+            None)
 
 
 chunk_kda_fwd.register_autograd(_kda_backward, setup_context=_kda_setup_context)
