@@ -9,6 +9,11 @@ layer its own dx and adds them up (n - 1 adds of a [tokens, in] tensor: KDA's si
 adds per layer), and each LoRA adapter reads x in the forward and again for dA, and adds its own rank-r product
 into dx. Here dx is one buffer that each weight's GEMM adds into (beta = 1), and the adapters of all LoRA members
 run as one: x [A_1; ...; A_n]^T once forward, one rank-(n r) GEMM into dx, and one GEMM for every dA backward.
+Narrow members (at most NARROW_OUT outputs, no bias: KDA's gate projections f_a / g_a and its beta, DSA's gate)
+join the adapters' GEMM: x is read once for all of them forward, and backward their dy W and the adapters' dh A
+are one GEMM that writes dx first (K = the narrow widths plus the ranks); the wide members' GEMMs then add into
+it. A GEMM of K <= 256 adding into an existing dx is memory-bound (it reads and writes all of dx for little math),
+where a wide member's GEMM hides that read under its math.
 
 Members it takes: plain nn.Linear (trainable or frozen, fp32 weights cast to the autocast dtype as autocast would,
 their gradients returned in the weight's dtype) and layers that offer `shared_input_terms()` (LoRALinear with a
@@ -81,6 +86,10 @@ def shared_input_linears(x: torch.Tensor, mods: Sequence[nn.Module]) -> list[tor
     return list(_SharedInputLinears.apply(x, torch.get_autocast_dtype(dev), tuple(lora), scales, *flat))
 
 
+# members with at most this many outputs (and no bias) run in one GEMM with the LoRA adapters' A (module docstring)
+NARROW_OUT = 256
+
+
 class _SharedInputLinears(torch.autograd.Function):
     """Forward and backward of `shared_input_linears` (module docstring). Inputs: x, the compute dtype, which
     members carry an adapter, the adapters' scalings, then (W_i, b_i) per member and (A_j, B_j) per adapter."""
@@ -94,38 +103,50 @@ class _SharedInputLinears(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).to(dt)
         wc = [w.to(dt) for w in ws]
         bsc = [None if b is None else b.to(dt) for b in bs]
-        a_cat = bc = h = None
+        r = [a.shape[0] for a in As]
+        narrow = tuple(i for i in range(n) if bs[i] is None and ws[i].shape[0] <= NARROW_OUT)
+        if na + len(narrow) < 2:
+            narrow = ()  # one narrow member alone: its own GEMM, as a wide one
+        # [A_1; ...; A_na; W_narrow...]: every adapter's x A^T and the narrow members' x W^T in one GEMM
+        small = [a.to(dt) for a in As] + [wc[i] for i in narrow]
+        w_small = (torch.cat(small) if len(small) > 1 else small[0]) if small else None
+        hs = x2 @ w_small.t() if small else None  # [tokens, sum r + narrow widths]
+        h = hs[:, :sum(r)] if na else None
         ys: list[torch.Tensor | None] = [None] * n
-        if na:
-            r = [a.shape[0] for a in As]
-            a_cat = torch.cat([a.to(dt) for a in As])  # [sum r, in]
-            bc = [b.to(dt) for b in Bs]
-            h = x2 @ a_cat.t()  # [tokens, sum r]: every adapter's x A^T in one GEMM
-            j = o = 0
-            for i in range(n):
-                if lora[i]:
-                    ys[i] = linear_lowrank(x2, wc[i], bsc[i], h[:, o:o + r[j]], bc[j], scales[j])
-                    o += r[j]
-                    j += 1
+        o = sum(r)
+        for i in narrow:
+            ys[i] = hs[:, o:o + ws[i].shape[0]]
+            o += ws[i].shape[0]
+        bc = [b.to(dt) for b in Bs]
+        j = o = 0
+        for i in range(n):
+            if lora[i]:
+                hj = h[:, o:o + r[j]]
+                if ys[i] is not None:  # narrow: its slice of hs plus its adapter's product (a small new tensor)
+                    ys[i] = torch.addmm(ys[i], hj, bc[j].t(), alpha=scales[j])
+                else:
+                    ys[i] = linear_lowrank(x2, wc[i], bsc[i], hj, bc[j], scales[j])
+                o += r[j]
+                j += 1
         ys = [y if y is not None else x2 @ w.t() if b is None else torch.addmm(b, x2, w.t())
               for y, w, b in zip(ys, wc, bsc)]
-        ctx.save_for_backward(x2, h, a_cat, *wc, *(bc or ()))
-        ctx.meta = (shape, x.dtype, lora, scales, [w.dtype for w in ws], [b is not None for b in bs],
-                    [(a.dtype, b.dtype) for a, b in zip(As, Bs)])
+        wide = [None if i in narrow else wc[i] for i in range(n)]  # narrow members' weights are rows of w_small
+        ctx.save_for_backward(x2, h, w_small, *wide, *bc)
+        ctx.meta = (shape, x.dtype, lora, scales, narrow, [ws[i].shape[0] for i in narrow], [w.dtype for w in ws],
+                    [b is not None for b in bs], [(a.dtype, b.dtype) for a, b in zip(As, Bs)])
         return tuple(y.view(*shape[:-1], y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *dys):
-        shape, x_dtype, lora, scales, w_dtypes, has_b, ab_dtypes = ctx.meta
+        shape, x_dtype, lora, scales, narrow, widths, w_dtypes, has_b, ab_dtypes = ctx.meta
         n, na = len(lora), len(scales)
-        x2, h, a_cat, *rest = ctx.saved_tensors
-        wc, bc = rest[:n], rest[n:]
+        x2, h, w_small, *rest = ctx.saved_tensors
+        wide, bc = rest[:n], rest[n:]
         dt = x2.dtype
         needs = ctx.needs_input_grad
         rows = x2.shape[0]
         # a member whose output took no part in the loss gives no gradient (None): it adds nothing
         dy2 = [None if d is None else d.reshape(rows, -1).to(dt) for d in dys]
-        dx = None
         grads_w = []
         for i, d in enumerate(dy2):
             gw = gb = None
@@ -135,26 +156,42 @@ class _SharedInputLinears(torch.autograd.Function):
                 gb = d.sum(0).to(w_dtypes[i])
             grads_w += [gw, gb]
         grads_ab = [None] * (2 * na)
+        r = [b.shape[1] for b in bc]
+        R = sum(r)
+        # [s_j (dy_j B_j)^T stacked; dy_narrow^T stacked]: the rows of w_small's GEMM's left operand, [K, tokens];
+        # zeroed only if a member among them has no gradient (its rows are then not written)
+        lora_members = [i for i in range(n) if lora[i]]
+        unwritten = any(dy2[i] is None for i in (*lora_members, *narrow))
+        dT = None
+        if w_small is not None:
+            dT = x2.new_zeros(w_small.shape[0], rows) if unwritten else x2.new_empty(w_small.shape[0], rows)
+        o = R
+        for i, width in zip(narrow, widths):
+            if dy2[i] is not None:
+                dT[o:o + width].copy_(dy2[i].t())
+            o += width
+        j = o = 0
+        members = []
+        for i in lora_members:
+            members.append((i, j, o))
+            if dy2[i] is not None:
+                torch.addmm(dT.new_empty(()), bc[j].t(), dy2[i].t(), beta=0, alpha=scales[j], out=dT[o:o + r[j]])
+            o += r[j]
+            j += 1
+        dx = None
+        if needs[0]:
+            if dT is not None:  # the adapters' and narrow members' shares: one GEMM, made first (linear_lowrank)
+                dx = dT.t() @ w_small
+            for d, w in zip(dy2, wide):  # the wide members' shares added in by their GEMMs (beta = 1)
+                if d is None or w is None:
+                    continue
+                if dx is None:
+                    dx = d @ w
+                else:
+                    dx.addmm_(d, w)
         if na:
-            r = [b.shape[1] for b in bc]
-            # (s_j dy_j B_j)^T stacked: rows of the adapters' [sum r, tokens]; zeroed only if an adapter member has
-            # no gradient (its rows are then not written)
-            unwritten = any(dy2[i] is None for i in range(n) if lora[i])
-            dhT = x2.new_zeros(sum(r), rows) if unwritten else x2.new_empty(sum(r), rows)
-            j = o = 0
-            members = []
-            for i in range(n):
-                if lora[i]:
-                    members.append((i, j, o))
-                    if dy2[i] is not None:
-                        torch.addmm(dhT.new_empty(()), bc[j].t(), dy2[i].t(), beta=0, alpha=scales[j],
-                                    out=dhT[o:o + r[j]])
-                    o += r[j]
-                    j += 1
-            if needs[0]:  # every adapter's share of dx: one rank-(sum r) GEMM, made first (linear_lowrank's order)
-                dx = dhT.t() @ a_cat
             base = 2 * n + 4
-            da_cat = dhT @ x2 if any(needs[base + 2 * j] for _, j, _ in members) else None
+            da_cat = dT[:R] @ x2 if any(needs[base + 2 * j] for _, j, _ in members) else None
             for i, j, o in members:
                 if dy2[i] is None:
                     continue
@@ -162,14 +199,6 @@ class _SharedInputLinears(torch.autograd.Function):
                     grads_ab[2 * j] = da_cat[o:o + r[j]].to(ab_dtypes[j][0])
                 if needs[base + 2 * j + 1]:
                     grads_ab[2 * j + 1] = lowrank(dy2[i].t(), h[:, o:o + r[j]].t(), scales[j]).to(ab_dtypes[j][1])
-        if needs[0]:  # the members' shares added in by their GEMMs (beta = 1)
-            for d, w in zip(dy2, wc):
-                if d is None:
-                    continue
-                if dx is None:
-                    dx = d @ w
-                else:
-                    dx.addmm_(d, w)
         if dx is not None:
             dx = dx.view(shape).to(x_dtype)
         return (dx, None, None, None, *grads_w, *grads_ab)

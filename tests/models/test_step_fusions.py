@@ -146,7 +146,10 @@ def test_linear_lowrank_against_float64(seed, bias, mode):
 def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
     """KDA (six projections of x grouped), DSA (three), the latent MoE (latent projection, shared expert's w1 / w3)
     and the dense SwiGLU (w1 / w3) under autocast with LoRA on every linear layer: output and every gradient as
-    with the projections run one by one."""
+    close to float64 as with the projections run one by one (the narrow members' GEMM merged with the adapters'
+    rounds differently, so the two bf16 runs are not bit-equal; a missing or wrong term is off by O(1))."""
+    import copy
+
     part, layer_id = where
     spec = micro_spec(attn_output_gate=True)
     model = materialize(build_model(spec), seed=seed % 1000)
@@ -165,23 +168,27 @@ def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
     dy = torch.randn(2, T, spec.hidden_size)
     cos, sin = rope_cos_sin(torch.arange(T), spec.qk_rope_head_dim, spec.rope_theta)
     out = []
-    for grouped in (True, False):
-        xx = x.clone().requires_grad_(True)
-        layer.zero_grad(set_to_none=True)
+    for how in ("grouped", "one by one", "float64"):
+        lay = copy.deepcopy(layer).double() if how == "float64" else layer
+        xx = (x.double() if how == "float64" else x.clone()).requires_grad_(True)
+        lay.zero_grad(set_to_none=True)
         # a forward hook on a member makes the layers run one by one
-        hooks = [] if grouped else [m.register_forward_hook(lambda m, i, o: None) for m in members]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(xx, cos=cos, sin=sin) if part == "attn" else layer(xx)
+        hooks = [m.register_forward_hook(lambda m, i, o: None) for m in members] if how == "one by one" else []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how != "float64"):
+            y = lay(xx, cos=cos, sin=sin) if part == "attn" else lay(xx)
         for h in hooks:
             h.remove()
         y = y[0] if isinstance(y, tuple) else y
-        (y.float() * dy).sum().backward()
-        out.append([y.detach(), xx.grad] + [p.grad for p in layer.parameters() if p.requires_grad])
-    assert len(members) >= 2
-    # every projection of x has adapter gradients (the DSA indexer's, trained only by its KL loss, may have none)
-    assert all(m.lora_A.weight.grad is not None for m in members)
-    for a, b in zip(*out):
-        assert (a is None) == (b is None) and (a is None or _rel(a, b) < 2e-2)
+        (y.double() * dy.double()).sum().backward()
+        out.append([y.detach(), xx.grad] + [p.grad for p in lay.parameters() if p.requires_grad])
+        if how == "grouped":
+            assert len(members) >= 2
+            # every projection of x has adapter gradients (the DSA indexer's, trained by its KL loss only, may not)
+            assert all(m.lora_A.weight.grad is not None for m in members)
+    for a, b, ref in zip(*out):
+        assert (a is None) == (b is None) == (ref is None)
+        if a is not None:
+            assert _rel(a, ref) <= 1.5 * _rel(b, ref) + 5e-3, (_rel(a, ref), _rel(b, ref))
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
