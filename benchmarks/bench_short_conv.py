@@ -1,23 +1,34 @@
 """Benchmark the KDA layer's fused short causal conv + SiLU (`ops/kda/triton_conv.py`) at the step's shapes.
 
-Usage (GPU): python3 benchmarks/bench_short_conv.py [--shapes 2,4096,2048 ...] [--kw 4] [--out R.json]
+Usage (GPU): python3 benchmarks/bench_short_conv.py [--shapes 2,4096,2048 ...] [--kw 4] [--doc-len L] [--out R.json]
 To compare two trees, run this file from each (PYTHONPATH set to the tree) in one device call.
 
-Per shape (B, T, C; bf16 x and dy, fp32 w): the forward and the backward (`conv_silu_bwd`: dx and dw) timed
-separately (triton.testing.do_bench, median), each with its effective bandwidth over the bytes it must move
-(forward: read x, write y; backward: read x and dy, write dx), and the outputs against the fp32 reference
-(`causal_conv_silu_reference` on upcast inputs) as relative L2 errors. --dry-run: CPU under TRITON_INTERPRET=1
-at a tiny shape (tests this script). --bwd-launch BT,BC,WARPS,TIME_BLOCKS ...: also times the backward at these
-launches of its first pass (`conv_silu_bwd_launch`; the defaults are the constants beside the kernel).
+Per shape (B, T, C; bf16 x and dy, fp32 w), one table of variants, each timed alone (triton.testing.do_bench,
+median, L2 flushed between calls):
+  fwd                  the forward (`_conv_silu_fwd_impl`)
+  bwd full             the current backward, dx and dw (`conv_silu_bwd_launch` at its defaults: fp32 dpre): the
+                       baseline of the ratio column
+  bwd full, bf16 dpre  the same with dpre stored in x's dtype (dpre_dtype=bf16)
+  dx fused BTxBC/W     the dx-only backward (frozen weight) in one kernel (`conv_silu_dx_launch(impl="fused")`) at
+                       a few launches; the first is the default (FUSED_DX_*)
+  dx two_pass          the dx-only backward as the two passes without weight-gradient work, fp32 / bf16 dpre
+  bwd launch ...       --bwd-launch BT,BC,WARPS,TIME_BLOCKS ...: the full backward at these first-pass launches
+Columns: µs per call, effective bandwidth over the bytes a variant must move (forward: read x, write y; every
+backward: read x and dy, write dx; dw and any dpre buffer are extra traffic, not counted), the time ratio to
+"bwd full", and, computed before any timing, each variant's dx (and dw where made) against "bwd full"'s as
+relative L2 errors, flagged MISMATCH above CHECK_TOL (the run then exits 1). The baseline's own errors against the
+fp32 torch reference are printed above its table. --doc-len L: packed documents of L tokens (positions), so the
+HAS_POS kernels are the ones timed. --dry-run: CPU under TRITON_INTERPRET=1 at a tiny shape, checks only (tests
+this script).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 
 if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -26,8 +37,14 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moeadapt.ops.kda import triton_conv as tc  # noqa: E402
 from moeadapt.ops.kda.short_conv import causal_conv_silu_reference  # noqa: E402
-from moeadapt.ops.kda.triton_conv import _conv_silu_bwd_impl, _conv_silu_fwd_impl  # noqa: E402
+
+# the fused dx kernel's launches timed besides its default (BT, BC, warps); see FUSED_DX_* in triton_conv.py
+FUSED_LAUNCHES = ((16, 128, 4), (32, 128, 8))
+# a variant whose dx / dw / y is further than this (relative L2) from the current kernels' is flagged and the run
+# exits 1: bf16 outputs differ by roundings (~4e-3 with a bf16 dpre), a dropped tap or shift by far more
+CHECK_TOL = 1e-2
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,62 +52,116 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def run_shape(B: int, T: int, C: int, KW: int, dev: str, timed: bool, launches: list[str]) -> dict:
+def _variants(x, w, dy, pos, launches: list[str]) -> list[tuple[str, str, Callable]]:
+    """(name, kind, fn) per variant: kind "fwd" (returns y), "full" (returns dx, dw) or "dx" (returns dx)."""
+    bf16 = torch.bfloat16
+    out = [("fwd", "fwd", lambda: tc._conv_silu_fwd_impl(x, w, pos)),
+           ("bwd full (fp32 dpre)", "full", lambda: tc.conv_silu_bwd_launch(x, w, dy, pos)),
+           ("bwd full, bf16 dpre", "full", lambda: tc.conv_silu_bwd_launch(x, w, dy, pos, dpre_dtype=bf16))]
+    fused = [(tc.FUSED_DX_BLOCK_T, tc.FUSED_DX_BLOCK_C, tc.FUSED_DX_NUM_WARPS)]
+    fused += [lc for lc in FUSED_LAUNCHES if lc not in fused]
+    for bt, bc, nw in fused:
+        out.append((f"dx fused {bt}x{bc}/{nw}", "dx",
+                    lambda bt=bt, bc=bc, nw=nw: tc.conv_silu_dx_launch(x, w, dy, pos, "fused", bt, bc, nw)))
+    out.append(("dx two_pass, fp32 dpre", "dx", lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass")))
+    out.append(("dx two_pass, bf16 dpre", "dx",
+                lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass", dpre_dtype=bf16)))
+    for spec in launches:
+        launch = tuple(int(v) for v in spec.split(","))
+        out.append((f"bwd launch {spec}", "full", lambda launch=launch: tc.conv_silu_bwd_launch(x, w, dy, pos, *launch)))
+    return out
+
+
+def _positions(B: int, T: int, doc_len: int, dev: str) -> torch.Tensor | None:
+    """positions [B, T] int32 of documents of doc_len tokens (the second row shifted by doc_len // 3), or None."""
+    if doc_len <= 0:
+        return None
+    t = torch.arange(T)
+    rows = [t % doc_len, (t + doc_len // 3) % doc_len]
+    return torch.stack([rows[b % 2] for b in range(B)]).to(dev, torch.int32).contiguous()
+
+
+def run_shape(B: int, T: int, C: int, KW: int, dev: str, timed: bool, launches: list[str], doc_len: int) -> dict:
     g = torch.Generator(device="cpu").manual_seed(B * 1_000_003 + T * 31 + C)
     x = torch.randn(B, T, C, generator=g).to(dev, torch.bfloat16)
     w = (torch.randn(C, 1, KW, generator=g) * 0.5).to(dev)
     dy = torch.randn(B, T, C, generator=g).to(dev, torch.bfloat16)
-    y = _conv_silu_fwd_impl(x, w)
-    dx, dw = _conv_silu_bwd_impl(x, w, dy)
+    pos = _positions(B, T, doc_len, dev)
+    # the baseline (current kernels) against the fp32 torch reference
+    y = tc._conv_silu_fwd_impl(x, w, pos)
+    dx0, dw0 = tc.conv_silu_bwd_launch(x, w, dy, pos)
     xr, wr = x.float().requires_grad_(), w.clone().requires_grad_()
-    yr = causal_conv_silu_reference(xr, wr)
+    yr = causal_conv_silu_reference(xr, wr, pos)
     yr.backward(dy.float())
-    row = {"shape": [B, T, C], "kw": KW, "rel_y": _rel(y, yr), "rel_dx": _rel(dx, xr.grad),
-           "rel_dw": _rel(dw, wr.grad)}
-    if timed:
-        n = B * T * C * x.element_size()
-        fwd = triton.testing.do_bench(lambda: _conv_silu_fwd_impl(x, w), return_mode="median")
-        bwd = triton.testing.do_bench(lambda: _conv_silu_bwd_impl(x, w, dy), return_mode="median")
-        row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_gbs=2 * n / fwd / 1e6, bwd_gbs=3 * n / bwd / 1e6)
-    for spec in launches:
-        from moeadapt.ops.kda.triton_conv import conv_silu_bwd_launch
-
-        launch = tuple(int(v) for v in spec.split(","))
-        fn = functools.partial(conv_silu_bwd_launch, x, w, dy, None, *launch)
-        ldx, ldw = fn()
-        r = {"rel_dx": _rel(ldx, xr.grad), "rel_dw": _rel(ldw, wr.grad)}
+    row = {"shape": [B, T, C], "kw": KW, "doc_len": doc_len, "rel_y": _rel(y, yr), "rel_dx": _rel(dx0, xr.grad),
+           "rel_dw": _rel(dw0, wr.grad), "variants": {}}
+    del xr, wr, yr
+    n = B * T * C * x.element_size()
+    for name, kind, fn in _variants(x, w, dy, pos, launches):
+        out = fn()  # checked before it is timed
+        v = {"kind": kind}
+        if kind == "fwd":
+            v["rel_y_vs_current"] = _rel(out, y)
+        else:
+            v["rel_dx_vs_current"] = _rel(out[0] if kind == "full" else out, dx0)
+            if kind == "full":
+                v["rel_dw_vs_current"] = _rel(out[1], dw0)
+        del out
         if timed:
-            r["bwd_ms"] = triton.testing.do_bench(fn, return_mode="median")
-        row.setdefault("bwd_launches", {})[spec] = r
+            ms = triton.testing.do_bench(fn, return_mode="median")
+            v.update(us=ms * 1e3, gbs=(2 if kind == "fwd" else 3) * n / ms / 1e6)
+        row["variants"][name] = v
+    if timed:
+        base = row["variants"]["bwd full (fp32 dpre)"]["us"]
+        for v in row["variants"].values():
+            v["vs_full_bwd"] = v["us"] / base
     return row
+
+
+def _print(row: dict) -> None:
+    B, T, C = row["shape"]
+    docs = f", documents of {row['doc_len']}" if row["doc_len"] else ""
+    print(f"[{B}, {T}, {C}] KW {row['kw']} bf16{docs}: current kernels vs the fp32 reference: rel y "
+          f"{row['rel_y']:.1e} dx {row['rel_dx']:.1e} dw {row['rel_dw']:.1e}")
+    print(f"  {'variant':<24} {'us':>8} {'GB/s':>6} {'/ full bwd':>10}  check vs current")
+    for name, v in row["variants"].items():
+        t = f"{v['us']:8.1f} {v['gbs']:6.0f} {v['vs_full_bwd']:10.2f}" if "us" in v else f"{'-':>8} {'-':>6} {'-':>10}"
+        if v["kind"] == "fwd":
+            chk = f"y {v['rel_y_vs_current']:.1e}"
+        else:
+            chk = f"dx {v['rel_dx_vs_current']:.1e}"
+            if "rel_dw_vs_current" in v:
+                chk += f" dw {v['rel_dw_vs_current']:.1e}"
+        bad = any(k.startswith("rel_") and val > CHECK_TOL for k, val in v.items())
+        print(f"  {name:<24} {t}  {chk}{'  MISMATCH' if bad else ''}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="*", default=["2,4096,2048", "1,32768,2048", "2,4096,4096"], help="B,T,C ...")
     p.add_argument("--kw", type=int, default=4)
+    p.add_argument("--doc-len", type=int, default=0, help="packed documents of this many tokens (0: none)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--bwd-launch", nargs="*", default=[], metavar="BT,BC,WARPS,TIME_BLOCKS")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     dev = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     shapes = [(2, 37, 130)] if args.dry_run else [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    if dev == "cuda":
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     for B, T, C in shapes:
-        r = run_shape(B, T, C, args.kw, dev, timed=dev == "cuda", launches=args.bwd_launch)
-        rows.append(r)
-        t = (f"  fwd {r['fwd_ms'] * 1e3:7.1f} us ({r['fwd_gbs']:5.0f} GB/s)  bwd {r['bwd_ms'] * 1e3:7.1f} us "
-             f"({r['bwd_gbs']:5.0f} GB/s)") if "fwd_ms" in r else ""
-        print(f"[{B}, {T}, {C}] KW {args.kw}{t}  rel y {r['rel_y']:.1e} dx {r['rel_dx']:.1e} dw {r['rel_dw']:.1e}",
-              flush=True)
-        for spec, lr in r.get("bwd_launches", {}).items():
-            t = f"bwd {lr['bwd_ms'] * 1e3:7.1f} us" if "bwd_ms" in lr else ""
-            print(f"    launch {spec}: {t}  rel dx {lr['rel_dx']:.1e} dw {lr['rel_dw']:.1e}", flush=True)
+        row = run_shape(B, T, C, args.kw, dev, timed=dev == "cuda", launches=args.bwd_launch, doc_len=args.doc_len)
+        rows.append(row)
+        _print(row)
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(rows, f, indent=1)
         os.replace(tmp, args.out)
+    if any(k.startswith("rel_") and val > CHECK_TOL for r in rows for v in r["variants"].values()
+           for k, val in v.items()):
+        sys.exit("a variant's outputs do not match the current kernels' (MISMATCH above)")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,18 @@ def test_custom_op_registration(seed):
     torch.library.opcheck(conv_silu_fwd, (x, w))
 
 
+@needs_triton
+def test_dx_only_op_registration(seed):
+    """The frozen-weight backward's op passes the same checks, alone and as the forward op's backward."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_bwd_dx, conv_silu_fwd
+
+    x = torch.randn(2, 9, 16, device=DEV, requires_grad=True)
+    w = torch.randn(16, 1, 4, device=DEV)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0]] * 2, dtype=torch.int32, device=DEV)
+    torch.library.opcheck(conv_silu_fwd, (x, w, positions))
+    torch.library.opcheck(conv_silu_bwd_dx, (x.detach(), w, torch.randn(2, 9, 16, device=DEV), positions))
+
+
 def test_bad_shapes_raise_one_message():
     with pytest.raises(ValueError, match=r"x \[B, T, C\] and w \[C, 1, KW\]"):
         causal_conv_silu(torch.randn(2, 5, 8), torch.randn(6, 1, 4))
@@ -189,3 +201,112 @@ def test_triton_positions_match_reference_fwd_bwd(seed, T, KW, B=2, C=48):
     assert _rel(y.cpu(), causal_conv_silu_reference(x64, w64, pos)) < 1e-5
     assert _rel(x.grad.cpu(), xr.grad) < 1e-5 and _rel(w.grad.cpu(), wr.grad) < 1e-5
     assert _rel(y.cpu(), causal_conv_silu_reference(x64, w64)) > 1e-3  # the reset changed the output
+
+
+# ------------------------------------------------------------------ the backward without a weight gradient
+
+
+def _starts_positions(T: int, starts: list[int]) -> torch.Tensor:
+    """positions [T] of documents starting at `starts` (0 among them)."""
+    t = torch.arange(T)
+    first = torch.zeros(T, dtype=torch.bool)
+    first[starts] = True
+    return t - torch.where(first, t, 0).cummax(0).values
+
+
+def _dx_reference(x64, w64, dy64, pos=None):
+    """dx of the float64 reference with the weight a constant."""
+    xr = x64.clone().requires_grad_()
+    causal_conv_silu_reference(xr, w64, pos).backward(dy64)
+    return xr.grad
+
+
+@needs_triton
+@pytest.mark.parametrize("impl", ["fused", "two_pass"])
+@pytest.mark.parametrize("KW,docs", [(4, False), (4, True), (3, True), (5, True)])
+def test_dx_only_matches_reference(seed, impl, KW, docs, B=2, T=70, C=80):
+    """conv_silu_dx_launch against the float64 reference: T = 70 and C = 80 are not multiples of the fused tile
+    (32 x 64) nor of the two-pass one (32 x 128). With documents: row 0 has starts at t = 0, inside a time block
+    (5, 6: a one-token document), just before and after a block boundary (30, 33), at one (64) and two steps
+    later (66); row 1 random ones. KW 5: "fused" takes the two-pass form (the fused kernel holds 4 taps)."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_dx_launch
+
+    g = torch.Generator().manual_seed(seed)
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    pos = None
+    if docs:
+        pos = torch.stack([_starts_positions(T, [0, 5, 6, 30, 33, 64, 66]), _doc_positions(1, T, g)[0]])
+        pos = pos.to(DEV, torch.int32).contiguous()
+    dx = conv_silu_dx_launch(x64.float().to(DEV), w64.float().to(DEV), dy64.float().to(DEV), pos, impl)
+    ref = _dx_reference(x64, w64, dy64, None if pos is None else pos.cpu())
+    assert dx.dtype == torch.float32 and dx.shape == (B, T, C)
+    assert _rel(dx, ref) < 1e-5
+    if docs:  # the documents changed dx
+        assert _rel(dx, _dx_reference(x64, w64, dy64)) > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("docs", [False, True])
+def test_dx_only_is_not_within_tolerance_of_a_dropped_tap(seed, docs, B=1, T=45, C=24, KW=4):
+    """The 1e-5 tolerance above tells the taps apart: the kernel's dx is within it of the reference and far from
+    each reference with one tap of the weight zeroed (what dropping one x shift from pre and the matching dy shift
+    from the transposed conv gives), for both dx-only forms."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_dx_launch
+
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    pos = _starts_positions(T, [0, 2, 20]).unsqueeze(0).to(torch.int32) if docs else None
+    for impl in ("fused", "two_pass"):
+        dx = conv_silu_dx_launch(x64.float().to(DEV), w64.float().to(DEV), dy64.float().to(DEV),
+                                 None if pos is None else pos.to(DEV), impl)
+        assert _rel(dx, _dx_reference(x64, w64, dy64, pos)) < 1e-5
+        for k in range(KW):
+            dropped = w64.clone()
+            dropped[..., k] = 0
+            assert _rel(dx, _dx_reference(x64, dropped, dy64, pos)) > 1e-2, (impl, k)
+
+
+@needs_triton
+@pytest.mark.parametrize("docs", [False, True])
+def test_frozen_weight_backward_takes_dx_only(seed, monkeypatch, docs, B=2, T=37, C=48):
+    """Through the autograd path with x requiring a gradient and w frozen: the backward runs the dx-only op, not
+    the full backward, and its dx equals the full backward's (w requiring a gradient) on the same inputs."""
+    from moeadapt.ops.kda import triton_conv
+
+    g = torch.Generator().manual_seed(seed)
+    x0, dy = torch.randn(B, T, C, device=DEV), torch.randn(B, T, C, device=DEV)
+    w0 = torch.randn(C, 1, 4, device=DEV) * 0.5
+    pos = _doc_positions(B, T, g).to(DEV) if docs else None
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    causal_conv_silu(x, w, backend="triton", positions=pos).backward(dy)
+    calls = []
+    for name in ("conv_silu_bwd_fast", "conv_silu_bwd_dx_fast"):
+        real = getattr(triton_conv, name)
+        monkeypatch.setattr(triton_conv, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    xf = x0.clone().requires_grad_()
+    causal_conv_silu(xf, w0, backend="triton", positions=pos).backward(dy)
+    assert calls == ["conv_silu_bwd_dx_fast"]
+    assert _rel(xf.grad, x.grad) < 1e-6
+
+
+@needs_triton
+def test_bf16_dpre_option(seed, B=2, T=45, C=72):
+    """The full backward with dpre stored in bf16 (dpre_dtype): dx within bf16 accuracy of the float64 reference
+    (rel 1e-2: bf16 inputs and dx, one more rounding of dpre); dw is taken from the fp32 dpre, so it equals the
+    default's. Both dx-only forms with a bf16 dpre likewise."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_bwd_launch, conv_silu_dx_launch
+
+    x = torch.randn(B, T, C, device=DEV).bfloat16()
+    w = torch.randn(C, 1, 4, device=DEV) * 0.5
+    dy = torch.randn(B, T, C, device=DEV).bfloat16()
+    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    causal_conv_silu_reference(xr, wr).backward(dy.double().cpu())
+    dx, dw = conv_silu_bwd_launch(x, w, dy, dpre_dtype=torch.bfloat16)
+    dx32, dw32 = conv_silu_bwd_launch(x, w, dy)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert _rel(dx, xr.grad) < 1e-2 and _rel(dw, wr.grad) < 1e-5
+    torch.testing.assert_close(dw, dw32, rtol=1e-6, atol=1e-6)
+    assert _rel(dx, dx32) < 1e-2
+    for impl in ("fused", "two_pass"):
+        assert _rel(conv_silu_dx_launch(x, w, dy, None, impl, dpre_dtype=torch.bfloat16), xr.grad) < 1e-2

@@ -1,15 +1,20 @@
 """The KDA layer's short causal depthwise convolution + SiLU in Triton, on [B, T, C] directly: one pass forward,
-two backward.
+two backward (one where the weight is frozen).
 
 Owns the kernels behind `causal_conv_silu(..., backend="triton")` and their registration as the torch.library
-custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` (so torch.compile and selective activation checkpointing
-see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips the op's dispatch in plain eager
-mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout (unit channel stride): no
+custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` / `_bwd_dx` (so torch.compile and selective activation
+checkpointing see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips the op's dispatch in
+plain eager mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout (unit channel stride): no
 transposes, no padded copy, no separate SiLU pass. Forward saves only x. Backward pass 1 recomputes the
-pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) in fp32 and the weight
-gradient's partial sums (KW rows per program, which walks several time blocks; summed by one torch reduction);
-pass 2 computes dx as the transposed conv of dpre (KW shifted reads). A single backward pass that recomputed dpre
-at each of the KW shifts read x KW * KW + KW times per tile and was 1.55x slower (benchmarks/RESULTS.md).
+pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) (fp32 by default,
+DPRE_DTYPE) and the weight gradient's partial sums (KW rows per program, which walks several time blocks; summed by
+one torch reduction); pass 2 computes dx as the transposed conv of dpre (KW shifted reads). A single backward pass
+that recomputed dpre at each of the KW shifts read x KW * KW + KW times per tile and was 1.55x slower
+(benchmarks/RESULTS.md).
+Where the weight needs no gradient (LoRA fine-tuning: the conv weight is frozen) the backward is the op
+`_bwd_dx`, dx alone (DX_ONLY_IMPL): by default one kernel that reads x at its 2 KW - 1 shifts and dy at its KW
+shifts once each and builds pre, dpre and dx in registers (no dpre buffer, no weight-gradient work); or the two
+passes above without the weight-gradient partials.
 Math in fp32, storage in x's dtype.
 Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
 j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
@@ -36,6 +41,21 @@ BWD_BLOCK_T = 8
 BWD_BLOCK_C = 128
 BWD_NUM_WARPS = 4
 BWD_TIME_BLOCKS = 8
+# dpre's storage dtype between the two backward passes: fp32 (the default), or x's dtype (bf16 in training; halves
+# that buffer's traffic, rounds dpre once before the transposed conv; the weight gradient is taken from the fp32
+# values either way). Timed by benchmarks/bench_short_conv.py; the default stays fp32 until a GPU run says otherwise.
+DPRE_DTYPE = torch.float32
+# The dx-only backward (frozen weight): "fused" (_conv_silu_dx_fused_kernel: one pass from x, w and dy; KW <= 4,
+# wider kernels take "two_pass") or "two_pass" (_conv_silu_dpre_kernel without the weight-gradient partials on the
+# forward's tile, BLOCK_T x BLOCK_C on NUM_WARPS, then _conv_dx_kernel).
+DX_ONLY_IMPL = "fused"
+# The fused kernel's launch: 32 time steps x 64 channels a program on 4 warps. Compiled offline for sm_90 (ptxas,
+# KW 4, bf16, C a multiple of 16): 168 registers, no spills (three programs an SM); 32 x 128 on 4 warps needs 255
+# and spills, on 8 warps 177 (one program an SM); 16 x 128 on 4 warps 166. Not yet timed on a GPU: the benchmark
+# times several (benchmarks/bench_short_conv.py).
+FUSED_DX_BLOCK_T = 32
+FUSED_DX_BLOCK_C = 64
+FUSED_DX_NUM_WARPS = 4
 
 
 @triton.jit
@@ -85,18 +105,19 @@ def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_
 @triton.jit
 def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt,
                            KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NTB: tl.constexpr,
-                           HAS_POS: tl.constexpr):
+                           HAS_POS: tl.constexpr, NEED_DW: tl.constexpr):
     """Backward, first pass, over NTB consecutive time blocks of BT steps: dpre = dy * silu'(pre) (pre recomputed
-    from x) stored in fp32 [B, T, C], and the program's partial weight gradient dw[KW-1-j] = sum_t dpre[t] x[t-j].
-    With KW <= 4 the products accumulate in [BT, BC] tiles and are reduced over time once per program; a wider
-    kernel reduces per block (the launcher passes NTB = 1 then)."""
+    from x) stored in dpre_ptr's dtype [B, T, C], and (NEED_DW) the program's partial weight gradient
+    dw[KW-1-j] = sum_t dpre[t] x[t-j] from the fp32 dpre. With KW <= 4 the products accumulate in [BT, BC] tiles and
+    are reduced over time once per program; a wider kernel reduces per block (the launcher passes NTB = 1 then).
+    Without NEED_DW (the dx-only backward's two-pass form) dwp_ptr is unused and nothing but dpre is computed."""
     pid_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2).to(tl.int64)
     cm = c < C
     xb = x_ptr + b * s_xb
     dwp = dwp_ptr + (b * tl.num_programs(0) + pid_t) * KW * C  # this program's KW partial rows
-    TILE_ACC: tl.constexpr = KW <= 4
+    TILE_ACC: tl.constexpr = NEED_DW and KW <= 4
     a0 = tl.zeros([BT, BC], dtype=tl.float32)
     a1 = tl.zeros([BT, BC], dtype=tl.float32)
     a2 = tl.zeros([BT, BC], dtype=tl.float32)
@@ -109,20 +130,22 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
         dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om, other=0.0)
         sig = tl.sigmoid(pre)
         dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
-        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre, mask=om)
-        for j in tl.static_range(KW):  # the same x tiles again (L1 / L2 hits)
-            prod = dpre * _x_tap(xb, t, j, c, cm, T, s_xt, pos, HAS_POS)
-            if TILE_ACC:
-                if j == 0:
-                    a0 += prod
-                elif j == 1:
-                    a1 += prod
-                elif j == 2:
-                    a2 += prod
+        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre.to(dpre_ptr.dtype.element_ty),
+                 mask=om)
+        if NEED_DW:
+            for j in tl.static_range(KW):  # the same x tiles again (L1 / L2 hits)
+                prod = dpre * _x_tap(xb, t, j, c, cm, T, s_xt, pos, HAS_POS)
+                if TILE_ACC:
+                    if j == 0:
+                        a0 += prod
+                    elif j == 1:
+                        a1 += prod
+                    elif j == 2:
+                        a2 += prod
+                    else:
+                        a3 += prod
                 else:
-                    a3 += prod
-            else:
-                tl.store(dwp + (KW - 1 - j) * C + c, tl.sum(prod, axis=0), mask=cm)
+                    tl.store(dwp + (KW - 1 - j) * C + c, tl.sum(prod, axis=0), mask=cm)
     if TILE_ACC:
         for j in tl.static_range(KW):
             if j == 0:
@@ -152,9 +175,97 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, p_ptr, T, C, s_dxb, s_dxt,
         if HAS_POS:
             m = m & (tl.load(p_ptr + b * T + ts, mask=ts < T, other=0) >= s)
         dv = tl.load(dpre_ptr + (b * T + ts.to(tl.int64))[:, None] * C + c[None, :], mask=m[:, None] & cm[None, :],
-                     other=0.0)
+                     other=0.0).to(tl.float32)
         ws = tl.load(w_ptr + c * KW + (KW - 1 - s), mask=cm, other=0.0).to(tl.float32)
         dx += dv * ws[None, :]
+    om = (t < T)[:, None] & cm[None, :]
+    tl.store(dx_ptr + b * s_dxb + t.to(tl.int64)[:, None] * s_dxt + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=om)
+
+
+@triton.jit
+def _pick(i: tl.constexpr, v0, v1, v2, v3):
+    """v_i for a compile-time i < 4 (the fused dx kernel keeps its per-tap values in named registers)."""
+    if i == 0:
+        return v0
+    if i == 1:
+        return v1
+    if i == 2:
+        return v2
+    return v3
+
+
+@triton.jit
+def _tap_weight(w_ptr, c, cm, j: tl.constexpr, KW: tl.constexpr, BC: tl.constexpr):
+    """The weight of tap j (w[c, KW-1-j], which multiplies x[u-j] in output u) as an fp32 [BC] vector; zero for
+    j >= KW (a tap the kernel does not have)."""
+    if j < KW:
+        return tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
+    return tl.zeros([BC], dtype=tl.float32)
+
+
+@triton.jit
+def _x_rows(xb, u, c, cm, T, s_xt):
+    """x[u] as an fp32 [BT, BC] tile, zero outside 0 <= u < T (the document mask is applied per tap, by the
+    output that reads it)."""
+    m = (u >= 0) & (u < T)
+    return tl.load(xb + u.to(tl.int64)[:, None] * s_xt + c[None, :], mask=m[:, None] & cm[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _in_doc(v, pos, j: tl.constexpr, HAS_POS: tl.constexpr):
+    """v [BT, BC] where tap j of each row's output lies inside its document (j <= positions), else 0."""
+    if HAS_POS:
+        return tl.where((pos >= j)[:, None], v, 0.0)
+    return v
+
+
+@triton.jit
+def _conv_silu_dx_fused_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt, s_dxb, s_dxt,
+                               KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+    """The dx-only backward in one pass (no dpre buffer, no weight gradient), for KW <= 4: for the times t of a
+    block, dx[t] = sum_s w[KW-1-s] dpre[t+s], with dpre[u] = dy[u] silu'(pre[u]) and
+    pre[u] = sum_j w[KW-1-j] x[u-j]. The KW outputs u = t+s are visited in order with a window of registers holding
+    x[u-1], x[u-2], x[u-3] that slides one step per output, so each of the 2 KW - 1 shifted x tiles (t-KW+1 .. t+KW-1)
+    and each of the KW shifted dy tiles is loaded once. Masks as in the two-pass form: zero before t = 0 and past T;
+    with positions, tap j of output u counts only where j <= positions[u], and x[t] reaches output t+s only where
+    positions[t+s] >= s."""
+    tl.static_assert(KW <= 4, "the fused dx kernel holds at most 4 taps; wider kernels take the two-pass form")
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    b = tl.program_id(2).to(tl.int64)
+    cm = c < C
+    xb = x_ptr + b * s_xb
+    w0 = _tap_weight(w_ptr, c, cm, 0, KW, BC)
+    w1 = _tap_weight(w_ptr, c, cm, 1, KW, BC)
+    w2 = _tap_weight(w_ptr, c, cm, 2, KW, BC)
+    w3 = _tap_weight(w_ptr, c, cm, 3, KW, BC)
+    # the window before output u = t: x[t-1], x[t-2], x[t-3] (those the kernel's taps reach)
+    x1 = _x_rows(xb, t - 1, c, cm, T, s_xt) if KW > 1 else tl.zeros([BT, BC], dtype=tl.float32)
+    x2 = _x_rows(xb, t - 2, c, cm, T, s_xt) if KW > 2 else tl.zeros([BT, BC], dtype=tl.float32)
+    x3 = _x_rows(xb, t - 3, c, cm, T, s_xt) if KW > 3 else tl.zeros([BT, BC], dtype=tl.float32)
+    dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for s in tl.static_range(KW):
+        u = t + s
+        pos = _positions(p_ptr, b, u, T, HAS_POS)  # 0 past T (unused there: dy is 0)
+        x0 = _x_rows(xb, u, c, cm, T, s_xt)  # the one new x tile of this shift
+        pre = x0 * w0[None, :]  # tap 0 is always inside the document
+        if KW > 1:
+            pre += _in_doc(x1, pos, 1, HAS_POS) * w1[None, :]
+        if KW > 2:
+            pre += _in_doc(x2, pos, 2, HAS_POS) * w2[None, :]
+        if KW > 3:
+            pre += _in_doc(x3, pos, 3, HAS_POS) * w3[None, :]
+        um = (u < T)[:, None] & cm[None, :]
+        dyv = tl.load(dy_ptr + b * s_dyb + u.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=um, other=0.0)
+        sig = tl.sigmoid(pre)
+        dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
+        # x[t] is tap s of output t+s: it counts where that output's document reaches s steps back
+        dx += _in_doc(dpre, pos, s, HAS_POS) * _pick(s, w0, w1, w2, w3)[None, :]
+        x3 = x2
+        x2 = x1
+        x1 = x0
     om = (t < T)[:, None] & cm[None, :]
     tl.store(dx_ptr + b * s_dxb + t.to(tl.int64)[:, None] * s_dxt + c[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=om)
@@ -186,30 +297,78 @@ def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
+def _dpre_pass(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None, dpre_dtype,
+               block_t: int, block_c: int, num_warps: int, time_blocks: int, need_dw: bool):
+    """Backward pass 1 (_conv_silu_dpre_kernel) on unit-channel-stride x, dy and contiguous w: (dpre [B, T, C] in
+    dpre_dtype, the weight gradient's partials [programs, KW, C] fp32 or None without need_dw)."""
+    B, T, C = x.shape
+    KW = w.shape[-1]
+    ntb = time_blocks if need_dw and KW <= 4 else 1  # tile accumulators for the weight gradient exist up to KW = 4
+    npt = triton.cdiv(T, block_t * ntb)
+    dpre = torch.empty((B, T, C), device=x.device, dtype=dpre_dtype)
+    dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32) if need_dw else None
+    _conv_silu_dpre_kernel[(npt, triton.cdiv(C, block_c), B)](
+        x, w, dy, dpre, dpre if dw_part is None else dw_part, x if positions is None else positions, T, C,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), KW=KW, BT=block_t, BC=block_c, NTB=ntb,
+        HAS_POS=positions is not None, NEED_DW=need_dw, num_warps=num_warps)
+    return dpre, dw_part
+
+
+def _dx_pass(dpre: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, positions: torch.Tensor | None) -> None:
+    """Backward pass 2 (_conv_dx_kernel): dx = the transposed conv of dpre, written into dx."""
+    B, T, C = dx.shape
+    _conv_dx_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)](
+        dpre, w, dx, dpre if positions is None else positions, T, C, dx.stride(0), dx.stride(1), KW=w.shape[-1],
+        BT=BLOCK_T, BC=BLOCK_C, HAS_POS=positions is not None, num_warps=NUM_WARPS)
+
+
 def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                          block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
-                         time_blocks: int = BWD_TIME_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's programs
-    take `time_blocks` blocks of `block_t` steps x `block_c` channels on `num_warps` warps."""
+                         time_blocks: int = BWD_TIME_BLOCKS,
+                         dpre_dtype: torch.dtype = DPRE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward (dx and dw) with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's
+    programs take `time_blocks` blocks of `block_t` steps x `block_c` channels on `num_warps` warps, and store dpre
+    in `dpre_dtype` (fp32, or x's dtype)."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
     KW = w.shape[-1]
-    ntb = time_blocks if KW <= 4 else 1  # tile accumulators for the weight gradient exist up to KW = 4
-    npt = triton.cdiv(T, block_t * ntb)
     dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
-    dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32)
-    if x.numel():
-        dpre = torch.empty((B, T, C), device=x.device, dtype=torch.float32)
-        pos = x if positions is None else positions
-        w = w.contiguous()
-        _conv_silu_dpre_kernel[(npt, triton.cdiv(C, block_c), B)](
-            x, w, dy, dpre, dw_part, pos, T, C, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), KW=KW,
-            BT=block_t, BC=block_c, NTB=ntb, HAS_POS=positions is not None, num_warps=num_warps)
-        _conv_dx_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)](
-            dpre, w, dx, pos, T, C, dx.stride(0), dx.stride(1), KW=KW, BT=BLOCK_T, BC=BLOCK_C,
-            HAS_POS=positions is not None, num_warps=NUM_WARPS)
+    if not x.numel():
+        return dx, torch.zeros(w.shape, device=w.device, dtype=w.dtype)
+    w = w.contiguous()
+    dpre, dw_part = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t, block_c, num_warps, time_blocks, True)
+    _dx_pass(dpre, w, dx, positions)
     dw = dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype)
     return dx, dw
+
+
+def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+                        impl: str = DX_ONLY_IMPL, block_t: int | None = None, block_c: int | None = None,
+                        num_warps: int | None = None, dpre_dtype: torch.dtype = DPRE_DTYPE) -> torch.Tensor:
+    """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 takes "two_pass") or
+    "two_pass" (dpre in `dpre_dtype` without the weight-gradient partials, then the transposed conv). block_t /
+    block_c / num_warps: the fused kernel's launch, or the two-pass form's first pass; None takes the constants
+    beside the kernels (FUSED_DX_* for "fused", the forward's BLOCK_T / BLOCK_C / NUM_WARPS for "two_pass")."""
+    if impl not in ("fused", "two_pass"):
+        raise ValueError(f"impl must be 'fused' or 'two_pass', got {impl!r}.")
+    x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
+    B, T, C = x.shape
+    KW = w.shape[-1]
+    dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
+    if not x.numel():
+        return dx
+    w = w.contiguous()
+    if impl == "fused" and KW <= 4:
+        bt, bc = block_t or FUSED_DX_BLOCK_T, block_c or FUSED_DX_BLOCK_C
+        _conv_silu_dx_fused_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
+            x, w, dy, dx, x if positions is None else positions, T, C, x.stride(0), x.stride(1), dy.stride(0),
+            dy.stride(1), dx.stride(0), dx.stride(1), KW=KW, BT=bt, BC=bc, HAS_POS=positions is not None,
+            num_warps=num_warps or FUSED_DX_NUM_WARPS)
+        return dx
+    dpre, _ = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t or BLOCK_T, block_c or BLOCK_C,
+                         num_warps or NUM_WARPS, 1, False)
+    _dx_pass(dpre, w, dx, positions)
+    return dx
 
 
 def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
@@ -228,14 +387,38 @@ def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
     return torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty(w.shape, device=w.device, dtype=w.dtype)
 
 
+def _conv_silu_bwd_dx_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                           positions: torch.Tensor | None = None) -> torch.Tensor:
+    """dx [B, T, C] in x's dtype of conv_silu_fwd for the output gradient dy, the weight taken as a constant (the
+    backward where w needs no gradient): no weight-gradient work, and by default no dpre buffer (DX_ONLY_IMPL)."""
+    return conv_silu_dx_launch(x, w, dy, positions)
+
+
+# A separate op rather than a need_dw flag on causal_conv_silu_bwd: each op's outputs then have fixed shapes (no
+# empty stand-in for a gradient that was not computed), and a trace or profile names the cheaper backward.
+conv_silu_bwd_dx = torch.library.custom_op("moeadapt::causal_conv_silu_bwd_dx",
+                                           mutates_args=())(_conv_silu_bwd_dx_impl)
+conv_silu_bwd_dx_fast = impl_or_op(conv_silu_bwd_dx, _conv_silu_bwd_dx_impl)
+
+
+@conv_silu_bwd_dx.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty(x.shape, device=x.device, dtype=x.dtype)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx, dy: torch.Tensor):
+    """dx and dw where w needs a gradient (full fine-tuning); else dx alone by the cheaper op (a frozen conv
+    weight, as in LoRA fine-tuning)."""
     x, w, positions = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not need_dw:
+        return conv_silu_bwd_dx_fast(x, w, dy, positions), None, None
     dx, dw = conv_silu_bwd_fast(x, w, dy, positions)
-    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
+    return (dx if need_dx else None), dw, None
 
 
 conv_silu_fwd.register_autograd(_backward, setup_context=_setup_context)
