@@ -368,10 +368,11 @@ class TrainSpec(_Strict):
                                               "beyond the newest N after each save; None = keep all")
     tensorboard: bool = False
     kernel_backend: Literal["auto", "reference", "triton"] = "auto"
-    weight_copies: bool = Field(default=True, description="one-process bf16 full fine-tuning: the matmuls read "
-                                "bf16 copies of the fp32 weights that the optimizer rewrites each step, and the "
-                                "gradients stay bf16 (train/copies.py; the same values as autocast's casts); "
-                                "taken where the step has one forward and no recompute")
+    weight_copies: bool = Field(default=True, description="one-process bf16 training (full fine-tuning or LoRA): "
+                                "the matmuls read bf16 copies of the fp32 weights / adapters that the optimizer "
+                                "rewrites each step, and the gradients stay bf16 (train/copies.py; the same "
+                                "values as autocast's casts); taken where the step has one forward and no "
+                                "recompute")
     cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
                              "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
                              "process on a GPU, fixed shapes, no packed documents or images")

@@ -15,6 +15,10 @@ The view is re-established after `.to()` / `to_empty()` (`_apply`); when somethi
 `forward_gather` / `forward_swiglu` (called by GroupedExperts / LocalDispatcher where ops/moe/path.py picks
 the fused GEMM and every layer involved has a `fold_cat`) also fold the permute gather (w1, w3) and the
 SwiGLU product (w2) into the LoRA-in pass.
+
+bf16 compute copies (train/copies.py): inside `WeightCopies.lent` LoRALinear's lora_A / lora_B (nn.Linear) read
+as their bf16 copies; a grouped layer's copies are lent to it (`lent`, read by `adapters` and by the lean
+path), its lora_A / lora_B stay the fp32 parameters.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class _FrozenLoRA(torch.autograd.Function):
     is made first and the base GEMM adds into it (shared_input.linear_lowrank: no separate pass over the output),
     and in the backward W's share of dx is added by its GEMM into the adapter's share (dx = dh A, then
     dx += dy W as one addmm_) instead of being a tensor of its own and a separate add. Gradients: A and B in
-    their own dtype (fp32 adapters), x in dt, none for W and b."""
+    their own dtype (fp32 adapters, cast here; bf16 where train/copies.py lends their copies: the same bf16 GEMM
+    outputs, not cast up), x in dt, none for W and b."""
 
     @staticmethod
     def forward(ctx, x, w, bias, a, b, s, dt):
@@ -137,6 +142,10 @@ class GroupedLoRALinear(GroupedLinear):
         self.rank, self.scaling = rank, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self._wcat = None  # plain attribute, not a buffer: .to() must not copy it separately
+        # "lora_A" / "lora_B" -> its bf16 compute copy while train/copies.py lends it (a tensor whose gradient goes
+        # to the adapter), else absent. Lent here rather than put in the parameter's place: the lean path
+        # (GroupedExperts.forward_lean) computes with the copies but returns fp32 gradients, to the adapters
+        self.lent: dict[str, torch.Tensor] = {}
         self._attach_cat()
         self.reset_lora()
 
@@ -213,17 +222,23 @@ class GroupedLoRALinear(GroupedLinear):
             return None
         return self.cat_weight(dtype)
 
+    def adapters(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) in `dtype` for the products: the lent bf16 copies (`lent`), else lora_A / lora_B cast (autograd
+        casts their gradients back)."""
+        return tuple(self.lent[n] if n in self.lent and self.lent[n].dtype == dtype else getattr(self, n).to(dtype)
+                     for n in ("lora_A", "lora_B"))
+
     def forward_gather(self, z_TI, row_index_N, K, offsets_E):
         """forward(z[row_index // K]) without the permuted copy (gate/up fold); dz in token order."""
         wc = self.fold_cat(z_TI.dtype)
-        A, B = self.lora_A.to(z_TI.dtype), self.lora_B.to(z_TI.dtype)
+        A, B = self.adapters(z_TI.dtype)
         return fused_lora.grouped_lora_fused_gather(z_TI, row_index_N, K, A, B, offsets_E, self.scaling,
                                                     w_EIO=self.weight.transpose(1, 2), w_cat=wc)
 
     def forward_swiglu(self, gate_NI, up_NI, offsets_E):
         """forward(silu(gate)·up) with the SwiGLU product formed inside the LoRA-in pass (down fold)."""
         wc = self.fold_cat(gate_NI.dtype)
-        A, B = self.lora_A.to(gate_NI.dtype), self.lora_B.to(gate_NI.dtype)
+        A, B = self.adapters(gate_NI.dtype)
         return fused_lora.grouped_lora_fused_swiglu(gate_NI, up_NI, A, B, offsets_E, self.scaling,
                                                     w_EIO=self.weight.transpose(1, 2), w_cat=wc)
 
@@ -239,7 +254,7 @@ class GroupedLoRALinear(GroupedLinear):
 
     def forward(self, x_NI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w_EIO = self.weight.transpose(1, 2).to(x_NI.dtype)
-        A, B = self.lora_A.to(x_NI.dtype), self.lora_B.to(x_NI.dtype)
+        A, B = self.adapters(x_NI.dtype)
         if isinstance(self.dropout, nn.Identity):  # fused base + adapter path
             wc = self.cat_weight(x_NI.dtype)
             if wc is not None and self.backend in ("auto", "fused"):

@@ -111,11 +111,19 @@ class GroupedExperts(nn.Module):
         """The experts over z[row_index // K] via lean_lora (path "lean"): no permuted copy, gate/up GEMMs
         at native width, the rank terms in the gather / SwiGLU passes."""
         w1, w3, w2 = self.w1, self.w3, self.w2
-        A = torch.cat([w1.lora_A, w3.lora_A], 2)  # the adapters in their own dtype: lean_lora casts them
+        # the adapters in their own dtype (fp32): lean_lora casts them, or computes with the bf16 copies
+        # train/copies.py lends the layers, and returns their gradients in it (fp32 from its K-grouped kernels).
+        # A_gate and A_up are one [E, I, 2R] operand: concatenated and cast here whether or not copies are lent
+        A = torch.cat([w1.lora_A, w3.lora_A], 2)
+        lent = [w.lent.get(n) for w, n in ((w1, "lora_B"), (w3, "lora_B"), (w2, "lora_A"), (w2, "lora_B"))]
+        copies = None
+        if all(c is not None and c.dtype == z_TL.dtype for c in lent):
+            cBg, cBu, cAd, cBd = (c.detach() for c in lent)  # values only: the gradients go to the adapters
+            copies = ((cBg, cBu), cAd, cBd)
         return lean_lora.lean_lora_experts(
             z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B, w3.lora_B),
             w1.scaling, w2.weight.transpose(1, 2), w2.lora_A, w2.lora_B, w2.scaling,
-            wcat_d=w2.cat_weight(z_TL.dtype), wk_gu=self.gate_up_cat(z_TL.dtype))
+            wcat_d=w2.cat_weight(z_TL.dtype), wk_gu=self.gate_up_cat(z_TL.dtype), copies=copies)
 
     @torch.no_grad()
     def gate_up_cat(self, dtype: torch.dtype) -> torch.Tensor | None:

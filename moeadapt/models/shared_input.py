@@ -18,7 +18,9 @@ where a wide member's GEMM hides that read under its math.
 Members it takes: plain nn.Linear (trainable or frozen, fp32 weights cast to the autocast dtype as autocast would,
 their gradients returned in the weight's dtype) and layers that offer `shared_input_terms()` (LoRALinear with a
 frozen base and no dropout). Anything else (a hook on a member, a subclass, no autocast, float64 inputs) runs
-layer by layer, which computes the same values.
+layer by layer, which computes the same values. Inside train/copies.py's `lent` the trained weights and adapters
+come as their bf16 copies: nothing to cast, and their gradients stay bf16 (each adapter's dA is then a row block
+of the one dA GEMM's output).
 """
 
 from __future__ import annotations

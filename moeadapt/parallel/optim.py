@@ -43,7 +43,8 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
 
 class CopyAdamW(torch.optim.Optimizer):
     """AdamW for fp32 parameters on one GPU whose gradients may be bf16 (`Parameter.grad_dtype`), which also writes
-    each copied weight's bf16 compute copy (train/copies.py) from the updated weight, in the same pass.
+    each copied weight's bf16 compute copy (train/copies.py) from the updated weight, in the same pass (whatever
+    the gradient's dtype: the lean experts path returns fp32 gradients for copied adapters).
 
     The update and the state dict are torch.optim.AdamW's (per parameter `step`, `exp_avg`, `exp_avg_sq`;
     a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
@@ -61,12 +62,19 @@ class CopyAdamW(torch.optim.Optimizer):
 
     def _parts(self) -> list[tuple[int, dict, tuple, list]]:
         """(group index, group, (grad dtype, copied), parameters with a gradient) for each kernel launch."""
+        from ..ops.optim.triton_adamw import ALIGN
+
         out = []
         for gi, group in enumerate(self.param_groups):
             parts: dict[tuple, list] = {}
             for p in group["params"]:
-                if p.grad is not None:
-                    parts.setdefault((p.grad.dtype, p in self.copies), []).append(p)
+                if p.grad is None:
+                    continue
+                if p.grad.data_ptr() % (ALIGN * p.grad.element_size()):
+                    # autograd may keep a gradient that is a row block of a bigger one (shared_input.py's dA of
+                    # several adapters, one GEMM) off the 16-element boundary the kernels' vector loads need
+                    p.grad = p.grad.clone()
+                parts.setdefault((p.grad.dtype, p in self.copies), []).append(p)
             out += [(gi, group, key, ps) for key, ps in parts.items()]
         return out
 

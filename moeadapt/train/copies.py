@@ -1,18 +1,30 @@
-"""bf16 compute copies of the fp32 matmul weights for a one-process bf16 full fine-tuning step.
+"""bf16 compute copies of the fp32 trained matmul weights for a one-process bf16 step: full fine-tuning's weights
+and LoRA's adapters.
 
 Under bf16 autocast every fp32 weight is cast to bf16 at its use in the forward and its bf16 gradient is cast
 back to fp32 in the backward: 12 bytes moved per parameter per step, with no arithmetic (full fine-tuning of
-`small`: ~17 ms of a ~250 ms step on one H100 / H200), and the fp32 gradients take 4 bytes per parameter.
-`WeightCopies` keeps one bf16 copy of each trainable matmul weight instead (the weights of nn.Linear and
-GroupedLinear modules; not a weight two modules share, such as a tied embedding), which the optimizer
-(`parallel.optim.CopyAdamW`) writes in the same pass that updates the weight. The forward borrows them
-(`lent`): inside it each copied weight reads as its copy, through one autograd node whose backward hands the
-bf16 gradients to the fp32 weights as they are (`Parameter.grad_dtype` = bf16: no cast, half the bytes).
+`small`: ~17 ms of a ~250 ms step on one H100 / H200), and the fp32 gradients take 4 bytes per parameter. LoRA
+trains fp32 adapters on a frozen bf16 base and casts them the same way: few bytes, but some 600 small cast and
+copy kernels a step of `small`. `WeightCopies` keeps one bf16 copy of each trainable matmul weight instead (the
+weights of nn.Linear and GroupedLinear modules, LoRALinear's lora_A / lora_B among them, and the grouped
+experts' adapters, GroupedLoRALinear's lora_A / lora_B; not a weight two modules share, such as a tied
+embedding), which the optimizer (`parallel.optim.CopyAdamW`) writes in the same pass that updates the weight.
+The forward borrows them (`lent`): inside it each copied weight reads as its copy, through one autograd node
+whose backward hands the bf16 gradients to the fp32 weights as they are (`Parameter.grad_dtype` None: no cast,
+half the bytes).
+
+The grouped experts' adapters are lent to their module (`GroupedLoRALinear.lent`) instead of taking the
+parameters' place: the lean experts path (ops/moe/lean_lora.py) computes with the copies (all but the gate/up A:
+GroupedExperts.forward_lean) but writes the adapters' gradients in fp32 from its K-grouped kernels (fp32
+accumulation over the rows), which it must hand to the fp32 adapters themselves (through a bf16 tensor autograd
+would round them to bf16). grad_dtype None keeps every gradient in the dtype its path makes it: bf16 through a
+copy, fp32 from lean.
 
 The step computes the same values as with autocast's casts: the copy is the round-to-nearest bf16 of the
-weight, which is what autocast's cast makes, the GEMMs are the same bf16 GEMMs, and the gradient the optimizer
-reads is the same bf16 tensor autocast would have cast up exactly. Gradients that add up over several
-forwards would add in bf16, so `plan_copies` takes this path only where the step has one forward.
+weight, which is what autocast's cast (or the LoRA layers' own `.to(bf16)`) makes, the GEMMs are the same bf16
+GEMMs, and the gradient the optimizer reads is the same tensor autograd would have cast up exactly (or, from
+lean, the same fp32 one). Gradients that add up over several forwards would add in bf16, so `plan_copies`
+takes this path only where the step has one forward.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..lora.layers import GroupedLoRALinear
 from ..models.moe import GroupedLinear
 
 
@@ -32,8 +45,6 @@ def why_not(cfg, run, device: torch.device, model: nn.Module | None = None) -> s
     t = cfg.train
     if not t.weight_copies:
         return "train.weight_copies is off"
-    if cfg.lora is not None:
-        return "LoRA trains fp32 adapters on a frozen bf16 base: there is no fp32 weight to copy"
     if run.world > 1:
         return "under torchrun FSDP2's mixed precision makes the bf16 compute copies"
     if device.type != "cuda" or t.dtype == "fp32":
@@ -52,17 +63,19 @@ def why_not(cfg, run, device: torch.device, model: nn.Module | None = None) -> s
 
 
 def copy_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, name, weight) of every trainable fp32 weight an nn.Linear or GroupedLinear multiplies by, each
-    used by that module only."""
+    """(module, name, weight) of every trainable fp32 weight an nn.Linear or GroupedLinear multiplies by (a LoRA
+    run: LoRALinear's lora_A / lora_B, which are nn.Linear, and GroupedLoRALinear's lora_A / lora_B), each used
+    by that module only."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     out = []
     for mod in model.modules():
         if not isinstance(mod, nn.Linear | GroupedLinear):
             continue
-        w = mod._parameters.get("weight")
-        if (w is not None and w.requires_grad and w.dtype == torch.float32 and w.is_contiguous()
-                and uses[id(w)] == 1):
-            out.append((mod, "weight", w))
+        for name in ("lora_A", "lora_B") if isinstance(mod, GroupedLoRALinear) else ("weight",):
+            w = mod._parameters.get(name)
+            if (w is not None and w.requires_grad and w.dtype == torch.float32 and w.is_contiguous()
+                    and uses[id(w)] == 1):
+                out.append((mod, name, w))
     return out
 
 
@@ -88,7 +101,7 @@ class WeightCopies:
         self.weights = [w for _, _, w in targets]
         self.copies = [torch.empty_like(w, dtype=torch.bfloat16) for w in self.weights]
         for w in self.weights:
-            w.grad_dtype = torch.bfloat16
+            w.grad_dtype = None  # kept as it comes: bf16 through the copy, fp32 from lean (module docstring)
         self.refresh()
 
     @torch.no_grad()
@@ -102,15 +115,22 @@ class WeightCopies:
 
     @contextlib.contextmanager
     def lent(self):
-        """Inside: every copied weight reads as its bf16 copy, whose gradient goes to the weight."""
+        """Inside: every copied weight reads as its bf16 copy, whose gradient goes to the weight; the grouped
+        experts' adapters stay in place and their copies are lent to their module (module docstring)."""
         views = _Lend.apply(self.copies, *self.weights)
         for (m, n), v in zip(self.slots, views):
-            m._parameters[n] = v
+            if isinstance(m, GroupedLoRALinear):
+                m.lent[n] = v
+            else:
+                m._parameters[n] = v
         try:
             yield
         finally:
             for (m, n), w in zip(self.slots, self.weights):
-                m._parameters[n] = w
+                if isinstance(m, GroupedLoRALinear):
+                    m.lent.pop(n, None)
+                else:
+                    m._parameters[n] = w
 
 
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:

@@ -781,11 +781,12 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
                       f"{n_train / 1e6:.3f}M trainable ({'LoRA' if cfg.lora else 'full'}), device {run.device}, "
                       f"{n_rows} train rows x {t.seq_len} tokens")
-        if cfg.lora is None and run.device.type == "cuda" and run.world == 1:  # full FT on one GPU: say which step
+        if run.device.type == "cuda" and run.world == 1:  # one GPU: say which step
             why = why_not_copies(cfg, run, run.device, lp.model)
-            console.print("weights: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
-                                               else "cast to bf16 at each use (no weight copies: "
-                                               f"{why or 'no trainable matmul weight to copy'})"))
+            trained = "adapters" if cfg.lora else "weights"
+            console.print(f"{trained}: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
+                                                  else "cast to bf16 at each use (no weight copies: "
+                                                  f"{why or 'no trainable matmul weight to copy'})"))
     eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed, speed = fit(lp, start)

@@ -69,3 +69,80 @@ def test_copies_train_as_autocasts_casts(seed):
             assert abs(a.loss - b.loss) < 1e-3 * abs(b.loss), (a.step, a.loss, b.loss)
         rel = float((d - d_ref).norm() / d_ref.norm())
         assert rel < 0.25, f"the weights' updates differ by {rel:.3f} (relative)"
+
+
+@pytest.mark.parametrize("seq", [1024, 128])  # 512 routed rows per expert: the lean experts path; 64: Triton's
+def test_lora_copies_train_as_the_casts(seed, seq):
+    """LoRA (fp32 adapters on the frozen bf16 base) with the adapters' bf16 copies computes what the per-use casts
+    compute, bit for bit: the same losses step by step and the same adapters after the steps, eager and replayed
+    (train.cuda_graph). Both sides step with CopyAdamW and no clip (without copies: fp32 gradients, nothing to
+    write), so the optimizer's arithmetic is the same, and the tiny model's layers are all KDA (DSA's backward adds
+    with atomics, which no two runs repeat bit for bit). The gradients the optimizer reads: bf16, except the
+    experts' adapters on the lean path (fp32 from its K-grouped kernels, which a bf16 gradient would round). A run
+    whose optimizer does not write the copies (a stale copy) departs from the casts' losses."""
+    from moeadapt.config import LoRASpec, RunConfig, get_preset
+    from moeadapt.lora import cast_frozen_, inject_lora
+    from moeadapt.models.model import build_model, materialize
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.train import trainer
+    from moeadapt.train.local import LocalRun
+    from moeadapt.train.metrics import NullLogger
+
+    steps = 4  # two eager, then the capture and a replay under train.cuda_graph
+    spec = get_preset("tiny", layer_types=["kda"] * 4)
+    g = torch.Generator().manual_seed(seed)
+    data = [torch.randint(3, spec.vocab_size, (ROWS, seq + 1), generator=g) for _ in range(steps)]
+    base = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
+    inject_lora(base, LoRASpec(rank=8))
+    cast_frozen_(base, torch.bfloat16)
+    base.set_backend("auto")
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)  # every adapter's gradient nonzero from the first step
+
+    def train(copies_on, graphed=False, stale=False):
+        cfg = RunConfig.model_validate({"model": spec.model_dump(), "lora": {"rank": 8}, "train": {
+            "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": seq, "steps": steps,
+            "log_every": 2, "lr": 1e-3, "warmup_steps": 0, "grad_clip": None, "weight_copies": copies_on}})
+        m = copy.deepcopy(base).train()
+        params = [p for p in m.parameters() if p.requires_grad]
+        run = LocalRun(cfg, torch.device("cuda"))
+        opt, copies = trainer.make_optimizer(cfg, run, m, params)
+        assert isinstance(opt, CopyAdamW) == copies_on and (copies is not None) == copies_on
+        writes = copies.by_weight() if copies and not stale else None
+        opt = CopyAdamW(params, writes, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+        lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                          ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
+        if graphed:
+            trainer.use_cuda_graph(lp)
+        stats = []
+        for step in range(steps):
+            lp.step = step
+            stats.append(trainer.train_step(lp))
+        stats.append(trainer.settle(lp))
+        stats = [s for s in stats if s is not None]
+        assert [s.step for s in stats] == list(range(steps)) and all(s.skipped is None for s in stats)
+        if copies and not stale:
+            for w, c in zip(copies.weights, copies.copies):  # the optimizer wrote each copy from its new weight
+                assert torch.equal(c, w.detach().to(torch.bfloat16))
+        if copies and not graphed and not stale:  # one more forward + backward: the gradients' dtypes
+            trainer._forward_backward(lp, [(data[0][:, :-1], data[0][:, 1:], {})], 1)
+            lean = seq == 1024
+            for n, p in m.named_parameters():
+                if p.requires_grad:
+                    want = torch.float32 if lean and ".experts." in n else torch.bfloat16
+                    assert p.grad.dtype == want, (n, p.grad.dtype)
+            opt.zero_grad(set_to_none=True)
+        return [float(s.loss) for s in stats], [float(s.grad_norm) for s in stats], params
+
+    losses, norms, adapters = train(False)
+    for graphed in (False, True):
+        got, got_norms, got_adapters = train(True, graphed)
+        assert got == losses, (graphed, got, losses)
+        for a, b in zip(got_adapters, adapters):
+            assert torch.equal(a, b)
+        # the norm sums bf16 and fp32 gradients in separate launches: the same values, summed in another order
+        assert got_norms == pytest.approx(norms, rel=1e-5)
+    stale, _, _ = train(True, stale=True)
+    assert stale[0] == losses[0] and stale[1:] != losses[1:]

@@ -149,3 +149,28 @@ def test_copy_adamw_takes_state_set_from_outside(seed):
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
         assert opt.state[p]["step"].dtype == torch.float32 and int(opt.state[p]["step"]) == 5
+
+
+def test_copy_adamw_takes_row_blocks_of_one_gradient(seed):
+    """Gradients that are row blocks of one tensor (shared_input.py hands the adapters' dA over that way when they
+    are bf16: views of one GEMM's output) and fp32 gradients of copied weights (the lean experts path): CopyAdamW
+    steps them as torch's AdamW does, a block off the kernels' 16-element boundary given its own storage."""
+    shapes = [(2, 24), (3, 24), (1, 24)]  # the second and third start 48 and 120 elements in: 120 is off the grid
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes] + [torch.nn.Parameter(torch.randn(4, 9))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    copies = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in ps}
+    kw = dict(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.05)
+    opt, topt = CopyAdamW(ps, copies, **kw), torch.optim.AdamW(ref, **kw)
+    rows = torch.randn(6, 24).to(torch.bfloat16)
+    for p, g in zip(ps, [*rows.split([2, 3, 1]), torch.randn(4, 9)]):
+        p.grad_dtype = None
+        p.grad = g
+    for p, r in zip(ps, ref):
+        r.grad = p.grad.float()
+    torch.testing.assert_close(opt.grad_norm().double(), grad_norm_reference([r.grad for r in ref]), rtol=1e-5, atol=0)
+    assert ps[2].grad._base is None and ps[1].grad._base is rows  # the block off the grid was copied, only it
+    opt.step()
+    topt.step()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+        _assert_copy(copies[p], p)

@@ -1,5 +1,8 @@
 """bf16 weight copies (train/copies.py): the same loss and gradients as autocast's per-use casts, gradients kept
-in bf16, and the runs that must not take them."""
+in bf16 (fp32 where the lean experts path computes them in fp32), for full fine-tuning and LoRA, and the runs
+that must not take them."""
+
+import contextlib
 
 import pytest
 import torch
@@ -69,7 +72,6 @@ def test_refresh_follows_the_weights(seed):
 
 @pytest.mark.parametrize("change, why", [
     (dict(train=dict(weight_copies=False)), "weight_copies is off"),
-    (dict(lora=dict(rank=4)), "LoRA"),
     (dict(train=dict(grad_accum_steps=2)), "grad_accum_steps"),
     (dict(parallel=dict(activation_checkpointing="full")), "recompute"),
     (dict(train=dict(dtype="fp32")), "without bf16 autocast"),
@@ -77,9 +79,9 @@ def test_refresh_follows_the_weights(seed):
 def test_runs_that_keep_autocasts_casts(change, why):
     cfg = RunConfig(model=micro_spec(), **change)
     assert why in why_not(cfg, LocalRun(cfg, torch.device("cuda")), torch.device("cuda"))
-    ok = RunConfig(model=micro_spec())
-    assert why_not(ok, LocalRun(ok, torch.device("cuda")), torch.device("cuda")) is None
-    assert "autocast" in why_not(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
+    for ok in (RunConfig(model=micro_spec()), RunConfig(model=micro_spec(), lora=dict(rank=4))):  # LoRA included
+        assert why_not(ok, LocalRun(ok, torch.device("cuda")), torch.device("cuda")) is None
+        assert "autocast" in why_not(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
 
 
 def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path):
@@ -138,3 +140,133 @@ def test_a_misaligned_trainable_tensor_keeps_autocasts_casts(seed):
     buf[1:].copy_(norm.weight.detach())
     norm.weight.data = buf[1:]
     assert "aligned storage" in why_not(cfg, run, torch.device("cuda"), model)
+
+
+# ---------------------------------------------------------------- LoRA: the adapters' copies
+def _lora_model(seed, expert_path):
+    """The micro model LoRA'd as the trainer makes it (fp32 adapters, frozen bf16 base; B nonzero so that every
+    adapter's gradient matters), its experts on `expert_path`: "reference" (CPU's "auto"), "lean", "fold" (the
+    gather / SwiGLU folds of fused_lora) or "layers" (fused_lora per layer)."""
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import GroupedLoRALinear, cast_frozen_, inject_lora
+    from moeadapt.models.moe import GroupedExperts
+
+    model = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed % 1000)
+    inject_lora(model, LoRASpec(rank=4))
+    cast_frozen_(model, torch.bfloat16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    for m in model.modules():
+        if isinstance(m, GroupedLoRALinear):
+            m.backend = "auto" if expert_path == "reference" else "fused"
+        if isinstance(m, GroupedExperts):
+            m.lora_path = "auto" if expert_path in ("reference", "lean") else expert_path
+    return model
+
+
+def _torch_twins(monkeypatch):
+    """fused_lora / lean_lora's passes as their torch forms (the Triton interpreter does not run them in bf16).
+    Their K-grouped dA / dB round to bf16 before the fp32 output, as the GPU kernel does not: the GPU test
+    checks the fp32 gradients' bits (tests/gpu/test_copies_gpu.py)."""
+    from moeadapt.ops.moe import fused_lora, lean_lora
+
+    monkeypatch.setattr(fused_lora, "_use_triton", lambda t: False)
+    monkeypatch.setattr(lean_lora, "_use_triton", lambda t: False)
+
+
+@pytest.mark.parametrize("expert_path", ["reference", "lean", "fold", "layers"])
+def test_lora_copies_give_the_casts_loss_and_gradients(seed, monkeypatch, expert_path):
+    """Every adapter (LoRALinear's lora_A / lora_B, the grouped experts' lora_A / lora_B) is copied; the lent step
+    computes the same loss and gradients, bit for bit, on every expert path. The gradients come bf16 (the same bf16
+    GEMM outputs the casts' backward cast up), except lean's, which computes the experts' adapter gradients in
+    fp32 and hands them to the fp32 adapters as they are."""
+    from moeadapt.lora import GroupedLoRALinear
+    from moeadapt.ops.moe import lean_lora
+
+    _torch_twins(monkeypatch)
+    model = _lora_model(seed, expert_path)
+    x = torch.randint(0, 264, (2, 24))
+    y = torch.randint(0, 264, (2, 24))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    copies = WeightCopies(copy_targets(model))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(w)] for w in copies.weights} == trained  # every adapter, and nothing else
+    calls = []
+    lean = lean_lora.lean_lora_experts
+    monkeypatch.setattr(lean_lora, "lean_lora_experts", lambda *a, **k: calls.append(k["copies"]) or lean(*a, **k))
+
+    def step(lend):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        with copies.lent() if lend else contextlib.nullcontext():
+            loss = _loss(model, x, y)
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, ref = step(False)
+    assert all(g.dtype == torch.float32 for g in ref.values())
+    got, grads = step(True)
+    assert all(not m.lent for m in model.modules() if isinstance(m, GroupedLoRALinear))  # given back
+    assert (len(calls) == 3 and all(c is not None for c in calls)) if expert_path == "lean" else not calls
+    assert torch.equal(got, want)
+    assert grads.keys() == ref.keys() == trained
+    for n, g in grads.items():
+        fp32 = expert_path == "lean" and ".experts." in n
+        assert g.dtype == (torch.float32 if fp32 else torch.bfloat16), n
+        assert torch.equal(g.float(), ref[n]), n
+
+
+def test_the_lent_forward_reads_the_copies(seed, monkeypatch):
+    """Inside `lent` the adapters' products read the copies, not the adapters (a stale copy gives the old loss);
+    outside it, and after `refresh`, the model computes from the adapters as they are now. (On the lean path the
+    gate/up A would still be read from the adapters: see GroupedExperts.forward_lean.)"""
+    _torch_twins(monkeypatch)
+    model = _lora_model(seed, "fold")
+    x = torch.randint(0, 264, (2, 24))
+    y = torch.randint(0, 264, (2, 24))
+    copies = WeightCopies(copy_targets(model))
+    with torch.no_grad():
+        want = _loss(model, x, y)
+        for w in copies.weights:
+            w.mul_(1.5)  # the optimizer's step, without the copies
+        changed = _loss(model, x, y)
+        with copies.lent():
+            stale = _loss(model, x, y)
+        copies.refresh()
+        with copies.lent():
+            fresh = _loss(model, x, y)
+    assert torch.equal(stale, want) and not torch.equal(changed, want)
+    assert torch.equal(fresh, changed)
+
+
+def test_lora_copies_leave_saved_and_exported_adapters_alone(seed, monkeypatch, tmp_path):
+    """The copies are no parameters: after a lent step checkpoint_tensors, the state dict and the peft export see
+    the fp32 adapters (the same tensors, and the same files as without copies); the forward outside `lent` (eval,
+    export checks) is unchanged."""
+    from moeadapt.config import LoRASpec
+    from moeadapt.lora import export_peft
+    from moeadapt.models.model import checkpoint_tensors
+
+    _torch_twins(monkeypatch)
+    model = _lora_model(seed, "lean")
+    x = torch.randint(0, 264, (2, 24))
+    y = torch.randint(0, 264, (2, 24))
+    before = checkpoint_tensors(model)
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        loss = _loss(model, x, y)
+    export_peft(model, LoRASpec(rank=4), tmp_path / "plain")
+    copies = WeightCopies(copy_targets(model))
+    with copies.lent():
+        _loss(model, x, y).backward()
+    after = checkpoint_tensors(model)
+    assert before.keys() == after.keys()
+    assert all(after[k] is before[k] and before[k].dtype == torch.float32 for k in before)
+    assert list(model.state_dict()) == keys
+    with torch.no_grad():
+        assert torch.equal(_loss(model, x, y), loss)
+    export_peft(model, LoRASpec(rank=4), tmp_path / "copied")
+    a, b = (tmp_path / "plain" / "adapter_model.safetensors"), (tmp_path / "copied" / "adapter_model.safetensors")
+    assert a.read_bytes() == b.read_bytes()

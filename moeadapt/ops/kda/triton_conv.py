@@ -6,15 +6,15 @@ custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` / `_bwd_dx` (so torch.compi
 checkpointing see one op, not a Triton launch they cannot trace; `conv_silu_fwd_fast` skips the op's dispatch in
 plain eager mode, ops/custom.py). Reads the projection output in its own [B, T, C] layout (unit channel stride): no
 transposes, no padded copy, no separate SiLU pass. Forward saves only x. Backward pass 1 recomputes the
-pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) (fp32 by default,
-DPRE_DTYPE) and the weight gradient's partial sums (KW rows per program, which walks several time blocks; summed by
+pre-activation from x (KW shifted reads, served by L1/L2), stores dpre = dy * silu'(pre) (in x's dtype by
+default, DPRE_DTYPE) and the weight gradient's partial sums (KW rows per program, which walks several time blocks; summed by
 one torch reduction); pass 2 computes dx as the transposed conv of dpre (KW shifted reads). A single backward pass
 that recomputed dpre at each of the KW shifts read x KW * KW + KW times per tile and was 1.55x slower
 (benchmarks/RESULTS.md).
 Where the weight needs no gradient (LoRA fine-tuning: the conv weight is frozen) the backward is the op
-`_bwd_dx`, dx alone (DX_ONLY_IMPL): by default one kernel that reads x at its 2 KW - 1 shifts and dy at its KW
-shifts once each and builds pre, dpre and dx in registers (no dpre buffer, no weight-gradient work); or the two
-passes above without the weight-gradient partials.
+`_bwd_dx`, dx alone (DX_ONLY_IMPL): by default the two passes above without the weight-gradient partials, pass 1
+on the forward's larger tile; or one kernel that reads x at its 2 KW - 1 shifts and dy at its KW shifts once each
+and builds pre, dpre and dx in registers (no dpre buffer; slower on the H100, more exact).
 Math in fp32, storage in x's dtype.
 Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
 j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
@@ -41,18 +41,20 @@ BWD_BLOCK_T = 8
 BWD_BLOCK_C = 128
 BWD_NUM_WARPS = 4
 BWD_TIME_BLOCKS = 8
-# dpre's storage dtype between the two backward passes: fp32 (the default), or x's dtype (bf16 in training; halves
-# that buffer's traffic, rounds dpre once before the transposed conv; the weight gradient is taken from the fp32
-# values either way). Timed by benchmarks/bench_short_conv.py; the default stays fp32 until a GPU run says otherwise.
-DPRE_DTYPE = torch.float32
-# The dx-only backward (frozen weight): "fused" (_conv_silu_dx_fused_kernel: one pass from x, w and dy; KW <= 4,
-# wider kernels take "two_pass") or "two_pass" (_conv_silu_dpre_kernel without the weight-gradient partials on the
-# forward's tile, BLOCK_T x BLOCK_C on NUM_WARPS, then _conv_dx_kernel).
-DX_ONLY_IMPL = "fused"
-# The fused kernel's launch: 32 time steps x 64 channels a program on 4 warps. Compiled offline for sm_90 (ptxas,
-# KW 4, bf16, C a multiple of 16): 168 registers, no spills (three programs an SM); 32 x 128 on 4 warps needs 255
-# and spills, on 8 warps 177 (one program an SM); 16 x 128 on 4 warps 166. Not yet timed on a GPU: the benchmark
-# times several (benchmarks/bench_short_conv.py).
+# dpre's storage dtype between the two backward passes: None = x's dtype (bf16 in training: half the fp32 buffer's
+# traffic; dpre is rounded once before the transposed conv, dx within 2.7e-3 of the fp32-dpre dx, about bf16's own
+# rounding of dx; the weight gradient is taken from the fp32 values in registers either way), or a dtype such as
+# torch.float32. On an H100 at [2, 4096, 2048] bf16 (benchmarks/bench_short_conv.py, RESULTS.md): the full backward
+# 157.9 -> 139.3 us, the dx-only two-pass form 96.1 -> 71.9 us.
+DPRE_DTYPE = None
+# The dx-only backward (frozen weight): "two_pass" (_conv_silu_dpre_kernel without the weight-gradient partials on
+# the forward's tile, BLOCK_T x BLOCK_C on NUM_WARPS, then _conv_dx_kernel) or "fused"
+# (_conv_silu_dx_fused_kernel: one pass from x, w and dy, no dpre buffer; KW <= 4, wider kernels take "two_pass").
+# Same H100 run: two_pass 71.9 us with a bf16 dpre (96.1 with fp32), fused 99.8 us (its best launch) against the
+# full backward's 157.9; fused keeps dx within 7e-6 of the fp32 path.
+DX_ONLY_IMPL = "two_pass"
+# The fused kernel's launch: 32 time steps x 64 channels a program on 4 warps (168 registers on sm_90, no spills):
+# 99.8 us; 16 x 128 on 4 warps 100.1, 32 x 128 on 8 warps 135.1 (the H100 run above).
 FUSED_DX_BLOCK_T = 32
 FUSED_DX_BLOCK_C = 64
 FUSED_DX_NUM_WARPS = 4
@@ -305,7 +307,7 @@ def _dpre_pass(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: to
     KW = w.shape[-1]
     ntb = time_blocks if need_dw and KW <= 4 else 1  # tile accumulators for the weight gradient exist up to KW = 4
     npt = triton.cdiv(T, block_t * ntb)
-    dpre = torch.empty((B, T, C), device=x.device, dtype=dpre_dtype)
+    dpre = torch.empty((B, T, C), device=x.device, dtype=x.dtype if dpre_dtype is None else dpre_dtype)
     dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32) if need_dw else None
     _conv_silu_dpre_kernel[(npt, triton.cdiv(C, block_c), B)](
         x, w, dy, dpre, dpre if dw_part is None else dw_part, x if positions is None else positions, T, C,
@@ -325,10 +327,10 @@ def _dx_pass(dpre: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, positions: t
 def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                          block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
                          time_blocks: int = BWD_TIME_BLOCKS,
-                         dpre_dtype: torch.dtype = DPRE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+                         dpre_dtype: torch.dtype | None = DPRE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward (dx and dw) with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's
     programs take `time_blocks` blocks of `block_t` steps x `block_c` channels on `num_warps` warps, and store dpre
-    in `dpre_dtype` (fp32, or x's dtype)."""
+    in `dpre_dtype` (None: x's dtype)."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
     KW = w.shape[-1]
@@ -344,7 +346,7 @@ def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, pos
 
 def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                         impl: str = DX_ONLY_IMPL, block_t: int | None = None, block_c: int | None = None,
-                        num_warps: int | None = None, dpre_dtype: torch.dtype = DPRE_DTYPE) -> torch.Tensor:
+                        num_warps: int | None = None, dpre_dtype: torch.dtype | None = DPRE_DTYPE) -> torch.Tensor:
     """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 takes "two_pass") or
     "two_pass" (dpre in `dpre_dtype` without the weight-gradient partials, then the transposed conv). block_t /
     block_c / num_warps: the fused kernel's launch, or the two-pass form's first pass; None takes the constants
@@ -390,7 +392,7 @@ def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
 def _conv_silu_bwd_dx_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """dx [B, T, C] in x's dtype of conv_silu_fwd for the output gradient dy, the weight taken as a constant (the
-    backward where w needs no gradient): no weight-gradient work, and by default no dpre buffer (DX_ONLY_IMPL)."""
+    backward where w needs no gradient): no weight-gradient work (DX_ONLY_IMPL's form)."""
     return conv_silu_dx_launch(x, w, dy, positions)
 
 

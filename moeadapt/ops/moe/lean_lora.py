@@ -369,12 +369,12 @@ class _GatherBaseFn(torch.autograd.Function):
         return dz, dA, None, None, None, None, None, None
 
 
-def _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
-                  w_d_EOI):
+def _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_in, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
+                  w_d_EOI, copies):
     """_SwiGLUDownFn's forward (its docstring): returns y and the tensors its backward needs (`_down_backward`),
-    and leaves the rest on ctx."""
-    ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_ERO.dtype)
-    Bg_ERF, Bu_ERF, Ad_EFR = (t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in))
+    and leaves the rest on ctx. copies: (B_g, B_u, A_d, B_d) in g's dtype to compute with, or None: cast here."""
+    ctx.dtypes = (Bg_in.dtype, Bu_in.dtype, Ad_in.dtype, Bd_in.dtype)
+    Bg_ERF, Bu_ERF, Ad_EFR, Bd_ERO = copies or (*(t.to(g.dtype) for t in (Bg_in, Bu_in, Ad_in)), Bd_in)
     packed = u is None
     F = g.shape[1] // 2 if packed else g.shape[1]
     g_NF, u_NF = (g[:, :F], g[:, F:]) if packed else (g, u)
@@ -397,13 +397,14 @@ def _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scali
 
 class _SwiGLUDownFn(torch.autograd.Function):
     """y = [a | s_d·a·A_d]·[W_d | B_dᵀ]ᵀ with a = silu(g + h_g·B_g)·(u + h_u·B_u); u None: g is gate/up packed.
-    The adapters come in their own dtype (fp32): cast here, gradients returned in it (no autograd casts)."""
+    The adapters come in their own dtype (fp32): cast here, or their bf16 `copies` read instead (train/copies.py);
+    gradients returned in the adapters' dtype (no autograd casts)."""
 
     @staticmethod
     def forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ, shared, R, dx,
-                w_d_EOI=None):
+                w_d_EOI=None, copies=None):
         y_NO, saved = _down_forward(ctx, g, u, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_EOJ,
-                                    shared, R, dx, w_d_EOI)
+                                    shared, R, dx, w_d_EOI, copies)
         ctx.save_for_backward(*saved)
         return y_NO
 
@@ -422,7 +423,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         dhg, dhu = dh_NW[:, :R], None if shared else dh_NW[:, R:2 * R]
         dBg, dBu, dAd, dBd = _down_backward(ctx, dy_NO, (acat_NJ, g, u, h_NW, Bg, Bu, Ad, Bd, offsets_E),
                                             dg_NF, du_NF, dhg, dhu)
-        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None, None
+        return dg, du, dh_NW, dBg, dBu, dAd, dBd, None, None, None, None, None, None, None, None
 
 
 def _down_backward(ctx, dy_NO, saved, dg_NF, du_NF, dhg, dhu):
@@ -459,13 +460,13 @@ class _LeanCatFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z_TI, A_in, Bg_in, Bu_in, Ad_in, Bd_ERO, row_index_N, offsets_E, K, scaling, scaling_d, wk,
-                shared, R, wcat_d, dx, w_d_EOI):
+                shared, R, wcat_d, dx, w_d_EOI, copies=None):
         T, RA = z_TI.shape[0], A_in.shape[2]
         F2 = wk.shape[1] - padded_rank(RA)
         A_EIR, x_NI, h_NW = _gathered(z_TI, A_in, row_index_N, offsets_E, scaling, K)
         gu = gmm(x_NI, wk[:, :F2].transpose(1, 2), offsets_E)
         y, down = _down_forward(ctx, gu, None, h_NW, Bg_in, Bu_in, Ad_in, Bd_ERO, offsets_E, scaling_d, wcat_d,
-                                shared, R, dx, w_d_EOI)
+                                shared, R, dx, w_d_EOI, copies)
         ctx.lean = (scaling, K, T, RA, wk, A_in.dtype)
         ctx.save_for_backward(x_NI, A_EIR, row_index_N, *down)
         return y
@@ -487,11 +488,11 @@ class _LeanCatFn(torch.autograd.Function):
             wk[:, F2:F2 + RA].copy_((A_EIR * s).transpose(1, 2))
         dz = _combine_copies(gmm(dcat, wk, offsets_E), row_index_N, K, T) if ctx.needs_input_grad[0] else None
         dA = kgmm(x_NI, dcat[:, F2:F2 + RA], offsets_E, s, a_dtype) if ctx.needs_input_grad[1] else None
-        return dz, dA, dBg, dBu, dAd, dBd, *([None] * 11)
+        return dz, dA, dBg, dBu, dAd, dBd, *([None] * 12)
 
 
 def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, scaling, w_d_EIO, A_d, B_d,
-                      scaling_d, wcat_d=None, dx: str = "cat", wk_gu=None):
+                      scaling_d, wcat_d=None, dx: str = "cat", wk_gu=None, copies=None):
     """The LoRA'd SwiGLU experts over permute's rows, base GEMMs of gate/up at native width.
 
     z_TI [T, I] token-major input; row_index_N, K, offsets_E from `permutation`; w_gu_EOI the frozen gate/up
@@ -503,8 +504,10 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     w_d itself, so nothing weight-sized is held until the backward.
     dx: the down projection's backward GEMM, as fused_lora.DX_MODES. wk_gu: the buffer the gate/up weights are
     views of (`gate_up_buffer`; the layers own it: one process): the block then runs as _LeanCatFn, whose
-    backward takes dx of the gate/up projection, LoRA term included, in one GEMM. Returns y_NL (sorted rows,
-    unweighted)."""
+    backward takes dx of the gate/up projection, LoRA term included, in one GEMM. copies: (B_gu, A_d, B_d) as
+    tensors in z's dtype shaped as those arguments (train/copies.py's bf16 copies), which the passes compute with
+    instead of casting the adapters; the gradients still go to B_gu, A_d, B_d in their own dtype. Returns y_NL
+    (sorted rows, unweighted)."""
     check_dx(dx)
     pair = isinstance(w_gu_EOI, (tuple, list))
     w_a, w_b = (w_gu_EOI[0], w_gu_EOI[1]) if pair else (w_gu_EOI, None)
@@ -520,6 +523,11 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     else:
         Bg, Bu = B_gu[:, :, :F], B_gu[:, :, F:]
         R, shared = B_gu.shape[1], True
+    if copies is not None:
+        cB, cAd, cBd = copies
+        copies = (*(cB if isinstance(cB, (tuple, list)) else (cB[:, :, :F], cB[:, :, F:])), cAd, cBd)
+        if any(c.dtype != dt or c.shape != t.shape for c, t in zip(copies, (Bg, Bu, A_d, B_d))):
+            raise ValueError(f"lean_lora_experts: copies must be B_gu, A_d, B_d's shapes in {dt}")
     if wcat_d is None:  # no persistent buffer (FSDP2 owns the gathered weight): a temporary one for the forward
         w_d_EOI = w_d_EIO.detach().transpose(1, 2).to(dt)
         wcat_d = make_cat_buffer(w_d_EOI, A_d.shape[2])
@@ -529,11 +537,11 @@ def lean_lora_experts(z_TI, row_index_N, K, offsets_E, w_gu_EOI, A_EIR, B_gu, sc
     if wk_gu is not None:
         _check_gate_up_buffer(wk_gu, w_a, w_b, F, A_EIR.shape[2], dt)
         return _LeanCatFn.apply(z_TI, A_EIR, Bg, Bu, A_d, B_d, row_index_N, offsets_E, int(K), float(scaling),
-                                float(scaling_d), wk_gu, shared, R, wcat_d, dx, w_d_EOI)
+                                float(scaling_d), wk_gu, shared, R, wcat_d, dx, w_d_EOI, copies)
     y_a, y_b, h = _GatherBaseFn.apply(z_TI, A_EIR, row_index_N, offsets_E, int(K), float(scaling),
                                       w_a.to(dt), None if w_b is None else w_b.to(dt))
     return _SwiGLUDownFn.apply(y_a, y_b if pair else None, h, Bg, Bu, A_d, B_d, offsets_E,
-                               float(scaling_d), wcat_d, shared, R, dx, w_d_EOI)
+                               float(scaling_d), wcat_d, shared, R, dx, w_d_EOI, copies)
 
 
 def gate_up_buffer(w_g_EFI: torch.Tensor, w_u_EFI: torch.Tensor, RA: int) -> torch.Tensor:
