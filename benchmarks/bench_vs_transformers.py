@@ -294,7 +294,8 @@ def run_ours(args, mode: str) -> dict:
             "params_active": counts["active_per_token"], "trainable": n_train, "build_s": build_s,
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
-                          + (", bf16 weight copies and gradients" if copies is not None else "")
+                          + ((", bf16 adapter copies (the lean experts' adapter gradients fp32)" if mode == "lora"
+                              else ", bf16 weight copies and gradients") if copies is not None else "")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
             "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
             "defer_verdict": run.defer_verdict, **res}

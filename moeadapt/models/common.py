@@ -71,8 +71,10 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: torch.dtype, b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + a (+ b), rms_norm of that sum): a residual add of one or two branch outputs (torch's type promotion:
-    an fp32 stream plus a bf16 branch stays fp32) and the norm that reads the sum."""
-    s = x + a if b is None else x + a + b
+    an fp32 stream plus a bf16 branch stays fp32) and the norm that reads the sum. Two branches add up first, as
+    the MoE summed them before handing the block's output on, so eager results are bit for bit the same whether
+    the add runs here or in the block (recompute modes, which keep it in the block, compare equal)."""
+    s = x + a if b is None else x + (a + b)
     return s, rms_norm(s, weight, eps, out)
 
 

@@ -48,11 +48,11 @@ def linear_lowrank(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     epilogue, under the GEMM's math). The other order, the base GEMM then a rank-r addmm_, reads and writes the
     whole [rows, out] output a second time for a product of K = r: memory-bound, about a third of the base GEMM's
     time at [8192, 2048]. Under a dispatch mode (selective activation checkpointing's caches each GEMM's output and
-    refuses one changed in place) the sum is made out of place instead, in the original order."""
-    if _get_current_dispatch_mode() is not None:
-        y = x2 @ w.t() if bias is None else torch.addmm(bias, x2, w.t())
-        return torch.addmm(y, h, b.t(), alpha=s)
+    refuses one changed in place) the base GEMM's sum is out of place (torch copies C first): the same values, so
+    selective recompute's gradients equal the plain step's."""
     y = lowrank(h, b, s) if bias is None else torch.addmm(bias, h, b.t(), alpha=s)
+    if _get_current_dispatch_mode() is not None:
+        return torch.addmm(y, x2, w.t())
     return y.addmm_(x2, w.t())
 
 

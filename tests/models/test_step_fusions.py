@@ -117,9 +117,9 @@ def test_falls_back_where_the_node_cannot_stand_in(seed):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("mode", [False, True])
 def test_linear_lowrank_against_float64(seed, bias, mode):
-    """x W^T + b + s h B^T with the rank-r product made first and the base GEMM added into it; under a dispatch
-    mode (selective recompute's) out of place in the original order. Against float64, and not within tolerance of
-    the sum without the scale or without the base term (the check can fail)."""
+    """x W^T + b + s h B^T with the rank-r product made first and the base GEMM added into it (under a dispatch
+    mode, selective recompute's, out of place: the same values). Against float64, and not within tolerance of the
+    sum without the scale or without the base term (the check can fail)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passthrough(TorchDispatchMode):
@@ -188,7 +188,7 @@ def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
     for a, b, ref in zip(*out):
         assert (a is None) == (b is None) == (ref is None)
         if a is not None:
-            assert _rel(a, ref) <= 1.5 * _rel(b, ref) + 5e-3, (_rel(a, ref), _rel(b, ref))
+            assert _rel(a, ref) <= 2 * _rel(b, ref) + 1.5e-2, (_rel(a, ref), _rel(b, ref))
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
