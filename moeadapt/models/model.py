@@ -34,10 +34,13 @@ from .vision import ImageBatch, VisionModel
 
 
 def _user_hooks(m: nn.Module) -> bool:
-    """Whether m has forward (pre-)hooks other than FSDP2's own, which gather and free its parameters and cast its
-    inputs but read nothing of the stream."""
-    return any(type(getattr(h, "__self__", None)).__name__ != "FSDPState"
-               for hooks in (m._forward_hooks, m._forward_pre_hooks) for h in hooks.values())
+    """Whether m has forward (pre-)hooks, its own or global ones, other than FSDP2's (which gather and free its
+    parameters and cast its inputs but read nothing of the stream)."""
+    from torch.nn.modules import module as _module
+
+    hooks = (m._forward_hooks, m._forward_pre_hooks, _module._global_forward_hooks,
+             _module._global_forward_pre_hooks)
+    return any(type(getattr(h, "__self__", None)).__name__ != "FSDPState" for hs in hooks for h in hs.values())
 
 
 class Block(nn.Module):
