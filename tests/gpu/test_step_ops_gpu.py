@@ -104,26 +104,28 @@ def test_model_levers_keep_loss_and_grads(seed):
     assert _rel(g2, g0) < max(5 * floor, 5e-2)
 
 
-def test_add_rms_norm_compiled_matches_eager_under_autocast(seed):
-    """RMSNorm.after_add on CUDA (torch.compile: the residual add, the norm and their backward fused) against the
-    same math as eager torch ops: the fp32 sum, the bf16 normed output and every gradient."""
+@pytest.mark.parametrize("branches", [1, 2])
+def test_add_rms_norm_compiled_matches_eager_under_autocast(seed, branches):
+    """RMSNorm.after_add on CUDA (torch.compile: the residual add of one or two branch outputs, the norm and their
+    backward fused) against the same math as eager torch ops: the fp32 sum, the bf16 normed output and every
+    gradient."""
     from moeadapt.models.common import RMSNorm
 
     norm = RMSNorm(2048).cuda()
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 1000, 2048, device="cuda") * 3
-    a = torch.randn(2, 1000, 2048, device="cuda").bfloat16()
+    parts = [torch.randn(2, 1000, 2048, device="cuda").bfloat16() for _ in range(branches)]
     ds, dy = torch.randn_like(x), torch.randn_like(x)
     outs = []
     for compiled in (True, False):
         norm.compiled = compiled
         norm.weight.grad = None
-        xx, aa = x.clone().requires_grad_(), a.clone().requires_grad_()
+        xx, pp = x.clone().requires_grad_(), [a.clone().requires_grad_() for a in parts]
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            s, y = norm.after_add(xx, aa)
+            s, y = norm.after_add(xx, *pp)
         ((s * ds).sum() + (y.float() * dy).sum()).backward()
-        outs.append([s, y, xx.grad, aa.grad, norm.weight.grad])
+        outs.append([s, y, xx.grad, *(a.grad for a in pp), norm.weight.grad])
     for g, w in zip(*outs):
         assert g.dtype == w.dtype and _rel(g, w) < 1e-2
 
