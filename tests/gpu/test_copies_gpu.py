@@ -1,7 +1,8 @@
 """GPU: full fine-tuning with bf16 weight copies (train/copies.py, parallel/optim.CopyAdamW) trains as autocast's
 casts with torch's fused AdamW do. The tiny model, the trainer's steps from the same weights on the same batches,
 eager and replayed (train.cuda_graph): the first step's loss and gradient norm are the same computation (equal
-to rounding: the DSA backward adds with atomics), and the weights' updates over the steps agree as a whole."""
+to rounding: the DSA backward adds with atomics), and the weights' updates over the steps agree as a whole. LoRA
+with the adapters' bf16 copies trains bit for bit as with their per-use casts."""
 
 import copy
 import os
@@ -18,6 +19,23 @@ pytestmark = [
 ]
 
 ROWS, SEQ, STEPS, LR = 2, 256, 5, 1e-4
+
+
+def _steps(lp, steps: int, graphed: bool) -> list:
+    """Run `steps` training steps of the loop (captured into a CUDA graph when `graphed`) and the last one's
+    settle; the per-step stats, each step taken (none skipped)."""
+    from moeadapt.train import trainer
+
+    if graphed:
+        trainer.use_cuda_graph(lp)
+    stats = []
+    for step in range(steps):
+        lp.step = step
+        stats.append(trainer.train_step(lp))
+    stats.append(trainer.settle(lp))
+    stats = [s for s in stats if s is not None]
+    assert [s.step for s in stats] == list(range(steps)) and all(s.skipped is None for s in stats)
+    return stats
 
 
 def test_copies_train_as_autocasts_casts(seed):
@@ -46,16 +64,8 @@ def test_copies_train_as_autocasts_casts(seed):
         assert isinstance(opt, CopyAdamW) == copies_on and (copies is not None) == copies_on
         lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                           ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
-        if graphed:
-            trainer.use_cuda_graph(lp)
         start = [p.detach().clone() for p in params]
-        stats = []
-        for step in range(STEPS):
-            lp.step = step
-            stats.append(trainer.train_step(lp))
-        stats.append(trainer.settle(lp))
-        stats = [s for s in stats if s is not None]
-        assert [s.step for s in stats] == list(range(STEPS)) and all(s.skipped is None for s in stats)
+        stats = _steps(lp, STEPS, graphed)
         if copies_on:
             for w, c in zip(copies.weights, copies.copies):  # the optimizer wrote each copy from its new weight
                 assert torch.equal(c, w.detach().to(torch.bfloat16))
@@ -114,15 +124,7 @@ def test_lora_copies_train_as_the_casts(seed, seq):
         opt = CopyAdamW(params, writes, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
         lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                           ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
-        if graphed:
-            trainer.use_cuda_graph(lp)
-        stats = []
-        for step in range(steps):
-            lp.step = step
-            stats.append(trainer.train_step(lp))
-        stats.append(trainer.settle(lp))
-        stats = [s for s in stats if s is not None]
-        assert [s.step for s in stats] == list(range(steps)) and all(s.skipped is None for s in stats)
+        stats = _steps(lp, steps, graphed)
         if copies and not stale:
             for w, c in zip(copies.weights, copies.copies):  # the optimizer wrote each copy from its new weight
                 assert torch.equal(c, w.detach().to(torch.bfloat16))
