@@ -204,8 +204,8 @@ class DSAAttention(nn.Module):
             # a full recompute (the block's forward run again in backward, with this forward's `shared`) takes
             # the selection the forward made: the same indices, without running the indexer again (at 131k
             # tokens the indexer is 42% of the step). Not under a dispatch mode: selective checkpointing's
-            # recompute replays the saved aten outputs in call order, and the reference indexer's GEMMs are
-            # among them (its Triton kernel is not an op SAC sees, so selective recompute still runs it)
+            # recompute replays the saved op outputs in call order, so it must make the forward's calls; the
+            # Triton indexer is the op moeadapt::lightning_indexer, whose selection SAC keeps (not run again)
             indices = shared.get((self.layer_id, chunk)) if shared is not None and not traced() else None
             if self.kpool:
                 gate = self.kpool_gate(x_BTD.detach())

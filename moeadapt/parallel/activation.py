@@ -45,14 +45,14 @@ _SAVE_OPS = _ops("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._gro
                  "_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")
 # our Triton forwards (torch.library custom ops, registered when their modules are imported)
 _TRITON_SAVE_OPS = ("moeadapt.chunk_kda_fwd", "moeadapt.sparse_attn_fwd", "moeadapt.indexer_kl_fwd",
-                    "moeadapt.grouped_mm_fwd", "moeadapt.grouped_lora_fwd")
+                    "moeadapt.lightning_indexer", "moeadapt.grouped_mm_fwd", "moeadapt.grouped_lora_fwd")
 
 
 @functools.cache
 def _triton_save_ops() -> frozenset:
     """The Triton forward ops SAC keeps; imports their modules (Triton present) so that they are registered."""
     try:
-        from ..ops.dsa import triton_kl, triton_sparse_attn  # noqa: F401
+        from ..ops.dsa import triton_indexer, triton_kl, triton_sparse_attn  # noqa: F401
         from ..ops.kda import triton_kda  # noqa: F401
         from ..ops.moe import triton_grouped_mm  # noqa: F401
     except ImportError:  # no Triton: nothing of ours to keep

@@ -145,3 +145,38 @@ def test_recompute_reuses_the_forwards_top_k(monkeypatch, mode):
         grads[m] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for n, g in grads["none"].items():
         assert torch.equal(grads[mode][n], g), f"{mode}: grad {n} differs"
+
+
+def test_selective_recompute_keeps_the_indexers_selection(monkeypatch):
+    """The Triton lightning indexer is an op selective checkpointing sees (moeadapt::lightning_indexer): the
+    recompute replays its selection instead of running it again, once per DSA layer a step; the gradients are the
+    no-recompute ones. (Triton interpreted on CPU; the DSA layers alone on the Triton backend.)"""
+    import os
+
+    from moeadapt.models.dsa_attn import DSAAttention
+    from moeadapt.ops.dsa import triton_indexer
+    from moeadapt.parallel import apply_activation_checkpointing
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    calls = []
+    real = triton_indexer.lightning_indexer_triton
+    monkeypatch.setattr(triton_indexer, "lightning_indexer_triton",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    spec = micro_spec(index_topk=8)
+    x, y = batch(spec, 1, 24)
+    grads, n_calls = {}, {}
+    for mode in ("none", "selective"):
+        model = build(spec, lora=False)
+        dsa = [m for m in model.modules() if isinstance(m, DSAAttention)]
+        for m in dsa:
+            m.backend = "triton"
+        apply_activation_checkpointing(model, mode)
+        calls.clear()
+        out = model(x, y, return_logits=False)
+        (out.loss + out.aux_loss).backward()
+        n_calls[mode] = len(calls)
+        grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert dsa and n_calls == {"none": len(dsa), "selective": len(dsa)}, n_calls
+    for n, g in grads["none"].items():
+        torch.testing.assert_close(grads["selective"][n], g, rtol=1e-5, atol=1e-7, msg=n)

@@ -1,4 +1,4 @@
-"""The Triton KDA, sparse-attention and indexer-KL kernels as torch.library custom ops: torch.library's checks
+"""The Triton KDA, sparse-attention, indexer and indexer-KL kernels as torch.library custom ops: torch.library's checks
 (schema, fake tensors, autograd registration, AOT dispatch), selective activation checkpointing keeping their
 forward outputs (each forward runs once per layer over forward + backward; full recompute runs it twice), and
 torch.compile (aot_eager, fullgraph) through them giving the eager values. Their eager fast path (ops/custom.py):
@@ -90,6 +90,20 @@ def test_indexer_kl_opcheck(seed):
     q, k, _, idx = _attn_inputs(D=16)
     q_idx, k_idx, w_idx = _leaves(torch.randn(1, 12, 2, 16), torch.randn(1, 12, 16), torch.rand(1, 12, 2))
     torch.library.opcheck(indexer_kl_fwd, (q.detach(), k.detach(), idx, q_idx, k_idx, w_idx, 0.3))
+
+
+def test_lightning_indexer_opcheck(seed):
+    """moeadapt::lightning_indexer (no gradient: integer output) through torch.library's checks, and its
+    selection equal to the reference's (random scores: no ties)."""
+    from moeadapt.ops.dsa.reference import lightning_indexer_reference
+    from moeadapt.ops.dsa.triton_indexer import lightning_indexer_op
+
+    q_idx, k_idx, w_idx = (t.to(DEV) for t in (torch.randn(1, 12, 2, 16), torch.randn(1, 12, 16),
+                                              torch.rand(1, 12, 2)))
+    torch.library.opcheck(lightning_indexer_op, (q_idx, k_idx, w_idx, 4, None, None))
+    got = lightning_indexer_op(q_idx, k_idx, w_idx, 4)
+    want = lightning_indexer_reference(q_idx, k_idx, w_idx, 4)
+    assert got.dtype == torch.int32 and torch.equal(got.sort(-1).values, want.to(got.dtype).sort(-1).values)
 
 
 # ------------------------------------------------------------------ selective activation checkpointing

@@ -103,9 +103,9 @@ def lightning_indexer(
     """
     _check_indexer(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions)
     if _backend(backend, q_idx) == "triton":
-        from .triton_indexer import lightning_indexer_triton
+        from .triton_indexer import lightning_indexer_fast
 
-        return lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
+        return lightning_indexer_fast(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions)
     return lightning_indexer_reference(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..custom import impl_or_op
 from ..host import to_device
 from .triton_sparse_attn import use_ieee
 
@@ -305,3 +306,27 @@ def lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens=None, cfg=Non
     )
     # rows of n > topk wrote exactly topk entries; shorter rows were padded in-kernel
     return out
+
+
+def _lightning_indexer_impl(q_idx: torch.Tensor, k_idx: torch.Tensor, w_idx: torch.Tensor, topk: int,
+                            cu_seqlens: torch.Tensor | None = None,
+                            q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    return lightning_indexer_triton(q_idx, k_idx, w_idx, topk, cu_seqlens, q_positions=q_positions)
+
+
+# The Triton indexer as the torch.library op `moeadapt::lightning_indexer`, so that selective activation
+# checkpointing sees it and keeps its selection (parallel/activation.py) instead of running it again in the
+# recompute, and torch.compile traces one op. Its output is integer (no gradient: no autograd formula).
+lightning_indexer_op = torch.library.custom_op(
+    "moeadapt::lightning_indexer", mutates_args=(),
+    schema="(Tensor q_idx, Tensor k_idx, Tensor w_idx, int topk, Tensor? cu_seqlens=None, "
+           "Tensor? q_positions=None) -> Tensor")(_lightning_indexer_impl)
+
+
+@lightning_indexer_op.register_fake
+def _(q_idx, k_idx, w_idx, topk, cu_seqlens=None, q_positions=None):
+    return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], topk), dtype=torch.int32)
+
+
+# what lightning_indexer calls: the op where traced (a dispatch mode, compile), in eager the function itself
+lightning_indexer_fast = impl_or_op(lightning_indexer_op, _lightning_indexer_impl)
