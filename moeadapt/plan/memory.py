@@ -6,10 +6,11 @@ allocated), and the bytes each rank holds at the step's peak:
               further sharded over dp_shard_in_ep = dp_shard * cp / ep, which gives the same 1/(dp_shard*cp));
               frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy); counted tensor by
               tensor for the rank holding the most (`state_bytes`: FSDP2's torch.chunk pieces of dim 0);
-  grads       fp32, trainable parameters only, sharded like the weights (one GPU with train.weight_copies:
-              bf16 gradients + a persistent bf16 copy of each weight in place of fp32 gradients + autocast's
-              per-layer casts; every phase's total is the same: at backward i, 2 B x all weights + 2 B x
-              those >= i = 2 B x those < i + 4 B x those >= i, so the model below covers both);
+  grads       fp32, trainable parameters only, sharded like the weights (one GPU with train.weight_copies, full
+              FT's weights or LoRA's adapters: bf16 gradients + a persistent bf16 copy of each in place of fp32
+              gradients + autocast's per-layer casts; every phase's total is the same: at backward i, 2 B x all
+              weights + 2 B x those >= i = 2 B x those < i + 4 B x those >= i, so the model below covers both;
+              the lean experts path keeps its adapters' gradients fp32, 2 B a parameter more there);
   optimizer   AdamW m and v, fp32, trainable parameters only, sharded;
   gathered    FSDP all-gather buffers: the root module (embedding, final norm, LM head: kept gathered for the
               whole step, reshard_after_forward=False) + two blocks (current + prefetched) unsharded in bf16,
