@@ -119,7 +119,7 @@ class GroupedExperts(nn.Module):
         copies = None
         if all(c is not None and c.dtype == z_TL.dtype for c in lent):
             cBg, cBu, cAd, cBd = (c.detach() for c in lent)  # values only: the gradients go to the adapters
-            copies = ((cBg, cBu), cAd, cBd)
+            copies = ((cBg, cBu), cAd, cBd)  # lean_lora_experts' layout: (B_gu, A_d, B_d)
         return lean_lora.lean_lora_experts(
             z_TL, row_index_N, K, offsets_E, (w1.weight, w3.weight), A, (w1.lora_B, w3.lora_B),
             w1.scaling, w2.weight.transpose(1, 2), w2.lora_A, w2.lora_B, w2.scaling,

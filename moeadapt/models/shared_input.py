@@ -33,11 +33,11 @@ from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
-def lowrank(h: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-    """s h b^T as one GEMM that only writes its output: the scale in the GEMM's epilogue (alpha), and beta = 0, so
-    the C operand (a 0-dim placeholder, never read) costs no pass."""
+def lowrank(h: torch.Tensor, b: torch.Tensor, s: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """s h b^T as one GEMM that only writes its output (into `out` when given): the scale in the GEMM's epilogue
+    (alpha), and beta = 0, so the C operand (a 0-dim placeholder, never read) costs no pass."""
     c = torch.empty((), device=h.device, dtype=h.dtype)
-    return torch.addmm(c, h, b.t(), beta=0, alpha=s)
+    return torch.addmm(c, h, b.t(), beta=0, alpha=s, out=out)
 
 
 def linear_lowrank(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor, b: torch.Tensor,
@@ -168,8 +168,8 @@ class _SharedInputLinears(torch.autograd.Function):
         if w_small is not None:
             dT = x2.new_zeros(w_small.shape[0], rows) if unwritten else x2.new_empty(w_small.shape[0], rows)
         o = R
-        for i, width in zip(narrow, widths):
-            if dy2[i] is not None:
+        for i, width in zip(narrow, widths):  # (their rows serve dx alone)
+            if dy2[i] is not None and needs[0]:
                 dT[o:o + width].copy_(dy2[i].t())
             o += width
         j = o = 0
@@ -177,7 +177,7 @@ class _SharedInputLinears(torch.autograd.Function):
         for i in lora_members:
             members.append((i, j, o))
             if dy2[i] is not None:
-                torch.addmm(dT.new_empty(()), bc[j].t(), dy2[i].t(), beta=0, alpha=scales[j], out=dT[o:o + r[j]])
+                lowrank(bc[j].t(), dy2[i], scales[j], out=dT[o:o + r[j]])  # s_j B_j^T dy_j^T
             o += r[j]
             j += 1
         dx = None
