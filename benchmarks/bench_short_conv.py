@@ -18,7 +18,10 @@ backward: read x and dy, write dx; dw and any dpre buffer are extra traffic, not
 "bwd full", and, computed before any timing, each variant's dx (and dw where made) against "bwd full"'s as
 relative L2 errors, flagged MISMATCH above CHECK_TOL (the run then exits 1). The baseline's own errors against the
 fp32 torch reference are printed above its table. --doc-len L: packed documents of L tokens (positions), so the
-HAS_POS kernels are the ones timed. --dry-run: CPU under TRITON_INTERPRET=1 at a tiny shape, checks only (tests
+HAS_POS kernels are the ones timed. --norm-dim D (KDA: the head dim, 128): a second table per shape, q's and k's
+convs with their per-head L2 norm as the step runs them, the norm apart (the convs, then `triton_l2norm`'s one
+launch for both, each way) against the norm inside the conv passes (norm_dim=D): forward, full backward, dx-only
+backward; the fused rows' outputs checked against the apart rows'. --dry-run: CPU under TRITON_INTERPRET=1 at a tiny shape, checks only (tests
 this script).
 """
 
@@ -118,6 +121,68 @@ def run_shape(B: int, T: int, C: int, KW: int, dev: str, timed: bool, launches: 
     return row
 
 
+def run_norm(B: int, T: int, C: int, KW: int, nd: int, dev: str, timed: bool) -> dict:
+    """q's and k's convs + per-head L2 norm: apart (conv passes, then the norm's kernels) vs fused (norm_dim)."""
+    from moeadapt.ops.kda import triton_l2norm as tn
+    from moeadapt.ops.kda.reference import L2_EPS
+
+    g = torch.Generator(device="cpu").manual_seed(B * 7 + T * 13 + C + nd)
+    xq, xk, dq, dk = (torch.randn(B, T, C, generator=g).to(dev, torch.bfloat16) for _ in range(4))
+    wq, wk = ((torch.randn(C, 1, KW, generator=g) * 0.5).to(dev) for _ in range(2))
+    H = C // nd
+
+    def heads(t):
+        return t.view(B, T, H, nd)
+
+    def fwd_apart():
+        yq, yk = tc._conv_silu_fwd_impl(xq, wq), tc._conv_silu_fwd_impl(xk, wk)
+        qn, kn, _, _ = tn._l2norm_qk_fwd_impl(heads(yq), heads(yk), L2_EPS)
+        return qn.view(B, T, C), kn.view(B, T, C)
+
+    def fwd_fused():
+        return tc._conv_silu_fwd_impl(xq, wq, None, nd), tc._conv_silu_fwd_impl(xk, wk, None, nd)
+
+    # the apart backward needs the conv outputs and the norm's 1 / |y| (saved by its forward in the step)
+    yq, yk = tc._conv_silu_fwd_impl(xq, wq), tc._conv_silu_fwd_impl(xk, wk)
+    _, _, rq, rk = tn._l2norm_qk_fwd_impl(heads(yq), heads(yk), L2_EPS)
+
+    def bwd_apart(dx_only: bool):
+        gq, gk = tn._l2norm_qk_bwd_impl(heads(yq), heads(yk), rq, rk, heads(dq), heads(dk))
+        gq, gk = gq.view(B, T, C), gk.view(B, T, C)
+        if dx_only:
+            return tc.conv_silu_dx_launch(xq, wq, gq), tc.conv_silu_dx_launch(xk, wk, gk)
+        return tc.conv_silu_bwd_launch(xq, wq, gq)[0], tc.conv_silu_bwd_launch(xk, wk, gk)[0]
+
+    def bwd_fused(dx_only: bool):
+        if dx_only:
+            return (tc.conv_silu_dx_launch(xq, wq, dq, norm_dim=nd), tc.conv_silu_dx_launch(xk, wk, dk, norm_dim=nd))
+        return tc.conv_silu_bwd_launch(xq, wq, dq, norm_dim=nd)[0], tc.conv_silu_bwd_launch(xk, wk, dk, norm_dim=nd)[0]
+
+    pairs = [("fwd", fwd_apart, fwd_fused), ("bwd full (dx + dw)", lambda: bwd_apart(False), lambda: bwd_fused(False)),
+             ("bwd dx only", lambda: bwd_apart(True), lambda: bwd_fused(True))]
+    row = {"shape": [B, T, C], "norm_dim": nd, "pairs": {}}
+    for name, apart, fused in pairs:
+        a, f = apart(), fused()
+        v = {"rel_vs_apart": max(_rel(f[0], a[0]), _rel(f[1], a[1]))}
+        if timed:
+            v["apart_us"] = triton.testing.do_bench(apart, return_mode="median") * 1e3
+            v["fused_us"] = triton.testing.do_bench(fused, return_mode="median") * 1e3
+            v["speedup"] = v["apart_us"] / v["fused_us"]
+        row["pairs"][name] = v
+    return row
+
+
+def _print_norm(row: dict) -> None:
+    B, T, C = row["shape"]
+    print(f"[{B}, {T}, {C}] q and k, per-head L2 norm over {row['norm_dim']} channels: apart vs in the conv passes")
+    print(f"  {'pass':<20} {'apart us':>9} {'fused us':>9} {'speedup':>8}  check (fused vs apart)")
+    for name, v in row["pairs"].items():
+        t = (f"{v['apart_us']:9.1f} {v['fused_us']:9.1f} {v['speedup']:7.2f}x" if "apart_us" in v
+             else f"{'-':>9} {'-':>9} {'-':>8}")
+        bad = "  MISMATCH" if v["rel_vs_apart"] > CHECK_TOL else ""
+        print(f"  {name:<20} {t}  {v['rel_vs_apart']:.1e}{bad}", flush=True)
+
+
 def _print(row: dict) -> None:
     B, T, C = row["shape"]
     docs = f", documents of {row['doc_len']}" if row["doc_len"] else ""
@@ -143,24 +208,34 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=0, help="packed documents of this many tokens (0: none)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--bwd-launch", nargs="*", default=[], metavar="BT,BC,WARPS,TIME_BLOCKS")
+    p.add_argument("--norm-dim", type=int, default=0, help="also time q / k with their per-head L2 norm (0: not)")
+    p.add_argument("--norm-only", action="store_true", help="with --norm-dim: only the norm table")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     dev = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     shapes = [(2, 37, 130)] if args.dry_run else [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     if dev == "cuda":
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows = []
+    rows, norm_rows = [], []
     for B, T, C in shapes:
-        row = run_shape(B, T, C, args.kw, dev, timed=dev == "cuda", launches=args.bwd_launch, doc_len=args.doc_len)
-        rows.append(row)
-        _print(row)
+        if not args.norm_only:
+            row = run_shape(B, T, C, args.kw, dev, timed=dev == "cuda", launches=args.bwd_launch,
+                            doc_len=args.doc_len)
+            rows.append(row)
+            _print(row)
+        if args.norm_dim:
+            if args.dry_run:  # the dry-run shape's 130 channels hold no power-of-two head
+                B, T, C = 2, 37, 64
+            norm_rows.append(run_norm(B, T, C, args.kw, 16 if args.dry_run else args.norm_dim, dev,
+                                      timed=dev == "cuda"))
+            _print_norm(norm_rows[-1])
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"conv": rows, "norm": norm_rows}, f, indent=1)
         os.replace(tmp, args.out)
     if any(k.startswith("rel_") and val > CHECK_TOL for r in rows for v in r["variants"].values()
-           for k, val in v.items()):
+           for k, val in v.items()) or any(v["rel_vs_apart"] > CHECK_TOL for r in norm_rows for v in r["pairs"].values()):
         sys.exit("a variant's outputs do not match the current kernels' (MISMATCH above)")
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
-from ..ops.kda.short_conv import causal_conv_silu, conv_with_history
+from ..ops.kda.short_conv import causal_conv_silu, conv_with_history, head_l2norm
 from ..ops.moe import swiglu_pair
 from .shared_input import shared_input_linears
 
@@ -236,7 +236,8 @@ class CausalConv1d(nn.Module):
     conv1d composition over the pieces with their tails). With packed documents (`positions` [B, T], each
     token's position inside its document: models/documents.py) a token sees only its min(position, k - 1)
     predecessors, so the conv restarts at every document start, also across a cp piece boundary (there by k
-    shifted multiply-adds in torch)."""
+    shifted multiply-adds in torch). `norm_dim` > 0 (KDA's q and k): the output L2-normalised over each group of
+    norm_dim channels (one head), inside the Triton passes where they run."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -245,10 +246,10 @@ class CausalConv1d(nn.Module):
         self.backend = "auto"
         self.cp = None
 
-    def forward(self, x_BTC: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTC: torch.Tensor, positions: torch.Tensor | None = None, norm_dim: int = 0) -> torch.Tensor:
         n = self.kernel - 1
         if n == 0 or self.cp is None:
-            return causal_conv_silu(x_BTC, self.weight, backend=self.backend, positions=positions)
+            return causal_conv_silu(x_BTC, self.weight, backend=self.backend, positions=positions, norm_dim=norm_dim)
         B, T, C = x_BTC.shape
         w = self.weight.to(x_BTC.dtype)
         J = self.cp.pieces_per_rank
@@ -256,7 +257,7 @@ class CausalConv1d(nn.Module):
         x_NTC = torch.cat([tails_JBNC, x_BTC.view(B, J, T // J, C).transpose(0, 1)], 2).flatten(0, 1)
         pos_NT = None if positions is None else positions.view(B, J, T // J).transpose(0, 1).flatten(0, 1)
         y = conv_with_history(x_NTC, w, pos_NT)  # [J*B, T/J, C]
-        return F.silu(y.unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C))
+        return head_l2norm(F.silu(y.unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C)), norm_dim)
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)

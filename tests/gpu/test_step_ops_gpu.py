@@ -50,6 +50,26 @@ def test_conv_dx_only_matches_reference(seed, impl, B, T, C):
         assert _rel(conv_silu_dx_launch(x, w, dy, pos, impl), xr.grad) < 1e-2
 
 
+@pytest.mark.parametrize("frozen_w", [False, True])
+@pytest.mark.parametrize("B,T,C,nd", [(2, 1000, 2048, 128), (1, 4099, 384, 64)])
+def test_conv_with_head_norm_matches_reference(seed, frozen_w, B, T, C, nd):
+    """The conv with KDA's per-head L2 norm inside its passes (norm_dim; bf16, compiled) against the float64
+    reference (conv, SiLU, l2norm), with and without packed documents: y, dx and (w trained) dw."""
+    x0 = torch.randn(B, T, C, device="cuda").bfloat16()
+    w0 = torch.randn(C, 1, 4, device="cuda") * 0.5
+    dy = torch.randn(B, T, C, device="cuda").bfloat16()
+    docs = (torch.arange(T, device="cuda") % 37).expand(B, T).to(torch.int32).contiguous()
+    for pos in (None, docs):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_(not frozen_w)
+        y = causal_conv_silu(x, w, backend="triton", positions=pos, norm_dim=nd)
+        y.backward(dy)
+        xr, wr = x0.double().requires_grad_(), w0.double().requires_grad_()
+        yr = causal_conv_silu_reference(xr, wr, pos, norm_dim=nd)
+        yr.backward(dy.double())
+        assert _rel(y, yr) < 1e-2 and _rel(x.grad, xr.grad) < 1e-2
+        assert frozen_w or _rel(w.grad, wr.grad) < 1e-2
+
+
 def test_chunked_loss_matches_reference_under_autocast(seed):
     N, D, V = 3000, 256, 5000
     h = torch.randn(N, D, device="cuda", requires_grad=True)

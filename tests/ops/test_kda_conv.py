@@ -310,3 +310,76 @@ def test_bf16_dpre_option(seed, B=2, T=45, C=72):
     assert _rel(dx, dx32) < 1e-2
     for impl in ("fused", "two_pass"):
         assert _rel(conv_silu_dx_launch(x, w, dy, None, impl, dpre_dtype=torch.bfloat16), xr.grad) < 1e-2
+
+
+# ------------------------------------------------------------------ the L2 norm per head (norm_dim: KDA's q and k)
+
+
+@needs_triton
+@pytest.mark.parametrize("frozen_w", [False, True])
+@pytest.mark.parametrize("B,T,C,nd,docs", [(2, 37, 48, 16, False), (1, 70, 64, 32, True), (2, 45, 32, 8, True)])
+def test_norm_matches_reference_fwd_bwd(seed, frozen_w, B, T, C, nd, docs):
+    """causal_conv_silu(norm_dim=nd) by the Triton passes (the norm inside the forward's tile and the backward's
+    first pass) against the float64 reference, conv + SiLU + `reference.l2norm` per head: output, dx and (w not
+    frozen) dw; with frozen_w the dx-only op runs. Each output head has unit norm."""
+    g = torch.Generator().manual_seed(seed)
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, 4, dtype=torch.float64) * 0.5
+    pos = _doc_positions(B, T, g) if docs else None
+    xr, wr = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    yr = causal_conv_silu_reference(xr, wr, pos, norm_dim=nd)
+    yr.backward(dy64)
+    x = x64.float().to(DEV).requires_grad_()
+    w = w64.float().to(DEV).requires_grad_(not frozen_w)
+    y = causal_conv_silu(x, w, backend="triton", positions=None if pos is None else pos.to(DEV), norm_dim=nd)
+    y.backward(dy64.float().to(DEV))
+    assert y.shape == (B, T, C)
+    torch.testing.assert_close(y.detach().double().cpu().unflatten(-1, (-1, nd)).norm(dim=-1),
+                               torch.ones(B, T, C // nd, dtype=torch.float64), rtol=1e-4, atol=1e-4)
+    assert _rel(y, yr) < 1e-5 and _rel(x.grad, xr.grad) < 1e-5
+    if not frozen_w:
+        assert _rel(w.grad, wr.grad) < 1e-5
+    # the tolerance tells the norm's group apart, and the norm's backward from the plain conv's
+    assert _rel(y, causal_conv_silu_reference(x64, w64, pos, norm_dim=nd // 2)) > 1e-2
+    xp = x64.clone().requires_grad_()
+    causal_conv_silu_reference(xp, w64, pos).backward(dy64)
+    assert _rel(x.grad, xp.grad) > 1e-2
+
+
+@needs_triton
+def test_norm_launch_forms_agree(seed, B=2, T=45, C=64, nd=16):
+    """Every backward form with the norm (the full backward, dx-only two-pass, and "fused", which takes the
+    two-pass form with a norm) gives the reference's dx; bf16 inputs within bf16 accuracy."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_bwd_launch, conv_silu_dx_launch
+
+    x = torch.randn(B, T, C, device=DEV).bfloat16()
+    w = torch.randn(C, 1, 4, device=DEV) * 0.5
+    dy = torch.randn(B, T, C, device=DEV).bfloat16()
+    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    causal_conv_silu_reference(xr, wr, norm_dim=nd).backward(dy.double().cpu())
+    dx, dw = conv_silu_bwd_launch(x, w, dy, norm_dim=nd)
+    assert _rel(dx, xr.grad) < 1e-2 and _rel(dw, wr.grad) < 1e-2
+    for impl in ("fused", "two_pass"):
+        assert _rel(conv_silu_dx_launch(x, w, dy, None, impl, norm_dim=nd), xr.grad) < 1e-2
+
+
+def test_norm_dim_errors():
+    with pytest.raises(ValueError, match="norm_dim=6 must be 0"):
+        causal_conv_silu(torch.randn(1, 5, 16), torch.randn(16, 1, 4), norm_dim=6)
+    from moeadapt.ops.kda.triton_conv import check_norm_dim
+
+    with pytest.raises(ValueError, match="power of two"):
+        check_norm_dim(48, 24)
+    check_norm_dim(48, 16)
+
+
+@needs_triton
+def test_norm_op_registration(seed):
+    from moeadapt.ops.kda.triton_conv import conv_silu_bwd, conv_silu_bwd_dx, conv_silu_fwd
+
+    x = torch.randn(2, 9, 16, device=DEV, requires_grad=True)
+    w = torch.randn(16, 1, 4, device=DEV, requires_grad=True)
+    dy = torch.randn(2, 9, 16, device=DEV)
+    torch.library.opcheck(conv_silu_fwd, (x, w, None, 8))
+    torch.library.opcheck(conv_silu_bwd, (x.detach(), w.detach(), dy, None, 8))
+    torch.library.opcheck(conv_silu_bwd_dx, (x.detach(), w.detach(), dy, None, 8))

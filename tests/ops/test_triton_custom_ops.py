@@ -341,11 +341,11 @@ def test_compile_through_grouped_gemms(seed):
 # ------------------------------------------------------------------ eager fast path (ops/custom.py)
 
 
-def _conv_inputs(frozen_w: bool = False):
-    """x, w, positions; with frozen_w the weight needs no gradient (the dx-only backward)."""
+def _conv_inputs(frozen_w: bool = False, norm_dim: int = 0):
+    """x, w, positions, norm_dim; with frozen_w the weight needs no gradient (the dx-only backward)."""
     x, w = _leaves(torch.randn(2, 9, 16), torch.randn(16, 1, 4))
     positions = torch.tensor([list(range(4)) + list(range(5))] * 2, dtype=torch.int32, device=DEV)  # 2 documents
-    return x, (w.detach() if frozen_w else w), positions
+    return x, (w.detach() if frozen_w else w), positions, norm_dim
 
 
 def _fast_path_cases():
@@ -362,6 +362,10 @@ def _fast_path_cases():
         "conv": (triton_conv.conv_silu_fwd_fast, triton_conv.conv_silu_fwd, "causal_conv_silu_fwd", _conv_inputs()),
         "conv_frozen_w": (triton_conv.conv_silu_fwd_fast, triton_conv.conv_silu_fwd, "causal_conv_silu_fwd",
                           _conv_inputs(frozen_w=True)),
+        "conv_norm": (triton_conv.conv_silu_fwd_fast, triton_conv.conv_silu_fwd, "causal_conv_silu_fwd",
+                      _conv_inputs(norm_dim=8)),
+        "conv_norm_frozen_w": (triton_conv.conv_silu_fwd_fast, triton_conv.conv_silu_fwd, "causal_conv_silu_fwd",
+                               _conv_inputs(frozen_w=True, norm_dim=8)),
         "sparse_attn": (triton_sparse_attn.sparse_attn_fwd_fast, triton_sparse_attn.sparse_attn_fwd, "sparse_attn_fwd",
                         (q, k, v, idx, 0.3, True, None, None)),
         "indexer_kl": (triton_kl.indexer_kl_fwd_fast, triton_kl.indexer_kl_fwd, "indexer_kl_fwd",
@@ -386,8 +390,8 @@ def _forward_backward(f, args, cotangents=None):
     return out, grads, ops, cotangents
 
 
-@pytest.mark.parametrize("case", ["kda", "conv", "conv_frozen_w", "sparse_attn", "indexer_kl", "grouped_mm",
-                                  "grouped_lora"])
+@pytest.mark.parametrize("case", ["kda", "conv", "conv_frozen_w", "conv_norm", "conv_norm_frozen_w", "sparse_attn",
+                                  "indexer_kl", "grouped_mm", "grouped_lora"])
 def test_eager_fast_path_is_a_plain_function_with_the_ops_values(seed, case):
     """In plain eager mode the fast callable runs neither the forward op nor the backward op (the dispatcher
     records none) and its grad_fn is its plain autograd.Function's; its outputs and input gradients equal the

@@ -16,6 +16,12 @@ Where the weight needs no gradient (LoRA fine-tuning: the conv weight is frozen)
 on the forward's larger tile; or one kernel that reads x at its 2 KW - 1 shifts and dy at its KW shifts once each
 and builds pre, dpre and dx in registers (no dpre buffer; slower on the H100, more exact).
 Math in fp32, storage in x's dtype.
+L2 norm per head (`norm_dim` > 0: KDA's q and k, which the delta rule takes L2-normalised): the output is
+y / sqrt(sum(y^2) + eps) over each group of norm_dim channels (`reference.l2norm`, L2_EPS). A program's channel
+tile is then one head, so the forward normalises the fp32 SiLU output in registers before its one store, and the
+backward's first pass turns the normalised output's gradient into y's, r (dy - yn sum(dy yn)) with r = 1 / |y|,
+from the y it recomputes anyway: no separate norm pass either way, no extra buffer (the norm's own kernels read
+and wrote q and k once more each way).
 Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
 j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
 
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..custom import eager_or_op, impl_or_op
+from .reference import L2_EPS
 
 # Launch shape: 32 time steps x 128 channels a program (a [2, 4096, 2048] input is 4096 programs), 4 warps.
 BLOCK_T = 32
@@ -91,8 +98,16 @@ def _pre_tile(xb, w_ptr, t, c, cm, T, s_xt, pos, KW: tl.constexpr, BT: tl.conste
 
 
 @triton.jit
-def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_yt,
-                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr):
+def _inv_norm(y, eps):
+    """1 / sqrt(sum(y^2) + eps) of each row of an fp32 [BT, BC] tile (one head per row: BC = the norm's group)."""
+    return 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) + eps)
+
+
+@triton.jit
+def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_yt, eps,
+                          KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+                          NORM: tl.constexpr):
+    """y = silu(pre) for a [BT, BC] tile; NORM: each row of the tile (one head, BC = its channels) L2-normalised."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2).to(tl.int64)
@@ -100,16 +115,19 @@ def _conv_silu_fwd_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_
     pos = _positions(p_ptr, b, t, T, HAS_POS)
     acc = _pre_tile(x_ptr + b * s_xb, w_ptr, t, c, cm, T, s_xt, pos, KW, BT, BC, HAS_POS)
     y = acc * tl.sigmoid(acc)
+    if NORM:
+        y = y * _inv_norm(y, eps)[:, None]
     om = (t < T)[:, None] & cm[None, :]
     tl.store(y_ptr + b * s_yb + t.to(tl.int64)[:, None] * s_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
-def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt,
+def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt, eps,
                            KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NTB: tl.constexpr,
-                           HAS_POS: tl.constexpr, NEED_DW: tl.constexpr):
+                           HAS_POS: tl.constexpr, NEED_DW: tl.constexpr, NORM: tl.constexpr):
     """Backward, first pass, over NTB consecutive time blocks of BT steps: dpre = dy * silu'(pre) (pre recomputed
-    from x) stored in dpre_ptr's dtype [B, T, C], and (NEED_DW) the program's partial weight gradient
+    from x; NORM: dy is the gradient of the L2-normalised rows yn = y r, so y's is r (dy - yn sum(dy yn)) first)
+    stored in dpre_ptr's dtype [B, T, C], and (NEED_DW) the program's partial weight gradient
     dw[KW-1-j] = sum_t dpre[t] x[t-j] from the fp32 dpre. With KW <= 4 the products accumulate in [BT, BC] tiles and
     are reduced over time once per program; a wider kernel reduces per block (the launcher passes NTB = 1 then).
     Without NEED_DW (the dx-only backward's two-pass form) dwp_ptr is unused and nothing but dpre is computed."""
@@ -129,9 +147,15 @@ def _conv_silu_dpre_kernel(x_ptr, w_ptr, dy_ptr, dpre_ptr, dwp_ptr, p_ptr, T, C,
         pos = _positions(p_ptr, b, t, T, HAS_POS)
         pre = _pre_tile(xb, w_ptr, t, c, cm, T, s_xt, pos, KW, BT, BC, HAS_POS)
         om = (t < T)[:, None] & cm[None, :]
-        dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om, other=0.0)
+        dyv = tl.load(dy_ptr + b * s_dyb + t.to(tl.int64)[:, None] * s_dyt + c[None, :], mask=om,
+                      other=0.0).to(tl.float32)
         sig = tl.sigmoid(pre)
-        dpre = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
+        if NORM:  # the norm's backward: y = silu(pre), r = 1 / |y| per row (head), dy <- r (dy - yn sum(dy yn))
+            y = pre * sig
+            r = _inv_norm(y, eps)
+            yn = y * r[:, None]
+            dyv = r[:, None] * (dyv - yn * tl.sum(dyv * yn, axis=1)[:, None])
+        dpre = dyv * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
         tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + c[None, :], dpre.to(dpre_ptr.dtype.element_ty),
                  mask=om)
         if NEED_DW:
@@ -277,17 +301,34 @@ def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 else x.contiguous()
 
 
-def _conv_silu_fwd_impl(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def check_norm_dim(C: int, norm_dim: int) -> None:
+    """The kernels normalise a whole tile row: norm_dim must be a power of two (the tile's channel width) that
+    divides C; 0 means no norm."""
+    if norm_dim and (norm_dim & (norm_dim - 1) or C % norm_dim):
+        raise ValueError(f"norm_dim={norm_dim} must be a power of two dividing the {C} channels (the fused L2 norm "
+                         "normalises one channel tile per head); pass 0 and normalise apart")
+
+
+def _channel_block(block_c: int, norm_dim: int) -> int:
+    """A launch's channel tile: the norm's group where there is one (a tile row is then one head)."""
+    return norm_dim or block_c
+
+
+def _conv_silu_fwd_impl(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
+                        norm_dim: int = 0) -> torch.Tensor:
     """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype; positions:
-    int32 [B, T] contiguous (packed documents) or None."""
+    int32 [B, T] contiguous (packed documents) or None; norm_dim > 0: y L2-normalised over each group of norm_dim
+    channels (check_norm_dim)."""
     x = _unit_channel_stride(x)
     B, T, C = x.shape
+    check_norm_dim(C, norm_dim)
     y = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if x.numel():
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
+        bc = _channel_block(BLOCK_C, norm_dim)
+        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, bc), B)
         _conv_silu_fwd_kernel[grid](x, w.contiguous(), y, x if positions is None else positions, T, C, x.stride(0),
-                                    x.stride(1), y.stride(0), y.stride(1), KW=w.shape[-1], BT=BLOCK_T, BC=BLOCK_C,
-                                    HAS_POS=positions is not None, num_warps=NUM_WARPS)
+                                    x.stride(1), y.stride(0), y.stride(1), L2_EPS, KW=w.shape[-1], BT=BLOCK_T, BC=bc,
+                                    HAS_POS=positions is not None, NORM=norm_dim > 0, num_warps=NUM_WARPS)
     return y
 
 
@@ -295,24 +336,26 @@ conv_silu_fwd = torch.library.custom_op("moeadapt::causal_conv_silu_fwd", mutate
 
 
 @conv_silu_fwd.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None, norm_dim: int = 0) -> torch.Tensor:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
 def _dpre_pass(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None, dpre_dtype,
-               block_t: int, block_c: int, num_warps: int, time_blocks: int, need_dw: bool):
+               block_t: int, block_c: int, num_warps: int, time_blocks: int, need_dw: bool, norm_dim: int = 0):
     """Backward pass 1 (_conv_silu_dpre_kernel) on unit-channel-stride x, dy and contiguous w: (dpre [B, T, C] in
-    dpre_dtype, the weight gradient's partials [programs, KW, C] fp32 or None without need_dw)."""
+    dpre_dtype, the weight gradient's partials [programs, KW, C] fp32 or None without need_dw). norm_dim > 0: dy
+    is the gradient of the L2-normalised output, and the channel tile is norm_dim wide."""
     B, T, C = x.shape
     KW = w.shape[-1]
+    block_c = _channel_block(block_c, norm_dim)
     ntb = time_blocks if need_dw and KW <= 4 else 1  # tile accumulators for the weight gradient exist up to KW = 4
     npt = triton.cdiv(T, block_t * ntb)
     dpre = torch.empty((B, T, C), device=x.device, dtype=x.dtype if dpre_dtype is None else dpre_dtype)
     dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32) if need_dw else None
     _conv_silu_dpre_kernel[(npt, triton.cdiv(C, block_c), B)](
         x, w, dy, dpre, dpre if dw_part is None else dw_part, x if positions is None else positions, T, C,
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), KW=KW, BT=block_t, BC=block_c, NTB=ntb,
-        HAS_POS=positions is not None, NEED_DW=need_dw, num_warps=num_warps)
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), L2_EPS, KW=KW, BT=block_t, BC=block_c, NTB=ntb,
+        HAS_POS=positions is not None, NEED_DW=need_dw, NORM=norm_dim > 0, num_warps=num_warps)
     return dpre, dw_part
 
 
@@ -326,41 +369,47 @@ def _dx_pass(dpre: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, positions: t
 
 def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                          block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
-                         time_blocks: int = BWD_TIME_BLOCKS,
-                         dpre_dtype: torch.dtype | None = DPRE_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+                         time_blocks: int = BWD_TIME_BLOCKS, dpre_dtype: torch.dtype | None = DPRE_DTYPE,
+                         norm_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward (dx and dw) with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's
-    programs take `time_blocks` blocks of `block_t` steps x `block_c` channels on `num_warps` warps, and store dpre
-    in `dpre_dtype` (None: x's dtype)."""
+    programs take `time_blocks` blocks of `block_t` steps x `block_c` channels (norm_dim's where it is > 0) on
+    `num_warps` warps, and store dpre in `dpre_dtype` (None: x's dtype). norm_dim: as in the forward."""
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
     KW = w.shape[-1]
+    check_norm_dim(C, norm_dim)
     dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if not x.numel():
         return dx, torch.zeros(w.shape, device=w.device, dtype=w.dtype)
     w = w.contiguous()
-    dpre, dw_part = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t, block_c, num_warps, time_blocks, True)
+    dpre, dw_part = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t, block_c, num_warps, time_blocks, True,
+                               norm_dim)
     _dx_pass(dpre, w, dx, positions)
-    dw = dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype)
+    # contiguous, as the op's fake output says (a transposed view would disagree with it under compile)
+    dw = dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype).contiguous()
     return dx, dw
 
 
 def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                         impl: str = DX_ONLY_IMPL, block_t: int | None = None, block_c: int | None = None,
-                        num_warps: int | None = None, dpre_dtype: torch.dtype | None = DPRE_DTYPE) -> torch.Tensor:
-    """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 takes "two_pass") or
+                        num_warps: int | None = None, dpre_dtype: torch.dtype | None = DPRE_DTYPE,
+                        norm_dim: int = 0) -> torch.Tensor:
+    """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 or a norm take "two_pass") or
     "two_pass" (dpre in `dpre_dtype` without the weight-gradient partials, then the transposed conv). block_t /
     block_c / num_warps: the fused kernel's launch, or the two-pass form's first pass; None takes the constants
-    beside the kernels (FUSED_DX_* for "fused", the forward's BLOCK_T / BLOCK_C / NUM_WARPS for "two_pass")."""
+    beside the kernels (FUSED_DX_* for "fused", the forward's BLOCK_T / BLOCK_C / NUM_WARPS for "two_pass").
+    norm_dim: as in the forward."""
     if impl not in ("fused", "two_pass"):
         raise ValueError(f"impl must be 'fused' or 'two_pass', got {impl!r}.")
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     B, T, C = x.shape
     KW = w.shape[-1]
+    check_norm_dim(C, norm_dim)
     dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if not x.numel():
         return dx
     w = w.contiguous()
-    if impl == "fused" and KW <= 4:
+    if impl == "fused" and KW <= 4 and not norm_dim:
         bt, bc = block_t or FUSED_DX_BLOCK_T, block_c or FUSED_DX_BLOCK_C
         _conv_silu_dx_fused_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
             x, w, dy, dx, x if positions is None else positions, T, C, x.stride(0), x.stride(1), dy.stride(0),
@@ -368,15 +417,15 @@ def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, posi
             num_warps=num_warps or FUSED_DX_NUM_WARPS)
         return dx
     dpre, _ = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t or BLOCK_T, block_c or BLOCK_C,
-                         num_warps or NUM_WARPS, 1, False)
+                         num_warps or NUM_WARPS, 1, False, norm_dim)
     _dx_pass(dpre, w, dx, positions)
     return dx
 
 
-def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
-                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_silu_bwd_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+                        norm_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] in x's dtype, dw [C, 1, KW] in w's dtype) of conv_silu_fwd for the output gradient dy."""
-    return conv_silu_bwd_launch(x, w, dy, positions)
+    return conv_silu_bwd_launch(x, w, dy, positions, norm_dim=norm_dim)
 
 
 conv_silu_bwd = torch.library.custom_op("moeadapt::causal_conv_silu_bwd", mutates_args=())(_conv_silu_bwd_impl)
@@ -384,16 +433,16 @@ conv_silu_bwd_fast = impl_or_op(conv_silu_bwd, _conv_silu_bwd_impl)  # the imple
 
 
 @conv_silu_bwd.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
-      positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+      norm_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype), torch.empty(w.shape, device=w.device, dtype=w.dtype)
 
 
-def _conv_silu_bwd_dx_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
-                           positions: torch.Tensor | None = None) -> torch.Tensor:
+def _conv_silu_bwd_dx_impl(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+                           norm_dim: int = 0) -> torch.Tensor:
     """dx [B, T, C] in x's dtype of conv_silu_fwd for the output gradient dy, the weight taken as a constant (the
     backward where w needs no gradient): no weight-gradient work (DX_ONLY_IMPL's form)."""
-    return conv_silu_dx_launch(x, w, dy, positions)
+    return conv_silu_dx_launch(x, w, dy, positions, norm_dim=norm_dim)
 
 
 # A separate op rather than a need_dw flag on causal_conv_silu_bwd: each op's outputs then have fixed shapes (no
@@ -404,12 +453,15 @@ conv_silu_bwd_dx_fast = impl_or_op(conv_silu_bwd_dx, _conv_silu_bwd_dx_impl)
 
 
 @conv_silu_bwd_dx.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
+      norm_dim: int = 0) -> torch.Tensor:
     return torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    x, w, positions, norm_dim = inputs
+    ctx.save_for_backward(x, w, positions)
+    ctx.norm_dim = norm_dim
 
 
 def _backward(ctx, dy: torch.Tensor):
@@ -418,12 +470,12 @@ def _backward(ctx, dy: torch.Tensor):
     x, w, positions = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not need_dw:
-        return conv_silu_bwd_dx_fast(x, w, dy, positions), None, None
-    dx, dw = conv_silu_bwd_fast(x, w, dy, positions)
-    return (dx if need_dx else None), dw, None
+        return conv_silu_bwd_dx_fast(x, w, dy, positions, ctx.norm_dim), None, None, None
+    dx, dw = conv_silu_bwd_fast(x, w, dy, positions, ctx.norm_dim)
+    return (dx if need_dx else None), dw, None, None
 
 
 conv_silu_fwd.register_autograd(_backward, setup_context=_setup_context)
-# what causal_conv_silu calls (all three arguments): the op where traced, in eager an autograd.Function of the same
+# what causal_conv_silu calls (all four arguments): the op where traced, in eager an autograd.Function of the same
 # functions (ops/custom.py)
 conv_silu_fwd_fast = eager_or_op(conv_silu_fwd, _conv_silu_fwd_impl, _setup_context, _backward)
