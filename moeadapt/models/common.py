@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..ops.cp_comm import predecessor_tails
-from ..ops.kda.short_conv import causal_conv_silu, conv_with_history, head_l2norm
+from ..ops.kda.short_conv import causal_conv_silu, conv_with_history, fuses_head_norm, head_l2norm
 from ..ops.moe import swiglu_pair
 from .shared_input import shared_input_linears
 
@@ -258,6 +258,12 @@ class CausalConv1d(nn.Module):
         pos_NT = None if positions is None else positions.view(B, J, T // J).transpose(0, 1).flatten(0, 1)
         y = conv_with_history(x_NTC, w, pos_NT)  # [J*B, T/J, C]
         return head_l2norm(F.silu(y.unflatten(0, (J, B)).transpose(0, 1).reshape(B, T, C)), norm_dim)
+
+    def fuses_norm(self, x_BTC: torch.Tensor, norm_dim: int) -> bool:
+        """Whether forward(x, norm_dim=norm_dim) normalises inside the conv's Triton passes (no cp split, a conv
+        wider than 1, the Triton backend, a power-of-two head): a caller then has no norm pass of its own to
+        run; elsewhere the norm would be one more pass, better left where the consumer does it in fp32."""
+        return self.kernel > 1 and self.cp is None and fuses_head_norm(x_BTC, norm_dim, self.backend)
 
     def reset_parameters(self) -> None:
         nn.init.uniform_(self.weight, -(self.kernel ** -0.5), self.kernel ** -0.5)

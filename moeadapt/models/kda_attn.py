@@ -1,7 +1,7 @@
 """KDAAttention: the Kimi Delta Attention layer (as in Kimi Linear) around `moeadapt.ops.kda.chunk_kda`.
 
-q, k, v projections -> causal depthwise conv (k=4) + SiLU -> L2-normalised q, k (per head, by the conv op:
-ops/kda/short_conv.py's norm_dim, inside its Triton passes on CUDA);
+q, k, v projections -> causal depthwise conv (k=4) + SiLU -> L2-normalised q, k (per head: inside the conv's
+Triton passes where they run, ops/kda/short_conv.py's norm_dim; elsewhere inside the op, in its fp32 math);
 beta = sigmoid(x W_b) (logits passed to the op); channel-wise gate
 g = -exp(A_log[h]) * softplus(x W_f_a W_f_b + dt_bias) (computed inside the op from the raw projection), or
 with spec.kda_gate_lower_bound b the lower-bounded g = b * sigmoid(exp(A_log[h]) * (x W_f_a W_f_b + dt_bias));
@@ -68,12 +68,14 @@ class KDAAttention(nn.Module):
         pos = None if docs is None else docs.position_ids
         # the six projections of x as one autograd node: one dx buffer, the LoRA adapters' products batched
         q, k, v, f, b, g = shared_input_linears(x_BTD, self._x_projections)
-        q = self.q_conv(q, pos, norm_dim=K).view(B, T, H, K)  # L2-normalised per head here, not by chunk_kda
-        k = self.k_conv(k, pos, norm_dim=K).view(B, T, H, K)
+        # q and k L2-normalised per head by the convs' Triton passes where they run, else by chunk_kda
+        fused = self.q_conv.fuses_norm(q, K) and self.k_conv.fuses_norm(k, K)
+        q = self.q_conv(q, pos, norm_dim=K if fused else 0).view(B, T, H, K)
+        k = self.k_conv(k, pos, norm_dim=K if fused else 0).view(B, T, H, K)
         v = self.v_conv(v, pos).view(B, T, H, K)
         g_raw = self.f_b(f).view(B, T, H, K)
         beta_logits = b.float()
-        opts = dict(backend=self.backend, use_qk_l2norm=False, A_log=self.A_log, dt_bias=self.dt_bias,
+        opts = dict(backend=self.backend, use_qk_l2norm=not fused, A_log=self.A_log, dt_bias=self.dt_bias,
                     beta_is_logits=True)
         if self.gate_lower_bound is not None:
             opts["gate_lower_bound"] = self.gate_lower_bound

@@ -383,3 +383,42 @@ def test_norm_op_registration(seed):
     torch.library.opcheck(conv_silu_fwd, (x, w, None, 8))
     torch.library.opcheck(conv_silu_bwd, (x.detach(), w.detach(), dy, None, 8))
     torch.library.opcheck(conv_silu_bwd_dx, (x.detach(), w.detach(), dy, None, 8))
+
+
+@needs_triton
+@pytest.mark.parametrize("docs", [False, True])
+def test_kda_layer_with_the_norm_in_its_convs(seed, docs):
+    """The KDA layer with its convs on the Triton backend (q's and k's L2 norm inside their passes, chunk_kda told
+    not to normalise) against the same layer in float64 with the reference convs (the norm inside chunk_kda): the
+    output and every gradient. With the reference convs the layer keeps the norm inside chunk_kda."""
+    import copy
+
+    from moeadapt.models.documents import Documents
+    from moeadapt.models.kda_attn import KDAAttention
+    from tests.conftest import micro_spec
+
+    spec = micro_spec(kda_head_dim=16)
+    layer = KDAAttention(spec)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    layer.reset_parameters()
+    ref = copy.deepcopy(layer).double()
+    for conv in (layer.q_conv, layer.k_conv, layer.v_conv):
+        conv.backend = "triton"
+    layer.backend = "reference"
+    assert layer.q_conv.fuses_norm(torch.empty(1, 1, 32, device=DEV), 16)
+    assert not ref.q_conv.fuses_norm(torch.empty(1, 1, 32, dtype=torch.float64), 16)
+    layer = layer.to(DEV)
+    B, T = 2, 21
+    pos = _doc_positions(B, T, torch.Generator().manual_seed(seed)) if docs else None
+    x64 = torch.randn(B, T, spec.hidden_size, dtype=torch.float64)
+    dy64 = torch.randn(B, T, spec.hidden_size, dtype=torch.float64)
+    x = x64.float().to(DEV).requires_grad_()
+    y, _ = layer(x, docs=None if pos is None else Documents.from_position_ids(pos, T, device=DEV))
+    y.backward(dy64.float().to(DEV))
+    xr = x64.clone().requires_grad_()
+    yr, _ = ref(xr, docs=None if pos is None else Documents.from_position_ids(pos, T))
+    yr.backward(dy64)
+    assert _rel(y, yr) < 1e-4 and _rel(x.grad, xr.grad) < 1e-4
+    for (n, p), pr in zip(layer.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, pr.grad) < 1e-4, n

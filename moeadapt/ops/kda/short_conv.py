@@ -58,6 +58,18 @@ def conv_with_history(x_NTC: torch.Tensor, w_C1K: torch.Tensor, positions_NT: to
     return y
 
 
+def runs_triton(x_BTC: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether causal_conv_silu runs the Triton passes for x (backend "triton", or "auto" on CUDA below float64):
+    where a caller's norm is folded into them (KDA), and elsewhere better left to the consumer's own fp32 math."""
+    return backend == "triton" or (backend == "auto" and x_BTC.device.type == "cuda" and x_BTC.dtype != torch.float64)
+
+
+def fuses_head_norm(x_BTC: torch.Tensor, norm_dim: int, backend: str = "auto") -> bool:
+    """Whether causal_conv_silu(..., norm_dim) normalises inside its Triton passes (a power-of-two head on the
+    Triton backend), where it saves a pass over its output each way."""
+    return runs_triton(x_BTC, backend) and norm_dim > 0 and not norm_dim & (norm_dim - 1)
+
+
 def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "auto",
                      positions: torch.Tensor | None = None, norm_dim: int = 0) -> torch.Tensor:
     """silu(causal depthwise conv) of x [B, T, C] with w [C, 1, KW]; backend "auto" (Triton on CUDA, reference
@@ -73,7 +85,7 @@ def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "a
                          f"{positions.dtype} {list(positions.shape)}.")
     if norm_dim < 0 or (norm_dim and x_BTC.shape[-1] % norm_dim):
         raise ValueError(f"norm_dim={norm_dim} must be 0 (no norm) or divide the {x_BTC.shape[-1]} channels.")
-    if backend == "reference" or (backend == "auto" and (x_BTC.device.type != "cuda" or x_BTC.dtype == torch.float64)):
+    if not runs_triton(x_BTC, backend):
         return causal_conv_silu_reference(x_BTC, w_C1K, positions, norm_dim)
     from .triton_conv import conv_silu_fwd_fast
 
