@@ -29,15 +29,39 @@ from .common import RMSNorm, apply_rope, compiled_for, rope_softmax_mscale
 from .documents import Documents, flat_rows
 from .shared_input import shared_input_linears
 
+# How the layer's elementwise glue (mha_inputs, rope_first, gate_heads below) runs on CUDA: "compile" (the torch
+# functions through torch.compile with dynamic shapes, models/common.py `compiled_for`) or "triton" (the hand-written
+# kernels of ops/dsa/triton_glue.py, one pass each way, custom ops under a dispatch mode or torch.compile). On CPU, and
+# under a TorchDispatchMode with "compile", the torch functions run as they are. Timing: benchmarks/bench_dsa_glue.py.
+GLUE_IMPL = "compile"
+
+
+def _triton_glue(x: torch.Tensor) -> bool:
+    """Whether glue on x runs through ops/dsa/triton_glue.py (GLUE_IMPL "triton" and CUDA)."""
+    if GLUE_IMPL not in ("compile", "triton"):
+        raise ValueError(f"dsa_attn.GLUE_IMPL = {GLUE_IMPL!r} is not one of 'compile', 'triton'")
+    return GLUE_IMPL == "triton" and x.is_cuda
+
+
+def glue(x: torch.Tensor, fn):
+    """The implementation of fn (mha_inputs, rope_first or gate_heads) for glue on x: its Triton op
+    (`<name>_triton`, same arguments) where `_triton_glue`, else fn compiled where glue on x compiles
+    (models/common.py `compiled_for`), else fn."""
+    if _triton_glue(x):
+        from ..ops.dsa import triton_glue
+
+        return getattr(triton_glue, f"{fn.__name__}_triton")
+    return compiled_for(x, fn)
+
 
 def mha_inputs(q: torch.Tensor, kvb: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                nope: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MLA's MHA-form attention inputs (q, k, v), each a new contiguous tensor in q's dtype: q [B, T, H, nope + r]
     -> [q_nope, rope(q_pe)]; k = [kvb's key channels, rope(k_pe) for every head] (kvb [B, T, H, nope + vd] =
     wkv_b(kv latent), k_pe [B, T, r] shared by the heads); v = kvb's value channels. `rotate` False: the rope
-    channels unrotated (NoPE MLA). On CUDA it runs compiled (DSAAttention.forward): q's and kvb's gradients then
-    come out whole from one pass, where autograd's route (slices, cats, the rotation's fp32 copies) makes a
-    zero-filled buffer per slice and adds them."""
+    channels unrotated (NoPE MLA). On CUDA it runs compiled or as ops/dsa/triton_glue.py's kernels (`glue`), for
+    which this is the reference: q's and kvb's gradients then come out whole from one pass, where autograd's route
+    (slices, cats, the rotation's fp32 copies) makes a zero-filled buffer per slice and adds them."""
     B, T, H, _ = q.shape
     dt, r = q.dtype, k_pe.shape[-1]
     q_pe = q[..., nope:]
@@ -49,12 +73,14 @@ def mha_inputs(q: torch.Tensor, kvb: torch.Tensor, k_pe: torch.Tensor, cos: torc
 
 
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
-    """x with RoPE on its first r channels and the rest as they are (the lightning indexer's layout)."""
+    """x with RoPE on its first r channels and the rest as they are (the lightning indexer's layout). The reference
+    of ops/dsa/triton_glue.py's `rope_first_triton` (`glue`)."""
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 def gate_heads(o: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
-    """o [B, T, H, V] * sigmoid(gate_logits [B, T, H]) per head, as [B, T, H * V] (contiguous) in o's dtype."""
+    """o [B, T, H, V] * sigmoid(gate_logits [B, T, H]) per head, as [B, T, H * V] (contiguous) in o's dtype. The
+    reference of ops/dsa/triton_glue.py's `gate_heads_triton` (`glue`)."""
     B, T, H, V = o.shape
     return (o * torch.sigmoid(gate_logits).unsqueeze(-1).to(o.dtype)).reshape(B, T, H * V)
 
@@ -148,7 +174,7 @@ class DSAAttention(nn.Module):
     def indexer(self, x_BTD, q_lat, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x_BTD.shape
         r = self.rope
-        rot = compiled_for(x_BTD, rope_first)
+        rot = glue(x_BTD, rope_first)
         q_idx = rot(self.wq_idx(q_lat).view(B, T, self.HI, self.DI), cos, sin, r)
         k_idx = self.k_idx_norm(self.wk_idx(x_BTD)).to(q_idx.dtype)  # LayerNorm runs in fp32 under autocast
         k_idx = rot(k_idx, cos, sin, r)
@@ -172,7 +198,7 @@ class DSAAttention(nn.Module):
         mha = self._mha_form(T, x_BTD.is_cuda) and self.cp is None and not flat
         if mha:  # per-head keys and values, attention over dense tiles of the selection (ops/dsa/flex_attn.py)
             kvb = self.wkv_b(kv_lat).view(B, T, H, nope + self.vd)
-            q_full, k_full, v_lat = compiled_for(q, mha_inputs)(q, kvb, k_pe, cos, sin, nope, self.spec.mla_rope)
+            q_full, k_full, v_lat = glue(q, mha_inputs)(q, kvb, k_pe, cos, sin, nope, self.spec.mla_rope)
         else:  # absorb W_uk into the query and W_uv after attention: attention runs in MQA form on the latent
             q_nope, q_pe = q[..., :nope], q[..., nope:]
             if self.spec.mla_rope:  # NoPE MLA (mla_rope=False) uses the rope channels unrotated
@@ -242,7 +268,7 @@ class DSAAttention(nn.Module):
             o_lat = o_lat.reshape(B, T, H, kvl)
             o = torch.einsum("bthc,hvc->bthv", o_lat, wkv_b[:, nope:].to(o_lat.dtype))
         if out_gate:  # the sigmoid gate per head, and o made contiguous for wo in the same pass
-            o = compiled_for(o, gate_heads)(o, out_gate[0])
+            o = glue(o, gate_heads)(o, out_gate[0])
         aux = {} if kl is None else {"index_kl": kl}
         return self.wo(o.reshape(B, T, H * self.vd)), aux
 

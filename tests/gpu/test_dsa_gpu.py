@@ -307,3 +307,88 @@ def test_mha_inputs_and_gate_compiled_gpu(per_row):
         err = float((a.double() - b).norm() / b.norm())
         assert err < 8e-3, f"relative error {err:.3g}"
     assert all(t.is_contiguous() for t in got)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_triton_glue_matches_compiled_gpu(per_row):
+    """ops/dsa/triton_glue.py (GLUE_IMPL "triton") against the compiled torch functions (GLUE_IMPL "compile") and
+    the torch functions in float64, bf16 at the `small` preset's shapes: mha_inputs (k_pe a slice of the kv
+    projection), gate_heads (o in FlexAttention's layout and as a transposed view), rope_first on q_idx and k_idx;
+    outputs and every gradient (per_row: packed documents' [B, T, r/2] cos / sin)."""
+    from moeadapt.models.common import compiled, rope_cos_sin
+    from moeadapt.models.dsa_attn import gate_heads, mha_inputs, rope_first
+    from moeadapt.ops.dsa import triton_glue as tg
+
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    B, T, H, nope, r, vd, kvl = 2, 4096, 16, 128, 64, 128, 512
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).bfloat16()
+
+    pos = torch.arange(T).repeat(B, 1) % torch.tensor([[T], [1000]]) if per_row else torch.arange(T)
+    cos, sin = (t.cuda() for t in rope_cos_sin(pos, r, 10000.0))
+    pieces = [  # (name, reference, Triton op, leaves, other arguments)
+        ("mha_inputs", mha_inputs, tg.mha_inputs_triton,
+         [rnd(B, T, H, nope + r), rnd(B, T, H, nope + vd), rnd(B, T, kvl + r)[..., kvl:]], (cos, sin, nope, True)),
+        ("gate_heads flex", gate_heads, tg.gate_heads_triton, [rnd(B, T, H, vd), rnd(B, T, H)], ()),
+        ("gate_heads o^T", gate_heads, tg.gate_heads_triton, [rnd(B, H, T, vd).transpose(1, 2), rnd(B, T, H)], ()),
+        ("rope_first q_idx", rope_first, tg.rope_first_triton, [rnd(B, T, 16, 128)], (cos, sin, r)),
+        ("rope_first k_idx", rope_first, tg.rope_first_triton, [rnd(B, T, 128)], (cos, sin, r)),
+    ]
+    for name, ref, op, leaves, others in pieces:
+        leaves = [t.detach().requires_grad_() for t in leaves]
+
+        def run(fn, xs, extra):
+            out = fn(*xs, *extra)
+            out = out if isinstance(out, tuple) else (out,)
+            # the same bf16 cotangents for every run (seeded per output), in the output's dtype
+            dys = [torch.randn(o.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i))
+                   .bfloat16().to(o.dtype) for i, o in enumerate(out)]
+            return list(out) + list(torch.autograd.grad(out, xs, dys))
+
+        got = run(op, leaves, others)
+        comp = run(compiled(ref), leaves, others)
+        leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+        want = run(ref, leaves64, [t.double() if isinstance(t, torch.Tensor) else t for t in others])
+        for i, (a, c, w) in enumerate(zip(got, comp, want)):
+            assert a.dtype == c.dtype and a.shape == c.shape == w.shape, (name, i)
+            a, c, w = a.detach().double(), c.detach().double(), w.detach()
+            err, err_c = float((a - w).norm() / w.norm()), float((c - w).norm() / w.norm())
+            assert err < 8e-3, f"{name} tensor {i}: relative error {err:.3g} (compiled: {err_c:.3g})"
+            assert float((a - c).abs().max() / w.abs().max()) < 2e-2, (name, i)
+        assert all(t.is_contiguous() for t in got[:len(got) - len(leaves)]), name
+
+
+def test_dsa_layer_triton_glue_gpu(monkeypatch):
+    """The DSA layer in MHA form under bf16 autocast with GLUE_IMPL "triton" against "compile": output, the input's
+    gradient and every parameter's gradient."""
+    from moeadapt.models import dsa_attn
+    from moeadapt.models.common import rope_cos_sin
+    from moeadapt.models.model import build_model, materialize
+    from moeadapt.ops.dsa import flex_attn as fa
+    from tests.conftest import micro_spec
+
+    spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                      v_head_dim=32, index_head_dim=32, index_topk=192, max_position_embeddings=512,
+                      index_loss_coef=0.1)
+    model = materialize(build_model(spec), seed=SEED % 1000)
+    layer = next(m for m in model.modules() if isinstance(m, dsa_attn.DSAAttention)).cuda().train()
+    T = 256
+    monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", True)
+    assert layer._mha_form(T, True)
+    x = torch.randn(2, T, spec.hidden_size, device="cuda")
+    dy = torch.randn(2, T, spec.hidden_size, device="cuda")
+    cos, sin = (t.cuda() for t in rope_cos_sin(torch.arange(T), spec.qk_rope_head_dim, spec.rope_theta))
+    out = []
+    for impl in ("compile", "triton"):
+        monkeypatch.setattr(dsa_attn, "GLUE_IMPL", impl)
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, aux = layer(xx, cos=cos, sin=sin)
+        ((y.float() * dy).sum() + aux["index_kl"]).backward()
+        out.append([y.float(), xx.grad, aux["index_kl"]] + [p.grad for p in layer.parameters() if p.grad is not None])
+    assert len(out[0]) == len(out[1])
+    for a, b in zip(*out):  # the same bf16 math, rounded once (Triton) or as the compiled graph rounds
+        err = float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+        assert err < 2e-2, f"relative error {err:.3g}"
