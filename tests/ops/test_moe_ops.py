@@ -628,6 +628,109 @@ def test_lean_gate_up_buffer_checks(gen):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_lean_passes_explicit_launch(gen):
+    """The lean passes' launch arguments (tiles= of gather_lora_in / swiglu_lora_in / swiglu_lora_bwd, launch= of
+    grouped_wgrad): the interpreter's default launch passed explicitly gives the default's bits, another launch
+    (other BM, column blocks that leave a partial last block, the SwiGLU backward's columns in 3 slices) its values.
+    Operands laid out as _LeanCatFn holds them (strided views); dropped choices and an empty expert."""
+    from moeadapt.ops.moe import lean_lora, permutation
+    from moeadapt.ops.moe.triton_grouped_mm import grouped_wgrad
+
+    T, K, E, I, F, R, s = 29, 3, 6, 48, 40, 4, 2.0
+    row_index, counts = permutation(_routing(gen, T, K, E, drop=0.2, empty=(1,)), E, backend="triton")
+    offsets = offsets_from_counts(counts)
+    N, rows = len(row_index), int(offsets[-1])
+    z, A = torch.randn(T, I, generator=gen), torch.randn(E, I, 2 * R, generator=gen) / I**0.5
+    Bg, Bu, Ad = (torch.randn(E, R, F, generator=gen), torch.randn(E, R, F, generator=gen),
+                  torch.randn(E, F, R, generator=gen) / F**0.5)
+    h = torch.randn(N, 2 * R, generator=gen)
+    gu, dxc = torch.randn(N, 2 * F, generator=gen), torch.randn(N, F + 8, generator=gen)
+    hg, hu, g, u, da, gd = h[:, :R], h[:, R:], gu[:, :F], gu[:, F:], dxc[:, :F], dxc[:, F:F + R]
+
+    def gather(t):
+        x, hh = torch.full((N, I), float("nan")), torch.full((N, 2 * R), float("nan"))
+        lean_lora.gather_lora_in(z, A, offsets, s, row_index, K, x, hh, tiles=t)
+        return [x[:rows], hh[:rows]]
+
+    def swiglu_in(t):
+        acat = torch.full((N, F + 8), float("nan"))
+        lean_lora.swiglu_lora_in(g, u, hg, hu, Bg, Bu, Ad, offsets, 0.5, acat[:, :F], acat[:, F:], tiles=t)
+        return [acat[:rows]]
+
+    def swiglu_bwd(t):
+        dcat = torch.full((N, 2 * F + 2 * R), float("nan"))
+        lean_lora.swiglu_lora_bwd(da, gd, Ad, 0.5, g, u, hg, hu, Bg, Bu, offsets, dcat[:, :F], dcat[:, F:2 * F],
+                                  dcat[:, 2 * F:2 * F + R], dcat[:, 2 * F + R:], tiles=t)
+        return [dcat[:rows]]
+
+    def wgrad(t):
+        return [grouped_wgrad(gu[:, :F], dxc[:, F:F + R], offsets, None, alpha=s, launch=t,
+                              out_EIO=torch.full((E, F, R), float("nan")))]
+
+    launch = dict(num_warps=4, num_stages=3)
+    cases = [(gather, dict(BM=16, BK=32, **launch), dict(BM=32, BK=16, **launch)),
+             (swiglu_in, dict(BM=16, BK=32, **launch), dict(BM=64, BK=16, **launch)),
+             (swiglu_bwd, dict(BM=16, BN=32, SPLIT=1, **launch), dict(BM=128, BN=16, SPLIT=3, **launch)),
+             (wgrad, dict(BI=32, BO=32, BK=16, **launch), dict(BI=16, BO=16, BK=32, **launch))]
+    for fn, same, other in cases:
+        want = fn(None)
+        assert all(w.isfinite().all() for w in want), fn.__name__
+        for got, w in zip(fn(same), want):
+            assert torch.equal(got, w), fn.__name__
+        for got, w in zip(fn(other), want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=fn.__name__)
+        if "BM" in other:  # the row-tiled passes ran at the launch's BM: its tile map was made (_cached_tile_map)
+            assert (N, other["BM"]) in offsets._moe_tile_maps[1], fn.__name__
+
+
+def _lean_tiles_bench():
+    """benchmarks/bench_lean_tiles.py as a module (its operands, passes and variant check)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lean_tiles.py"
+    spec = importlib.util.spec_from_file_location("bench_lean_tiles", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_lean_tiles_bench_check(monkeypatch):
+    """bench_lean_tiles' variant check at its dry-run shape: every launch of two passes agrees with the default; a
+    variant whose output is off by 3% in one element, or leaves one element unwritten, fails it (MISMATCH); a
+    bf16 rounding flip does not."""
+    bench = _lean_tiles_bench()
+    sh = dict(T=40, K=3, E=6, I=48, F=40, R=4, layers=1)
+    o = bench.build(sh, "cpu", torch.float32)
+    for p in bench.passes(sh, o, ["swiglu_bwd", "wgrad_dA"], quick=True):
+        rows, ok = bench.run_pass(p, dry=True)
+        assert ok and len(rows) == len(p.variants) + 1 and all(r["ok"] for r in rows), p.name
+        call, out = p.call, next(iter(p.outputs.values()))
+
+        def scaled(t, call=call, out=out):
+            call(t)
+            if t is not None:  # the largest element: 3% of it is far past the absolute floor of the check
+                out[torch.unravel_index(out.abs().argmax(), out.shape)] *= 1.03
+
+        def unwritten(t, call=call, out=out):
+            call(t)
+            if t is not None:
+                out[(-1,) * out.dim()] = float("nan")  # as the NaN fill leaves an element no tile writes
+
+        for bad in (scaled, unwritten):
+            monkeypatch.setattr(p, "call", bad)
+            rows, ok = bench.run_pass(p, dry=True)
+            assert not ok and rows[0]["ok"] and not any(r["ok"] for r in rows[1:]), (p.name, bad.__name__)
+    want = torch.randn(64, 32).bfloat16()
+    flip = want.clone()
+    flip[5, 7] = (want[5, 7].float() * (1 + 2**-7)).bfloat16()  # one bf16 ulp (or less) away
+    assert bench.compare({"y": flip}, {"y": want})[0]
+    flip[5, 7] = want[5, 7] * 1.03
+    assert not bench.compare({"y": flip}, {"y": want})[0]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("E,BM", [(1, 16), (5, 16), (37, 32), (130, 64), (300, 16)])
 def test_tile_map_kernel_matches_torch(gen, E, BM):
     """The one-launch tile map (_tile_map_kernel) against the torch form, on random counts with empty

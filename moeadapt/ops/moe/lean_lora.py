@@ -193,11 +193,14 @@ def _swiglu_lora_bwd_kernel(
 
 
 # ---------------------------------------------------------------- pass wrappers (torch twins off the GPU)
-def _tiles(offsets_E, N, name, wide):
-    t = LEAN_TILES[name]
-    if _interpreting():
+def _tiles(offsets_E, N, name, wide, tiles=None):
+    """(tile map, BM, the column block `wide`, num_warps / num_stages) of a lean pass. tiles: an explicit launch
+    (a dict with LEAN_TILES[name]'s keys), taken as given on any device; None: LEAN_TILES[name] on the GPU,
+    BM = 16 and 32-wide blocks in the interpreter. The tile map is cached per BM (_cached_tile_map)."""
+    if tiles is None and _interpreting():
         BM, BW, launch = 16, 32, {}
     else:
+        t = LEAN_TILES[name] if tiles is None else tiles
         BM, BW, launch = t["BM"], t[wide], dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
     expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
     return expert_T, row_T, BM, BW, launch
@@ -207,8 +210,9 @@ def _lora_term_ref(h_NR, B_ERF, offsets_E, rows):
     return grouped_mm_reference(h_NR[:rows], B_ERF.to(h_NR.dtype), offsets_E)[:rows].float()
 
 
-def swiglu_lora_in(g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scale_d, a_NF, hd_NW):
-    """a = silu(g + hg·B_g)·(u + hu·B_u) into a_NF; hd_NW[:, :R_d] = scale_d·a·A_d, zeros after."""
+def swiglu_lora_in(g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, scale_d, a_NF, hd_NW, tiles=None):
+    """a = silu(g + hg·B_g)·(u + hu·B_u) into a_NF; hd_NW[:, :R_d] = scale_d·a·A_d, zeros after.
+    tiles: the Triton launch, dict(BM, BK, num_warps, num_stages); None: LEAN_TILES["swiglu_in"]."""
     N, F = g_NF.shape
     R, RD, RW = hg_NR.shape[1], Ad_EFR.shape[2], hd_NW.shape[1]
     if N == 0:
@@ -223,7 +227,7 @@ def swiglu_lora_in(g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, 
         hd_NW[:rows, :RD] = hd.to(hd_NW.dtype)
         hd_NW[:rows, RD:] = 0
         return
-    expert_T, row_T, BM, BK, launch = _tiles(offsets_E, N, "swiglu_in", "BK")
+    expert_T, row_T, BM, BK, launch = _tiles(offsets_E, N, "swiglu_in", "BK", tiles)
     assert g_NF.stride() == u_NF.stride() and hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
     _swiglu_lora_in_kernel[(len(expert_T),)](
         g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, a_NF, hd_NW, expert_T, row_T, offsets_E,
@@ -235,8 +239,9 @@ def swiglu_lora_in(g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, Ad_EFR, offsets_E, 
 
 
 def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_ERF, Bu_ERF, offsets_E,
-                    dg_NF, du_NF, dhg_NR, dhu_NR=None):
-    """The SwiGLU backward with both LoRA terms (see the module docstring); dhu_NR=None: shared h, one sum."""
+                    dg_NF, du_NF, dhg_NR, dhu_NR=None, tiles=None):
+    """The SwiGLU backward with both LoRA terms (see the module docstring); dhu_NR=None: shared h, one sum.
+    tiles: the Triton launch, dict(BM, BN, num_warps, num_stages, SPLIT); None: LEAN_TILES["swiglu_bwd"]."""
     N, F = g_NF.shape
     R, RD = hg_NR.shape[1], Ad_EFR.shape[2]
     shared = dhu_NR is None
@@ -259,11 +264,11 @@ def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_
         else:
             dhg_NR[:rows], dhu_NR[:rows] = dhg.to(dhg_NR.dtype), dhu.to(dhu_NR.dtype)
         return
-    expert_T, row_T, BM, BN, launch = _tiles(offsets_E, N, "swiglu_bwd", "BN")
+    expert_T, row_T, BM, BN, launch = _tiles(offsets_E, N, "swiglu_bwd", "BN", tiles)
     assert g_NF.stride() == u_NF.stride() and dg_NF.stride() == du_NF.stride()
     assert hg_NR.stride() == hu_NR.stride() and Bg_ERF.stride() == Bu_ERF.stride()
     # SPLIT > 1: the columns in SPLIT slices, one program each (more parallel), dh as fp32 partial sums
-    split = LEAN_TILES["swiglu_bwd"].get("SPLIT", 1)
+    split = (LEAN_TILES["swiglu_bwd"] if tiles is None else tiles).get("SPLIT", 1)
     split = max(1, min(split, triton.cdiv(F, BN)))
     cspan = triton.cdiv(triton.cdiv(F, split), BN) * BN
     split = triton.cdiv(F, cspan)
@@ -287,8 +292,10 @@ def swiglu_lora_bwd(da_NF, gd_NR, Ad_EFR, scale_d, g_NF, u_NF, hg_NR, hu_NR, Bg_
             dhu_NR.copy_(dhu.sum(0))
 
 
-def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
-    """x = z[row_index // K] (the permuted rows) and h_NW[:, :R] = scale·x·A_e, zeros after."""
+def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW, tiles=None):
+    """x = z[row_index // K] (the permuted rows) and h_NW[:, :R] = scale·x·A_e, zeros after.
+    tiles: the Triton launch, dict(BM, BK, num_warps, num_stages), taken as given on any device; None:
+    FOLD_TILES["in_gather"] on the GPU, BM = 16 and BK = 32 in the interpreter."""
     N, I = x_NI.shape
     R, W = A_EIR.shape[2], h_NW.shape[1]
     if N == 0:
@@ -300,9 +307,10 @@ def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
         h_NW[:rows, :R] = (grouped_mm_reference(x, A_EIR.to(x.dtype), offsets_E)[:rows] * scale).to(h_NW.dtype)
         h_NW[:rows, R:] = 0
         return
-    t = FOLD_TILES["in_gather"]
-    BM = 16 if _interpreting() else t["BM"]
-    BK = 32 if _interpreting() else t["BK"]
+    interp = tiles is None and _interpreting()
+    t = FOLD_TILES["in_gather"] if tiles is None else tiles
+    BM = 16 if interp else t["BM"]
+    BK = 32 if interp else t["BK"]
     expert_T, row_T = _cached_tile_map(offsets_E, N, BM)
     _lora_in_kernel[(len(expert_T),)](
         z_TI, z_TI, row_index_N, A_EIR, x_NI, h_NW, expert_T, row_T, offsets_E, I, R, W, K, float(scale),
@@ -310,7 +318,7 @@ def gather_lora_in(z_TI, A_EIR, offsets_E, scale, row_index_N, K, x_NI, h_NW):
         h_NW.stride(0), h_NW.stride(1),
         COPY=True, GATHER=True, SWIGLU=False, IEEE=z_TI.dtype == torch.float32, BM=BM, BK=BK,
         RP=max(16, triton.next_power_of_2(W)),
-        **({} if _interpreting() else dict(num_warps=t["num_warps"], num_stages=t["num_stages"])),
+        **({} if interp else dict(num_warps=t["num_warps"], num_stages=t["num_stages"])),
     )
 
 

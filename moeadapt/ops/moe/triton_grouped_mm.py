@@ -255,9 +255,20 @@ def grouped_mm_fwd(x_NI, w_EIO, offsets_E, x2_NR=None, w2_ERO=None, alpha=1.0, b
     return y_NO
 
 
-def grouped_wgrad(x_NI, dy_NO, offsets_E, like_w_EIO, alpha=1.0, out_EIO=None):
+def wgrad_launch(I: int, O: int) -> dict:
+    """grouped_wgrad's GPU launch for an [I, O] gradient, dict(BI, BO, BK, num_warps, num_stages): WGRAD_WIDE
+    where both sides are >= 128 wide, else blocks as wide as the sides (16..128) with BK = 64."""
+    if I >= 128 and O >= 128:
+        return dict(WGRAD_WIDE)
+    BI, BO = _cols_block(I), _cols_block(O)
+    return dict(BI=BI, BO=BO, BK=64, num_warps=8 if BI * BO >= 128 * 128 else 4, num_stages=3)
+
+
+def grouped_wgrad(x_NI, dy_NO, offsets_E, like_w_EIO, alpha=1.0, out_EIO=None, launch=None):
     """dW[e] = alpha·x_eᵀ@dy_e in the layout (strides) and dtype of like_w (written into out_EIO when given:
-    like_w is then ignored). Accumulates in fp32 and rounds once to the output's dtype."""
+    like_w is then ignored). Accumulates in fp32 and rounds once to the output's dtype.
+    launch: an explicit launch dict(BI, BO, BK, num_warps, num_stages), taken as given on any device; None:
+    wgrad_launch(I, O) on the GPU, 32 x 32 x 16 tiles in the interpreter."""
     dw_EIO = torch.empty_like(like_w_EIO) if out_EIO is None else out_EIO
     E, I, O = dw_EIO.shape
     if E == 0 or I == 0 or O == 0:
@@ -265,15 +276,11 @@ def grouped_wgrad(x_NI, dy_NO, offsets_E, like_w_EIO, alpha=1.0, out_EIO=None):
     args = (x_NI, dy_NO, dw_EIO, offsets_E, I, O, float(alpha),
             x_NI.stride(0), x_NI.stride(1), dy_NO.stride(0), dy_NO.stride(1), *dw_EIO.stride())
     ieee = x_NI.dtype == torch.float32
-    if _interpreting():
+    if launch is None and _interpreting():
         BI, BO, BK, launch = 32, 32, 16, {}
     else:
-        BI, BO, BK = _cols_block(I), _cols_block(O), 64
-        launch = dict(num_warps=8 if BI * BO >= 128 * 128 else 4, num_stages=3)
-        if I >= 128 and O >= 128:
-            cfg = dict(WGRAD_WIDE)
-            BI, BO, BK = cfg.pop("BI"), cfg.pop("BO"), cfg.pop("BK")
-            launch = cfg
+        launch = dict(wgrad_launch(I, O) if launch is None else launch)
+        BI, BO, BK = launch.pop("BI"), launch.pop("BO"), launch.pop("BK")
     grid = (triton.cdiv(I, BI) * triton.cdiv(O, BO), E)
     _grouped_wgrad_kernel[grid](*args, IEEE=ieee, BI=BI, BO=BO, BK=BK, **launch)
     return dw_EIO
