@@ -46,6 +46,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moeadapt.io import atomic_write_text  # noqa: E402
 from moeadapt.models.common import rope_cos_sin  # noqa: E402
 from moeadapt.models.dsa_attn import gate_heads, mha_inputs, rope_first  # noqa: E402
 from moeadapt.ops.dsa import triton_glue as tg  # noqa: E402
@@ -297,10 +298,7 @@ def main() -> None:
     first = sum(r.get("first_call_s", 0.0) for r in rows)
     print(f"total {time.time() - t_start:.1f} s (first calls, compiles and JIT included: {first:.1f} s)")
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(tmp, args.out)
+        atomic_write_text(args.out, json.dumps(rows, indent=1))
     if any(r["err"] > TOL for r in rows):
         sys.exit("a variant's values do not match the float64 reference (MISMATCH above)")
 

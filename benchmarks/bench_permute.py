@@ -55,6 +55,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moeadapt.io import atomic_write_text  # noqa: E402
 from moeadapt.ops.moe import triton_permute as tp  # noqa: E402
 
 GL, CL = tp.GatherLaunch, tp.CombineLaunch
@@ -326,10 +327,7 @@ def main(argv=None) -> None:
             for i, (T, K, D, E) in enumerate(shapes)]
     print(f"\n{time.time() - t0:.1f} s")
     if a.out:
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(tmp, a.out)
+        atomic_write_text(a.out, json.dumps(rows, indent=1))
     bad = [f"{op} / {r['variant']}" for row in rows for op, o in row["ops"].items() for r in o["variants"] if r["bad"]]
     if bad:
         sys.exit(f"{len(bad)} bad checks (a variant mismatched, or a broken row passed): {bad}")

@@ -40,6 +40,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moeadapt.io import atomic_write_text  # noqa: E402
 from moeadapt.ops.kda import triton_conv as tc  # noqa: E402
 from moeadapt.ops.kda.short_conv import causal_conv_silu_reference  # noqa: E402
 
@@ -230,10 +231,7 @@ def main() -> None:
                                       timed=dev == "cuda"))
             _print_norm(norm_rows[-1])
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"conv": rows, "norm": norm_rows}, f, indent=1)
-        os.replace(tmp, args.out)
+        atomic_write_text(args.out, json.dumps({"conv": rows, "norm": norm_rows}, indent=1))
     if any(k.startswith("rel_") and val > CHECK_TOL for r in rows for v in r["variants"].values()
            for k, val in v.items()) or any(v["rel_vs_apart"] > CHECK_TOL for r in norm_rows for v in r["pairs"].values()):
         sys.exit("a variant's outputs do not match the current kernels' (MISMATCH above)")

@@ -345,9 +345,9 @@ def mha_inputs_triton(q: torch.Tensor, kvb: torch.Tensor, k_pe: torch.Tensor, co
 
 
 @triton.jit
-def _gate_fwd_kernel(o, g, y, T, H, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh,
-                     V: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr):
-    """y[b, t, h V + v] = o[b, t, h, v] sigmoid(g[b, t, h]) for BT tokens of head h; y contiguous [B, T, H V]."""
+def _gate_tile(o, g, T, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, V: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr):
+    """This program's BT tokens of head h (grid: token blocks, heads, batch): (t, h, b as int64, channels c, token
+    mask tm, tile mask m, sigmoid(g) fp32 [BT], o's fp32 tile [BT, VP])."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -356,6 +356,14 @@ def _gate_fwd_kernel(o, g, y, T, H, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh,
     m = tm[:, None] & (c < V)[None, :]
     sg = tl.sigmoid(tl.load(g + b * s_gb + t * s_gt + h * s_gh, mask=tm, other=0.0).to(tl.float32))
     x = tl.load(o + (b * s_ob + h * s_oh + t * s_ot)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+    return t, h, b, c, tm, m, sg, x
+
+
+@triton.jit
+def _gate_fwd_kernel(o, g, y, T, H, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh,
+                     V: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr):
+    """y[b, t, h V + v] = o[b, t, h, v] sigmoid(g[b, t, h]) for BT tokens of head h; y contiguous [B, T, H V]."""
+    t, h, b, c, tm, m, sg, x = _gate_tile(o, g, T, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, V, VP, BT)
     tl.store(y + ((b * T + t) * H * V + h * V)[:, None] + c[None, :], (x * sg[:, None]).to(y.dtype.element_ty),
              mask=m)
 
@@ -365,14 +373,7 @@ def _gate_bwd_kernel(o, g, dy, do, dg, T, H, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh,
                      V: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr):
     """do = dy sigmoid(g) (in do's strides), dg = sum_v(dy o) s (1 - s) (contiguous [B, T, H]) for BT tokens of
     head h; dy [B, T, H V]."""
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    c = tl.arange(0, VP)
-    tm = t < T
-    m = tm[:, None] & (c < V)[None, :]
-    sg = tl.sigmoid(tl.load(g + b * s_gb + t * s_gt + h * s_gh, mask=tm, other=0.0).to(tl.float32))
-    x = tl.load(o + (b * s_ob + h * s_oh + t * s_ot)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+    t, h, b, c, tm, m, sg, x = _gate_tile(o, g, T, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh, V, VP, BT)
     gy = tl.load(dy + (b * s_yb + t * s_yt + h * V)[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(do + (b * s_db + h * s_dh + t * s_dt)[:, None] + c[None, :], (gy * sg[:, None]).to(do.dtype.element_ty),
              mask=m)
