@@ -73,8 +73,12 @@ def _copy(src, s_row, s_h, s0: tl.constexpr, dst, d_row, d_h, d0: tl.constexpr, 
 
 
 @triton.jit
-def _cos_sin(cos, sin, cs_row, nm, RH: tl.constexpr, RHP: tl.constexpr):
-    """cos and sin of the tokens at table offsets cs_row [BT], fp32 [BT, RHP] (0 in the padding)."""
+def _cos_sin(cos, sin, cs_row, nm, RH: tl.constexpr, RHP: tl.constexpr, ROTATE: tl.constexpr = True):
+    """cos and sin of the tokens at table offsets cs_row [BT], fp32 [BT, RHP] (0 in the padding); without ROTATE
+    zeros (unused: the rope channels are copied as they are)."""
+    if not ROTATE:
+        z = tl.zeros_like(cs_row[:, None] + tl.arange(0, RHP)[None, :]).to(tl.float32)
+        return z, z
     j = tl.arange(0, RHP)
     m = nm[:, None] & (j < RH)[None, :]
     off = cs_row[:, None] + j[None, :]
@@ -173,11 +177,7 @@ def _mha_inputs_fwd_kernel(q, kvb, kpe, cos, sin, qf, kf, v, N, T, H,
     _copy(kvb, k_row, s_kh, 0, kf, o_row, DQ, 0, h, m2, NOPE, NOPE_P)
     _copy(kvb, k_row, s_kh, NOPE, v, n * H * VD, VD, 0, h, m2, VD, VD_P)
     if RH > 0:
-        if ROTATE:
-            c, s = _cos_sin(cos, sin, b * s_cb + t * s_ct, nm, RH, RH_P)
-        else:
-            c = tl.zeros([BT, RH_P], dtype=tl.float32)
-            s = c
+        c, s = _cos_sin(cos, sin, b * s_cb + t * s_ct, nm, RH, RH_P, ROTATE)
         _rope_rows(q, q_row, s_qh, NOPE, qf, o_row, DQ, NOPE, h, m2, c, s, RH, RH_P, ROTATE, 1.0)
         # k_pe: one row per token, rotated once and stored into every head's rope channels
         j = tl.arange(0, RH_P)
@@ -216,11 +216,7 @@ def _mha_inputs_bwd_kernel(dqf, dkf, dv, cos, sin, dq, dkvb, dkpe, N, T, H,
     _copy(dkf, k_row, s_kh, 0, dkvb, dkv_row, DKV, 0, h, m2, NOPE, NOPE_P)
     _copy(dv, b * s_vb + t * s_vt, s_vh, 0, dkvb, dkv_row, DKV, NOPE, h, m2, VD, VD_P)
     if RH > 0:
-        if ROTATE:
-            c, s = _cos_sin(cos, sin, b * s_cb + t * s_ct, nm, RH, RH_P)
-        else:
-            c = tl.zeros([BT, RH_P], dtype=tl.float32)
-            s = c
+        c, s = _cos_sin(cos, sin, b * s_cb + t * s_ct, nm, RH, RH_P, ROTATE)
         _rope_rows(dqf, q_row, s_qh, NOPE, dq, dq_row, DQ, NOPE, h, m2, c, s, RH, RH_P, ROTATE, -1.0)
         # dk_pe: the heads' rope-channel gradients summed (fp32, masked heads read as 0), then rotated back once
         k1, cm = _ptrs(dkf, k_row, s_kh, h, NOPE, RH, RH_P)
