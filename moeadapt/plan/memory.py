@@ -328,12 +328,15 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             acc.keep("chunk_kda reference internals", H * (54.25 * K + 196.5 + K * K / 64) - (0 if full else HK), "f")
             acc.gemm("chunk_kda reference bmm outputs", H * (2 * REF_KDA_CHUNK + 2.5 * K), "f")
         else:
-            # moeadapt::l2norm_qk_fwd saves its inputs q, k and their fp32 1/|x| (ops/kda/triton_l2norm.py);
+            # q's and k's L2 norm: inside the convs' Triton passes at cp = 1 with a power-of-two head
+            # (CausalConv1d.fuses_norm), which save only their input; otherwise moeadapt::l2norm_qk_fwd, which saves
+            # its inputs q, k and their fp32 1/|x| (ops/kda/triton_l2norm.py).
             # moeadapt::chunk_kda_fwd's autograd saves q, k, v, g, beta (its inputs) and its outputs A_qk and T_inv
             # (64 per token per head, fp32), w, kd, qg, u, per-chunk gate, the chunk states h (K*V/64 per token per
             # head) and v_new; selective recompute keeps the op's outputs (parallel/activation.py), o included
-            acc.keep("l2norm inputs q,k", 2 * HK)
-            acc.keep("l2norm 1/|q|, 1/|k|", 2 * H, "f")
+            if cp > 1 or K & (K - 1):
+                acc.keep("l2norm inputs q,k", 2 * HK)
+                acc.keep("l2norm 1/|q|, 1/|k|", 2 * H, "f")
             acc.keep("kernel q,k,v,g,w,kd,qg,u,v_new", 9 * HK, gemm_out=5 / 9)
             nb = H * (2 * 64 + 1) + HK / 64 + H
             acc.keep("kernel A_qk,T_inv,beta,gate", nb, "f", gemm_out=(H * 2 * 64 + HK / 64) / nb)
