@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
 from ..ops.dsa.flex_attn import mha_form_pays
+from ..ops.kda.reference import norm_fits_tile
 from ..ops.moe import expert_lora_path
 
 GiB = 1024**3
@@ -334,7 +335,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             # moeadapt::chunk_kda_fwd's autograd saves q, k, v, g, beta (its inputs) and its outputs A_qk and T_inv
             # (64 per token per head, fp32), w, kd, qg, u, per-chunk gate, the chunk states h (K*V/64 per token per
             # head) and v_new; selective recompute keeps the op's outputs (parallel/activation.py), o included
-            if cp > 1 or K & (K - 1):
+            if cp > 1 or not norm_fits_tile(K):
                 acc.keep("l2norm inputs q,k", 2 * HK)
                 acc.keep("l2norm 1/|q|, 1/|k|", 2 * H, "f")
             acc.keep("kernel q,k,v,g,w,kd,qg,u,v_new", 9 * HK, gemm_out=5 / 9)

@@ -32,6 +32,13 @@ SUB = 16  # sub-chunk for the numerically safe intra-chunk decay products
 L2_EPS = 1e-6
 
 
+def norm_fits_tile(norm_dim: int) -> bool:
+    """Whether an L2 norm over groups of norm_dim channels can run inside the short conv's Triton passes (a
+    power of two: one channel tile per head; triton_conv.py). The layer (models/kda_attn.py) and the memory
+    planner (plan/memory.py) ask the same."""
+    return norm_dim > 0 and not norm_dim & (norm_dim - 1)
+
+
 def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the convention fla uses)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import l2norm
+from .reference import l2norm, norm_fits_tile
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -67,7 +67,7 @@ def runs_triton(x_BTC: torch.Tensor, backend: str = "auto") -> bool:
 def fuses_head_norm(x_BTC: torch.Tensor, norm_dim: int, backend: str = "auto") -> bool:
     """Whether causal_conv_silu(..., norm_dim) normalises inside its Triton passes (a power-of-two head on the
     Triton backend), where it saves a pass over its output each way."""
-    return runs_triton(x_BTC, backend) and norm_dim > 0 and not norm_dim & (norm_dim - 1)
+    return runs_triton(x_BTC, backend) and norm_fits_tile(norm_dim)
 
 
 def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "auto",
@@ -90,6 +90,6 @@ def causal_conv_silu(x_BTC: torch.Tensor, w_C1K: torch.Tensor, backend: str = "a
     from .triton_conv import conv_silu_fwd_fast
 
     pos = None if positions is None else positions.to(torch.int32).contiguous()
-    if norm_dim & (norm_dim - 1):  # the fused norm needs a power-of-two group (one channel tile): normalise apart
+    if norm_dim and not norm_fits_tile(norm_dim):  # a group that is not one channel tile: normalise apart
         return head_l2norm(conv_silu_fwd_fast(x_BTC, w_C1K, pos, 0), norm_dim)
     return conv_silu_fwd_fast(x_BTC, w_C1K, pos, norm_dim)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..custom import eager_or_op, impl_or_op
-from .reference import L2_EPS
+from .reference import L2_EPS, norm_fits_tile
 
 # Launch shape: 32 time steps x 128 channels a program (a [2, 4096, 2048] input is 4096 programs), 4 warps.
 BLOCK_T = 32
@@ -304,7 +304,7 @@ def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
 def check_norm_dim(C: int, norm_dim: int) -> None:
     """The kernels normalise a whole tile row: norm_dim must be a power of two (the tile's channel width) that
     divides C; 0 means no norm."""
-    if norm_dim and (norm_dim & (norm_dim - 1) or C % norm_dim):
+    if norm_dim and (not norm_fits_tile(norm_dim) or C % norm_dim):
         raise ValueError(f"norm_dim={norm_dim} must be a power of two dividing the {C} channels (the fused L2 norm "
                          "normalises one channel tile per head); pass 0 and normalise apart")
 
@@ -367,6 +367,14 @@ def _dx_pass(dpre: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, positions: t
         BT=BLOCK_T, BC=BLOCK_C, HAS_POS=positions is not None, num_warps=NUM_WARPS)
 
 
+def _bwd_operands(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, norm_dim: int):
+    """The backward launchers' operands: x and dy with unit channel stride, w contiguous, and an empty dx [B, T, C]
+    in x's dtype; norm_dim checked against the channels (check_norm_dim)."""
+    x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
+    check_norm_dim(x.shape[-1], norm_dim)
+    return x, w.contiguous(), dy, torch.empty(x.shape, device=x.device, dtype=x.dtype)
+
+
 def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                          block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
                          time_blocks: int = BWD_TIME_BLOCKS, dpre_dtype: torch.dtype | None = DPRE_DTYPE,
@@ -374,14 +382,11 @@ def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, pos
     """The backward (dx and dw) with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's
     programs take `time_blocks` blocks of `block_t` steps x `block_c` channels (norm_dim's where it is > 0) on
     `num_warps` warps, and store dpre in `dpre_dtype` (None: x's dtype). norm_dim: as in the forward."""
-    x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
+    x, w, dy, dx = _bwd_operands(x, w, dy, norm_dim)
     B, T, C = x.shape
     KW = w.shape[-1]
-    check_norm_dim(C, norm_dim)
-    dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if not x.numel():
         return dx, torch.zeros(w.shape, device=w.device, dtype=w.dtype)
-    w = w.contiguous()
     dpre, dw_part = _dpre_pass(x, w, dy, positions, dpre_dtype, block_t, block_c, num_warps, time_blocks, True,
                                norm_dim)
     _dx_pass(dpre, w, dx, positions)
@@ -401,14 +406,11 @@ def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, posi
     norm_dim: as in the forward."""
     if impl not in ("fused", "two_pass"):
         raise ValueError(f"impl must be 'fused' or 'two_pass', got {impl!r}.")
-    x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
+    x, w, dy, dx = _bwd_operands(x, w, dy, norm_dim)
     B, T, C = x.shape
     KW = w.shape[-1]
-    check_norm_dim(C, norm_dim)
-    dx = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
     if not x.numel():
         return dx
-    w = w.contiguous()
     if impl == "fused" and KW <= 4 and not norm_dim:
         bt, bc = block_t or FUSED_DX_BLOCK_T, block_c or FUSED_DX_BLOCK_C
         _conv_silu_dx_fused_kernel[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](
