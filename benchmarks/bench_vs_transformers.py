@@ -248,10 +248,6 @@ def run_ours(args, mode: str) -> dict:
     lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True, copies=copies)
     if args.cuda_graph:
         trainer.use_cuda_graph(lp)
-        if lp.update is not None and args.overlap_launch:  # the update's launch, for sweeps: PROGRAMS[,priority]
-            n, _, pri = args.overlap_launch.partition(",")
-            lp.update.programs = int(n) or None
-            lp.update.forward_priority = pri != "same"
     if args.defer_verdict != "auto":  # the run's own choice otherwise (LocalRun / DistributedRun.defer_verdict)
         run.defer_verdict = args.defer_verdict == "on"
     model.train()
@@ -546,9 +542,6 @@ def main() -> None:
                    "for the backward (off: no second all-gather, one more unsharded copy of the model)")
     p.add_argument("--overlap-optimizer", default="on", choices=["on", "off"], help="our side, with --cuda-graph: "
                    "train.overlap_optimizer (each step's AdamW inside the next replay, beside its forward)")
-    p.add_argument("--overlap-launch", default="", help="our side, a child: the overlapped update's launch, "
-                   "'PROGRAMS[,high|same]' (0: one program per block; same: the forward's stream at the update's "
-                   "priority); default train/overlap.py's PROGRAMS / FORWARD_PRIORITY")
     p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "

@@ -120,11 +120,10 @@ class CopyAdamW(torch.optim.Optimizer):
                          group["lr"], found_inf, grad_scale)
 
     def _launch(self, gi: int, group: dict, cp: bool, ps: list, g_tab, key: tuple, lr: float | torch.Tensor,
-                found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, programs: int | None = None) -> None:
+                found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
         """The step of parameters `ps` (one group, one gradient dtype, copied or not) with gradient table g_tab:
         their step counts advanced (unless found_inf), then one kernel launch. Issues no host sync, so it can be
-        captured in a CUDA graph (train/overlap.py) once every state tensor exists. programs: the kernel's launch
-        (`adamw_`)."""
+        captured in a CUDA graph (train/overlap.py) once every state tensor exists."""
         from ..ops.optim.triton_adamw import adamw_
 
         for p in ps:
@@ -146,7 +145,7 @@ class CopyAdamW(torch.optim.Optimizer):
         if cp:
             tabs["c"] = self._table((*key, "c"), [self.copies[p] for p in ps])
         adamw_(tabs, self._block_map(ps), lr=lr, betas=group["betas"], eps=group["eps"],
-               weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf, programs=programs)
+               weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
 
     def load_state_dict(self, state_dict):
         """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor

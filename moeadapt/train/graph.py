@@ -94,12 +94,10 @@ class StepGraph:
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool cannot reuse them
         update = self.update if self.update is not None and self.update.why_not is None else None
         graphs = [torch.cuda.CUDAGraph()]
-        # with the update beside the forward: the step's kernels on a stream of higher priority than the update's
-        stream = torch.cuda.Stream(self.device, priority=-1) if update is not None and update.forward_priority else None
         ok = False
         try:
             with contextlib.ExitStack() as capturing:
-                capturing.enter_context(torch.cuda.graph(graphs[0], stream=stream, capture_error_mode="thread_local"))
+                capturing.enter_context(torch.cuda.graph(graphs[0], capture_error_mode="thread_local"))
                 between = None
                 if update is not None:
                     # the backward in a graph (and memory pool) of its own: the gradients it writes, which the
@@ -107,8 +105,7 @@ class StepGraph:
                     def between():
                         capturing.close()
                         graphs.append(torch.cuda.CUDAGraph())
-                        capturing.enter_context(torch.cuda.graph(graphs[1], stream=stream,
-                                                                 capture_error_mode="thread_local"))
+                        capturing.enter_context(torch.cuda.graph(graphs[1], capture_error_mode="thread_local"))
 
                     update.launch()
                 self.out = self.fwd_bwd([(sx, sy, {}) for sx, sy in self.inputs], between)

@@ -44,18 +44,11 @@ def why_not(cfg, run, opt, model) -> str | None:
     return None
 
 
-PROGRAMS = 32  # the update's programs (`adamw_`): it holds this many SMs, the forward the others
-FORWARD_PRIORITY = True  # the captured step's stream above the update's: the forward's blocks are scheduled first
-
-
 class NextStepUpdate:
-    """CopyAdamW's step of one replay's gradients, captured at the start of the next replay (module docstring).
-    programs / forward_priority: the launch (PROGRAMS, FORWARD_PRIORITY unless given)."""
+    """CopyAdamW's step of one replay's gradients, captured at the start of the next replay (module docstring)."""
 
-    def __init__(self, opt: CopyAdamW, model: HybridMoEModel, clip: bool, programs: int | None = PROGRAMS,
-                 forward_priority: bool = FORWARD_PRIORITY):
+    def __init__(self, opt: CopyAdamW, model: HybridMoEModel, clip: bool):
         self.opt, self.model = opt, model
-        self.programs, self.forward_priority = programs, forward_priority
         dev = next(p.device for g in opt.param_groups for p in g["params"])
         self.skip = torch.ones((), device=dev)  # found_inf of the queued step; 1: nothing queued
         self.scale = torch.ones((), device=dev) if clip else None  # its clip divisor
@@ -107,7 +100,7 @@ class NextStepUpdate:
             for si, parts in enumerate(self.stages):
                 for gi, dt, cp, ps, g_tab in parts:
                     self.opt._launch(gi, groups[gi], cp, ps, g_tab, ("next", si, gi, dt, cp), self.lr[gi],
-                                     self.skip, self.scale, programs=self.programs)
+                                     self.skip, self.scale)
                 self.events[si].record(self.side)  # recorded for an empty stage too: the forward waits on each
         self.model.stage_hook = self._wait
 

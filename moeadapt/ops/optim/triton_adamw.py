@@ -136,12 +136,19 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, scale_ptr, lr, be
 
 
 @triton.jit
-def _adamw_tile(b, p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
-                tid_ptr, start_ptr, numel_ptr, scale_ptr, lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
-                HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    # block b of the block map: BLOCK elements of one tensor
-    t = tl.load(tid_ptr + b)
-    start = tl.multiple_of(tl.load(start_ptr + b), BLOCK)
+def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
+                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr, lr_ptr,
+                  lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
+                  ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
+            return
+    if LR_ON_DEVICE:  # a step captured in a CUDA graph: the schedule's lr is written there before each replay
+        lr = tl.load(lr_ptr)
+    pid = tl.program_id(0)
+    t = tl.load(tid_ptr + pid)
+    start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
     n = tl.load(numel_ptr + t)
     p_ptr += tl.multiple_of(tl.load(p_off + t), ALIGN) + start
     g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
@@ -161,51 +168,26 @@ def _adamw_tile(b, p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_
                      bc1, bc2_sqrt, HAS_SCALE, HAS_COPY)
 
 
-@triton.jit
-def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
-                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr, lr_ptr, n_blocks,
-                  lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
-                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-                  LOOP: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    if HAS_SKIP:
-        if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
-            return
-    if LR_ON_DEVICE:  # a step captured in a CUDA graph: the schedule's lr is written there before each replay
-        lr = tl.load(lr_ptr)
-    if not LOOP:  # one program per block
-        _adamw_tile(tl.program_id(0), p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off,
-                    c_ptr, c_off, tid_ptr, start_ptr, numel_ptr, scale_ptr, lr, beta1, beta2, log2_beta1,
-                    log2_beta2, eps, decay, HAS_SCALE, HAS_COPY, ALIGN, BLOCK)
-    else:  # fewer programs, each walking every num_programs-th block: the step holds that many SMs at most
-        for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-            _adamw_tile(b, p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off,
-                        c_ptr, c_off, tid_ptr, start_ptr, numel_ptr, scale_ptr, lr, beta1, beta2, log2_beta1,
-                        log2_beta2, eps, decay, HAS_SCALE, HAS_COPY, ALIGN, BLOCK)
-
-
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float | torch.Tensor,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None, programs: int | None = None) -> None:
+           found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
     in any float dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies
     written from the new weights). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
     nonzero skips the whole step. lr: a number, or a float32 device scalar the kernel reads (a step captured in a
-    CUDA graph, whose lr changes from replay to replay). programs: None launches one program per block (the
-    fastest alone); a number launches that many, each looping over blocks, so that a step run beside other work
-    (train/overlap.py) holds at most that many SMs and leaves the rest to it."""
+    CUDA graph, whose lr changes from replay to replay)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
     lr_dev = isinstance(lr, torch.Tensor)
     p, c = tabs["p"], tabs.get("c")
     c = c if c is not None else p
-    grid = min(programs, blocks.n_blocks) if programs else blocks.n_blocks
-    _adamw_kernel[(grid,)](
+    _adamw_kernel[(blocks.n_blocks,)](
         p.anchor, p.offsets, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor, tabs["m"].offsets,
         tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
-        lr if lr_dev else p.anchor, blocks.n_blocks, 0.0 if lr_dev else float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
+        lr if lr_dev else p.anchor, 0.0 if lr_dev else float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay),
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs, LR_ON_DEVICE=lr_dev,
-        LOOP=grid < blocks.n_blocks, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
