@@ -224,8 +224,7 @@ def run_ours(args, mode: str) -> dict:
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
                                lr=LR[mode], output_dir=out_dir, log_every=10**6,
-                               weight_copies=args.weight_copies == "on", cuda_graph=bool(args.cuda_graph),
-                               overlap_optimizer=args.overlap_optimizer == "on"),
+                               weight_copies=args.weight_copies == "on"),
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
@@ -281,16 +280,14 @@ def run_ours(args, mode: str) -> dict:
     for k in ("issue", "wait"):  # medians over the timed steps
         v = sorted(marks[f"{k}_s"][args.warmup:])
         res[f"host_{k}_s"] = v[len(v) // 2]
-    if args.profile:  # one more step under the profiler: CUDA time by kernel family (profile_step.py's grouping);
-        # before settle, so that a replay applies the step before it as in the timed steps (train/overlap.py)
+    last = trainer.settle(lp)
+    if last is not None and last.skipped:
+        raise RuntimeError(f"our step {last.step + 1} was skipped ({last.skipped})")
+    if args.profile:  # one more step under the profiler: CUDA time by kernel family (profile_step.py's grouping)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from profile_step import _triton_families, profile_one
 
         res["profile"] = profile_one(step, run.device, _triton_families())
-    last = trainer.settle(lp)
-    if last is not None and last.skipped:
-        raise RuntimeError(f"our step {last.step + 1} was skipped ({last.skipped})")
-    res["overlap_optimizer"] = bool(lp.update is not None and lp.update.live)
     run.finish()
     shutil.rmtree(out_dir, ignore_errors=True)  # nothing is saved there; train.output_dir must name a directory
     return {"side": "ours", "mode": mode, "model": f"moeadapt {spec.name}", "params_total": counts["total"],
@@ -436,7 +433,6 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
-        cmd += ["--overlap-optimizer", args.overlap_optimizer] if side == "ours" else []
         cmd += ["--unfuse", args.unfuse] if side == "ours" and args.unfuse else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
@@ -540,8 +536,6 @@ def main() -> None:
     p.add_argument("--reshard-after-forward", default="on", choices=["on", "off"], help="our side under torchrun: "
                    "FSDP2 frees each block's gathered parameters after its forward (on, the default) or keeps them "
                    "for the backward (off: no second all-gather, one more unsharded copy of the model)")
-    p.add_argument("--overlap-optimizer", default="on", choices=["on", "off"], help="our side, with --cuda-graph: "
-                   "train.overlap_optimizer (each step's AdamW inside the next replay, beside its forward)")
     p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "

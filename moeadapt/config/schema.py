@@ -376,9 +376,6 @@ class TrainSpec(_Strict):
     cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
                              "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
                              "process on a GPU, fixed shapes, no packed documents or images")
-    overlap_optimizer: bool = Field(default=True, description="with cuda_graph and bf16 weight copies: each "
-                                    "step's AdamW runs inside the next replay, beside its forward, stage by "
-                                    "stage (train/overlap.py); the same values, bit for bit")
 
     @field_validator("betas")
     @classmethod

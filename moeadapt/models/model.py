@@ -12,7 +12,6 @@ Buildable on the meta device (`build_model(spec, device="meta")`) and materialis
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,10 +132,6 @@ class HybridMoEModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.backend = "auto"  # of the loss (ops.loss); set_backend sets it with the others
         self.cp = None  # an ops.cp_comm.CPLayout, set by `set_context_parallel`
-        # called with a stage index before the forward reads that stage's weights (0: the embedding, i + 1:
-        # layers[i], n_layers + 1: the final norm and lm_head; `forward_stages`): train/overlap.py waits there
-        # for the optimizer step that updates them
-        self.stage_hook: Callable[[int], None] | None = None
 
     def set_backend(self, backend: str) -> None:
         """Kernel backend for every op ("auto", "reference", "triton")."""
@@ -201,8 +196,6 @@ class HybridMoEModel(nn.Module):
         if T_seq > self.spec.max_position_embeddings:
             raise ValueError(f"sequence length {T_seq} exceeds max_position_embeddings="
                              f"{self.spec.max_position_embeddings}; shorten train.seq_len")
-        if self.stage_hook is not None:
-            self.stage_hook(0)
         x = self.embed(input_ids)
         if self.vision is not None:
             x = self.vision.embed_images(x, input_ids, images)
@@ -229,8 +222,6 @@ class HybridMoEModel(nn.Module):
             x = x.unsqueeze(2).expand(-1, -1, self.spec.hc_mult, -1)
         branch: tuple[torch.Tensor, ...] = ()  # the last block's FFN output(s), not yet added to x
         for i, layer in enumerate(self.layers):
-            if self.stage_hook is not None:
-                self.stage_hook(i + 1)
             receiver = self.layers[i + 1] if i + 1 < len(self.layers) else self.norm
             x, info = layer(x, cos, sin, micro_batches, shared, docs, branch=branch,
                             defer=self._defers_residual(layer, receiver))
@@ -240,8 +231,6 @@ class HybridMoEModel(nn.Module):
                 aux_log[k] = aux_log.get(k, 0.0) + v.detach().float()
             if "moe" in info:
                 moe_stats.append({"layer": layer.layer_id, **info["moe"]})
-        if self.stage_hook is not None:
-            self.stage_hook(len(self.layers) + 1)
         h = self.norm.after_add(x, *branch)[1] if branch else self.norm(x if self.spec.hc_mult == 1 else x.mean(2))
         logits, loss, weight = None, None, None
         if labels is not None:
@@ -274,23 +263,6 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out.update({n: b for n, b in model.named_buffers() if n.endswith("expert_bias")})
     return out
-
-
-def forward_stages(model: HybridMoEModel) -> list[list[nn.Parameter]]:
-    """The model's parameters by the stage of the forward that first reads them (`HybridMoEModel.stage_hook`):
-    [0] the embedding and whatever sits outside the layers (a vision tower; an lm_head tied to the embedding),
-    [i + 1] layers[i], [n_layers + 1] the final norm and an untied lm_head. Each parameter once."""
-    n = len(model.layers)
-    stages: list[list[nn.Parameter]] = [[] for _ in range(n + 2)]
-    for name, p in model.named_parameters():  # a tied weight once, under its first name (embed.weight)
-        head, _, rest = name.partition(".")
-        if head == "layers":
-            stages[int(rest.partition(".")[0]) + 1].append(p)
-        elif head in ("norm", "lm_head"):
-            stages[n + 1].append(p)
-        else:
-            stages[0].append(p)
-    return stages
 
 
 def set_context_parallel(model: nn.Module, layout) -> None:

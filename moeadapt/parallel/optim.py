@@ -112,40 +112,32 @@ class CopyAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from ..ops.optim.triton_adamw import adamw_
+
         if closure is not None:
             raise ValueError("CopyAdamW.step takes no closure")
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for gi, group, (dt, cp), ps in self._parts():
-            self._launch(gi, group, cp, ps, self._table((gi, dt, cp, "g"), [p.grad for p in ps]), (gi, dt, cp),
-                         group["lr"], found_inf, grad_scale)
-
-    def _launch(self, gi: int, group: dict, cp: bool, ps: list, g_tab, key: tuple, lr: float | torch.Tensor,
-                found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
-        """The step of parameters `ps` (one group, one gradient dtype, copied or not) with gradient table g_tab:
-        their step counts advanced (unless found_inf), then one kernel launch. Issues no host sync, so it can be
-        captured in a CUDA graph (train/overlap.py) once every state tensor exists."""
-        from ..ops.optim.triton_adamw import adamw_
-
-        for p in ps:
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif st["step"].device != p.device or st["step"].dtype != torch.float32:
-                _own_state(p, st)  # state set from outside load_state_dict (the DCP resume writes it in place)
-        steps = [self.state[p]["step"] for p in ps]
-        torch._foreach_add_(steps, 1.0)
-        if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
-            torch._foreach_sub_(steps, [found_inf] * len(steps))
-        tabs = {"p": self._table((*key, "p"), ps), "g": g_tab,
-                "m": self._table((*key, "m"), [self.state[p]["exp_avg"] for p in ps]),
-                "v": self._table((*key, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
-                "step": self._table((*key, "step"), steps)}
-        if cp:
-            tabs["c"] = self._table((*key, "c"), [self.copies[p] for p in ps])
-        adamw_(tabs, self._block_map(ps), lr=lr, betas=group["betas"], eps=group["eps"],
-               weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+            for p in ps:
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif st["step"].device != p.device or st["step"].dtype != torch.float32:
+                    _own_state(p, st)  # state set from outside load_state_dict (the DCP resume writes it in place)
+            steps = [self.state[p]["step"] for p in ps]
+            torch._foreach_add_(steps, 1.0)
+            if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
+            tabs = {"p": self._table((gi, dt, cp, "p"), ps), "g": self._table((gi, dt, cp, "g"), [p.grad for p in ps]),
+                    "m": self._table((gi, dt, cp, "m"), [self.state[p]["exp_avg"] for p in ps]),
+                    "v": self._table((gi, dt, cp, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
+                    "step": self._table((gi, dt, cp, "step"), steps)}
+            if cp:
+                tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps])
+            adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                   weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
 
     def load_state_dict(self, state_dict):
         """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor

@@ -19,14 +19,12 @@ batch shape: only packed documents, refused here, would make enough to evict one
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 
 from ..ops.host import to_device
 from .errors import TrainingError
-from .overlap import NextStepUpdate
 
 WARMUP = 2  # eager steps before the capture: Triton autotuning and torch.compile must not run inside it
 
@@ -46,15 +44,12 @@ def check_graphable(cfg, run) -> str | None:
 
 
 class StepGraph:
-    """`fwd_bwd(batches, between)` -> (stats, finite), eagerly for the first WARMUP calls, then captured and
-    replayed; `between` (None, or called once between the forward and the backward) ends the forward's capture."""
+    """`fwd_bwd(batches)` -> (stats, finite), eagerly for the first WARMUP calls, then captured and replayed."""
 
-    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device,
-                 update: NextStepUpdate | None = None):
+    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device):
         self.params, self.fwd_bwd, self.device = params, fwd_bwd, device
-        self.update = update  # the previous step's optimizer step, captured at the start (train/overlap.py)
         self.calls = 0
-        self.graphs: list[torch.cuda.CUDAGraph] = []  # the step; with `update`: its forward, its backward
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.grads: list[torch.Tensor | None] = []
         self.out = None
@@ -65,20 +60,14 @@ class StepGraph:
             raise TrainingError("train.cuda_graph: a batch carries position_ids or images, which a replay cannot "
                                "change; set train.cuda_graph: false")
         if self.calls <= WARMUP:
-            out = self.fwd_bwd(batches, None)
-            if self.update is not None and self.calls == WARMUP:
-                self.update.prepare()  # from this backward's gradients, before the optimizer drops them
-            return out
-        if not self.graphs:
+            return self.fwd_bwd(batches)
+        if self.graph is None:
             self._capture(batches)
         else:
             for (sx, sy), (x, y, _) in zip(self.inputs, batches):
                 sx.copy_(to_device(x, self.device))
                 sy.copy_(to_device(y, self.device))
-        for g in self.graphs:
-            g.replay()
-        if self.update is not None and self.update.live:
-            self.update.replayed()
+        self.graph.replay()
         for p, g in zip(self.params, self.grads):
             p.grad = g
         st, finite = self.out
@@ -92,29 +81,12 @@ class StepGraph:
         self.inputs = [(to_device(x, self.device).clone(), to_device(y, self.device).clone()) for x, y, _ in batches]
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool cannot reuse them
-        update = self.update if self.update is not None and self.update.why_not is None else None
-        graphs = [torch.cuda.CUDAGraph()]
-        ok = False
+        graph = torch.cuda.CUDAGraph()
         try:
-            with contextlib.ExitStack() as capturing:
-                capturing.enter_context(torch.cuda.graph(graphs[0], capture_error_mode="thread_local"))
-                between = None
-                if update is not None:
-                    # the backward in a graph (and memory pool) of its own: the gradients it writes, which the
-                    # next replay's update reads beside its forward, then share no memory with that forward
-                    def between():
-                        capturing.close()
-                        graphs.append(torch.cuda.CUDAGraph())
-                        capturing.enter_context(torch.cuda.graph(graphs[1], capture_error_mode="thread_local"))
-
-                    update.launch()
-                self.out = self.fwd_bwd([(sx, sy, {}) for sx, sy in self.inputs], between)
-            ok = True
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.out = self.fwd_bwd([(sx, sy, {}) for sx, sy in self.inputs])
         except Exception as e:
             raise TrainingError(f"train.cuda_graph: capturing the step failed ({type(e).__name__}: {e}); set "
                                "train.cuda_graph: false") from e
-        finally:
-            if update is not None:
-                update.captured(ok)
         self.grads = [p.grad for p in self.params]
-        self.graphs = graphs
+        self.graph = graph

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,8 +55,6 @@ from .errors import TrainingError
 from .graph import StepGraph, check_graphable
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
-from .overlap import NextStepUpdate
-from .overlap import why_not as why_not_overlap
 from .vl import evaluate_vl
 
 if TYPE_CHECKING:
@@ -209,7 +206,6 @@ class Loop:
     queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
     graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
     copies: WeightCopies | None = None  # bf16 compute copies of the weights the forward borrows (copies.py)
-    update: NextStepUpdate | None = None  # the optimizer step run inside the next replay (overlap.py)
 
     def say(self, msg: str) -> None:
         """Run messages (warnings included) come from rank 0 only."""
@@ -279,12 +275,10 @@ def _set_rng_state(state: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _forward_backward(lp: Loop, batches: list, per_fwd: int,
-                      between: Callable[[], None] | None = None) -> tuple[StepStats, torch.Tensor]:
+def _forward_backward(lp: Loop, batches: list, per_fwd: int) -> tuple[StepStats, torch.Tensor]:
     """Forward + backward of the step's forwards, gradients accumulated, with no host sync: the loss stays a
     device scalar, and whether every loss was finite is returned as a device bool (train_step reads both once,
-    at the end of the step; a NaN loss only makes NaN gradients, which that read then drops). `between` (a step
-    of one forward only) is called after the forward, before the backward (train/graph.py)."""
+    at the end of the step; a NaN loss only makes NaN gradients, which that read then drops)."""
     t, run, model, device = lp.cfg.train, lp.run, lp.model, lp.run.device
     n_fwd = len(batches)
     st = StepStats(loss=torch.zeros((), device=device), grad_norm=torch.zeros(()), tokens=0)
@@ -296,10 +290,6 @@ def _forward_backward(lp: Loop, batches: list, per_fwd: int,
             out = model(x, y, return_logits=False, micro_batches=per_fwd, **_model_inputs(extra, run, device))
             loss = out.loss + out.aux_loss
         finite &= torch.isfinite(loss.detach())
-        if between is not None:
-            if n_fwd != 1:
-                raise ValueError("`between` splits a step of one forward")
-            between()
         (loss / n_fwd).backward()
         st.loss = st.loss + out.loss.detach().float() / n_fwd
         for k, v in out.aux.items():
@@ -385,18 +375,9 @@ def _read(q: _Queued) -> StepStats:
 
 
 def settle(lp: Loop) -> StepStats | None:
-    """The queued step applied (where its optimizer step waits for the next replay: overlap.py) and its verdict
-    read (None when no step is queued). fit calls this before an eval, a checkpoint or the end: the weights are
-    then those of every step taken."""
-    if lp.update is not None:
-        lp.update.flush()
-    return _read_queued(lp)
-
-
-def _read_queued(lp: Loop) -> StepStats | None:
     """The queued step's verdict (None when no step is queued): the lr schedule advances when it was applied.
     train_step calls this once the next step's forward and backward are queued, so the device has long finished
-    the step read."""
+    the step read; fit calls it before an eval, a checkpoint or the end."""
     q, lp.queued = lp.queued, None
     if q is None:
         return None
@@ -413,10 +394,7 @@ def use_cuda_graph(lp: Loop) -> None:
         raise TrainingError(f"train.cuda_graph: {why}")
     t = lp.cfg.train
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
-    if why_not_overlap(lp.cfg, lp.run, lp.opt, lp.model) is None:
-        lp.update = NextStepUpdate(lp.opt, lp.model, clip=bool(t.grad_clip))
-    lp.graph = StepGraph(lp.params, lambda batches, between: _forward_backward(lp, batches, per_fwd, between),
-                         lp.run.device, update=lp.update)
+    lp.graph = StepGraph(lp.params, lambda batches: _forward_backward(lp, batches, per_fwd), lp.run.device)
 
 
 def train_step(lp: Loop) -> StepStats | None:
@@ -448,7 +426,7 @@ def train_step(lp: Loop) -> StepStats | None:
     else:
         st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
     st.step = lp.step
-    read = _read_queued(lp)  # the previous step: finished on the device while this one's work was queued
+    read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     in_opt = _fused_adam(lp)  # the clip applied inside the fused AdamW (its grad_scale), no pass of its own
     if isinstance(lp.opt, CopyAdamW):  # one rank; bf16 gradients summed in fp32
         st.grad_norm = lp.opt.grad_norm()
@@ -466,19 +444,14 @@ def train_step(lp: Loop) -> StepStats | None:
         if st.skipped is not None:
             _discard_step(lp)
             return st
-    if deferred and lp.update is not None and lp.update.live:
-        # applied by the next replay, beside its forward (or by settle's flush); the gradients stay until then
-        lp.update.queue(lp.opt.found_inf, divisor)
+    if divisor is not None:
+        lp.opt.grad_scale = divisor
+    try:
+        lp.opt.step()
+    finally:
         lp.opt.__dict__.pop("found_inf", None)
-    else:
-        if divisor is not None:
-            lp.opt.grad_scale = divisor
-        try:
-            lp.opt.step()
-        finally:
-            lp.opt.__dict__.pop("found_inf", None)
-            lp.opt.__dict__.pop("grad_scale", None)
-        lp.opt.zero_grad(set_to_none=True)
+        lp.opt.__dict__.pop("grad_scale", None)
+    lp.opt.zero_grad(set_to_none=True)
     update_expert_bias(model, counts_reduce=run.counts_reduce, apply=apply)
     if not deferred:
         lp.sched.step()

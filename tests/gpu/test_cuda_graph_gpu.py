@@ -79,7 +79,7 @@ def test_replayed_steps_match_the_eager_ones(seed, lora):
         stats.append(trainer.settle(lp))
         runs.append((lp, [s for s in stats if s is not None], start))
     (eager, se, start_e), (graphed, sg, start_g) = runs
-    assert graphed.graph.graphs and graphed.graph.calls == STEPS > graph.WARMUP
+    assert graphed.graph.graph is not None and graphed.graph.calls == STEPS > graph.WARMUP
     assert [s.step for s in se] == [s.step for s in sg] == list(range(STEPS))
     assert all(s.skipped is None for s in se + sg), [(s.step, s.skipped) for s in se + sg]
     losses = [s.loss for s in se]

@@ -85,41 +85,6 @@ def test_grad_sq_sum_matches_reference(seed, grad_dtype):
     torch.testing.assert_close(got.double(), grad_norm_reference(g), rtol=1e-5, atol=0)
 
 
-def test_adamw_kernel_with_lr_on_device_and_a_table_pointed_later(seed):
-    """A step captured before its gradients exist (train/overlap.py): the gradient table made as a placeholder and
-    pointed at them afterwards, the lr read from a device scalar; the same values bit for bit as the table made
-    from the gradients and the lr passed as a number. Pointed at other gradients, it computes another step."""
-    sizes = _sizes()
-    ts = {"p": [torch.randn(n) for n in sizes], "m": [torch.randn(n) * 0.1 for n in sizes],
-          "v": [torch.rand(n) * 0.01 for n in sizes], "step": [torch.full((), 4.0) for _ in sizes]}
-    g = [torch.randn(n).to(torch.bfloat16) for n in sizes]
-    other = [torch.randn(n).to(torch.bfloat16) for n in sizes]
-    runs = {}
-    for how in ("direct", "pointed", "pointed_other"):
-        t = {k: [x.clone() for x in v] for k, v in ts.items()}
-        tabs = {k: _tables(v) for k, v in t.items()}
-        if how == "direct":
-            tabs["g"], lr = _tables(g), 3e-3
-        else:
-            tabs["g"] = TensorTable.placeholder(len(g), torch.bfloat16, torch.device("cpu"))
-            tabs["g"].point(g if how == "pointed" else other)
-            lr = torch.tensor(3e-3)
-        adamw_(tabs, TensorBlocks(sizes, torch.device("cpu")), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-               found_inf=torch.tensor(0.0))
-        runs[how] = t
-    for k in ("p", "m", "v"):
-        assert all(torch.equal(a, b) for a, b in zip(runs["direct"][k], runs["pointed"][k])), k
-    assert not torch.equal(runs["direct"]["p"][0], runs["pointed_other"]["p"][0])
-
-
-def test_tensor_table_point_refuses_another_list():
-    tab = TensorTable.placeholder(3, torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="holds 3 tensors"):
-        tab.point([torch.randn(4), torch.randn(4)])
-    with pytest.raises(ValueError, match="holds 3 tensors"):
-        tab.point([torch.randn(4, dtype=torch.float64) for _ in range(3)])
-
-
 def test_tensor_table_refuses_strided_tensors():
     with pytest.raises(ValueError, match="contiguous"):
         TensorTable([torch.randn(8, 8).t()], torch.device("cpu"))

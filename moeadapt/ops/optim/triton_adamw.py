@@ -68,27 +68,6 @@ class TensorTable:
             offs.append(d // size)
         self.offsets = host_tensor(offs, device)
 
-    @classmethod
-    def placeholder(cls, n: int, dtype: torch.dtype, device: torch.device) -> TensorTable:
-        """A table of n tensors not made yet: an anchor of its own and n zero offsets, for a kernel captured in a
-        CUDA graph before the tensors exist (a replay reads the offsets from the device: `point` sets them)."""
-        self = cls.__new__(cls)
-        self.anchor = torch.empty(ALIGN, dtype=dtype, device=device)
-        self.offsets = torch.zeros(n, dtype=torch.int64, device=device)
-        return self
-
-    def point(self, tensors: list[torch.Tensor]) -> None:
-        """The offsets set in place to `tensors` (as many as the table has), from the anchor it keeps."""
-        if len(tensors) != self.offsets.numel() or any(x.dtype != self.anchor.dtype for x in tensors):
-            raise ValueError(f"the table holds {self.offsets.numel()} tensors of {self.anchor.dtype}; got "
-                             f"{len(tensors)} of {sorted({str(x.dtype) for x in tensors})}")
-        t = TensorTable(tensors, self.anchor.device)
-        d = t.anchor.data_ptr() - self.anchor.data_ptr()
-        if d % (ALIGN * self.anchor.element_size()):
-            raise ValueError(f"a tensor at {t.anchor.data_ptr():#x} is not on a {ALIGN}-element boundary from the "
-                             "table's anchor")
-        self.offsets.copy_(t.offsets + d // self.anchor.element_size())
-
 
 @triton.jit
 def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
@@ -137,15 +116,13 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, scale_ptr, lr, be
 
 @triton.jit
 def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
-                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr, lr_ptr,
+                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
-                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-                  ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, ALIGN: tl.constexpr,
+                  BLOCK: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
-    if LR_ON_DEVICE:  # a step captured in a CUDA graph: the schedule's lr is written there before each replay
-        lr = tl.load(lr_ptr)
     pid = tl.program_id(0)
     t = tl.load(tid_ptr + pid)
     start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
@@ -168,18 +145,16 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
                      bc1, bc2_sqrt, HAS_SCALE, HAS_COPY)
 
 
-def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float | torch.Tensor,
+def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
     in any float dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies
     written from the new weights). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
-    nonzero skips the whole step. lr: a number, or a float32 device scalar the kernel reads (a step captured in a
-    CUDA graph, whose lr changes from replay to replay)."""
+    nonzero skips the whole step."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
-    lr_dev = isinstance(lr, torch.Tensor)
     p, c = tabs["p"], tabs.get("c")
     c = c if c is not None else p
     _adamw_kernel[(blocks.n_blocks,)](
@@ -187,7 +162,7 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float | to
         tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
-        lr if lr_dev else p.anchor, 0.0 if lr_dev else float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
+        float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay),
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs, LR_ON_DEVICE=lr_dev,
-        ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs, ALIGN=ALIGN,
+        BLOCK=BLOCK, num_warps=NUM_WARPS)
