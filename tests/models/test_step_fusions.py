@@ -184,7 +184,7 @@ def test_layers_with_lora_match_their_layer_by_layer_forward(seed, where):
         # what the grouped node computes: the layer's output, x's gradient and its members' adapter gradients
         # (the other parameters' gradients only carry its rounding onwards, through sums that cancel: KDA's
         # A_log, dt_bias and f_b)
-        node = [m for m in (lay._x_projections if how == "float64" else members)]
+        node = lay._x_projections if how == "float64" else members
         out.append([y.detach(), xx.grad] + [p.grad for m in node for p in m.parameters() if p.requires_grad])
         if how == "grouped":
             assert len(members) >= 2
