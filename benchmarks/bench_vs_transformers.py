@@ -224,7 +224,7 @@ def run_ours(args, mode: str) -> dict:
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
                                lr=LR[mode], output_dir=out_dir, log_every=10**6,
-                               weight_copies=args.weight_copies == "on"),
+                               weight_copies=args.weight_copies == "on", moment_dtype=args.moments),
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
@@ -296,6 +296,7 @@ def run_ours(args, mode: str) -> dict:
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
                           + ((", bf16 adapter copies (the lean experts' adapter gradients fp32)" if mode == "lora"
                               else ", bf16 weight copies and gradients") if copies is not None else "")
+                          + (", bf16 AdamW moments" if cfg.train.moment_dtype == "bf16" else "")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
             "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
             "defer_verdict": run.defer_verdict, **res}
@@ -433,6 +434,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
+        cmd += ["--moments", args.moments] if side == "ours" else []
         cmd += ["--unfuse", args.unfuse] if side == "ours" and args.unfuse else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
@@ -538,6 +540,8 @@ def main() -> None:
                    "for the backward (off: no second all-gather, one more unsharded copy of the model)")
     p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
+    p.add_argument("--moments", default="fp32", choices=["fp32", "bf16"], help="our side: train.moment_dtype "
+                   "(AdamW's moments in bf16, stochastically rounded: one process on a GPU)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
                    f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

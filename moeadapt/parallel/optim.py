@@ -1,7 +1,7 @@
 """The trainer's optimizer: torch's AdamW, with its update run on the parameters' local shards.
 
-Owns: `ShardedAdamW`, `CopyAdamW` (one GPU, bf16 gradients and weight copies) and `build_optimizer` (the
-trainer's AdamW from `cfg.train`: fused on CUDA).
+Owns: `ShardedAdamW`, `CopyAdamW` (one GPU, bf16 gradients and weight copies, fp32 or bf16 moments) and
+`build_optimizer` (the trainer's AdamW from `cfg.train`: fused on CUDA).
 Under FSDP2 every trainable parameter, its gradient and its two AdamW states are DTensors. The update is elementwise,
 so it is the same computation on each rank's shard; dispatching it through DTensor costs the host the sharding
 propagation of every argument of the one fused kernel (~26 ms per step for the `small` LoRA model's 210 adapters
@@ -14,6 +14,7 @@ Plain tensors (one process) pass through as they are.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .sharded_io import local
 
@@ -35,9 +36,19 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
     """The trainer's AdamW over `params` from a TrainSpec (lr, betas, weight decay), fused on every device: one
     kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
     the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict.
-    copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them."""
-    if copies:
-        return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them. bf16 moments
+    (train.moment_dtype) are CopyAdamW's alone: one process on a GPU."""
+    bf16_moments = getattr(train, "moment_dtype", "fp32") == "bf16"
+    if bf16_moments:
+        where = ("on the CPU" if device.type != "cuda" else
+                 "under FSDP2 (torch's fused AdamW keeps its moments in the weights' dtype)"
+                 if any(isinstance(p, DTensor) for p in params) else None)
+        if where is not None:
+            raise ValueError(f"train.moment_dtype: bf16 runs in the one-process GPU optimizer (CopyAdamW); this "
+                             f"run is {where}. Set train.moment_dtype: fp32")
+    if copies or bf16_moments:
+        return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+                         moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed)
     return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)
 
 
@@ -51,11 +62,19 @@ class CopyAdamW(torch.optim.Optimizer):
     dtype and have a copy or not (ops/optim). Like torch's fused AdamW it takes `found_inf` (a device flag: the step
     changes nothing, step counts included) and `grad_scale` (every gradient divided by it: the clip), set as
     attributes for one step; `grad_norm` gives the gradients' global norm summed in fp32, in one launch per
-    gradient dtype (torch's foreach norm of bf16 gradients returns bf16)."""
+    gradient dtype (torch's foreach norm of bf16 gradients returns bf16).
+
+    moment_dtype torch.bfloat16 keeps `exp_avg` / `exp_avg_sq` in bf16, stored stochastically rounded
+    (ops/optim/reference.py; random bits from `seed`, the step count and each element's place): 8 bytes a
+    parameter less state and traffic. A state dict of either moment dtype loads into the other (and into torch's
+    AdamW, which casts moments to the weights' dtype)."""
 
     def __init__(self, params, copies: dict | None = None, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, moment_dtype: torch.dtype = torch.float32, seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"CopyAdamW keeps its moments in torch.float32 or torch.bfloat16, not {moment_dtype}")
+        self.moment_dtype, self.seed = moment_dtype, seed
         self.copies = dict(copies or {})
         self._blocks: dict[tuple, object] = {}  # ops/optim TensorBlocks per list of sizes
         self._tabs: dict[tuple, tuple] = {}  # (addresses, ops/optim TensorTable) per (group, part, role)
@@ -117,15 +136,16 @@ class CopyAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("CopyAdamW.step takes no closure")
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        for gi, group, (dt, cp), ps in self._parts():
+        for launch, (gi, group, (dt, cp), ps) in enumerate(self._parts()):
             for p in ps:
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif st["step"].device != p.device or st["step"].dtype != torch.float32:
-                    _own_state(p, st)  # state set from outside load_state_dict (the DCP resume writes it in place)
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        st[k] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
+                elif (st["step"].device != p.device or st["step"].dtype != torch.float32
+                      or st["exp_avg"].dtype != self.moment_dtype):
+                    _own_state(p, st, self.moment_dtype)  # state set from outside load_state_dict (the DCP resume writes it in place)
             steps = [self.state[p]["step"] for p in ps]
             torch._foreach_add_(steps, 1.0)
             if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
@@ -137,7 +157,8 @@ class CopyAdamW(torch.optim.Optimizer):
             if cp:
                 tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps])
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                   weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+                   weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
+                   seed=self.seed + 7919 * launch)
 
     def load_state_dict(self, state_dict):
         """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor
@@ -145,14 +166,15 @@ class CopyAdamW(torch.optim.Optimizer):
         (torch.optim.Optimizer keeps non-fused step counts on the host)."""
         super().load_state_dict(state_dict)
         for p, st in self.state.items():
-            _own_state(p, st)
+            _own_state(p, st, self.moment_dtype)
 
 
-def _own_state(p: torch.Tensor, st: dict) -> None:
-    """A CopyAdamW state as its kernel reads it: the step count a float32 scalar on p's device, the moments fp32
-    on p's device in their own (aligned, contiguous) storage."""
+def _own_state(p: torch.Tensor, st: dict, moment_dtype: torch.dtype) -> None:
+    """A CopyAdamW state as its kernel reads it: the step count a float32 scalar on p's device, the moments in
+    `moment_dtype` on p's device in their own (aligned, contiguous) storage (fp32 moments loaded into bf16 ones
+    round to nearest)."""
     if "step" in st:
         st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
     for k in ("exp_avg", "exp_avg_sq"):
         if k in st:
-            st[k] = st[k].to(device=p.device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)
+            st[k] = st[k].to(device=p.device, dtype=moment_dtype).clone(memory_format=torch.contiguous_format)

@@ -11,7 +11,7 @@ allocated), and the bytes each rank holds at the step's peak:
               gradients + autocast's per-layer casts; every phase's total is the same: at backward i, 2 B x all
               weights + 2 B x those >= i = 2 B x those < i + 4 B x those >= i, so the model below covers both;
               the lean experts path keeps its adapters' gradients fp32, 2 B a parameter more there);
-  optimizer   AdamW m and v, fp32, trainable parameters only, sharded;
+  optimizer   AdamW m and v, fp32 (bf16: Plan.moment_bytes), trainable parameters only, sharded;
   gathered    FSDP all-gather buffers: the root module (embedding, final norm, LM head: kept gathered for the
               whole step, reshard_after_forward=False) + two blocks (current + prefetched) unsharded in bf16,
               a block's experts being its E/ep local experts + one fp32 reduce-scatter buffer for the block's
@@ -73,6 +73,7 @@ class Plan:
     offload: bool = False  # full recompute only: block inputs in host memory (parallel.offload_activations)
     a2a_chunks: int = 1  # parallel.a2a_chunks
     ep_capacity_factor: float = 1.5  # parallel.ep_capacity_factor
+    moment_bytes: int = 4  # bytes of each AdamW moment a parameter: 2 with train.moment_dtype bf16 (one GPU)
 
     @property
     def shard(self) -> int:
@@ -166,7 +167,7 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     FSDP2 + EP shard them: a tensor's dim 0 (an expert tensor's E/ep local experts) is cut in torch.chunk
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
     ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters fp32 with fp32 grads and
-    two fp32 AdamW states. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
+    two AdamW states of `plan.moment_bytes` each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
     (train/dryrun.py) checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
@@ -179,7 +180,7 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
         local = min(rows, -(-rows // ranks)) * row_numel
         weights += local * (4 if tr else base_bytes)
         trainable += local * 4 if tr else 0
-    return {"weights": weights, "grads": trainable, "optimizer": 2 * trainable}
+    return {"weights": weights, "grads": trainable, "optimizer": 2 * trainable * plan.moment_bytes / 4}
 
 
 # -- activations -------------------------------------------------------------------------------------------

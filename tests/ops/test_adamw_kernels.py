@@ -13,6 +13,8 @@ from moeadapt.ops.optim import (
     adamw_reference,
     grad_norm_reference,
     grad_sq_sum,
+    moment_bits,
+    stochastic_round_bf16,
 )
 from moeadapt.ops.optim.triton_adamw import BLOCK
 from moeadapt.parallel.optim import CopyAdamW
@@ -174,3 +176,126 @@ def test_copy_adamw_takes_row_blocks_of_one_gradient(seed):
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
         _assert_copy(copies[p], p)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """bf16's spacing at |x| (fp32 tensor): 2^(e - 7) for |x| in [2^e, 2^(e + 1))."""
+    return torch.where(x == 0, torch.full_like(x, 2.0 ** -133), torch.ldexp(torch.ones_like(x), torch.frexp(x)[1] - 8))
+
+
+def test_adamw_kernel_bf16_moments_match_reference(seed):
+    """bf16 moments: the weights as the float64 step on the same (bf16-valued) moments; the stored moments the
+    reference's stochastic rounding with the same random bits (`moment_bits`), bit for bit but for the few
+    elements whose fp32 value lands on the other side of a rounding threshold from the float64 one."""
+    sizes = _sizes()
+    p = [torch.randn(n) for n in sizes]
+    g = [torch.randn(n).to(torch.bfloat16) for n in sizes]
+    m = [(torch.randn(n) * 0.1).to(torch.bfloat16) for n in sizes]
+    v = [(torch.rand(n) * 0.01).to(torch.bfloat16) for n in sizes]
+    steps = [torch.full((), float(s)) for s in (3, 1, 7, 2)]
+    s0 = int(torch.randint(0, 2**31, ()))
+    want = [adamw_reference(pi.double(), gi.double(), mi.double(), vi.double(), int(si), 3e-3, (0.9, 0.95), 1e-8,
+                            0.1, bits=moment_bits(s0, i, int(si), pi.numel()))
+            for i, (pi, gi, mi, vi, si) in enumerate(zip(p, g, m, v, steps))]
+    tabs = {"p": _tables(p), "g": _tables(g), "m": _tables(m), "v": _tables(v), "step": _tables(steps)}
+    adamw_(tabs, TensorBlocks(sizes, p[0].device), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+           seed=s0)
+    for pi, mi, vi, (wp, wm, wv) in zip(p, m, v, want):
+        torch.testing.assert_close(pi.double(), wp, rtol=2e-5, atol=1e-6)
+        for got, ref in ((mi, wm), (vi, wv)):
+            assert got.dtype == torch.bfloat16
+            off = got.float() != ref.float()
+            assert off.float().mean() < 0.01, off.float().mean()
+            # one bf16 step, plus fp32 rounding where m cancels near zero
+            assert ((got.float() - ref.float()).abs() <= torch.maximum(_ulp(ref.float()), _ulp(got.float())) + 1e-6).all()
+
+
+def _bias_in_ulps(stored: torch.Tensor, exact: torch.Tensor) -> float:
+    return float(((stored.double() - exact.double()) / _ulp(exact.float()).double()).mean())
+
+
+def test_bf16_moments_are_unbiased_where_round_to_nearest_is_not(seed):
+    """Every element of v the same and g^2 the same: the fp32 update lands a random fraction f of a bf16 step
+    above a bf16 value. The kernel's stored v averages to the fp32 value (within 0.02 of a step over 64k
+    elements; the noise is ~0.002), where round-to-nearest is off by min(f, 1 - f) steps, which the same check
+    refuses."""
+    n = 16 * BLOCK
+    v0 = float(torch.empty(()).uniform_(0.5, 1.0).to(torch.bfloat16))
+    f = float(torch.empty(()).uniform_(0.15, 0.85))
+    b2 = 0.95
+    g2 = v0 + f * float(_ulp(torch.tensor(v0))) / (1 - b2)  # v' = v0 + (1 - b2) (g^2 - v0) = v0 + f bf16 steps
+    p, g = torch.randn(n), torch.full((n,), g2 ** 0.5).to(torch.float32)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.full((n,), v0, dtype=torch.bfloat16)
+    exact = torch.full((n,), b2 * v0 + (1 - b2) * float(g[0].double() ** 2), dtype=torch.float64)
+    tabs = {"p": _tables([p]), "g": _tables([g]), "m": _tables([m]), "v": _tables([v]),
+            "step": _tables([torch.full((), 5.0)])}
+    adamw_(tabs, TensorBlocks([n], p.device), lr=1e-3, betas=(0.9, b2), eps=1e-8, weight_decay=0.0, seed=7)
+    assert abs(_bias_in_ulps(v, exact)) < 0.02
+    assert abs(_bias_in_ulps(exact.float().to(torch.bfloat16), exact)) > 0.1  # round to nearest fails the check
+
+
+def test_bf16_moments_track_a_slow_second_moment():
+    """beta2 = 0.999 and |g| steady 2% above sqrt(v): each step moves v by 0.004% of itself, a tenth of bf16's
+    spacing. Stored round-to-nearest, v never moves; stochastically rounded (the reference's rounding, the
+    kernel's bit for bit above), its mean follows the fp32 trajectory."""
+    n, b2, steps = 8192, 0.999, 300
+    v32 = torch.ones(n, dtype=torch.float64)
+    v_sr = v_rn = torch.ones(n, dtype=torch.bfloat16)
+    g2 = 1.02 ** 2
+    for t in range(1, steps + 1):
+        v32 = b2 * v32 + (1 - b2) * g2
+        up = lambda v: b2 * v.double() + (1 - b2) * g2  # noqa: E731
+        v_sr = stochastic_round_bf16(up(v_sr).float(), moment_bits(3, 0, t, n) >> 16)
+        v_rn = up(v_rn).float().to(torch.bfloat16)
+    moved = float(v32[0]) - 1.0  # ~0.0105
+    assert abs(float(v_sr.double().mean()) - float(v32[0])) < 0.03 * moved
+    assert float(v_rn.double().mean()) == 1.0  # round to nearest: stuck
+
+
+def test_copy_adamw_bf16_moments(seed):
+    """CopyAdamW with bf16 moments: bf16 state, weights within a few bf16-moment rounding steps of torch's fp32
+    AdamW after three steps, and a state dict that loads back bit for bit (into either moment dtype and into
+    torch's AdamW)."""
+    shapes = [(3, BLOCK // 2 + 5), (11,), (2, 3, 40)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    copies = {ps[0]: torch.empty(shapes[0], dtype=torch.bfloat16)}
+    ps[0].grad_dtype = torch.bfloat16
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.05)
+    opt = CopyAdamW(ps, copies, moment_dtype=torch.bfloat16, seed=11, **kw)
+    topt = torch.optim.AdamW(ref, **kw)
+    for _ in range(3):
+        for p, r in zip(ps, ref):
+            gr = torch.randn(p.shape).to(torch.bfloat16 if p in copies else torch.float32)
+            p.grad, r.grad = gr, gr.float()
+        opt.step()
+        topt.step()
+    for p, r in zip(ps, ref):
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16 and opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
+        # each step's update is lr x m / sqrt(v), both within ~0.4% of torch's: 3 steps stay under 3 x 1.5% of lr
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=3 * 0.015 * kw["lr"])
+        assert (p.detach() - r.detach()).abs().max() > 0  # the moments' rounding shows: not the fp32 run itself
+    _assert_copy(copies[ps[0]], ps[0])
+    sd = opt.state_dict()
+    back = CopyAdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], None, moment_dtype=torch.bfloat16, **kw)
+    back.load_state_dict(sd)
+    wide = CopyAdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], None, **kw)
+    wide.load_state_dict(sd)
+    t2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], **kw)
+    t2.load_state_dict(sd)
+    for p, pb, pw, pt in zip(ps, back.param_groups[0]["params"], wide.param_groups[0]["params"],
+                             t2.param_groups[0]["params"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(back.state[pb][k], opt.state[p][k])
+            assert wide.state[pw][k].dtype == torch.float32 and torch.equal(wide.state[pw][k], opt.state[p][k].float())
+            assert torch.equal(t2.state[pt][k], opt.state[p][k].float())
+
+
+def test_bf16_moments_refused_where_copy_adamw_does_not_run():
+    from moeadapt.config import TrainSpec
+    from moeadapt.parallel.optim import build_optimizer
+
+    with pytest.raises(ValueError, match="moment_dtype: bf16 .* on the CPU"):
+        build_optimizer([torch.nn.Parameter(torch.randn(4))], TrainSpec(moment_dtype="bf16"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="moment_dtype"):
+        TrainSpec(moment_dtype="fp16")

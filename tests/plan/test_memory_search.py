@@ -133,3 +133,14 @@ def test_dsa_mha_form_in_the_plan(monkeypatch):
                                                                  8192).items)
     assert dsa_items["q, k (flex inputs), wkv_b out (v)"] == (2 * H * (n + r) + H * (n + vd)) * 2
     assert dsa_items["selection mask"] == 4096 and "q_full (attention input)" not in dsa_items
+
+
+def test_bf16_moments_halve_the_optimizer_term():
+    """train.moment_dtype bf16 (Plan.moment_bytes = 2): AdamW's two moments take 4 bytes a trainable parameter,
+    the other terms unchanged."""
+    small = get_preset("small")
+    base = dict(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
+    fp32, bf16 = (memory_breakdown(small, Plan(**base, moment_bytes=b), None) for b in (4, 2))
+    assert fp32["optimizer"] == pytest.approx(8 * fp32["params_trainable"], rel=1e-6)
+    assert bf16["optimizer"] == pytest.approx(fp32["optimizer"] / 2, rel=1e-9)
+    assert bf16["weights"] == fp32["weights"] and bf16["grads"] == fp32["grads"]

@@ -94,32 +94,56 @@ def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks) -> torch.Tensor:
 
 
 @triton.jit
-def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, scale_ptr, lr, beta1, beta2, eps, decay, bc1,
-                 bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr):
+def _hash32(x):
+    """A bijective 32-bit integer hash of a uint32 tensor (`reference.hash32`)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _round_bf16(x, r):
+    """fp32 x rounded to bf16 stochastically (`reference.stochastic_round_bf16`): r (uint32, < 2^16) added to the
+    16 bits bf16 drops, which are then cut, so x rounds up in magnitude with probability equal to the dropped
+    fraction. The cut value is a bf16 exactly, so the final cast is exact."""
+    bits = (x.to(tl.uint32, bitcast=True) + r) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_ptr, lr, beta1, beta2, eps, decay,
+                 bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr):
     # lanes outside the tensor (mask False) compute garbage that is never stored
     g = tl.load(g_ptr + idx, mask=mask).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
     p = tl.load(p_ptr + idx, mask=mask)
-    m = tl.load(m_ptr + idx, mask=mask)
-    v = tl.load(v_ptr + idx, mask=mask)
+    m = tl.load(m_ptr + idx, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + idx, mask=mask).to(tl.float32)
     p = p * (1.0 - lr * decay)
     m = m + (1.0 - beta1) * (g - m)  # torch's lerp
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
     tl.store(p_ptr + idx, p, mask=mask)
-    tl.store(m_ptr + idx, m, mask=mask)
-    tl.store(v_ptr + idx, v, mask=mask)
+    if M_BF16:  # the moments kept in bf16, stochastically rounded (the update above used them unrounded)
+        r = _hash32(elem.to(tl.uint32) ^ key)
+        tl.store(m_ptr + idx, _round_bf16(m, r & 0xFFFF), mask=mask)
+        tl.store(v_ptr + idx, _round_bf16(v, r >> 16), mask=mask)
+    else:
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
     if HAS_COPY:
         tl.store(c_ptr + idx, p.to(tl.bfloat16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
                   tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
-                  lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay,
-                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, ALIGN: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
+                  ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
@@ -137,32 +161,41 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     idx = tl.arange(0, BLOCK)
+    elem, key = start + idx, 0
+    if M_BF16:  # the stochastic rounding's random bits: a hash of (seed, tensor, step) and the element's index
+        key = _hash32(_hash32(t.to(tl.uint32) ^ seed.to(tl.uint32)) ^ step.to(tl.uint32))
     if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, scale_ptr, lr, beta1, beta2, eps, decay, bc1,
-                     bc2_sqrt, HAS_SCALE, HAS_COPY)
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, elem, key, scale_ptr, lr, beta1, beta2, eps,
+                     decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
     else:
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, start + idx < n, scale_ptr, lr, beta1, beta2, eps, decay,
-                     bc1, bc2_sqrt, HAS_SCALE, HAS_COPY)
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1, beta2, eps,
+                     decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
 
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None) -> None:
+           found_inf: torch.Tensor | None = None, seed: int = 0) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
-    in any float dtype, fp32 moments, fp32 step counts already advanced to this step; "c": optional bf16 copies
-    written from the new weights). grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar):
-    nonzero skips the whole step."""
+    in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to this step;
+    "c": optional bf16 copies written from the new weights). grad_scale (device scalar): every gradient is
+    divided by it; found_inf (device scalar): nonzero skips the whole step. bf16 moments are stored
+    stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
+    (`reference.moment_bits`): the same inputs give the same result."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
     p, c = tabs["p"], tabs.get("c")
     c = c if c is not None else p
+    m_dtype = tabs["m"].anchor.dtype
+    if m_dtype not in (torch.float32, torch.bfloat16) or tabs["v"].anchor.dtype != m_dtype:
+        raise ValueError(f"AdamW moments must both be float32 or both bfloat16; got {m_dtype} and "
+                         f"{tabs['v'].anchor.dtype}")
     _adamw_kernel[(blocks.n_blocks,)](
         p.anchor, p.offsets, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor, tabs["m"].offsets,
         tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
-        math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay),
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs, ALIGN=ALIGN,
-        BLOCK=BLOCK, num_warps=NUM_WARPS)
+        math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
+        M_BF16=m_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
