@@ -185,14 +185,17 @@ def timed_steps(step, device: torch.device, warmup: int, steps: int) -> dict:
 
 
 # ------------------------------------------------------------------ ours: the trainer's step
-UNFUSE = ("projections", "add_norm")
+UNFUSE = ("projections", "add_norm", "gate_up")
 
 
 def unfuse(model, what: set[str]) -> int:
     """Turn the named glue fusions off for an A/B run, by the fallback each has: a no-op forward hook on a member
     makes models/shared_input run that group's layers one by one ("projections": KDA / DSA / MoE / SwiGLU), one on
-    a block's FFN norm makes RMSNorm.after_add add and normalise apart ("add_norm"). Returns the hooks placed."""
+    a block's FFN norm makes RMSNorm.after_add add and normalise apart ("add_norm"); the experts of full
+    fine-tuning run w1 and w3 as two GEMMs each way ("gate_up": no copy pair, ops/moe/gate_up.py). Returns the
+    hooks or switches placed."""
     from moeadapt.models.model import Block
+    from moeadapt.models.moe import GroupedExperts
 
     def noop(*_):
         return None
@@ -206,6 +209,9 @@ def unfuse(model, what: set[str]) -> int:
                 n += 1
         if "add_norm" in what and isinstance(m, Block):
             m.ffn_norm.register_forward_hook(noop)
+            n += 1
+        if "gate_up" in what and isinstance(m, GroupedExperts):
+            m._copy_pair = lambda *_: None
             n += 1
     return n
 

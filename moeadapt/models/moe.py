@@ -15,11 +15,15 @@ from torch import nn
 from ..config import ModelSpec
 from ..ops.moe import (
     expert_lora_path,
+    gate_up_mm,
     grouped_mm,
+    grouped_mm_backend,
     lean_lora,
     offsets_from_counts,
+    paired,
     permutation,
     permute,
+    swiglu,
     swiglu_pair,
     unpermute,
 )
@@ -66,7 +70,21 @@ class GroupedExperts(nn.Module):
         self._gu_cat = None  # lean path: the buffer w1's and w3's frozen weights are views of (gate_up_cat)
 
     def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        pair = self._copy_pair(x_NL)
+        if pair is not None:  # gate and up as one GEMM each way (ops/moe/gate_up.py)
+            h_N2F = gate_up_mm(x_NL, self.w1.weight, self.w3.weight, pair, offsets_E)
+            return self.w2(swiglu(h_N2F, backend=self.backend), offsets_E)
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
+
+    def _copy_pair(self, x_NL: torch.Tensor) -> torch.Tensor | None:
+        """The [E, 2F, L] buffer w1's and w3's weights are the row halves of (the bf16 copies train/copies.py
+        lends a full fine-tuning step), where the plain SwiGLU runs on torch's grouped GEMM; else None."""
+        w1, w3 = self.w1, self.w3
+        if self.limit is not None or hasattr(w1, "lora_A") or w1.weight.dtype != x_NL.dtype:
+            return None
+        if any(grouped_mm_backend(w.backend, x_NL.device) != "torch" for w in (w1, w3)):
+            return None
+        return paired(w1.weight, w3.weight)
 
     def _down(self, g_NF, u_NF, offsets_E):
         if self.limit is None and self._folds((self.w2,), g_NF, g_NF.shape[0]):  # SwiGLU in w2's LoRA-in pass

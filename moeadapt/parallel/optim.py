@@ -97,14 +97,14 @@ class CopyAdamW(torch.optim.Optimizer):
             out += [(gi, group, key, ps) for key, ps in parts.items()]
         return out
 
-    def _table(self, key: tuple, tensors: list[torch.Tensor]):
+    def _table(self, key: tuple, tensors: list[torch.Tensor], row_blocks: bool = False):
         """The tensors' TensorTable, made again only when one of them has moved (eager gradients, a load)."""
         from ..ops.optim.triton_adamw import TensorTable
 
         ptrs = tuple(t.data_ptr() for t in tensors)
         hit = self._tabs.get(key)
         if hit is None or hit[0] != ptrs:
-            hit = self._tabs[key] = (ptrs, TensorTable(tensors, tensors[0].device))
+            hit = self._tabs[key] = (ptrs, TensorTable(tensors, tensors[0].device, row_blocks))
         return hit[1]
 
     def _block_map(self, ps: list[torch.Tensor]):
@@ -155,7 +155,7 @@ class CopyAdamW(torch.optim.Optimizer):
                     "v": self._table((gi, dt, cp, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
                     "step": self._table((gi, dt, cp, "step"), steps)}
             if cp:
-                tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps])
+                tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps], row_blocks=True)
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
                    seed=self.seed + 7919 * launch)

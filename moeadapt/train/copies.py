@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..lora.layers import GroupedLoRALinear
-from ..models.moe import GroupedLinear
+from ..models.moe import GroupedExperts, GroupedLinear
 
 
 def why_not(cfg, run, device: torch.device, model: nn.Module | None = None) -> str | None:
@@ -94,12 +94,20 @@ class _Lend(torch.autograd.Function):
 
 
 class WeightCopies:
-    """The bf16 copies of `targets`' weights (`copy_targets`), made from the weights here and by `refresh`."""
+    """The bf16 copies of `targets`' weights (`copy_targets`), made from the weights here and by `refresh`.
+    pairs (`gate_up_pairs`): (w1, w3) weights whose copies are the two row halves of one [E, 2F, I] buffer, so
+    that the experts run gate and up as one GEMM each way (ops/moe/gate_up.py); CopyAdamW writes the halves."""
 
-    def __init__(self, targets: list[tuple[nn.Module, str, nn.Parameter]]):
+    def __init__(self, targets: list[tuple[nn.Module, str, nn.Parameter]], pairs=()):
         self.slots = [(m, n) for m, n, _ in targets]
         self.weights = [w for _, _, w in targets]
-        self.copies = [torch.empty_like(w, dtype=torch.bfloat16) for w in self.weights]
+        halves = {}
+        for w1, w3 in pairs:
+            E, F, I = w1.shape
+            buf = torch.empty(E, 2 * F, I, dtype=torch.bfloat16, device=w1.device)
+            halves[w1], halves[w3] = buf[:, :F], buf[:, F:]
+        self.copies = [halves[w] if w in halves else torch.empty_like(w, dtype=torch.bfloat16)
+                       for w in self.weights]
         for w in self.weights:
             w.grad_dtype = None  # kept as it comes: bf16 through the copy, fp32 from lean (module docstring)
         self.refresh()
@@ -133,9 +141,24 @@ class WeightCopies:
                     m._parameters[n] = w
 
 
+def gate_up_pairs(model: nn.Module, targets) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """(w1, w3) weights of the grouped experts whose copies can share one [E, 2F, I] buffer: both copied, of one
+    shape, each expert's [F, I] a whole number of the optimizer kernel's blocks (it writes each half in place)."""
+    from ..ops.optim.triton_adamw import BLOCK
+
+    copied = {id(w) for _, _, w in targets}
+    out = []
+    for m in model.modules():
+        if isinstance(m, GroupedExperts) and m.limit is None and not hasattr(m.w1, "lora_A"):
+            w1, w3 = m.w1.weight, m.w3.weight
+            if id(w1) in copied and id(w3) in copied and w1.shape == w3.shape and (w1[0].numel() % BLOCK) == 0:
+                out.append((w1, w3))
+    return out
+
+
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:
     """The run's WeightCopies, or None where it does not take them (`why_not`)."""
     if why_not(cfg, run, device, model) is not None:
         return None
     targets = copy_targets(model)
-    return WeightCopies(targets) if targets else None
+    return WeightCopies(targets, gate_up_pairs(model, targets)) if targets else None

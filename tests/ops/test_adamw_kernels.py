@@ -299,3 +299,25 @@ def test_bf16_moments_refused_where_copy_adamw_does_not_run():
         build_optimizer([torch.nn.Parameter(torch.randn(4))], TrainSpec(moment_dtype="bf16"), torch.device("cpu"))
     with pytest.raises(ValueError, match="moment_dtype"):
         TrainSpec(moment_dtype="fp16")
+
+
+def test_copy_adamw_writes_copies_that_are_row_blocks(seed):
+    """The gate/up pair's copies (train/copies.py): w1's and w3's bf16 copies the two row halves of one
+    [E, 2F, L] buffer. Each half holds its weight's copy after a step; a buffer whose halves are not whole
+    kernel blocks is refused."""
+    E, F, L = 3, 4, BLOCK // 4  # F * L = BLOCK: each expert's half is one block
+    w1, w3 = (torch.nn.Parameter(torch.randn(E, F, L)) for _ in range(2))
+    buf = torch.full((E, 2 * F, L), float("nan"), dtype=torch.bfloat16)
+    copies = {w1: buf[:, :F], w3: buf[:, F:]}
+    for w in (w1, w3):
+        w.grad_dtype = None
+        w.grad = torch.randn(E, F, L).to(torch.bfloat16)
+    opt = CopyAdamW([w1, w3], copies, lr=1e-2, betas=(0.9, 0.95))
+    opt.step()
+    _assert_copy(buf[:, :F], w1)
+    _assert_copy(buf[:, F:], w3)
+    bad = torch.empty(E, 2 * F + 1, L // 2, dtype=torch.bfloat16)[:, :F]
+    with pytest.raises(ValueError, match="multiple of"):
+        TensorTable([bad], bad.device, row_blocks=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        TensorTable([buf[:, :F]], buf.device)  # row blocks only where asked for

@@ -270,3 +270,54 @@ def test_lora_copies_leave_saved_and_exported_adapters_alone(seed, monkeypatch, 
     export_peft(model, LoRASpec(rank=4), tmp_path / "copied")
     a, b = (tmp_path / "plain" / "adapter_model.safetensors"), (tmp_path / "copied" / "adapter_model.safetensors")
     assert a.read_bytes() == b.read_bytes()
+
+
+def _expert_grads(experts, x, offs, dy, pairs: bool, swap: bool = False):
+    """Output and (w1, w3, w2, x) gradients of a GroupedExperts step with lent copies (pairs: w1's and w3's
+    copies the halves of one buffer, which the forward then reads as one GEMM; swap: the halves exchanged)."""
+    from moeadapt.train.copies import gate_up_pairs
+
+    for w in experts.parameters():
+        w.grad = None
+    targets = copy_targets(experts)
+    copies = WeightCopies(targets, gate_up_pairs(experts, targets) if pairs else ())
+    if swap:
+        c1, c3 = (copies.by_weight()[m.weight] for m in (experts.w1, experts.w3))
+        tmp = c1.clone()
+        c1.copy_(c3)
+        c3.copy_(tmp)
+    xg = x.detach().requires_grad_()
+    with copies.lent():
+        assert (experts._copy_pair(xg) is not None) == pairs
+        y = experts(xg, offs)
+    y.backward(dy)
+    return [y.detach().float()] + [t.grad.float() for t in (experts.w1.weight, experts.w3.weight, experts.w2.weight,
+                                                             xg)]
+
+
+def test_gate_up_pair_computes_the_two_projections(seed):
+    """Full fine-tuning's experts with w1's and w3's copies in one buffer (ops/moe/gate_up.py): one GEMM each way
+    gives the output and every gradient of the two-GEMM path (bf16 GEMMs: to rounding), and the weights'
+    gradients come back bf16 and contiguous; exchanging the two halves of the buffer fails the comparison."""
+    from moeadapt.models.moe import GroupedExperts
+    from moeadapt.ops.optim.triton_adamw import BLOCK
+
+    E, L = 3, 512
+    F = BLOCK // L  # each expert's [F, L] half one optimizer block
+    experts = GroupedExperts(E, L, F)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=L ** -0.5)
+        w.grad_dtype = None
+    for w in (experts.w1, experts.w3, experts.w2):
+        w.backend = "torch"  # torch._grouped_mm, as on CUDA
+    counts = torch.tensor([5, 0, 11])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), L).to(torch.bfloat16)
+    dy = torch.randn(x.shape[0], L).to(torch.bfloat16)
+    want = _expert_grads(experts, x, offs, dy, pairs=False)
+    got = _expert_grads(experts, x, offs, dy, pairs=True)
+    assert experts.w1.weight.grad.dtype == torch.bfloat16 and experts.w1.weight.grad.is_contiguous()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(w.abs().max()))
+    bad = _expert_grads(experts, x, offs, dy, pairs=True, swap=True)
+    assert not torch.allclose(bad[0], want[0], rtol=2e-2, atol=2e-2 * float(want[0].abs().max()))

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from .gate_up import gate_up_mm, paired
 from .path import FUSED_MIN_ROWS, LORA_BACKENDS, TRITON_LORA_MAX_ROWS, expert_lora_path
 from .reference import (
     grouped_lora_reference,
@@ -30,7 +31,8 @@ from .reference import (
     unpermute_reference,
 )
 
-__all__ = ["FUSED_MIN_ROWS", "LORA_BACKENDS", "TRITON_LORA_MAX_ROWS", "expert_lora_path", "grouped_lora",
+__all__ = ["FUSED_MIN_ROWS", "LORA_BACKENDS", "TRITON_LORA_MAX_ROWS", "expert_lora_path", "gate_up_mm", "paired",
+           "grouped_lora", "grouped_mm_backend",
            "grouped_mm", "offsets_from_counts", "permutation", "permute", "swiglu", "swiglu_pair", "unpermute"]
 
 _BACKENDS = ("auto", "reference", "triton", "torch", "fused")
@@ -54,6 +56,11 @@ def _resolve(backend: str, device: torch.device, op: str, rows_per_expert: float
     if backend == "torch" and op in ("permute", "unpermute", "swiglu"):
         return "reference"  # plain torch ops are the torch path here
     return backend
+
+
+def grouped_mm_backend(backend: str, device: torch.device) -> str:
+    """The backend `grouped_mm(..., backend)` runs on `device`: "reference", "triton" or "torch"."""
+    return _resolve(backend, device, "grouped_mm")
 
 
 def offsets_from_counts(counts_E: torch.Tensor) -> torch.Tensor:

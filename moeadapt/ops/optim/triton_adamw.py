@@ -50,23 +50,41 @@ class TensorTable:
     """Where a list of tensors of one dtype lie: an anchor tensor (the first; its address is a kernel argument,
     which Triton knows is 16-byte aligned) and each tensor's start as an element offset from it (int64 on the
     device), sent without waiting for the device. The offsets are multiples of ALIGN elements (the caching allocator aligns to 512 bytes), which the
-    kernels assume so that their loads and stores are 16-byte vectors."""
+    kernels assume so that their loads and stores are 16-byte vectors.
 
-    def __init__(self, tensors: list[torch.Tensor], device: torch.device):
+    row_blocks (the bf16 copies only): a tensor may also be a block of rows of a bigger one (w1's copy, the first
+    F rows of each expert's [2F, L] in one gate/up buffer, train/copies.py): dim 0's slices each contiguous,
+    `chunk` elements apart `stride`, with chunk a multiple of BLOCK so that no block straddles two. Element i of
+    the tensor then lies at offset + (i // chunk) * stride + i % chunk; a contiguous tensor has stride = chunk."""
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device, row_blocks: bool = False):
         self.anchor = tensors[0]
         base, size = self.anchor.data_ptr(), self.anchor.element_size()
-        offs = []
+        offs, chunks, strides = [], [], []
         for t in tensors:
-            if not t.is_contiguous() or t.dtype != self.anchor.dtype:
+            chunk = stride = max(t.numel(), 1)
+            if row_blocks and t.dim() > 1 and not t.is_contiguous() and t[0].is_contiguous():
+                chunk, stride = t[0].numel(), t.stride(0)
+                if chunk % BLOCK or stride < chunk or stride % ALIGN:
+                    raise ValueError(f"a row block of shape {list(t.shape)}, strides {t.stride()}: its slices of "
+                                     f"{chunk} elements must be a multiple of {BLOCK} apart by at least that")
+            elif not t.is_contiguous():
                 raise ValueError(f"the multi-tensor AdamW needs contiguous tensors of one dtype; got one of shape "
                                  f"{list(t.shape)}, strides {t.stride()}, {t.dtype} next to {self.anchor.dtype}")
+            if t.dtype != self.anchor.dtype:
+                raise ValueError(f"the multi-tensor AdamW needs tensors of one dtype; got {t.dtype} next to "
+                                 f"{self.anchor.dtype}")
             d = t.data_ptr() - base
             if d % (ALIGN * size):
                 raise ValueError(f"the multi-tensor AdamW needs tensors that start on {ALIGN * size}-byte "
                                  f"boundaries; one of shape {list(t.shape)} starts at {t.data_ptr():#x} (a view into "
                                  "another tensor? give the parameter its own storage)")
             offs.append(d // size)
+            chunks.append(chunk)
+            strides.append(stride)
         self.offsets = host_tensor(offs, device)
+        self.chunk = host_tensor(chunks, device)
+        self.stride = host_tensor(strides, device)
 
 
 @triton.jit
@@ -140,7 +158,7 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_
 
 @triton.jit(do_not_specialize=["seed"])
 def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
-                  tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
+                  c_chunk, c_stride, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
                   HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
                   ALIGN: tl.constexpr, BLOCK: tl.constexpr):
@@ -155,8 +173,10 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
     g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
     m_ptr += tl.multiple_of(tl.load(m_off + t), ALIGN) + start
     v_ptr += tl.multiple_of(tl.load(v_off + t), ALIGN) + start
-    if HAS_COPY:
-        c_ptr += tl.multiple_of(tl.load(c_off + t), ALIGN) + start
+    if HAS_COPY:  # the copy may be a row block of a bigger tensor (TensorTable's row_blocks)
+        chunk = tl.load(c_chunk + t)
+        c_ptr += (tl.multiple_of(tl.load(c_off + t), ALIGN) + tl.multiple_of((start // chunk) * tl.load(c_stride + t), ALIGN)
+                  + start % chunk)
     step = tl.load(step_ptr + tl.load(step_off + t))  # this step's count (1 on the first)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
@@ -177,7 +197,7 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            found_inf: torch.Tensor | None = None, seed: int = 0) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
     in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to this step;
-    "c": optional bf16 copies written from the new weights). grad_scale (device scalar): every gradient is
+    "c": optional bf16 copies written from the new weights, which may be row blocks: TensorTable's row_blocks). grad_scale (device scalar): every gradient is
     divided by it; found_inf (device scalar): nonzero skips the whole step. bf16 moments are stored
     stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
     (`reference.moment_bits`): the same inputs give the same result."""
@@ -193,6 +213,7 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
     _adamw_kernel[(blocks.n_blocks,)](
         p.anchor, p.offsets, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor, tabs["m"].offsets,
         tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
+        c.chunk, c.stride,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
