@@ -30,6 +30,20 @@ def test_ranks_cover_the_model_and_match_the_planner(lora):
     assert max(r["weights"] for r in res["ranks"]) == res["ranks"][0]["weights"]  # rank 0 holds the most
 
 
+def test_bf16_moments_one_rank_and_refused_under_fsdp():
+    """train.moment_dtype bf16: one rank holds 4 bytes of AdamW state a trainable parameter, as the planner says;
+    at 2 ranks (FSDP2, torch's AdamW) the dry run refuses it as the run would."""
+    spec = micro_spec(n_routed_experts=8)
+    cfg = build_run_config({"model": spec.model_dump(), "train": {"moment_dtype": "bf16"}})
+    res = dry_run(cfg, 1, quiet=True)
+    assert res["ranks"][0]["optimizer"] == param_counts(spec, None).total * 4
+    assert res["runtime_over_planner"]["optimizer"] == 1.0
+    cfg2 = build_run_config({"model": spec.model_dump(), "train": {"moment_dtype": "bf16"},
+                             "parallel": {"dp_shard": 2}})
+    with pytest.raises(ValueError, match="moment_dtype: bf16 .* FSDP2 at 2 ranks"):
+        dry_run(cfg2, 2, quiet=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [64, 128])
 def test_hybrid_2p8t_lora_128_ranks_agrees_with_plan(ep):
