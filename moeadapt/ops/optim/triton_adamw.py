@@ -25,6 +25,9 @@ from ..host import host_tensor, to_device
 
 BLOCK = 4096  # elements per program: 2.9B parameters make ~0.7M programs, each a few 16-byte vectors per lane
 NUM_WARPS = 4
+# elements a program updates at once, looping over its block: 4096 at once took all 255 registers and spilled
+# (sm_90), 512 takes ~32, so many programs share an SM to keep loads in flight (benchmarks/bench_adamw.py)
+SUB = 512
 
 
 class TensorBlocks:
@@ -161,7 +164,7 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
                   c_chunk, c_stride, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
                   HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
-                  ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+                  ALIGN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
@@ -174,33 +177,38 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
     m_ptr += tl.multiple_of(tl.load(m_off + t), ALIGN) + start
     v_ptr += tl.multiple_of(tl.load(v_off + t), ALIGN) + start
     if HAS_COPY:  # the copy may be a row block of a bigger tensor (TensorTable's row_blocks)
-        chunk = tl.load(c_chunk + t)
-        c_ptr += (tl.multiple_of(tl.load(c_off + t), ALIGN) + tl.multiple_of((start // chunk) * tl.load(c_stride + t), ALIGN)
-                  + start % chunk)
+        chunk = tl.load(c_chunk + t)  # a multiple of BLOCK, or the whole tensor: start % chunk is one too
+        c_ptr += (tl.multiple_of(tl.load(c_off + t), ALIGN)
+                  + tl.multiple_of((start // chunk) * tl.load(c_stride + t), ALIGN)
+                  + tl.multiple_of(start % chunk, BLOCK))
     step = tl.load(step_ptr + tl.load(step_off + t))  # this step's count (1 on the first)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    idx = tl.arange(0, BLOCK)
-    elem, key = start + idx, 0
+    key = 0
     if M_BF16:  # the stochastic rounding's random bits: a hash of (seed, tensor, step) and the element's index
         key = _hash32(_hash32(t.to(tl.uint32) ^ seed.to(tl.uint32)) ^ step.to(tl.uint32))
-    if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, elem, key, scale_ptr, lr, beta1, beta2, eps,
-                     decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
-    else:
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1, beta2, eps,
-                     decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
+    # the block in SUB-element pieces, one after another: a few registers per lane, no spills
+    for i in range(0, BLOCK, SUB):
+        idx = i + tl.arange(0, SUB)
+        elem = start + idx
+        if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
+            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, elem, key, scale_ptr, lr, beta1, beta2, eps,
+                         decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
+        else:
+            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1, beta2,
+                         eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
 
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None, seed: int = 0) -> None:
+           found_inf: torch.Tensor | None = None, seed: int = 0, sub: int = SUB) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
     in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to this step;
-    "c": optional bf16 copies written from the new weights, which may be row blocks: TensorTable's row_blocks). grad_scale (device scalar): every gradient is
-    divided by it; found_inf (device scalar): nonzero skips the whole step. bf16 moments are stored
-    stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
-    (`reference.moment_bits`): the same inputs give the same result."""
+    "c": optional bf16 copies written from the new weights, which may be row blocks: TensorTable's row_blocks).
+    grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar): nonzero skips the
+    whole step. bf16 moments are stored stochastically rounded, their random bits drawn from `seed`, the
+    tensor's index and its step count (`reference.moment_bits`): the same inputs give the same result.
+    sub: elements per loop step of a program (a power of two dividing BLOCK; SUB by default)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
@@ -219,4 +227,4 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
-        M_BF16=m_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        M_BF16=m_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, SUB=sub, num_warps=NUM_WARPS)
