@@ -145,7 +145,8 @@ class CopyAdamW(torch.optim.Optimizer):
                         st[k] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
                 elif (st["step"].device != p.device or st["step"].dtype != torch.float32
                       or st["exp_avg"].dtype != self.moment_dtype):
-                    _own_state(p, st, self.moment_dtype)  # state set from outside load_state_dict (the DCP resume writes it in place)
+                    # state set from outside load_state_dict (the DCP resume writes it in place)
+                    _own_state(p, st, self.moment_dtype)
             steps = [self.state[p]["step"] for p in ps]
             torch._foreach_add_(steps, 1.0)
             if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)

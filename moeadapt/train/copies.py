@@ -24,7 +24,9 @@ The step computes the same values as with autocast's casts: the copy is the roun
 weight, which is what autocast's cast (or the LoRA layers' own `.to(bf16)`) makes, the GEMMs are the same bf16
 GEMMs, and the gradient the optimizer reads is the same tensor autograd would have cast up exactly (or, from
 lean, the same fp32 one). Gradients that add up over several forwards would add in bf16, so `plan_copies`
-takes this path only where the step has one forward.
+takes this path only where the step has one forward. One difference in rounding: full fine-tuning's experts read
+w1's and w3's copies as one [E, 2F, I] buffer (`gate_up_pairs`), so the input's gradient from gate and up is one
+GEMM accumulating both in fp32, where two bf16 GEMM outputs were added.
 """
 
 from __future__ import annotations
