@@ -22,8 +22,8 @@ from moeadapt.parallel.optim import CopyAdamW
 
 def _sizes():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    return [BLOCK + 1 + int(torch.randint(0, 300, (), generator=g)), 7, 2 * BLOCK,
-            int(torch.randint(1, 3000, (), generator=g))]
+    return [BLOCK + 1 + int(torch.randint(0, 300, (), generator=g, device="cpu")), 7, 2 * BLOCK,
+            int(torch.randint(1, 3000, (), generator=g, device="cpu"))]
 
 
 def _assert_copy(c, p):
