@@ -317,7 +317,7 @@ def test_copy_adamw_writes_copies_that_are_row_blocks(seed):
     _assert_copy(buf[:, :F], w1)
     _assert_copy(buf[:, F:], w3)
     bad = torch.empty(E, 2 * F + 1, L // 2, dtype=torch.bfloat16)[:, :F]
-    with pytest.raises(ValueError, match="multiple of"):
+    with pytest.raises(ValueError, match="whole number of"):
         TensorTable([bad], bad.device, row_blocks=True)
     with pytest.raises(ValueError, match="contiguous"):
         TensorTable([buf[:, :F]], buf.device)  # row blocks only where asked for

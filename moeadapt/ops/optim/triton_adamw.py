@@ -4,13 +4,16 @@ Why: full fine-tuning keeps fp32 weights and lets the step's matmuls read a bf16
 gradients arrive in bf16 and each optimizer step must also write that copy. torch's fused AdamW takes neither a
 bf16 gradient for an fp32 weight nor a second output. Here each step reads the gradient (2 bytes), the weight and
 both moments (12) and writes them back (12) plus the bf16 copy (2): 28 bytes a parameter, where autocast's cast
-of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 AdamW (28) took 40.
+of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 AdamW (28) took 40. With the
+moments in bf16 (`train.moment_dtype: bf16`, stochastically rounded: reference.py) a step moves 20 bytes.
 
 How: the tensors stay where they are (the module's weights, autograd's gradients, the optimizer's state). A
 `TensorBlocks` cuts their elements into BLOCK-sized pieces that never straddle two tensors; program i works on
 tensor `tensor_id[i]` from element `start[i]`, and finds that tensor through an int64 table per role (weight,
-gradient, moments, step count, copy): `TensorTable`, each tensor's element offset from an anchor tensor. Every tensor must be contiguous and start on a 16-element boundary (any allocation of the
-caching allocator does); whole blocks run unmasked, so their loads and stores are 16-byte vectors.
+gradient, moments, step count, copy): `TensorTable`, each tensor's element offset from an anchor tensor. Every
+tensor must be contiguous (a copy may be a block of rows: TensorTable's row_blocks) and start on a 16-element
+boundary (any allocation of the caching allocator does); whole blocks run unmasked, so their loads and stores are
+16-byte vectors.
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ class TensorTable:
             if row_blocks and t.dim() > 1 and not t.is_contiguous() and t[0].is_contiguous():
                 chunk, stride = t[0].numel(), t.stride(0)
                 if chunk % BLOCK or stride < chunk or stride % ALIGN:
-                    raise ValueError(f"a row block of shape {list(t.shape)}, strides {t.stride()}: its slices of "
-                                     f"{chunk} elements must be a multiple of {BLOCK} apart by at least that")
+                    raise ValueError(f"a row block of shape {list(t.shape)}, strides {t.stride()}: each dim-0 slice "
+                                     f"({chunk} elements) must be a whole number of {BLOCK}-element blocks, the "
+                                     f"slices {ALIGN}-element aligned and apart by at least their size")
             elif not t.is_contiguous():
                 raise ValueError(f"the multi-tensor AdamW needs contiguous tensors of one dtype; got one of shape "
                                  f"{list(t.shape)}, strides {t.stride()}, {t.dtype} next to {self.anchor.dtype}")
