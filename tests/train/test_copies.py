@@ -84,9 +84,11 @@ def test_runs_that_keep_autocasts_casts(change, why):
         assert "autocast" in why_not(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
 
 
-def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path):
-    """A CopyAdamW run saved and resumed (train/checkpoint.py) continues exactly: weights, moments, step counts and
-    copies as they were, and the next step the same as the unbroken run's."""
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments):
+    """A CopyAdamW run saved and resumed (train/checkpoint.py) continues exactly: weights, moments (fp32 or bf16:
+    the file keeps their dtype), step counts and copies as they were, and the next step the same as the unbroken
+    run's."""
     from moeadapt.parallel.optim import CopyAdamW
     from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -101,7 +103,8 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path):
                 mod.backend = "reference"
         copies = WeightCopies(copy_targets(model))
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = CopyAdamW(params, copies.by_weight(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = CopyAdamW(params, copies.by_weight(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                        moment_dtype=moments)
         return model, copies, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
     def step(model, copies, opt):
@@ -126,6 +129,7 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path):
         assert torch.equal(pa, pb)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(a[3].state[pa][k], b[3].state[pb][k]), k
+        assert b[3].state[pb]["exp_avg"].dtype == moments
 
 
 def test_a_misaligned_trainable_tensor_keeps_autocasts_casts(seed):
