@@ -375,8 +375,9 @@ class TrainSpec(_Strict):
                                 "recompute")
     moment_dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="dtype of AdamW's two moments: "
                                                   "bf16 keeps them in 4 bytes a parameter instead of 8, stored "
-                                                  "stochastically rounded (ops/optim/reference.py); one process "
-                                                  "on a GPU (the trainer's CopyAdamW), not under FSDP2")
+                                                  "stochastically rounded (ops/optim/reference.py); on a GPU "
+                                                  "(the trainer's CopyAdamW, which under FSDP2 steps the local "
+                                                  "shards)")
     cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
                              "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
                              "process on a GPU, fixed shapes, no packed documents or images")

@@ -1,6 +1,6 @@
 """The trainer's optimizer: torch's AdamW, with its update run on the parameters' local shards.
 
-Owns: `ShardedAdamW`, `CopyAdamW` (one GPU, bf16 gradients and weight copies, fp32 or bf16 moments) and
+Owns: `ShardedAdamW`, `CopyAdamW` (bf16 gradients and weight copies in one process, fp32 or bf16 moments) and
 `build_optimizer` (the trainer's AdamW from `cfg.train`: fused on CUDA).
 Under FSDP2 every trainable parameter, its gradient and its two AdamW states are DTensors. The update is elementwise,
 so it is the same computation on each rank's shard; dispatching it through DTensor costs the host the sharding
@@ -14,7 +14,6 @@ Plain tensors (one process) pass through as they are.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .sharded_io import local
 
@@ -37,15 +36,11 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
     kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
     the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict.
     copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them. bf16 moments
-    (train.moment_dtype) are CopyAdamW's alone: one process on a GPU."""
+    (train.moment_dtype) are CopyAdamW's alone (on a GPU; under FSDP2 it steps the local shards)."""
     bf16_moments = getattr(train, "moment_dtype", "fp32") == "bf16"
-    if bf16_moments:
-        where = ("on the CPU" if device.type != "cuda" else
-                 "under FSDP2 (torch's fused AdamW keeps its moments in the weights' dtype)"
-                 if any(isinstance(p, DTensor) for p in params) else None)
-        if where is not None:
-            raise ValueError(f"train.moment_dtype: bf16 runs in the one-process GPU optimizer (CopyAdamW); this "
-                             f"run is {where}. Set train.moment_dtype: fp32")
+    if bf16_moments and device.type != "cuda":
+        raise ValueError("train.moment_dtype: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
+                         "Set train.moment_dtype: fp32")
     if copies or bf16_moments:
         return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
                          moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed)
@@ -53,7 +48,7 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
 
 
 class CopyAdamW(torch.optim.Optimizer):
-    """AdamW for fp32 parameters on one GPU whose gradients may be bf16 (`Parameter.grad_dtype`), which also writes
+    """AdamW for fp32 parameters on a GPU whose gradients may be bf16 (`Parameter.grad_dtype`), which also writes
     each copied weight's bf16 compute copy (train/copies.py) from the updated weight, in the same pass (whatever
     the gradient's dtype: the lean experts path returns fp32 gradients for copied adapters).
 
@@ -63,6 +58,9 @@ class CopyAdamW(torch.optim.Optimizer):
     changes nothing, step counts included) and `grad_scale` (every gradient divided by it: the clip), set as
     attributes for one step; `grad_norm` gives the gradients' global norm summed in fp32, in one launch per
     gradient dtype (torch's foreach norm of bf16 gradients returns bf16).
+
+    Under FSDP2 (DTensor parameters, gradients and states) it steps each rank's local shards, as ShardedAdamW
+    does, and the states stay DTensors (DCP's optimizer state dict is unchanged).
 
     moment_dtype torch.bfloat16 keeps `exp_avg` / `exp_avg_sq` in bf16, stored stochastically rounded
     (ops/optim/reference.py; random bits from `seed`, the step count and each element's place): 8 bytes a
@@ -75,6 +73,8 @@ class CopyAdamW(torch.optim.Optimizer):
         if moment_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"CopyAdamW keeps its moments in torch.float32 or torch.bfloat16, not {moment_dtype}")
         self.moment_dtype, self.seed = moment_dtype, seed
+        # each rank's shards draw their own rounding bits (their elements are indexed from 0 on every rank)
+        self._rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.copies = dict(copies or {})
         self._blocks: dict[tuple, object] = {}  # ops/optim TensorBlocks per list of sizes
         self._tabs: dict[tuple, tuple] = {}  # (addresses, ops/optim TensorTable) per (group, part, role)
@@ -89,7 +89,7 @@ class CopyAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.data_ptr() % (ALIGN * p.grad.element_size()):
+                if local(p.grad).data_ptr() % (ALIGN * p.grad.element_size()):
                     # autograd may keep a gradient that is a row block of a bigger one (shared_input.py's dA of
                     # several adapters, one GEMM) off the 16-element boundary the kernels' vector loads need
                     p.grad = p.grad.clone()
@@ -98,9 +98,11 @@ class CopyAdamW(torch.optim.Optimizer):
         return out
 
     def _table(self, key: tuple, tensors: list[torch.Tensor], row_blocks: bool = False):
-        """The tensors' TensorTable, made again only when one of them has moved (eager gradients, a load)."""
+        """The tensors' TensorTable (their local shards under FSDP2), made again only when one of them has moved
+        (eager gradients, a load)."""
         from ..ops.optim.triton_adamw import TensorTable
 
+        tensors = [local(t) for t in tensors]
         ptrs = tuple(t.data_ptr() for t in tensors)
         hit = self._tabs.get(key)
         if hit is None or hit[0] != ptrs:
@@ -110,14 +112,15 @@ class CopyAdamW(torch.optim.Optimizer):
     def _block_map(self, ps: list[torch.Tensor]):
         from ..ops.optim.triton_adamw import TensorBlocks
 
-        key = tuple(p.numel() for p in ps)
+        key = tuple(local(p).numel() for p in ps)
         if key not in self._blocks:
             self._blocks[key] = TensorBlocks(list(key), ps[0].device)
         return self._blocks[key]
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """sqrt(sum of every gradient's squares), a float32 device scalar (0 with no gradient)."""
+        """sqrt(sum of every gradient's squares), a float32 device scalar (0 with no gradient): this rank's
+        shards only (under FSDP2 the trainer takes the global norm from `parallel.clip_grad_norm_`)."""
         from ..ops.optim.triton_adamw import grad_sq_sum
 
         total = None
@@ -159,7 +162,7 @@ class CopyAdamW(torch.optim.Optimizer):
                 tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps], row_blocks=True)
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
-                   seed=self.seed + 7919 * launch)
+                   seed=self.seed + 7919 * launch + 104729 * self._rank)
 
     def load_state_dict(self, state_dict):
         """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor

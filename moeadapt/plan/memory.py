@@ -73,7 +73,7 @@ class Plan:
     offload: bool = False  # full recompute only: block inputs in host memory (parallel.offload_activations)
     a2a_chunks: int = 1  # parallel.a2a_chunks
     ep_capacity_factor: float = 1.5  # parallel.ep_capacity_factor
-    moment_bytes: int = 4  # bytes of each AdamW moment a parameter: 2 with train.moment_dtype bf16 (one GPU)
+    moment_bytes: int = 4  # bytes of each AdamW moment a parameter: 2 with train.moment_dtype bf16
 
     @property
     def shard(self) -> int:

@@ -428,7 +428,7 @@ def train_step(lp: Loop) -> StepStats | None:
     st.step = lp.step
     read = settle(lp)  # the previous step: finished on the device while this one's work was queued
     in_opt = _fused_adam(lp)  # the clip applied inside the fused AdamW (its grad_scale), no pass of its own
-    if isinstance(lp.opt, CopyAdamW):  # one rank; bf16 gradients summed in fp32
+    if isinstance(lp.opt, CopyAdamW) and run.world == 1:  # one rank; bf16 gradients summed in fp32
         st.grad_norm = lp.opt.grad_norm()
     else:
         st.grad_norm = run.clip(lp.params, t.grad_clip, scale=not in_opt)  # global norm over every rank's shards

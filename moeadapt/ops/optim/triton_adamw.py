@@ -72,6 +72,11 @@ class TensorTable:
         offs, chunks, strides = [], [], []
         for t in tensors:
             chunk = stride = max(t.numel(), 1)
+            if t.numel() == 0:  # no block reads it (an empty FSDP2 shard): any offset will do
+                offs.append(0)
+                chunks.append(chunk)
+                strides.append(stride)
+                continue
             if row_blocks and t.dim() > 1 and not t.is_contiguous() and t[0].is_contiguous():
                 chunk, stride = t[0].numel(), t.stride(0)
                 if chunk % BLOCK or stride < chunk or stride % ALIGN:
