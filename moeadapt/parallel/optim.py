@@ -56,7 +56,7 @@ class CopyAdamW(torch.optim.Optimizer):
     a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
     dtype and have a copy or not (ops/optim). Like torch's fused AdamW it takes `found_inf` (a device flag: the step
     changes nothing, step counts included) and `grad_scale` (every gradient divided by it: the clip), set as
-    attributes for one step; `grad_norm` gives the gradients' global norm summed in fp32, in one launch per
+    attributes for one step; `grad_norm` gives the gradients' norm (one rank's) summed in fp32, in one launch per
     gradient dtype (torch's foreach norm of bf16 gradients returns bf16).
 
     Under FSDP2 (DTensor parameters, gradients and states) it steps each rank's local shards, as ShardedAdamW
