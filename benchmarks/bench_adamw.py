@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def _tensors(n_params: int, moment_dtype: torch.dtype, device) -> dict:
 
 
 def main() -> None:
+    from moeadapt.io import atomic_write_text
     from moeadapt.ops.optim import TensorBlocks, TensorTable, adamw_
 
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -79,9 +79,7 @@ def main() -> None:
         del ts, tabs, start, first
         torch.cuda.empty_cache()
     if args.out:
-        tmp = args.out + ".tmp"
-        Path(tmp).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-        os.replace(tmp, args.out)
+        atomic_write_text(args.out, json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

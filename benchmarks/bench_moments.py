@@ -1,6 +1,6 @@
 """Training with AdamW's moments in fp32 and in bf16 (`train.moment_dtype`), same config, seed and data: do the
-loss curves agree? One `moeadapt train` run per moment dtype (one process on a GPU: bf16 moments are CopyAdamW's),
-the train loss of every step and the evals compared.
+loss curves agree? One `moeadapt train` run per moment dtype (on a GPU: bf16 moments are CopyAdamW's), the train
+loss of every step and the evals compared.
 
 Usage: python3 benchmarks/bench_moments.py CONFIG [--set KEY=VALUE ...] [--out DIR] [--timeout S]
 e.g.   python3 benchmarks/bench_moments.py moeadapt/assets/tiny_pretrain.yaml --out /tmp/m
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = ("fp32", "bf16")
 
@@ -39,12 +41,6 @@ def _run(config: str, dtype: str, sets: list[str], out_dir: Path, timeout: int) 
 
 def _smooth(xs: list[float], k: int = 10) -> list[float]:
     return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _plot(res: dict, path: Path) -> None:
@@ -78,6 +74,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=600, help="seconds one run may take")
     args = p.parse_args()
+    from moeadapt.io import atomic_write_text
+
     res = {"config": args.config, "set": args.set}
     with tempfile.TemporaryDirectory() as tmp:
         for d in DTYPES:
@@ -99,7 +97,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "moments.json", json.dumps(res, indent=1).encode())
+        atomic_write_text(out / "moments.json", json.dumps(res, indent=1))
         _plot(res, out / "moments.png")
 
 

@@ -547,7 +547,7 @@ def main() -> None:
     p.add_argument("--weight-copies", default="on", choices=["on", "off"], help="our side, full fine-tuning: "
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--moments", default="fp32", choices=["fp32", "bf16"], help="our side: train.moment_dtype "
-                   "(AdamW's moments in bf16, stochastically rounded: one process on a GPU)")
+                   "(AdamW's moments in bf16, stochastically rounded; on a GPU)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
                    f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

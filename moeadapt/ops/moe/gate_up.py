@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .lean_lora import is_gate_up_view
+
 
 class _GateUpMM(torch.autograd.Function):
     @staticmethod
@@ -34,17 +36,9 @@ def paired(w1_EFI: torch.Tensor, w3_EFI: torch.Tensor) -> torch.Tensor | None:
     """The [E, 2F, I] buffer whose row halves w1 and w3 are (w1 rows [0, F), w3 rows [F, 2F) of each expert),
     or None where they are not laid out so."""
     base = w1_EFI._base
-    if base is None or w3_EFI._base is not base or base.dim() != 3 or w1_EFI.shape != w3_EFI.shape:
+    if base is None or w3_EFI._base is not base or base.dim() != 3 or not base.is_contiguous():
         return None
-    E, F, I = w1_EFI.shape
-    if base.shape != (E, 2 * F, I) or not base.is_contiguous():
-        return None
-    es = w1_EFI.element_size()
-    if w1_EFI.data_ptr() != base.data_ptr() or w3_EFI.data_ptr() != base.data_ptr() + F * I * es:
-        return None
-    if w1_EFI.stride() != base.stride() or w3_EFI.stride() != base.stride():
-        return None
-    return base
+    return base if is_gate_up_view(w1_EFI, w3_EFI, base, 0) else None  # the lean path's buffer with no rank rows
 
 
 def gate_up_mm(x_NI: torch.Tensor, w1_EFI: torch.Tensor, w3_EFI: torch.Tensor, pair_E2FI: torch.Tensor,

@@ -7,7 +7,8 @@ One step on one tensor, in p's dtype (float64 in the tests):
     v  = beta2 * v + (1 - beta2) * g^2
     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 t is the step count after this step (1 on the first). A step with found_inf set changes nothing (torch's fused
-AdamW's skip flag).
+AdamW's skip flag). The gradient norm the clip uses is sqrt(sum over tensors of sum(g^2)), summed in float32 or
+wider whatever the gradients' dtype.
 
 Moments kept in bf16 (`train.moment_dtype: bf16`): m and v are read as fp32, the step above runs in fp32 (the
 weight's update uses the unrounded m and v), and m and v are stored stochastically rounded to bf16
@@ -15,8 +16,7 @@ weight's update uses the unrounded m and v), and m and v are stored stochastical
 stored moment is the fp32 one in expectation. Round-to-nearest would lose v's small steps: with beta2 = 0.95
 the update moves v by 5% of (g^2 - v), with 0.999 by 0.1%, under bf16's 0.4% spacing. The random bits are
 deterministic (`moment_bits`): a hash of (seed, the tensor's index in its launch, the step count) and the
-element's index. The gradient norm the clip uses is sqrt(sum over tensors of sum(g^2)), summed in float32 or
-wider whatever the gradients' dtype.
+element's index.
 """
 
 from __future__ import annotations

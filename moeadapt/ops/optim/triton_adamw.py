@@ -72,11 +72,6 @@ class TensorTable:
         offs, chunks, strides = [], [], []
         for t in tensors:
             chunk = stride = max(t.numel(), 1)
-            if t.numel() == 0:  # no block reads it (an empty FSDP2 shard): any offset will do
-                offs.append(0)
-                chunks.append(chunk)
-                strides.append(stride)
-                continue
             if row_blocks and t.dim() > 1 and not t.is_contiguous() and t[0].is_contiguous():
                 chunk, stride = t[0].numel(), t.stride(0)
                 if chunk % BLOCK or stride < chunk or stride % ALIGN:
@@ -89,7 +84,7 @@ class TensorTable:
             if t.dtype != self.anchor.dtype:
                 raise ValueError(f"the multi-tensor AdamW needs tensors of one dtype; got {t.dtype} next to "
                                  f"{self.anchor.dtype}")
-            d = t.data_ptr() - base
+            d = t.data_ptr() - base if t.numel() else 0  # no block reads an empty tensor (an empty FSDP2 shard)
             if d % (ALIGN * size):
                 raise ValueError(f"the multi-tensor AdamW needs tensors that start on {ALIGN * size}-byte "
                                  f"boundaries; one of shape {list(t.shape)} starts at {t.data_ptr():#x} (a view into "
