@@ -1,11 +1,14 @@
 """The multi-tensor AdamW kernel (ops/optim/triton_adamw.py) alone: ms per step and the bandwidth it reaches, for
-fp32 and bf16 moments and each loop step `sub`, on one list of tensors shaped like full fine-tuning's.
+fp32 and bf16 moments, fp32 weights with their bf16 copy and bf16 weights, and each loop step `sub`, on one list
+of tensors shaped like full fine-tuning's; and the gradient-norm kernel for each number of blocks a program sums.
 
-Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--out FILE.json]
+Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--groups 1,4,8,16]
+                                         [--out FILE.json]
 
-Bytes a parameter: the bf16 gradient (2) read, the fp32 weight and the two moments read and written (24 with fp32
-moments, 16 with bf16), the bf16 copy written (2): 28 or 20. Every variant's result is compared with the first's
-(the same arithmetic: equal bit for bit). Needs a GPU.
+Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
+an fp32 weight written (2): fp32 weight and moments 28, bf16 moments 20, bf16 weights and moments 14 (no copy),
+bf16 weights with fp32 moments 22. The norm reads the gradient (2). Every variant's result is compared with the
+first's of its kind (the same arithmetic: equal bit for bit; the norm: to fp32 summation order). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,26 +24,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _tensors(n_params: int, moment_dtype: torch.dtype, device) -> dict:
+def _tensors(n_params: int, moment_dtype: torch.dtype, weight_dtype: torch.dtype, device) -> dict:
     """~40 tensors of mixed sizes summing to about n_params (expert stacks, projections, norms)."""
     g = torch.Generator().manual_seed(0)
     big = n_params // 48
     sizes = [big] * 40 + [int(x) for x in torch.randint(1, big // 8, (64,), generator=g)] + [2048] * 32
-    p = [torch.randn(n, device=device) for n in sizes]
-    return {"p": p, "g": [torch.randn(n, device=device).to(torch.bfloat16) for n in sizes],
-            "m": [torch.zeros(n, device=device, dtype=moment_dtype) for n in sizes],
-            "v": [torch.zeros(n, device=device, dtype=moment_dtype) for n in sizes],
-            "step": [torch.ones((), device=device) for _ in sizes],
-            "c": [torch.empty(n, device=device, dtype=torch.bfloat16) for n in sizes]}
+    out = {"p": [torch.randn(n, device=device).to(weight_dtype) for n in sizes],
+           "g": [torch.randn(n, device=device).to(torch.bfloat16) for n in sizes],
+           "m": [torch.zeros(n, device=device, dtype=moment_dtype) for n in sizes],
+           "v": [torch.zeros(n, device=device, dtype=moment_dtype) for n in sizes],
+           "step": [torch.ones((), device=device) for _ in sizes]}
+    if weight_dtype == torch.float32:
+        out["c"] = [torch.empty(n, device=device, dtype=torch.bfloat16) for n in sizes]
+    return out
+
+
+def _ms(fn, reps: int) -> float:
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    for i in range(reps):
+        ev[i].record()
+        fn()
+    ev[-1].record()
+    torch.cuda.synchronize()
+    return sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))[reps // 2]
 
 
 def main() -> None:
     from moeadapt.io import atomic_write_text
-    from moeadapt.ops.optim import TensorBlocks, TensorTable, adamw_
+    from moeadapt.ops.optim import TensorBlocks, TensorTable, adamw_, grad_sq_sum
 
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--params", type=float, default=1.0e9)
     a.add_argument("--subs", default="4096,2048,1024,512,256")
+    a.add_argument("--groups", default="1,4,8,16", help="blocks a gradient-norm program sums")
     a.add_argument("--reps", type=int, default=10)
     a.add_argument("--out", default=None)
     args = a.parse_args()
@@ -48,11 +65,12 @@ def main() -> None:
     dev = torch.device("cuda")
     subs = [int(s) for s in args.subs.split(",")]
     rows = []
-    for mdt, nbytes in ((torch.float32, 28), (torch.bfloat16, 20)):
-        ts = _tensors(int(args.params), mdt, dev)
+    f32, b16 = torch.float32, torch.bfloat16
+    for mdt, wdt, nbytes in ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14)):
+        ts = _tensors(int(args.params), mdt, wdt, dev)
         n = sum(t.numel() for t in ts["p"])
         blocks = TensorBlocks([t.numel() for t in ts["p"]], dev)
-        tabs = {k: TensorTable(v, dev, row_blocks=k == "c") for k, v in ts.items()}
+        tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
         start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v")}
         first = None
         for sub in subs:
@@ -61,21 +79,27 @@ def main() -> None:
                     t.copy_(s)
             kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub)
             adamw_(tabs, blocks, **kw)  # compile, and the result every variant must give
-            got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in ("p", "m", "v", "c")]
+            got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs if k in ("p", "m", "v", "c")]
             same = None if first is None else all(torch.equal(x, y) for x, y in zip(got, first))
             first = first or got
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(args.reps + 1)]
-            for i in range(args.reps):
-                ev[i].record()
-                adamw_(tabs, blocks, **kw)
-            ev[-1].record()
-            torch.cuda.synchronize()
-            ms = sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(args.reps))[args.reps // 2]
-            row = {"moments": str(mdt).split(".")[-1], "sub": sub, "params": n, "ms": ms,
-                   "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
+            ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
+            row = {"kernel": "adamw", "moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
+                   "sub": sub, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
             rows.append(row)
-            print(f"moments {row['moments']:>8}  sub {sub:>5}: {ms:7.2f} ms  {row['TB_per_s']:.2f} TB/s"
-                  + ("" if same is None else f"  same as sub {subs[0]}: {same}"), flush=True)
+            print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5}: {ms:7.2f} ms  "
+                  f"{row['TB_per_s']:.2f} TB/s" + ("" if same is None else f"  same as sub {subs[0]}: {same}"),
+                  flush=True)
+        if mdt == f32 and wdt == f32:  # the gradient norm over the same bf16 gradients
+            want = None
+            for grp in (int(x) for x in args.groups.split(",")):
+                got = grad_sq_sum(tabs["g"], blocks, group=grp)
+                want = got if want is None else want
+                ms = _ms(partial(grad_sq_sum, tabs["g"], blocks, group=grp), args.reps)
+                rel = float((got - want).abs() / want)
+                rows.append({"kernel": "grad_sq_sum", "group": grp, "params": n, "ms": ms,
+                             "TB_per_s": n * 2 / ms / 1e9, "rel_diff_to_first": rel})
+                print(f"grad norm  group {grp:>3}: {ms:7.3f} ms  {n * 2 / ms / 1e9:.2f} TB/s  rel. diff {rel:.1e}",
+                      flush=True)
         del ts, tabs, start, first
         torch.cuda.empty_cache()
     if args.out:

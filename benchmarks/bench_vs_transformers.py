@@ -211,7 +211,7 @@ def unfuse(model, what: set[str]) -> int:
             m.ffn_norm.register_forward_hook(noop)
             n += 1
         if "gate_up" in what and isinstance(m, GroupedExperts):
-            m._copy_pair = lambda *_: None
+            m._gate_up_pair = lambda *_: None
             n += 1
     return n
 
@@ -230,7 +230,8 @@ def run_ours(args, mode: str) -> dict:
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
                                lr=LR[mode], output_dir=out_dir, log_every=10**6,
-                               weight_copies=args.weight_copies == "on", moment_dtype=args.moments),
+                               weight_copies=args.weight_copies == "on", moment_dtype=args.moments,
+                               weight_dtype=args.weights),
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
@@ -299,7 +300,9 @@ def run_ours(args, mode: str) -> dict:
     return {"side": "ours", "mode": mode, "model": f"moeadapt {spec.name}", "params_total": counts["total"],
             "params_active": counts["active_per_token"], "trainable": n_train, "build_s": build_s,
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
-            "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else "fp32 master weights")
+            "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else
+                           "bf16 weights (stochastically rounded)" if cfg.train.weight_dtype == "bf16" else
+                           "fp32 master weights")
                           + ((", bf16 adapter copies (the lean experts' adapter gradients fp32)" if mode == "lora"
                               else ", bf16 weight copies and gradients") if copies is not None else "")
                           + (", bf16 AdamW moments" if cfg.train.moment_dtype == "bf16" else "")
@@ -441,6 +444,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
         cmd += ["--moments", args.moments] if side == "ours" else []
+        cmd += ["--weights", args.weights] if side == "ours" and mode == "full" else []
         cmd += ["--unfuse", args.unfuse] if side == "ours" and args.unfuse else []
         print(f"\n== {side} {mode}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
@@ -548,6 +552,8 @@ def main() -> None:
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--moments", default="fp32", choices=["fp32", "bf16"], help="our side: train.moment_dtype "
                    "(AdamW's moments in bf16, stochastically rounded; on a GPU)")
+    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="our side, full fine-tuning: "
+                   "train.weight_dtype (the trained weights in bf16, stochastically rounded; one GPU)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
                    f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -378,6 +378,11 @@ class TrainSpec(_Strict):
                                                   "stochastically rounded (ops/optim/reference.py); on a GPU "
                                                   "(the trainer's CopyAdamW, which under FSDP2 steps the local "
                                                   "shards)")
+    weight_dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="dtype the trained weights are "
+                                                  "kept in (full fine-tuning, one GPU): bf16 stores them in 2 "
+                                                  "bytes a parameter with no fp32 weight and no compute copy, "
+                                                  "updated in fp32 and stored stochastically rounded "
+                                                  "(ops/optim/reference.py); the gradients are bf16")
     cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
                              "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
                              "process on a GPU, fixed shapes, no packed documents or images")

@@ -68,23 +68,45 @@ class GroupedExperts(nn.Module):
         self.backend = "auto"  # the SwiGLU between them (the linears keep their own, e.g. a grouped-LoRA kernel)
         self.lora_path = "auto"
         self._gu_cat = None  # lean path: the buffer w1's and w3's frozen weights are views of (gate_up_cat)
+        self._gu_pair = None  # trained bf16 weights: the buffer w1's and w3's weights are views of (pair_weights)
 
     def forward(self, x_NL: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        pair = self._copy_pair(x_NL)
+        pair = self._gate_up_pair(x_NL)
         if pair is not None:  # gate and up as one GEMM each way (ops/moe/gate_up.py)
             h_N2F = gate_up_mm(x_NL, self.w1.weight, self.w3.weight, pair, offsets_E)
             return self.w2(swiglu(h_N2F, backend=self.backend), offsets_E)
         return self._down(self.w1(x_NL, offsets_E), self.w3(x_NL, offsets_E), offsets_E)
 
-    def _copy_pair(self, x_NL: torch.Tensor) -> torch.Tensor | None:
-        """The [E, 2F, L] buffer w1's and w3's weights are the row halves of (the bf16 copies train/copies.py
-        lends a full fine-tuning step), where the plain SwiGLU runs on torch's grouped GEMM; else None."""
+    def _gate_up_pair(self, x_NL: torch.Tensor) -> torch.Tensor | None:
+        """The [E, 2F, L] buffer w1's and w3's weights are the row halves of, where the plain SwiGLU runs on
+        torch's grouped GEMM: the bf16 copies train/copies.py lends a full fine-tuning step, or the weights'
+        own storage (`pair_weights`); else None."""
         w1, w3 = self.w1, self.w3
         if self.limit is not None or hasattr(w1, "lora_A") or w1.weight.dtype != x_NL.dtype:
             return None
         if any(grouped_mm_backend(w.backend, x_NL.device) != "torch" for w in (w1, w3)):
             return None
+        own = self._gu_pair
+        if own is not None and lean_lora.is_gate_up_view(w1.weight, w3.weight, own, 0):
+            return own
         return paired(w1.weight, w3.weight)
+
+    @torch.no_grad()
+    def pair_weights(self) -> bool:
+        """Lay w1's and w3's weights out as the two row halves of one [E, 2F, L] buffer in their dtype (the
+        Parameters kept, their data now views of it), so that `forward` runs gate and up as one GEMM each way
+        (full fine-tuning with bf16 weights, train/copies.py `store_bf16`). False (nothing changed) for LoRA'd or
+        clamped experts or weights of two shapes or dtypes. A later `.to()` or load that replaces the weights'
+        storage ends the pairing (checked at each forward); loads that copy in place keep it."""
+        w1, w3 = self.w1.weight, self.w3.weight
+        if self.limit is not None or hasattr(self.w1, "lora_A") or w1.shape != w3.shape or w1.dtype != w3.dtype:
+            return False
+        E, F, L = w1.shape
+        buf = torch.empty(E, 2 * F, L, dtype=w1.dtype, device=w1.device)
+        buf[:, :F], buf[:, F:] = w1, w3
+        w1.data, w3.data = buf[:, :F], buf[:, F:]
+        self._gu_pair = buf
+        return True
 
     def _down(self, g_NF, u_NF, offsets_E):
         if self.limit is None and self._folds((self.w2,), g_NF, g_NF.shape[0]):  # SwiGLU in w2's LoRA-in pass

@@ -36,12 +36,15 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
     kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
     the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict.
     copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them. bf16 moments
-    (train.moment_dtype) are CopyAdamW's alone (on a GPU; under FSDP2 it steps the local shards)."""
+    (train.moment_dtype) and bf16 weights (train.weight_dtype) are CopyAdamW's alone (on a GPU; under FSDP2 it
+    steps the local shards)."""
     bf16_moments = getattr(train, "moment_dtype", "fp32") == "bf16"
-    if bf16_moments and device.type != "cuda":
-        raise ValueError("train.moment_dtype: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
-                         "Set train.moment_dtype: fp32")
-    if copies or bf16_moments:
+    bf16_weights = getattr(train, "weight_dtype", "fp32") == "bf16"
+    for on, key in ((bf16_moments, "moment_dtype"), (bf16_weights, "weight_dtype")):
+        if on and device.type != "cuda":
+            raise ValueError(f"train.{key}: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
+                             f"Set train.{key}: fp32")
+    if copies or bf16_moments or bf16_weights:
         return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
                          moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed)
     return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)
@@ -50,7 +53,10 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
 class CopyAdamW(torch.optim.Optimizer):
     """AdamW for fp32 parameters on a GPU whose gradients may be bf16 (`Parameter.grad_dtype`), which also writes
     each copied weight's bf16 compute copy (train/copies.py) from the updated weight, in the same pass (whatever
-    the gradient's dtype: the lean experts path returns fp32 gradients for copied adapters).
+    the gradient's dtype: the lean experts path returns fp32 gradients for copied adapters). bf16 parameters
+    (train.weight_dtype bf16: no fp32 weight, no copy) are updated in fp32 and stored stochastically rounded
+    (ops/optim/reference.py); a parameter may be a block of rows of a bigger tensor (the experts' w1 / w3 in
+    one gate/up buffer, train/copies.py `store_bf16`).
 
     The update and the state dict are torch.optim.AdamW's (per parameter `step`, `exp_avg`, `exp_avg_sq`;
     a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
@@ -80,7 +86,8 @@ class CopyAdamW(torch.optim.Optimizer):
         self._tabs: dict[tuple, tuple] = {}  # (addresses, ops/optim TensorTable) per (group, part, role)
 
     def _parts(self) -> list[tuple[int, dict, tuple, list]]:
-        """(group index, group, (grad dtype, copied), parameters with a gradient) for each kernel launch."""
+        """(group index, group, (weight dtype, grad dtype, copied), parameters with a gradient) for each kernel
+        launch."""
         from ..ops.optim.triton_adamw import ALIGN
 
         out = []
@@ -93,7 +100,7 @@ class CopyAdamW(torch.optim.Optimizer):
                     # autograd may keep a gradient that is a row block of a bigger one (shared_input.py's dA of
                     # several adapters, one GEMM) off the 16-element boundary the kernels' vector loads need
                     p.grad = p.grad.clone()
-                parts.setdefault((p.grad.dtype, p in self.copies), []).append(p)
+                parts.setdefault((p.dtype, p.grad.dtype, p in self.copies), []).append(p)
             out += [(gi, group, key, ps) for key, ps in parts.items()]
         return out
 
@@ -124,9 +131,9 @@ class CopyAdamW(torch.optim.Optimizer):
         from ..ops.optim.triton_adamw import grad_sq_sum
 
         total = None
-        for gi, _, (dt, cp), ps in self._parts():
+        for gi, _, key, ps in self._parts():
             grads = [p.grad for p in ps]
-            s = grad_sq_sum(self._table((gi, dt, cp, "g"), grads), self._block_map(ps))
+            s = grad_sq_sum(self._table((gi, *key, "g"), grads), self._block_map(ps))
             total = s if total is None else total + s
         if total is None:
             return torch.zeros((), device=self.param_groups[0]["params"][0].device)
@@ -139,7 +146,7 @@ class CopyAdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("CopyAdamW.step takes no closure")
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        for launch, (gi, group, (dt, cp), ps) in enumerate(self._parts()):
+        for launch, (gi, group, key, ps) in enumerate(self._parts()):
             for p in ps:
                 st = self.state[p]
                 if not st:
@@ -154,12 +161,13 @@ class CopyAdamW(torch.optim.Optimizer):
             torch._foreach_add_(steps, 1.0)
             if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
-            tabs = {"p": self._table((gi, dt, cp, "p"), ps), "g": self._table((gi, dt, cp, "g"), [p.grad for p in ps]),
-                    "m": self._table((gi, dt, cp, "m"), [self.state[p]["exp_avg"] for p in ps]),
-                    "v": self._table((gi, dt, cp, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
-                    "step": self._table((gi, dt, cp, "step"), steps)}
-            if cp:
-                tabs["c"] = self._table((gi, dt, cp, "c"), [self.copies[p] for p in ps], row_blocks=True)
+            tabs = {"p": self._table((gi, *key, "p"), ps, row_blocks=True),
+                    "g": self._table((gi, *key, "g"), [p.grad for p in ps]),
+                    "m": self._table((gi, *key, "m"), [self.state[p]["exp_avg"] for p in ps]),
+                    "v": self._table((gi, *key, "v"), [self.state[p]["exp_avg_sq"] for p in ps]),
+                    "step": self._table((gi, *key, "step"), steps)}
+            if key[2]:  # copied
+                tabs["c"] = self._table((gi, *key, "c"), [self.copies[p] for p in ps], row_blocks=True)
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
                    seed=self.seed + 7919 * launch + 104729 * self._rank)

@@ -85,11 +85,11 @@ def fill_shards(model: nn.Module, fill: Fill) -> None:
         local.copy_(src)
 
 
-def shard_bytes(model: nn.Module, optimizer_states: int = 2) -> dict[str, int]:
+def shard_bytes(model: nn.Module, moment_bytes: int = 4) -> dict[str, int]:
     """This rank's bytes of weights, gradients (trainable parameters, in their dtype) and optimizer state
-    (`optimizer_states` tensors per trainable element: AdamW's exp_avg and exp_avg_sq), and the largest single
-    local tensor. What `AdamW` and autograd allocate for these shards; compare plan.memory.state_bytes."""
-    weights = grads = largest = 0
+    (AdamW's exp_avg and exp_avg_sq, `moment_bytes` each per trainable element), and the largest single local
+    tensor. What `AdamW` and autograd allocate for these shards; compare plan.memory.state_bytes."""
+    weights = grads = largest = trainable = 0
     for _, t, _ in named_tensors(model):
         if not isinstance(t, nn.Parameter):
             continue
@@ -99,4 +99,5 @@ def shard_bytes(model: nn.Module, optimizer_states: int = 2) -> dict[str, int]:
         largest = max(largest, b)
         if t.requires_grad:
             grads += b
-    return {"weights": weights, "grads": grads, "optimizer": grads * optimizer_states, "largest_tensor": largest}
+            trainable += local.numel()
+    return {"weights": weights, "grads": grads, "optimizer": 2 * moment_bytes * trainable, "largest_tensor": largest}

@@ -4,7 +4,8 @@ Owns: parameter accounting (counted on the meta device, LoRA adapters counted an
 allocated), and the bytes each rank holds at the step's peak:
   weights     every parameter sharded over dp_shard * cp (FSDP2; experts: E/ep whole experts per EP rank,
               further sharded over dp_shard_in_ep = dp_shard * cp / ep, which gives the same 1/(dp_shard*cp));
-              frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy); counted tensor by
+              frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy; bf16 with
+              train.weight_dtype bf16: Plan.weight_bytes, no copy, bf16 gradients); counted tensor by
               tensor for the rank holding the most (`state_bytes`: FSDP2's torch.chunk pieces of dim 0);
   grads       fp32, trainable parameters only, sharded like the weights (one GPU with train.weight_copies, full
               FT's weights or LoRA's adapters: bf16 gradients + a persistent bf16 copy of each in place of fp32
@@ -74,6 +75,7 @@ class Plan:
     a2a_chunks: int = 1  # parallel.a2a_chunks
     ep_capacity_factor: float = 1.5  # parallel.ep_capacity_factor
     moment_bytes: int = 4  # bytes of each AdamW moment a parameter: 2 with train.moment_dtype bf16
+    weight_bytes: int = 4  # bytes of a trainable weight and of its gradient: 2 with train.weight_dtype bf16
 
     @property
     def shard(self) -> int:
@@ -166,8 +168,8 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     """Bytes of weights, gradients and AdamW state on the rank holding the most (rank 0), tensor by tensor as
     FSDP2 + EP shard them: a tensor's dim 0 (an expert tensor's E/ep local experts) is cut in torch.chunk
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
-    ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters fp32 with fp32 grads and
-    two AdamW states of `plan.moment_bytes` each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
+    ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters and their gradients in
+    `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16) and two AdamW states of `plan.moment_bytes` each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
     (train/dryrun.py) checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
@@ -178,9 +180,9 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
         else:
             ranks = n
         local = min(rows, -(-rows // ranks)) * row_numel
-        weights += local * (4 if tr else base_bytes)
-        trainable += local * 4 if tr else 0
-    return {"weights": weights, "grads": trainable, "optimizer": 2 * trainable * plan.moment_bytes / 4}
+        weights += local * (plan.weight_bytes if tr else base_bytes)
+        trainable += local if tr else 0
+    return {"weights": weights, "grads": trainable * plan.weight_bytes, "optimizer": 2 * trainable * plan.moment_bytes}
 
 
 # -- activations -------------------------------------------------------------------------------------------
@@ -764,13 +766,15 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         tr_block = max((pc.lora_dense[i] + pc.lora_experts[i] / plan.ep) if lora else
                        (pc.block_dense[i] + pc.block_experts[i] / plan.ep) for i in range(spec.n_layers))
         gathered += 4 * tr_block  # one unsharded fp32 gradient block before reduce-scatter
-    # single GPU under autocast (no FSDP mixed precision): bf16 copies of the fp32 trainable weights
+    # single GPU under autocast (no FSDP mixed precision): bf16 copies of the fp32 trainable weights (none with
+    # bf16 weights, whose residual stream is bf16 too: the embedding's dtype)
+    bf16_weights = plan.weight_bytes == 2
     casts = ()
-    if act_bytes == 2 and n == 1:
+    if act_bytes == 2 and n == 1 and not bf16_weights:
         casts = tuple(2.0 * (pc.lora_dense[i] + pc.lora_experts[i] if lora is not None else
                              pc.block_dense[i] + pc.block_experts[i]) for i in range(spec.n_layers))
     act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_targets if lora is not None else (), pc.lora_rank,
-                           casts, fp32_stream=act_bytes == 2 and n == 1, expert_lora=expert_lora)
+                           casts, fp32_stream=act_bytes == 2 and n == 1 and not bf16_weights, expert_lora=expert_lora)
     t = act["tokens_per_gpu"]
     a2a = 0.0
     if spec.n_routed_experts and plan.ep > 1:  # one layer's fixed [ep, cap, L] buffers, every chunk at once:
@@ -786,7 +790,7 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         tr_root = pc.root
     best = None
     for name, kept, transient, i in act["phases"]:
-        g = 0.0 if i is None or i < 0 else 4 * (tr_root + sum(tr_layer[i + 1:])) / n
+        g = 0.0 if i is None or i < 0 else plan.weight_bytes * (tr_root + sum(tr_layer[i + 1:])) / n
         tot = g + kept + transient
         if best is None or tot > best[0]:
             best = (tot, name, g, kept, transient)

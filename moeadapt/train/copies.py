@@ -158,6 +158,46 @@ def gate_up_pairs(model: nn.Module, targets) -> list[tuple[nn.Parameter, nn.Para
     return out
 
 
+def why_not_bf16(cfg, run, device: torch.device) -> str | None:
+    """Why this run cannot keep its trained weights in bf16 (`train.weight_dtype: bf16`), as the message that
+    names the fix; None where it can (or does not ask)."""
+    t = cfg.train
+    if t.weight_dtype != "bf16":
+        return None
+    fix = "; set train.weight_dtype: fp32"
+    if cfg.lora is not None:
+        return "train.weight_dtype: bf16 is for full fine-tuning (a LoRA run's adapters are few and stay fp32)" + fix
+    if run.world > 1:
+        return ("train.weight_dtype: bf16 runs in one process; under torchrun FSDP2 shards fp32 weights and "
+                "makes their bf16 compute copies" + fix)
+    if device.type != "cuda" or t.dtype == "fp32":
+        return ("train.weight_dtype: bf16 needs a GPU and bf16 autocast (its update is a Triton GPU kernel); this "
+                "run is on the CPU or has train.dtype fp32" + fix)
+    if t.grad_accum_steps > 1 and not t.merge_microbatches:
+        return ("train.weight_dtype: bf16 would add the gradients of several micro-batches (train.grad_accum_steps "
+                "> 1) in bf16; set train.merge_microbatches: true (one forward) or train.weight_dtype: fp32")
+    return None
+
+
+@torch.no_grad()
+def store_bf16(model: nn.Module) -> int:
+    """Full fine-tuning with `train.weight_dtype: bf16`: every trainable parameter cast to bf16 in place (the
+    Parameter objects kept, so optimizer, checkpoints and names are unchanged), and each grouped experts' w1 /
+    w3 laid out as the two row halves of one gate/up buffer (`GroupedExperts.pair_weights`: one GEMM each way)
+    where each expert's [F, L] is a whole number of the optimizer kernel's blocks (it updates the halves in
+    place). No fp32 weight and no bf16 copy remain; CopyAdamW updates the bf16 weights in fp32 and stores them
+    stochastically rounded (ops/optim/reference.py). The residual stream then runs in bf16 (the embedding's
+    dtype), as in a LoRA run. Returns the number of paired experts."""
+    from ..ops.optim.triton_adamw import BLOCK
+
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
+    return sum(bool(m.pair_weights()) for m in model.modules()
+               if isinstance(m, GroupedExperts) and m.w1.weight.requires_grad and m.w3.weight.requires_grad
+               and m.w1.weight[0].numel() % BLOCK == 0)
+
+
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:
     """The run's WeightCopies, or None where it does not take them (`why_not`)."""
     if why_not(cfg, run, device, model) is not None:

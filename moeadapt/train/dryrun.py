@@ -18,6 +18,7 @@ Must not allocate parameter storage or talk to a real process group.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from ..parallel.shards import global_layout, named_tensors, shard_bytes
 from ..plan.memory import Plan, state_bytes
 from ..ui import make_console
 from .build import build_meta
+from .copies import store_bf16, why_not_bf16
 
 console = make_console()
 
@@ -42,8 +44,9 @@ def _simulate_rank(cfg: RunConfig, world: int, rank: int, device: torch.device) 
         run = DistributedRun(cfg, torch.device("cpu"))  # fake group: the meshes are real, the traffic is not
         model = build_meta(cfg, device)
         run.parallelize(model)
-        # AdamW's two moments; in bf16 both take the bytes of one fp32 state
-        out = shard_bytes(model, optimizer_states=1 if cfg.train.moment_dtype == "bf16" else 2)
+        if cfg.train.weight_dtype == "bf16":  # as the trainer stores them (one process: train/copies.py)
+            store_bf16(model)
+        out = shard_bytes(model, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4)
         out["init_block"] = max(init_block_bytes(global_layout(t, m)[0]) for _, t, m in named_tensors(model))
         out["rank"] = rank
         return out
@@ -62,12 +65,16 @@ def dry_run(cfg: RunConfig, world: int | None = None, ranks: list[int] | None = 
     if world != par.world_size:
         raise ValueError(f"--world {world} but the config's parallel section gives dp_replicate*dp_shard*cp = "
                          f"{par.world_size}; set parallel.dp_shard (e.g. --set parallel.dp_shard={world // par.cp})")
+    why = why_not_bf16(cfg, SimpleNamespace(world=world), torch.device("cuda"))  # the trainer's refusals
+    if why:
+        raise ValueError(why)
     t0 = time.perf_counter()
     dev = torch.device(device)
     rows = [_simulate_rank(cfg, world, r, dev) for r in (ranks if ranks is not None else [0])]
     plan = Plan(world, par.dp_replicate, par.dp_shard, par.cp, par.ep, par.activation_checkpointing,
                 cfg.train.micro_batch_size, cfg.train.seq_len, a2a_chunks=par.a2a_chunks,
-                ep_capacity_factor=par.ep_capacity_factor, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4)
+                ep_capacity_factor=par.ep_capacity_factor, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4,
+                weight_bytes=2 if cfg.train.weight_dtype == "bf16" else 4)
     base_bytes = 2 if (cfg.lora is not None and dev.type == "cuda") else 4
     planned = state_bytes(cfg.model, plan, cfg.lora, base_bytes)
     r0 = next((r for r in rows if r["rank"] == 0), None)

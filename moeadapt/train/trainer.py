@@ -49,7 +49,7 @@ from ..parallel.optim import CopyAdamW, build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
-from .copies import WeightCopies, plan_copies
+from .copies import WeightCopies, plan_copies, store_bf16, why_not_bf16
 from .copies import why_not as why_not_copies
 from .errors import TrainingError
 from .graph import StepGraph, check_graphable
@@ -317,7 +317,13 @@ def _fused_adam(lp: Loop) -> bool:
 
 def make_optimizer(cfg: RunConfig, run, model: HybridMoEModel,
                    params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, WeightCopies | None]:
-    """The run's AdamW and, where the run takes them (copies.why_not), the bf16 weight copies it writes."""
+    """The run's AdamW and, where the run takes them (copies.why_not), the bf16 weight copies it writes; with
+    train.weight_dtype bf16, the trained weights first stored in bf16 (copies.store_bf16: no copies then)."""
+    why = why_not_bf16(cfg, run, run.device)
+    if why:
+        raise TrainingError(why)
+    if cfg.train.weight_dtype == "bf16":
+        store_bf16(model)
     copies = plan_copies(model, cfg, run, run.device)
     return build_optimizer(params, cfg.train, run.device, copies.by_weight() if copies else None), copies
 
@@ -706,6 +712,9 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     why = check_graphable(cfg, run) if t.cuda_graph else None
     if why:
         raise TrainingError(f"train.cuda_graph: {why}")
+    why = why_not_bf16(cfg, run, run.device)  # before the model is built
+    if why:
+        raise TrainingError(why)
     quiet = quiet or not run.is_main
     torch.manual_seed(t.seed)
     out_dir = Path(t.output_dir)
@@ -784,9 +793,12 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         if run.device.type == "cuda" and run.world == 1:  # one GPU: say which step
             why = why_not_copies(cfg, run, run.device, lp.model)
             trained = "adapters" if cfg.lora else "weights"
-            console.print(f"{trained}: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
-                                                  else "cast to bf16 at each use (no weight copies: "
-                                                  f"{why or 'no trainable matmul weight to copy'})"))
+            if t.weight_dtype == "bf16":
+                console.print("weights: bf16 (train.weight_dtype), updated in fp32 and stored stochastically rounded")
+            else:
+                console.print(f"{trained}: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
+                                                      else "cast to bf16 at each use (no weight copies: "
+                                                      f"{why or 'no trainable matmul weight to copy'})"))
     eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed, speed = fit(lp, start)
@@ -804,7 +816,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
-                   "weight_copies": lp.copies is not None}
+                   "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

@@ -349,3 +349,89 @@ def test_bf16_moments_train_like_fp32_moments(seed):
         assert ls[-1] < ls[0] / 20, (name, ls[0], ls[-1])
     for a, b in zip(runs["bf16"][10:], runs["fp32"][10:]):
         assert abs(a - b) <= 0.05 * b
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_adamw_kernel_bf16_weights_match_reference(seed, moments):
+    """bf16 weights (train.weight_dtype): the stored weight is the reference's stochastic rounding of the fp32
+    update with the same random bits (`weight_bits`), bit for bit but for the few elements whose fp32 value lands
+    on the other side of a rounding threshold from the float64 one; the moments as with fp32 weights."""
+    from moeadapt.ops.optim import weight_bits
+
+    sizes = _sizes()
+    p = [torch.randn(n).to(torch.bfloat16) for n in sizes]
+    g = [torch.randn(n).to(torch.bfloat16) for n in sizes]
+    m = [(torch.randn(n) * 0.1).to(moments) for n in sizes]
+    v = [(torch.rand(n) * 0.01).to(moments) for n in sizes]
+    steps = [torch.full((), float(s)) for s in (3, 1, 7, 2)]
+    s0 = int(torch.randint(0, 2**31, ()))
+    bits = [moment_bits(s0, i, int(si), pi.numel()) for i, (pi, si) in enumerate(zip(p, steps))]
+    low = moments == torch.bfloat16
+    want = [adamw_reference(pi.double(), gi.double(), mi.double(), vi.double(), int(si), 3e-2, (0.9, 0.95), 1e-8,
+                            0.1, bits=b if low else None, p_bits=weight_bits(b))
+            for pi, gi, mi, vi, si, b in zip(p, g, m, v, steps, bits)]
+    tabs = {"p": _tables(p), "g": _tables(g), "m": _tables(m), "v": _tables(v), "step": _tables(steps)}
+    adamw_(tabs, TensorBlocks(sizes, p[0].device), lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+           seed=s0)
+    for pi, mi, vi, (wp, wm, wv) in zip(p, m, v, want):
+        assert pi.dtype == torch.bfloat16
+        off = pi.float() != wp.float()
+        assert off.float().mean() < 0.01, off.float().mean()
+        assert ((pi.float() - wp.float()).abs() <= torch.maximum(_ulp(wp.float()), _ulp(pi.float()))).all()
+        if not low:
+            torch.testing.assert_close(mi.double(), wm, rtol=2e-5, atol=1e-6)
+            torch.testing.assert_close(vi.double(), wv, rtol=2e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="bf16 copy is made of fp32 weights"):
+        adamw_(tabs | {"c": _tables([torch.empty(n, dtype=torch.bfloat16) for n in sizes])},
+               TensorBlocks(sizes, p[0].device), lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def test_bf16_weights_follow_updates_below_their_spacing(seed):
+    """Each step moves the weight by a tenth of bf16's spacing (lr 1e-3 on weights near 1.5, whose spacing is
+    2^-7): stored round-to-nearest they never move, stochastically rounded by the kernel their mean follows the
+    fp32 trajectory (within 3% of the distance after 200 steps over 16k elements); the same check refuses the
+    round-to-nearest weights."""
+    n, lr, steps = 4 * BLOCK, 1e-3, 200
+    p = torch.full((n,), 1.5, dtype=torch.bfloat16)
+    m, v = torch.zeros(n), torch.zeros(n)
+    step = torch.zeros(())
+    tabs = {"p": _tables([p]), "g": _tables([torch.ones(n, dtype=torch.bfloat16)]), "m": _tables([m]),
+            "v": _tables([v]), "step": _tables([step])}
+    for _ in range(steps):
+        step += 1
+        adamw_(tabs, TensorBlocks([n], p.device), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=seed)
+    exact = 1.5 - lr * steps  # a constant gradient: every Adam step is lr (m / sqrt(v) = 1 after bias correction)
+    moved = 1.5 - exact
+    assert abs(float(p.double().mean()) - exact) < 0.03 * moved
+    rn = torch.tensor(1.5, dtype=torch.bfloat16)
+    for _ in range(steps):
+        rn = (rn.float() - lr).to(torch.bfloat16)
+    assert abs(float(rn) - exact) > 0.5 * moved  # round to nearest: stuck at 1.5
+
+
+def test_copy_adamw_steps_bf16_weights_in_row_blocks(seed):
+    """CopyAdamW on bf16 weights that are the two row halves of one [E, 2F, L] buffer (train.weight_dtype bf16's
+    gate/up pair) next to a plain bf16 weight: each half takes the reference step of its own gradient (within one
+    bf16 step of the float64 update), the buffer's other rows untouched by the other half's step; a state dict
+    loads into torch's AdamW."""
+    E, F, L = 2, 4, BLOCK // 4
+    buf = torch.randn(E, 2 * F, L).to(torch.bfloat16)
+    w1, w3 = torch.nn.Parameter(buf[:, :F]), torch.nn.Parameter(buf[:, F:])
+    w1.data, w3.data = buf[:, :F], buf[:, F:]
+    other = torch.nn.Parameter(torch.randn(37).to(torch.bfloat16))
+    ps = [w1, w3, other]
+    before = [p.detach().double().clone() for p in ps]
+    grads = [torch.randn(p.shape).to(torch.bfloat16) for p in ps]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    kw = dict(lr=5e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = CopyAdamW(ps, None, seed=3, **kw)
+    opt.step()
+    for p, p0, g in zip(ps, before, grads):
+        want = adamw_reference(p0, g.double(), torch.zeros_like(p0), torch.zeros_like(p0), 1, kw["lr"], kw["betas"],
+                               1e-8, kw["weight_decay"])[0]
+        assert p.dtype == torch.bfloat16
+        assert ((p.detach().double() - want).abs() <= _ulp(want.float()).double() + 1e-12).all()
+    assert w1.data_ptr() == buf.data_ptr() and torch.equal(buf[:, :F], w1.detach())
+    t2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().float()) for p in ps], **kw)
+    t2.load_state_dict(opt.state_dict())

@@ -144,3 +144,18 @@ def test_bf16_moments_halve_the_optimizer_term():
     assert fp32["optimizer"] == pytest.approx(8 * fp32["params_trainable"], rel=1e-6)
     assert bf16["optimizer"] == pytest.approx(fp32["optimizer"] / 2, rel=1e-9)
     assert bf16["weights"] == fp32["weights"] and bf16["grads"] == fp32["grads"]
+
+
+def test_bf16_weights_halve_weights_and_gradients_and_drop_the_copies():
+    """train.weight_dtype bf16 (Plan.weight_bytes = 2, one GPU): weights and gradients 2 bytes a trainable
+    parameter, no bf16 compute copies, and the residual stream bf16 (the embedding's dtype), so the activations
+    shrink too; the optimizer term unchanged."""
+    small = get_preset("small")
+    base = dict(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
+    fp32, bf16 = (memory_breakdown(small, Plan(**base, weight_bytes=b), None) for b in (4, 2))
+    n = fp32["params_trainable"]
+    assert fp32["weights"] == pytest.approx(4 * n, rel=1e-6) and bf16["weights"] == pytest.approx(2 * n, rel=1e-6)
+    assert bf16["grads"] == pytest.approx(fp32["grads"] / 2, rel=1e-9)
+    assert bf16["optimizer"] == fp32["optimizer"]
+    assert bf16["activations"] < fp32["activations"]
+    assert bf16["total"] < fp32["total"] - 4 * n

@@ -84,13 +84,15 @@ def test_runs_that_keep_autocasts_casts(change, why):
         assert "autocast" in why_not(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
-def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments):
-    """A CopyAdamW run saved and resumed (train/checkpoint.py) continues exactly: weights, moments (fp32 or bf16:
-    the file keeps their dtype), step counts and copies as they were, and the next step the same as the unbroken
-    run's."""
+@pytest.mark.parametrize("moments, weights", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                              (torch.bfloat16, "bf16")])
+def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights):
+    """A CopyAdamW run saved and resumed (train/checkpoint.py) continues exactly: weights (fp32 with copies, or
+    bf16: train.weight_dtype), moments (fp32 or bf16: the file keeps their dtype), step counts and copies as they
+    were, and the next step the same as the unbroken run's."""
     from moeadapt.parallel.optim import CopyAdamW
     from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
+    from moeadapt.train.copies import store_bf16
 
     spec = micro_spec(n_layers=2)
     x = torch.randint(0, spec.vocab_size, (2, 16))
@@ -101,8 +103,11 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments):
         for mod in model.modules():
             if isinstance(mod, GroupedLinear):
                 mod.backend = "reference"
-        copies = WeightCopies(copy_targets(model))
+        if weights == "bf16":
+            store_bf16(model)
+        copies = WeightCopies(copy_targets(model))  # none of bf16 weights
         params = [p for p in model.parameters() if p.requires_grad]
+        assert all(p.dtype == getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[weights]) for p in params)
         opt = CopyAdamW(params, copies.by_weight(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
                         moment_dtype=moments)
         return model, copies, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -292,7 +297,7 @@ def _expert_grads(experts, x, offs, dy, pairs: bool, swap: bool = False):
         c3.copy_(tmp)
     xg = x.detach().requires_grad_()
     with copies.lent():
-        assert (experts._copy_pair(xg) is not None) == pairs
+        assert (experts._gate_up_pair(xg) is not None) == pairs
         y = experts(xg, offs)
     y.backward(dy)
     return [y.detach().float()] + [t.grad.float() for t in (experts.w1.weight, experts.w3.weight, experts.w2.weight,
@@ -325,3 +330,75 @@ def test_gate_up_pair_computes_the_two_projections(seed):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * float(w.abs().max()))
     bad = _expert_grads(experts, x, offs, dy, pairs=True, swap=True)
     assert not torch.allclose(bad[0], want[0], rtol=2e-2, atol=2e-2 * float(want[0].abs().max()))
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(lora=dict(rank=4)), "for full fine-tuning"),
+    (dict(train=dict(grad_accum_steps=2)), "merge_microbatches"),
+    (dict(train=dict(dtype="fp32")), "bf16 autocast"),
+])
+def test_bf16_weights_refused_where_they_cannot_run(change, why):
+    from moeadapt.train.copies import why_not_bf16
+
+    train = dict(weight_dtype="bf16") | change.pop("train", {})
+    cfg = RunConfig(model=micro_spec(), train=train, **change)
+    cuda = torch.device("cuda")
+    assert why in why_not_bf16(cfg, LocalRun(cfg, cuda), cuda)
+    assert "weight_dtype: fp32" in why_not_bf16(cfg, LocalRun(cfg, cuda), cuda)
+    ok = RunConfig(model=micro_spec(), train=dict(weight_dtype="bf16"))
+    assert why_not_bf16(ok, LocalRun(ok, cuda), cuda) is None
+    assert "GPU" in why_not_bf16(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
+    merged = RunConfig(model=micro_spec(), train=dict(weight_dtype="bf16", grad_accum_steps=2,
+                                                     merge_microbatches=True))
+    assert why_not_bf16(merged, LocalRun(merged, cuda), cuda) is None
+
+
+def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
+    """store_bf16: every trainable parameter bf16, the same Parameter objects and names, the values rounded
+    to bf16; the experts whose [F, L] is a whole number of optimizer blocks get w1 / w3 as one buffer's halves,
+    which their forward then reads as one GEMM, with the output and gradients of the two-GEMM path on the same
+    bf16 weights (bf16 GEMMs: to rounding)."""
+    from moeadapt.models.moe import GroupedExperts
+    from moeadapt.ops.optim.triton_adamw import BLOCK
+    from moeadapt.train.copies import store_bf16
+
+    model = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed % 1000)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    assert store_bf16(model) == 0  # micro_spec's experts are smaller than one block
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and p.dtype == torch.bfloat16, n
+        assert torch.equal(p.detach(), before[n][1].to(torch.bfloat16)), n
+
+    E, L = 3, 512
+    F = BLOCK // L
+    torch.manual_seed(seed)
+    experts = GroupedExperts(E, L, F)
+    for w in (experts.w1, experts.w3, experts.w2):
+        torch.nn.init.normal_(w.weight, std=0.05)
+    twin = GroupedExperts(E, L, F)
+    twin.load_state_dict(experts.state_dict())
+    for w in (*experts.children(), *twin.children()):
+        w.backend = "torch"  # torch._grouped_mm, as on CUDA
+    w1 = experts.w1.weight
+    assert store_bf16(experts) == 1 and store_bf16(twin) == 1
+    twin._gu_pair = None  # the twin runs the two GEMMs on the same values
+    assert experts.w1.weight is w1 and experts.w1.weight.dtype == torch.bfloat16
+    counts = torch.tensor([70, 0, 58])
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), L).to(torch.bfloat16)
+    dy = torch.randn(int(counts.sum()), L).to(torch.bfloat16)
+    outs = []
+    for m in (experts, twin):
+        xg = x.clone().requires_grad_()
+        assert (m._gate_up_pair(xg) is not None) == (m is experts)
+        y = m(xg, offs)
+        y.backward(dy)
+        outs.append([y.detach().float()] + [t.grad.float() for t in (m.w1.weight, m.w3.weight, m.w2.weight, xg)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+    assert experts.w1.weight.grad.dtype == torch.bfloat16 and experts.w1.weight.grad.is_contiguous()
+    with torch.no_grad():  # the halves exchanged: the same check fails
+        buf = experts._gu_pair
+        buf.copy_(torch.cat([buf[:, F:], buf[:, :F]], 1))
+        y = experts(x, offs).float()
+    assert not torch.allclose(y, outs[1][0], rtol=2e-2, atol=2e-2 * float(outs[1][0].abs().max()))

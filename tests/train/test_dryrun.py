@@ -101,3 +101,19 @@ def test_cli_dry_run_prints_each_rank(capsys, tmp_path):
     assert main(["finetune", str(f), "--dry-run", "--world", "4", "--ranks", "0,3"]) == 0
     out = capsys.readouterr().out
     assert "dry run: micro LoRA, 4 ranks, FSDP4 EP1" in out and "runtime / planner (rank 0): weights 1.0000" in out
+
+
+def test_bf16_weights_halve_the_weight_and_gradient_bytes():
+    """train.weight_dtype bf16 (one process): the rank holds 2 bytes of weight and 2 of gradient a trainable
+    parameter, as the planner says; under torchrun (world 2) the dry run refuses it as the trainer does."""
+    spec = micro_spec(n_routed_experts=8)
+    cfg = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": "bf16"}})
+    res = dry_run(cfg, 1, quiet=True)
+    n = param_counts(spec, None).total
+    r0 = res["ranks"][0]
+    assert r0["weights"] == 2 * n and r0["grads"] == 2 * n and r0["optimizer"] == 8 * n
+    assert res["runtime_over_planner"] == {"weights": 1.0, "grads": 1.0, "optimizer": 1.0}
+    two = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": "bf16"},
+                            "parallel": {"dp_shard": 2}})
+    with pytest.raises(ValueError, match="weight_dtype: bf16 runs in one process"):
+        dry_run(two, 2, quiet=True)

@@ -17,6 +17,11 @@ stored moment is the fp32 one in expectation. Round-to-nearest would lose v's sm
 the update moves v by 5% of (g^2 - v), with 0.999 by 0.1%, under bf16's 0.4% spacing. The random bits are
 deterministic (`moment_bits`): a hash of (seed, the tensor's index in its launch, the step count) and the
 element's index.
+
+Weights kept in bf16 (`train.weight_dtype: bf16`, full fine-tuning): no fp32 weight at all. The step reads the
+bf16 weight as fp32, runs as above and stores the new weight stochastically rounded to bf16, with 16 more random
+bits per element (`weight_bits`). An update smaller than half of bf16's spacing (lr x ~1 against a weight of
+magnitude |w|: 0.4% of |w|), which round-to-nearest would drop every step, moves the weight in expectation.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ import torch
 def adamw_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, lr: float,
                     betas: tuple[float, float], eps: float, weight_decay: float,
                     grad_scale: float | None = None,
-                    bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    bits: torch.Tensor | None = None, p_bits: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(p, m, v) after one AdamW step; the inputs are left as they are. step: the count after this step.
-    bits (`moment_bits`, bf16 moments): m and v come back stochastically rounded to bf16 by them."""
+    bits (`moment_bits`, bf16 moments): m and v come back stochastically rounded to bf16 by them.
+    p_bits (`weight_bits`, bf16 weights): p comes back stochastically rounded to bf16 by them."""
     b1, b2 = betas
     g = g.to(p.dtype)
     m, v = m.to(p.dtype), v.to(p.dtype)
@@ -40,6 +47,8 @@ def adamw_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
     v = b2 * v + (1 - b2) * g * g
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
     p = p - (lr / bc1) * m / (v.sqrt() / bc2 ** 0.5 + eps)
+    if p_bits is not None:
+        p = stochastic_round_bf16(p.float(), p_bits.view(p.shape))
     if bits is not None:
         m = stochastic_round_bf16(m.float(), bits.view(m.shape) & 0xFFFF)
         v = stochastic_round_bf16(v.float(), bits.view(v.shape) >> 16)
@@ -61,6 +70,11 @@ def moment_bits(seed: int, tensor_index: int, step: int, numel: int) -> torch.Te
     high 16 round v."""
     key = hash32(hash32(torch.tensor(tensor_index ^ (seed & 0x7FFFFFFF))) ^ step)
     return hash32(torch.arange(numel) ^ key)
+
+
+def weight_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits that round a bf16 weight, from its element's `moment_bits`."""
+    return hash32(bits) & 0xFFFF
 
 
 def stochastic_round_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,16 @@ gradients arrive in bf16 and each optimizer step must also write that copy. torc
 bf16 gradient for an fp32 weight nor a second output. Here each step reads the gradient (2 bytes), the weight and
 both moments (12) and writes them back (12) plus the bf16 copy (2): 28 bytes a parameter, where autocast's cast
 of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 AdamW (28) took 40. With the
-moments in bf16 (`train.moment_dtype: bf16`, stochastically rounded: reference.py) a step moves 20 bytes.
+moments in bf16 (`train.moment_dtype: bf16`, stochastically rounded: reference.py) a step moves 20 bytes; with
+the weights in bf16 as well (`train.weight_dtype: bf16`: no fp32 weight, no copy; the weight stochastically
+rounded too) 14.
 
 How: the tensors stay where they are (the module's weights, autograd's gradients, the optimizer's state). A
 `TensorBlocks` cuts their elements into BLOCK-sized pieces that never straddle two tensors; program i works on
 tensor `tensor_id[i]` from element `start[i]`, and finds that tensor through an int64 table per role (weight,
 gradient, moments, step count, copy): `TensorTable`, each tensor's element offset from an anchor tensor. Every
-tensor must be contiguous (a copy may be a block of rows: TensorTable's row_blocks) and start on a 16-element
-boundary (any allocation of the caching allocator does); whole blocks run unmasked, so their loads and stores are
+tensor must be contiguous (a weight or its copy may be a block of rows: TensorTable's row_blocks) and start on
+a 16-element boundary (any allocation of the caching allocator does); whole blocks run unmasked, so their loads and stores are
 16-byte vectors.
 """
 
@@ -61,8 +63,8 @@ class TensorTable:
     device), sent without waiting for the device. The offsets are multiples of ALIGN elements (the caching allocator aligns to 512 bytes), which the
     kernels assume so that their loads and stores are 16-byte vectors.
 
-    row_blocks (the bf16 copies only): a tensor may also be a block of rows of a bigger one (w1's copy, the first
-    F rows of each expert's [2F, L] in one gate/up buffer, train/copies.py): dim 0's slices each contiguous,
+    row_blocks (weights and bf16 copies): a tensor may also be a block of rows of a bigger one (w1's weight or
+    copy, the first F rows of each expert's [2F, L] in one gate/up buffer, train/copies.py): dim 0's slices each contiguous,
     `chunk` elements apart `stride`, with chunk a multiple of BLOCK so that no block straddles two. Element i of
     the tensor then lies at offset + (i // chunk) * stride + i % chunk; a contiguous tensor has stride = chunk."""
 
@@ -97,27 +99,39 @@ class TensorTable:
         self.stride = host_tensor(strides, device)
 
 
+# Blocks one gradient-norm program sums (benchmarks/bench_adamw.py --norm, one H100, ~0.9B bf16 gradients): one
+# block a program spends more time starting programs and reducing than reading.
+SQ_SUM_GROUP = 8
+
+
 @triton.jit
-def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(tid_ptr + pid)
-    start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
-    n = tl.load(numel_ptr + t)
-    g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
+def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, n_blocks, ALIGN: tl.constexpr,
+                   BLOCK: tl.constexpr, GROUP: tl.constexpr):
     idx = tl.arange(0, BLOCK)
-    if start + BLOCK <= n:  # a whole block: unmasked, so the loads are vectors
-        g = tl.load(g_ptr + idx).to(tl.float32)
-    else:
-        g = tl.load(g_ptr + idx, mask=start + idx < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(GROUP):  # GROUP consecutive blocks, each in its own tensor
+        b = tl.program_id(0) * GROUP + j
+        if b < n_blocks:
+            t = tl.load(tid_ptr + b)
+            start = tl.multiple_of(tl.load(start_ptr + b), BLOCK)
+            n = tl.load(numel_ptr + t)
+            ptr = g_ptr + tl.multiple_of(tl.load(g_off + t), ALIGN) + start
+            if start + BLOCK <= n:  # a whole block: unmasked, so the loads are vectors
+                g = tl.load(ptr + idx).to(tl.float32)
+            else:
+                g = tl.load(ptr + idx, mask=start + idx < n, other=0.0).to(tl.float32)
+            acc += g * g
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks) -> torch.Tensor:
-    """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device."""
-    part = torch.empty(blocks.n_blocks, dtype=torch.float32, device=blocks.start.device)
+def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks, group: int = SQ_SUM_GROUP) -> torch.Tensor:
+    """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device.
+    group: blocks a program sums (SQ_SUM_GROUP)."""
+    n_prog = -(-blocks.n_blocks // group)
+    part = torch.empty(n_prog, dtype=torch.float32, device=blocks.start.device)
     if blocks.n_blocks:
-        _sq_sum_kernel[(blocks.n_blocks,)](g_tab.anchor, g_tab.offsets, blocks.tensor_id, blocks.start, blocks.numel,
-                                          part, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _sq_sum_kernel[(n_prog,)](g_tab.anchor, g_tab.offsets, blocks.tensor_id, blocks.start, blocks.numel, part,
+                                  blocks.n_blocks, ALIGN=ALIGN, BLOCK=BLOCK, GROUP=group, num_warps=NUM_WARPS)
     return part.sum()
 
 
@@ -142,21 +156,27 @@ def _round_bf16(x, r):
 
 @triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_ptr, lr, beta1, beta2, eps, decay,
-                 bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr):
+                 bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
+                 P_BF16: tl.constexpr):
     # lanes outside the tensor (mask False) compute garbage that is never stored
     g = tl.load(g_ptr + idx, mask=mask).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
-    p = tl.load(p_ptr + idx, mask=mask)
+    p = tl.load(p_ptr + idx, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + idx, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + idx, mask=mask).to(tl.float32)
     p = p * (1.0 - lr * decay)
     m = m + (1.0 - beta1) * (g - m)  # torch's lerp
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(p_ptr + idx, p, mask=mask)
-    if M_BF16:  # the moments kept in bf16, stochastically rounded (the update above used them unrounded)
+    r = 0
+    if M_BF16 or P_BF16:
         r = _hash32(elem.to(tl.uint32) ^ key)
+    if P_BF16:  # the weight kept in bf16, stochastically rounded
+        tl.store(p_ptr + idx, _round_bf16(p, _hash32(r) & 0xFFFF), mask=mask)
+    else:
+        tl.store(p_ptr + idx, p, mask=mask)
+    if M_BF16:  # the moments kept in bf16, stochastically rounded (the update above used them unrounded)
         tl.store(m_ptr + idx, _round_bf16(m, r & 0xFFFF), mask=mask)
         tl.store(v_ptr + idx, _round_bf16(v, r >> 16), mask=mask)
     else:
@@ -166,12 +186,21 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_
         tl.store(c_ptr + idx, p.to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _row_block_offset(off_ptr, chunk_ptr, stride_ptr, t, start, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """Element `start` of tensor t from its table's anchor: t may be a block of rows of a bigger tensor
+    (TensorTable's row_blocks); its chunk is a multiple of BLOCK, or the whole tensor, so start % chunk is one too."""
+    chunk = tl.load(chunk_ptr + t)
+    rows = tl.multiple_of((start // chunk) * tl.load(stride_ptr + t), ALIGN)
+    return tl.multiple_of(tl.load(off_ptr + t), ALIGN) + rows + tl.multiple_of(start % chunk, BLOCK)
+
+
 @triton.jit(do_not_specialize=["seed"])
-def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off, c_ptr, c_off,
-                  c_chunk, c_stride, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
+def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off,
+                  c_ptr, c_off, c_chunk, c_stride, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
                   HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
-                  ALIGN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                  P_BF16: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
@@ -179,20 +208,17 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
     t = tl.load(tid_ptr + pid)
     start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
     n = tl.load(numel_ptr + t)
-    p_ptr += tl.multiple_of(tl.load(p_off + t), ALIGN) + start
+    p_ptr += _row_block_offset(p_off, p_chunk, p_stride, t, start, ALIGN, BLOCK)  # (TensorTable's row_blocks)
     g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
     m_ptr += tl.multiple_of(tl.load(m_off + t), ALIGN) + start
     v_ptr += tl.multiple_of(tl.load(v_off + t), ALIGN) + start
-    if HAS_COPY:  # the copy may be a row block of a bigger tensor (TensorTable's row_blocks)
-        chunk = tl.load(c_chunk + t)  # a multiple of BLOCK, or the whole tensor: start % chunk is one too
-        c_ptr += (tl.multiple_of(tl.load(c_off + t), ALIGN)
-                  + tl.multiple_of((start // chunk) * tl.load(c_stride + t), ALIGN)
-                  + tl.multiple_of(start % chunk, BLOCK))
+    if HAS_COPY:
+        c_ptr += _row_block_offset(c_off, c_chunk, c_stride, t, start, ALIGN, BLOCK)
     step = tl.load(step_ptr + tl.load(step_off + t))  # this step's count (1 on the first)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     key = 0
-    if M_BF16:  # the stochastic rounding's random bits: a hash of (seed, tensor, step) and the element's index
+    if M_BF16 or P_BF16:  # the stochastic rounding's random bits: a hash of (seed, tensor, step), element's index
         key = _hash32(_hash32(t.to(tl.uint32) ^ seed.to(tl.uint32)) ^ step.to(tl.uint32))
     # the block in SUB-element pieces, one after another (SUB_FP32_MOMENTS / SUB_BF16_MOMENTS say why)
     for i in range(0, BLOCK, SUB):
@@ -200,41 +226,48 @@ def _adamw_kernel(p_ptr, p_off, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_p
         elem = start + idx
         if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
             _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, elem, key, scale_ptr, lr, beta1, beta2, eps,
-                         decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
+                         decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16)
         else:
             _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1, beta2,
-                         eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16)
+                         eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16)
 
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None, seed: int = 0, sub: int | None = None) -> None:
-    """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": fp32 weights, gradients
-    in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to this step;
-    "c": optional bf16 copies written from the new weights, which may be row blocks: TensorTable's row_blocks).
-    grad_scale (device scalar): every gradient is divided by it; found_inf (device scalar): nonzero skips the
-    whole step. bf16 moments are stored stochastically rounded, their random bits drawn from `seed`, the
-    tensor's index and its step count (`reference.moment_bits`): the same inputs give the same result.
+    """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": weights in fp32 or bf16,
+    gradients in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to
+    this step; "c": optional bf16 copies of fp32 weights, written from the new weights). Weights and copies may
+    be row blocks (TensorTable's row_blocks). grad_scale (device scalar): every gradient is divided by it;
+    found_inf (device scalar): nonzero skips the whole step. bf16 moments and bf16 weights are stored
+    stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
+    (`reference.moment_bits`, `reference.weight_bits`): the same inputs give the same result.
     sub: elements per loop step of a program (a power of two dividing BLOCK; default SUB_FP32_MOMENTS or
-    SUB_BF16_MOMENTS)."""
+    SUB_BF16_MOMENTS, the latter for bf16 weights too)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
     p, c = tabs["p"], tabs.get("c")
-    c = c if c is not None else p
-    m_dtype = tabs["m"].anchor.dtype
+    m_dtype, p_dtype = tabs["m"].anchor.dtype, p.anchor.dtype
     if m_dtype not in (torch.float32, torch.bfloat16) or tabs["v"].anchor.dtype != m_dtype:
         raise ValueError(f"AdamW moments must both be float32 or both bfloat16; got {m_dtype} and "
                          f"{tabs['v'].anchor.dtype}")
+    if p_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"AdamW weights must be float32 or bfloat16; got {p_dtype}")
+    if c is not None and p_dtype != torch.float32:
+        raise ValueError("a bf16 copy is made of fp32 weights; these weights are bf16 already (drop the copies)")
+    c = c if c is not None else p
+    low = torch.bfloat16 in (m_dtype, p_dtype)
     if sub is None:
-        sub = SUB_BF16_MOMENTS if m_dtype == torch.bfloat16 else SUB_FP32_MOMENTS
+        sub = SUB_BF16_MOMENTS if low else SUB_FP32_MOMENTS
     _adamw_kernel[(blocks.n_blocks,)](
-        p.anchor, p.offsets, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor, tabs["m"].offsets,
-        tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets, c.anchor, c.offsets,
-        c.chunk, c.stride,
+        p.anchor, p.offsets, p.chunk, p.stride, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor,
+        tabs["m"].offsets, tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets,
+        c.anchor, c.offsets, c.chunk, c.stride,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
-        M_BF16=m_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, SUB=sub, num_warps=NUM_WARPS)
+        M_BF16=m_dtype == torch.bfloat16, P_BF16=p_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, SUB=sub,
+        num_warps=NUM_WARPS)
