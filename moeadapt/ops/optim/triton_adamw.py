@@ -99,7 +99,7 @@ class TensorTable:
         self.stride = host_tensor(strides, device)
 
 
-# Blocks one gradient-norm program sums (benchmarks/bench_adamw.py --norm, one H100, ~0.9B bf16 gradients): one
+# Blocks one gradient-norm program sums (benchmarks/bench_adamw.py --groups, ~0.9B bf16 gradients): one
 # block a program spends more time starting programs and reducing than reading.
 SQ_SUM_GROUP = 8
 
