@@ -38,32 +38,47 @@ def _steps(lp, steps: int, graphed: bool) -> list:
     return stats
 
 
-def test_copies_train_as_autocasts_casts(seed):
-    from moeadapt.config import RunConfig, get_preset
+def _tiny_full(seed):
+    """The tiny model on the GPU and STEPS batches of ROWS x SEQ tokens for it."""
+    from moeadapt.config import get_preset
     from moeadapt.models.model import build_model, materialize
-    from moeadapt.parallel.optim import CopyAdamW
-    from moeadapt.train import trainer
-    from moeadapt.train.local import LocalRun
-    from moeadapt.train.metrics import NullLogger
 
     spec = get_preset("tiny")
     g = torch.Generator().manual_seed(seed)
     data = [torch.randint(3, spec.vocab_size, (ROWS, SEQ + 1), generator=g) for _ in range(STEPS)]
-
     base = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
     base.set_backend("auto")
+    return spec, base, data
+
+
+def _full_loop(spec, base, data, seed, **train):
+    """The trainer's full fine-tuning loop (optimizer and copies as `moeadapt train` makes them) on a copy of
+    `base`, constant lr."""
+    from moeadapt.config import RunConfig
+    from moeadapt.train import trainer
+    from moeadapt.train.local import LocalRun
+    from moeadapt.train.metrics import NullLogger
+
+    cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
+        "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": STEPS,
+        "log_every": 2, "lr": LR, "warmup_steps": 0, **train}})
+    m = copy.deepcopy(base).train()
+    params = [p for p in m.parameters() if p.requires_grad]
+    run = LocalRun(cfg, torch.device("cuda"))
+    opt, copies = trainer.make_optimizer(cfg, run, m, params)
+    lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
+    return lp, params, copies
+
+
+def test_copies_train_as_autocasts_casts(seed):
+    from moeadapt.parallel.optim import CopyAdamW
+
+    spec, base, data = _tiny_full(seed)
     runs = []
     for copies_on, graphed in ((False, False), (True, False), (True, True)):
-        cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
-            "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": STEPS,
-            "log_every": 2, "lr": LR, "warmup_steps": 0, "weight_copies": copies_on}})
-        m = copy.deepcopy(base).train()
-        params = [p for p in m.parameters() if p.requires_grad]
-        run = LocalRun(cfg, torch.device("cuda"))
-        opt, copies = trainer.make_optimizer(cfg, run, m, params)
-        assert isinstance(opt, CopyAdamW) == copies_on and (copies is not None) == copies_on
-        lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                          ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
+        lp, params, copies = _full_loop(spec, base, data, seed, weight_copies=copies_on)
+        assert isinstance(lp.opt, CopyAdamW) == copies_on and (copies is not None) == copies_on
         start = [p.detach().clone() for p in params]
         stats = _steps(lp, STEPS, graphed)
         if copies_on:
@@ -157,30 +172,14 @@ def test_bf16_weights_train_as_fp32_weights(seed, graphed):
     bf16 (the experts' w1 / w3 one buffer's halves where they pair), the first loss is the same to the residual
     stream's bf16 rounding, every loss stays within 2%, and the weights' updates agree as a whole (lr 1e-3: each
     update several bf16 steps of the weights)."""
-    from moeadapt.config import RunConfig, get_preset
-    from moeadapt.models.model import build_model, materialize
     from moeadapt.models.moe import GroupedExperts
-    from moeadapt.train import trainer
-    from moeadapt.train.local import LocalRun
-    from moeadapt.train.metrics import NullLogger
 
-    spec = get_preset("tiny")
-    g = torch.Generator().manual_seed(seed)
-    data = [torch.randint(3, spec.vocab_size, (ROWS, SEQ + 1), generator=g) for _ in range(STEPS)]
-    base = materialize(build_model(spec, "meta"), "cuda", seed=seed % 1000)
-    base.set_backend("auto")
+    spec, base, data = _tiny_full(seed)
     runs = []
     for weights in ("fp32", "bf16"):
-        cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
-            "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": STEPS,
-            "log_every": 2, "lr": 1e-3, "warmup_steps": 0, "weight_dtype": weights}})
-        m = copy.deepcopy(base).train()
-        params = [p for p in m.parameters() if p.requires_grad]
-        run = LocalRun(cfg, torch.device("cuda"))
-        opt, copies = trainer.make_optimizer(cfg, run, m, params)
+        lp, params, copies = _full_loop(spec, base, data, seed, weight_dtype=weights, lr=1e-3)
+        m = lp.model
         assert (copies is None) == (weights == "bf16")
-        lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                          ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
         start = [p.detach().float().clone() for p in params]
         stats = _steps(lp, STEPS, graphed and weights == "bf16")
         if weights == "bf16":
