@@ -194,4 +194,4 @@ def test_bf16_weights_train_as_fp32_weights(seed, graphed):
     for a, b in zip(stats, s_ref):
         assert abs(a.loss - b.loss) < 2e-2 * abs(b.loss), (a.step, a.loss, b.loss)
     rel = float((d - d_ref).norm() / d_ref.norm())
-    assert rel < 0.3, f"the weights' updates differ by {rel:.3f} (relative)"
+    assert rel < 0.5, f"the weights' updates differ by {rel:.3f} (relative)"
