@@ -1,5 +1,5 @@
 """GPU: the multi-tensor AdamW kernel compiled (tests/ops/test_adamw_kernels.py runs it in Triton's interpreter),
-fp32 and bf16 moments, against the same references: the ops tests themselves, with CUDA as the default device."""
+fp32 and bf16 moments, fp32 and bf16 weights, the gradient norm, against the same references: the ops tests themselves, with CUDA as the default device."""
 
 import os
 
@@ -32,3 +32,16 @@ def test_fp32_moments_compiled(on_cuda, seed, grad_dtype):
                                    "test_copy_adamw_bf16_moments"])
 def test_bf16_moments_compiled(on_cuda, seed, check):
     getattr(ops, check)(seed)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_bf16_weights_compiled(on_cuda, seed, moments):
+    ops.test_adamw_kernel_bf16_weights_match_reference(seed, moments)
+
+
+@pytest.mark.parametrize("check", ["test_bf16_weights_follow_updates_below_their_spacing",
+                                   "test_copy_adamw_steps_bf16_weights_in_row_blocks",
+                                   "test_grad_sq_sum_matches_reference"])
+def test_bf16_weights_and_norm_compiled(on_cuda, seed, check):
+    fn = getattr(ops, check)
+    fn(seed, torch.bfloat16) if check == "test_grad_sq_sum_matches_reference" else fn(seed)
