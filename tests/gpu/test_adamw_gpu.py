@@ -1,5 +1,6 @@
 """GPU: the multi-tensor AdamW kernel compiled (tests/ops/test_adamw_kernels.py runs it in Triton's interpreter),
-fp32 and bf16 moments, fp32 and bf16 weights, the gradient norm, against the same references: the ops tests themselves, with CUDA as the default device."""
+fp32 and bf16 moments, fp32 and bf16 weights, the gradient norm, against the same references: the ops tests
+themselves, with CUDA as the default device."""
 
 import os
 
