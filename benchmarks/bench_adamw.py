@@ -1,14 +1,13 @@
 """The multi-tensor AdamW kernel (ops/optim/triton_adamw.py) alone: ms per step and the bandwidth it reaches, for
 fp32 and bf16 moments, fp32 weights with their bf16 copy and bf16 weights, and each loop step `sub`, on one list
-of tensors shaped like full fine-tuning's; and the gradient-norm kernel for each number of blocks a program sums.
+of tensors shaped like full fine-tuning's.
 
-Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--groups 1,4,8,16]
-                                         [--out FILE.json]
+Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--out FILE.json]
 
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
 an fp32 weight written (2): fp32 weight and moments 28, bf16 moments 20, bf16 weights and moments 14 (no copy),
-bf16 weights with fp32 moments 22. The norm reads the gradient (2). Every variant's result is compared with the
-first's of its kind (the same arithmetic: equal bit for bit; the norm: to fp32 summation order). Needs a GPU.
+bf16 weights with fp32 moments 22. Every variant's result is compared with the first's of its kind (the same
+arithmetic: equal bit for bit). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -51,12 +50,11 @@ def _ms(fn, reps: int) -> float:
 
 def main() -> None:
     from moeadapt.io import atomic_write_text
-    from moeadapt.ops.optim import TensorBlocks, TensorTable, adamw_, grad_sq_sum
+    from moeadapt.ops.optim import TensorBlocks, TensorTable, adamw_
 
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--params", type=float, default=1.0e9)
     a.add_argument("--subs", default="4096,2048,1024,512,256")
-    a.add_argument("--groups", default="1,4,8,16", help="blocks a gradient-norm program sums")
     a.add_argument("--reps", type=int, default=10)
     a.add_argument("--out", default=None)
     args = a.parse_args()
@@ -89,17 +87,6 @@ def main() -> None:
             print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5}: {ms:7.2f} ms  "
                   f"{row['TB_per_s']:.2f} TB/s" + ("" if same is None else f"  same as sub {subs[0]}: {same}"),
                   flush=True)
-        if mdt == f32 and wdt == f32:  # the gradient norm over the same bf16 gradients
-            want = None
-            for grp in (int(x) for x in args.groups.split(",")):
-                got = grad_sq_sum(tabs["g"], blocks, group=grp)
-                want = got if want is None else want
-                ms = _ms(partial(grad_sq_sum, tabs["g"], blocks, group=grp), args.reps)
-                rel = float((got - want).abs() / want)
-                rows.append({"kernel": "grad_sq_sum", "group": grp, "params": n, "ms": ms,
-                             "TB_per_s": n * 2 / ms / 1e9, "rel_diff_to_first": rel})
-                print(f"grad norm  group {grp:>3}: {ms:7.3f} ms  {n * 2 / ms / 1e9:.2f} TB/s  rel. diff {rel:.1e}",
-                      flush=True)
         del ts, tabs, start, first
         torch.cuda.empty_cache()
     if args.out:

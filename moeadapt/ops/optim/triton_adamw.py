@@ -99,39 +99,27 @@ class TensorTable:
         self.stride = host_tensor(strides, device)
 
 
-# Blocks one gradient-norm program sums (benchmarks/bench_adamw.py --groups, ~0.9B bf16 gradients): one
-# block a program spends more time starting programs and reducing than reading.
-SQ_SUM_GROUP = 8
-
-
 @triton.jit
-def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, n_blocks, ALIGN: tl.constexpr,
-                   BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _sq_sum_kernel(g_ptr, g_off, tid_ptr, start_ptr, numel_ptr, out_ptr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(tid_ptr + pid)
+    start = tl.multiple_of(tl.load(start_ptr + pid), BLOCK)
+    n = tl.load(numel_ptr + t)
+    g_ptr += tl.multiple_of(tl.load(g_off + t), ALIGN) + start
     idx = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in range(GROUP):  # GROUP consecutive blocks, each in its own tensor
-        b = tl.program_id(0) * GROUP + j
-        if b < n_blocks:
-            t = tl.load(tid_ptr + b)
-            start = tl.multiple_of(tl.load(start_ptr + b), BLOCK)
-            n = tl.load(numel_ptr + t)
-            ptr = g_ptr + tl.multiple_of(tl.load(g_off + t), ALIGN) + start
-            if start + BLOCK <= n:  # a whole block: unmasked, so the loads are vectors
-                g = tl.load(ptr + idx).to(tl.float32)
-            else:
-                g = tl.load(ptr + idx, mask=start + idx < n, other=0.0).to(tl.float32)
-            acc += g * g
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+    if start + BLOCK <= n:  # a whole block: unmasked, so the loads are vectors
+        g = tl.load(g_ptr + idx).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + idx, mask=start + idx < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(g * g, axis=0))
 
 
-def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks, group: int = SQ_SUM_GROUP) -> torch.Tensor:
-    """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device.
-    group: blocks a program sums (SQ_SUM_GROUP)."""
-    n_prog = -(-blocks.n_blocks // group)
-    part = torch.empty(n_prog, dtype=torch.float32, device=blocks.start.device)
+def grad_sq_sum(g_tab: TensorTable, blocks: TensorBlocks) -> torch.Tensor:
+    """sum(g^2) over every tensor of the table (float32 accumulation): a float32 scalar on the device."""
+    part = torch.empty(blocks.n_blocks, dtype=torch.float32, device=blocks.start.device)
     if blocks.n_blocks:
-        _sq_sum_kernel[(n_prog,)](g_tab.anchor, g_tab.offsets, blocks.tensor_id, blocks.start, blocks.numel, part,
-                                  blocks.n_blocks, ALIGN=ALIGN, BLOCK=BLOCK, GROUP=group, num_warps=NUM_WARPS)
+        _sq_sum_kernel[(blocks.n_blocks,)](g_tab.anchor, g_tab.offsets, blocks.tensor_id, blocks.start, blocks.numel,
+                                          part, ALIGN=ALIGN, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return part.sum()
 
 
