@@ -169,8 +169,9 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     FSDP2 + EP shard them: a tensor's dim 0 (an expert tensor's E/ep local experts) is cut in torch.chunk
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
     ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters and their gradients in
-    `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16) and two AdamW states of `plan.moment_bytes` each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run
-    (train/dryrun.py) checks they agree."""
+    `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16) and two AdamW states of `plan.moment_bytes`
+    each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run (train/dryrun.py)
+    checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
     weights = trainable = 0.0
@@ -182,7 +183,8 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
         local = min(rows, -(-rows // ranks)) * row_numel
         weights += local * (plan.weight_bytes if tr else base_bytes)
         trainable += local if tr else 0
-    return {"weights": weights, "grads": trainable * plan.weight_bytes, "optimizer": 2 * trainable * plan.moment_bytes}
+    return {"weights": weights, "grads": trainable * plan.weight_bytes,
+            "optimizer": 2 * trainable * plan.moment_bytes}
 
 
 # -- activations -------------------------------------------------------------------------------------------
@@ -774,7 +776,8 @@ def memory_breakdown(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, act_byt
         casts = tuple(2.0 * (pc.lora_dense[i] + pc.lora_experts[i] if lora is not None else
                              pc.block_dense[i] + pc.block_experts[i]) for i in range(spec.n_layers))
     act = activation_bytes(spec, plan, act_bytes, backend, pc.lora_targets if lora is not None else (), pc.lora_rank,
-                           casts, fp32_stream=act_bytes == 2 and n == 1 and not bf16_weights, expert_lora=expert_lora)
+                           casts, fp32_stream=act_bytes == 2 and n == 1 and not bf16_weights,
+                           expert_lora=expert_lora)
     t = act["tokens_per_gpu"]
     a2a = 0.0
     if spec.n_routed_experts and plan.ep > 1:  # one layer's fixed [ep, cap, L] buffers, every chunk at once:

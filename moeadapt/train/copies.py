@@ -27,6 +27,10 @@ lean, the same fp32 one). Gradients that add up over several forwards would add 
 takes this path only where the step has one forward. One difference in rounding: full fine-tuning's experts read
 w1's and w3's copies as one [E, 2F, I] buffer (`gate_up_pairs`), so the input's gradient from gate and up is one
 GEMM accumulating both in fp32, where two bf16 GEMM outputs were added.
+
+`train.weight_dtype: bf16` (full fine-tuning) is the other way to a bf16 step: `store_bf16` keeps the weights
+themselves in bf16 (no fp32 weight, no copy; CopyAdamW stores them stochastically rounded), and the experts' w1 /
+w3 become the halves of one buffer in place of their copies'.
 """
 
 from __future__ import annotations
