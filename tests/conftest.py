@@ -41,3 +41,21 @@ class ListBatches:
         x = self.rows[self.i]
         self.i += 1
         return x[:, :-1].contiguous(), x[:, 1:].contiguous(), {}
+
+
+def trainer_loop(cfg, base, data: list):
+    """The trainer's Loop on a copy of `base` (optimizer and weight copies as `moeadapt train` makes them,
+    `trainer.make_optimizer`), constant lr, over the batches `data`: (loop, trainable parameters, copies)."""
+    import copy
+
+    from moeadapt.train import trainer
+    from moeadapt.train.local import LocalRun
+    from moeadapt.train.metrics import NullLogger
+
+    m = copy.deepcopy(base).train()
+    params = [p for p in m.parameters() if p.requires_grad]
+    run = LocalRun(cfg, torch.device(cfg.train.device))
+    opt, copies = trainer.make_optimizer(cfg, run, m, params)
+    lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
+    return lp, params, copies

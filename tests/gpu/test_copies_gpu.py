@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ListBatches
+from tests.conftest import ListBatches, trainer_loop
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,23 +52,13 @@ def _tiny_full(seed):
 
 
 def _full_loop(spec, base, data, seed, **train):
-    """The trainer's full fine-tuning loop (optimizer and copies as `moeadapt train` makes them) on a copy of
-    `base`, constant lr."""
+    """The trainer's full fine-tuning loop on the GPU (tests/conftest.py `trainer_loop`)."""
     from moeadapt.config import RunConfig
-    from moeadapt.train import trainer
-    from moeadapt.train.local import LocalRun
-    from moeadapt.train.metrics import NullLogger
 
     cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
         "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": STEPS,
         "log_every": 2, "lr": LR, "warmup_steps": 0, **train}})
-    m = copy.deepcopy(base).train()
-    params = [p for p in m.parameters() if p.requires_grad]
-    run = LocalRun(cfg, torch.device("cuda"))
-    opt, copies = trainer.make_optimizer(cfg, run, m, params)
-    lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                      ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
-    return lp, params, copies
+    return trainer_loop(cfg, base, data)
 
 
 def test_copies_train_as_autocasts_casts(seed):

@@ -410,13 +410,10 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
     and batches: every loss within 1% and every gradient norm within 3% over three steps, the weights' updates
     within half their size of the fp32 run's, the weights bf16 and the experts' w1 / w3 paired. On the CPU, in Triton's interpreter: the GPU-only refusal is lifted here (the
     same test on a GPU: tests/gpu/test_copies_gpu.py)."""
-    import copy
-
     from moeadapt.config import get_preset
     from moeadapt.models.moe import GroupedExperts
     from moeadapt.train import trainer
-    from moeadapt.train.metrics import NullLogger
-    from tests.conftest import ListBatches
+    from tests.conftest import trainer_loop
 
     build = trainer.build_optimizer
     monkeypatch.setattr(trainer, "why_not_bf16", lambda *a: None)
@@ -430,12 +427,8 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
         cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
             "device": "cpu", "dtype": "bf16", "micro_batch_size": 2, "seq_len": 64, "steps": 3, "lr": 1e-3,
             "warmup_steps": 0, "weight_dtype": w}})
-        m = copy.deepcopy(base).train()
-        params = [p for p in m.parameters() if p.requires_grad]
-        run = LocalRun(cfg, torch.device("cpu"))
-        opt, copies = trainer.make_optimizer(cfg, run, m, params)
-        lp = trainer.Loop(cfg, run, m, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                          ListBatches(data), NullLogger(), None, 1.0, True, copies=copies)
+        lp, params, _ = trainer_loop(cfg, base, data)
+        m = lp.model
         start = [p.detach().float().clone() for p in params]
         stats = []
         for step in range(3):
