@@ -81,7 +81,7 @@ def main() -> None:
             same = None if first is None else all(torch.equal(x, y) for x, y in zip(got, first))
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
-            row = {"kernel": "adamw", "moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
+            row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
                    "sub": sub, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
             rows.append(row)
             print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5}: {ms:7.2f} ms  "
