@@ -36,15 +36,13 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
     kernel over all parameters per step (vs foreach's several passes), and it takes the trainer's skip flag on
     the device (`found_inf`), so a step is applied or skipped without the host waiting for its verdict.
     copies (weight -> its bf16 compute copy, train/copies.py): a `CopyAdamW`, which writes them. bf16 moments
-    (train.moment_dtype) and bf16 weights (train.weight_dtype) are CopyAdamW's alone (on a GPU; under FSDP2 it
-    steps the local shards)."""
+    (train.moment_dtype) and bf16 weights (train.weight_dtype; train/copies.py `why_not_bf16` says where they
+    run) are CopyAdamW's alone (on a GPU; under FSDP2 it steps the local shards)."""
     bf16_moments = getattr(train, "moment_dtype", "fp32") == "bf16"
-    bf16_weights = getattr(train, "weight_dtype", "fp32") == "bf16"
-    for on, key in ((bf16_moments, "moment_dtype"), (bf16_weights, "weight_dtype")):
-        if on and device.type != "cuda":
-            raise ValueError(f"train.{key}: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
-                             f"Set train.{key}: fp32")
-    if copies or bf16_moments or bf16_weights:
+    if bf16_moments and device.type != "cuda":
+        raise ValueError("train.moment_dtype: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
+                         "Set train.moment_dtype: fp32")
+    if copies or bf16_moments or getattr(train, "weight_dtype", "fp32") == "bf16":
         return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
                          moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed)
     return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)

@@ -147,17 +147,23 @@ class WeightCopies:
                     m._parameters[n] = w
 
 
+def _halves_in_blocks(w1: torch.Tensor) -> bool:
+    """Each expert's [F, I] of w1 is a whole number of the optimizer kernel's blocks, so that CopyAdamW can update
+    (or write the copy of) each half of a gate/up buffer in place (TensorTable's row_blocks)."""
+    from ..ops.optim.triton_adamw import BLOCK
+
+    return w1[0].numel() % BLOCK == 0
+
+
 def gate_up_pairs(model: nn.Module, targets) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """(w1, w3) weights of the grouped experts whose copies can share one [E, 2F, I] buffer: both copied, of one
     shape, each expert's [F, I] a whole number of the optimizer kernel's blocks (it writes each half in place)."""
-    from ..ops.optim.triton_adamw import BLOCK
-
     copied = {id(w) for _, _, w in targets}
     out = []
     for m in model.modules():
         if isinstance(m, GroupedExperts) and m.limit is None and not hasattr(m.w1, "lora_A"):
             w1, w3 = m.w1.weight, m.w3.weight
-            if id(w1) in copied and id(w3) in copied and w1.shape == w3.shape and (w1[0].numel() % BLOCK) == 0:
+            if id(w1) in copied and id(w3) in copied and w1.shape == w3.shape and _halves_in_blocks(w1):
                 out.append((w1, w3))
     return out
 
@@ -192,14 +198,12 @@ def store_bf16(model: nn.Module) -> int:
     place). No fp32 weight and no bf16 copy remain; CopyAdamW updates the bf16 weights in fp32 and stores them
     stochastically rounded (ops/optim/reference.py). The residual stream then runs in bf16 (the embedding's
     dtype), as in a LoRA run. Returns the number of paired experts."""
-    from ..ops.optim.triton_adamw import BLOCK
-
     for p in model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
             p.data = p.data.to(torch.bfloat16)
     return sum(bool(m.pair_weights()) for m in model.modules()
                if isinstance(m, GroupedExperts) and m.w1.weight.requires_grad and m.w3.weight.requires_grad
-               and m.w1.weight[0].numel() % BLOCK == 0)
+               and _halves_in_blocks(m.w1.weight))
 
 
 def plan_copies(model: nn.Module, cfg, run, device: torch.device) -> WeightCopies | None:
