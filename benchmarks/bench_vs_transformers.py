@@ -222,9 +222,12 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.models.stats import count_parameters
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
+    from moeadapt.train.graph import WARMUP as GRAPH_WARMUP
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, make_optimizer, start_run, train_step
 
+    if args.cuda_graph:  # the step that captures the graph is a warm-up step, never a timed one
+        args.warmup = max(args.warmup, GRAPH_WARMUP + 1)
     spec = our_spec(args)
     out_dir = tempfile.mkdtemp(prefix="bench_vs_hf_")
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
@@ -308,7 +311,7 @@ def run_ours(args, mode: str) -> dict:
                           + (", bf16 AdamW moments" if cfg.train.moment_dtype == "bf16" else "")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
             "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
-            "defer_verdict": run.defer_verdict, **res}
+            "defer_verdict": run.defer_verdict, "warmup_steps": args.warmup, **res}
 
 
 # ------------------------------------------------------------------ the peer: transformers + peft
@@ -525,7 +528,7 @@ def main() -> None:
     p.add_argument("--part", default="all", choices=["ours", "peer", "all"])
     p.add_argument("--modes", default="lora,full", help="comma list of lora | full")
     p.add_argument("--steps", type=int, default=None, help="timed steps (median); default 5, --tiny 2")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2, --tiny 1")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2, --tiny 1; our side with --cuda-graph at least 3, so that the step capturing the graph is untimed")
     p.add_argument("--seq", type=int, default=None, help="tokens per row; default 4096, --tiny 64")
     p.add_argument("--mb", type=int, default=None, help="rows per step (micro-batch); default 2")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank on both sides)")
