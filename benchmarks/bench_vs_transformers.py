@@ -39,7 +39,7 @@ How the peer's config is matched to our ModelSpec (`peer_config`; printed at run
 
 Run (one H200, ~5-8 minutes for everything; fla's autotune results come from .fla_cache, see benchmarks/README.md):
     . benchmarks/gpu_env.sh        # carry .whl holding the transformers, peft, fla-core and pydantic wheels
-    python3 benchmarks/bench_vs_transformers.py --part all --steps 5 --warmup 2 --out $OUT/vs_hf
+    python3 benchmarks/bench_vs_transformers.py --part all --cuda-graph --out $OUT/vs_hf
 CPU smoke run (tiny dimensions on both sides, ~1.5 CPU-minutes for the four runs; the peer on transformers'
 torch fallback, which it needs: fla's kernels are Triton-only; `--modes lora` halves it):
     python benchmarks/bench_vs_transformers.py --tiny
@@ -67,7 +67,7 @@ from moeadapt.io import atomic_write_text  # noqa: E402
 
 MODES = ("lora", "full")
 TINY = dict(seq=64, mb=2, steps=2, warmup=1)
-FULL = dict(seq=4096, mb=2, steps=5, warmup=2)
+FULL = dict(seq=4096, mb=2, steps=10, warmup=3)  # warm-up 3: with --cuda-graph the capture is the third step
 LR = {"lora": 1e-3, "full": 1e-4}  # both stacks; AdamW betas (0.9, 0.95), no weight decay (TrainSpec's defaults)
 
 
@@ -527,8 +527,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", default="all", choices=["ours", "peer", "all"])
     p.add_argument("--modes", default="lora,full", help="comma list of lora | full")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (median); default 5, --tiny 2")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2, --tiny 1; our side with --cuda-graph at least 3, so that the step capturing the graph is untimed")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (median); default 10, --tiny 2")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 3, --tiny 1; our side with --cuda-graph at least 3, so that the step capturing the graph is untimed")
     p.add_argument("--seq", type=int, default=None, help="tokens per row; default 4096, --tiny 64")
     p.add_argument("--mb", type=int, default=None, help="rows per step (micro-batch); default 2")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank on both sides)")
