@@ -222,12 +222,9 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.models.stats import count_parameters
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
-    from moeadapt.train.graph import WARMUP as GRAPH_WARMUP
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, make_optimizer, start_run, train_step
 
-    if args.cuda_graph:  # the step that captures the graph is a warm-up step, never a timed one
-        args.warmup = max(args.warmup, GRAPH_WARMUP + 1)
     spec = our_spec(args)
     out_dir = tempfile.mkdtemp(prefix="bench_vs_hf_")
     cfg = RunConfig(model=spec, lora=LoRASpec(rank=args.rank, alpha=2.0 * args.rank) if mode == "lora" else None,
@@ -565,6 +562,10 @@ def main() -> None:
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.cuda_graph:  # the step that captures the graph is a warm-up step, never a timed one (both sides alike)
+        from moeadapt.train.graph import WARMUP as GRAPH_WARMUP
+
+        args.warmup = max(args.warmup, GRAPH_WARMUP + 1)
     if args.child:
         return child(args)
     modes = [m for m in args.modes.split(",") if m]
