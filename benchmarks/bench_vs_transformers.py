@@ -525,7 +525,8 @@ def main() -> None:
     p.add_argument("--part", default="all", choices=["ours", "peer", "all"])
     p.add_argument("--modes", default="lora,full", help="comma list of lora | full")
     p.add_argument("--steps", type=int, default=None, help="timed steps (median); default 10, --tiny 2")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 3, --tiny 1; our side with --cuda-graph at least 3, so that the step capturing the graph is untimed")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first; default 3, --tiny 1 (at least 3 with --cuda-graph: the capture is untimed)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row; default 4096, --tiny 64")
     p.add_argument("--mb", type=int, default=None, help="rows per step (micro-batch); default 2")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank on both sides)")

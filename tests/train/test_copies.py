@@ -408,8 +408,8 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
     """train.weight_dtype bf16 through the trainer's own loop (make_optimizer -> store_bf16 -> CopyAdamW, the clip
     as its grad_scale, the skip flag on the device) on the tiny model against the fp32 run from the same weights
     and batches: every loss within 1% and every gradient norm within 3% over three steps, the weights' updates
-    within half their size of the fp32 run's, the weights bf16 and the experts' w1 / w3 paired. On the CPU, in Triton's interpreter: the GPU-only refusal is lifted here (the
-    same test on a GPU: tests/gpu/test_copies_gpu.py)."""
+    within half their size of the fp32 run's, the weights bf16 and the experts' w1 / w3 paired. On the CPU, in
+    Triton's interpreter: the GPU-only refusal is lifted here (the same test on a GPU: tests/gpu/test_copies_gpu.py)."""
     from moeadapt.config import get_preset
     from moeadapt.models.moe import GroupedExperts
     from moeadapt.train import trainer
