@@ -2,7 +2,8 @@
 fp32 and bf16 moments, fp32 weights with their bf16 copy and bf16 weights, and each loop step `sub`, on one list
 of tensors shaped like full fine-tuning's.
 
-Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--out FILE.json]
+Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8]
+                                        [--out FILE.json]
 
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
 an fp32 weight written (2): fp32 weight and moments 28, bf16 moments 20, bf16 weights and moments 14 (no copy),
@@ -55,13 +56,14 @@ def main() -> None:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a.add_argument("--params", type=float, default=1.0e9)
     a.add_argument("--subs", default="4096,2048,1024,512,256")
+    a.add_argument("--warps", default="4", help="comma list of num_warps to launch with (every sub with each)")
     a.add_argument("--reps", type=int, default=10)
     a.add_argument("--out", default=None)
     args = a.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_adamw needs a GPU")
     dev = torch.device("cuda")
-    subs = [int(s) for s in args.subs.split(",")]
+    subs = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]
     rows = []
     f32, b16 = torch.float32, torch.bfloat16
     for mdt, wdt, nbytes in ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14)):
@@ -71,21 +73,21 @@ def main() -> None:
         tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
         start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v")}
         first = None
-        for sub in subs:
+        for sub, warps in subs:
             for k in start:  # the same starting state for every variant
                 for t, s in zip(ts[k], start[k]):
                     t.copy_(s)
-            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub)
+            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps)
             adamw_(tabs, blocks, **kw)  # compile, and the result every variant must give
             got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs if k in ("p", "m", "v", "c")]
             same = None if first is None else all(torch.equal(x, y) for x, y in zip(got, first))
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
             row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
-                   "sub": sub, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
+                   "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
             rows.append(row)
-            print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5}: {ms:7.2f} ms  "
-                  f"{row['TB_per_s']:.2f} TB/s" + ("" if same is None else f"  same as sub {subs[0]}: {same}"),
+            print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5} warps {warps}: {ms:7.2f} ms  "
+                  f"{row['TB_per_s']:.2f} TB/s" + ("" if same is None else f"  same as the first: {same}"),
                   flush=True)
         del ts, tabs, start, first
         torch.cuda.empty_cache()

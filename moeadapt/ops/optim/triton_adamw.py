@@ -222,7 +222,8 @@ def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
-           found_inf: torch.Tensor | None = None, seed: int = 0, sub: int | None = None) -> None:
+           found_inf: torch.Tensor | None = None, seed: int = 0, sub: int | None = None,
+           num_warps: int = NUM_WARPS) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": weights in fp32 or bf16,
     gradients in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to
     this step; "c": optional bf16 copies of fp32 weights, written from the new weights). Weights and copies may
@@ -231,7 +232,7 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
     stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
     (`reference.moment_bits`, `reference.weight_bits`): the same inputs give the same result.
     sub: elements per loop step of a program (a power of two dividing BLOCK; default SUB_FP32_MOMENTS or
-    SUB_BF16_MOMENTS, the latter for bf16 weights too)."""
+    SUB_BF16_MOMENTS, the latter for bf16 weights too); num_warps: the launch's warps (NUM_WARPS)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
@@ -258,4 +259,4 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
         M_BF16=m_dtype == torch.bfloat16, P_BF16=p_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, SUB=sub,
-        num_warps=NUM_WARPS)
+        num_warps=num_warps)
