@@ -84,10 +84,12 @@ def main() -> None:
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
             row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
-                   "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9, "same_as_first": same}
+                   "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9,
+                   "same_as_first": same}
             rows.append(row)
-            print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5} warps {warps}: {ms:7.2f} ms  "
-                  f"{row['TB_per_s']:.2f} TB/s" + ("" if same is None else f"  same as the first: {same}"),
+            print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5} warps {warps}: "
+                  f"{ms:7.2f} ms  {row['TB_per_s']:.2f} TB/s"
+                  + ("" if same is None else f"  same as the first: {same}"),
                   flush=True)
         del ts, tabs, start, first
         torch.cuda.empty_cache()

@@ -46,3 +46,32 @@ def test_bf16_weights_compiled(on_cuda, seed, moments):
 def test_bf16_weights_and_norm_compiled(on_cuda, seed, check):
     fn = getattr(ops, check)
     fn(seed, torch.bfloat16) if check == "test_grad_sq_sum_matches_reference" else fn(seed)
+
+
+@pytest.mark.parametrize("weights,moments", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_warps_change_nothing(on_cuda, seed, weights, moments):
+    """`adamw_(..., num_warps=)` is a launch choice (bench_adamw.py --warps): every element's update is its own, so
+    8 warps store the same bits as the default 4, bf16 copies and stochastically rounded states included."""
+    from moeadapt.ops.optim import TensorBlocks, adamw_
+
+    sizes = ops._sizes()
+    start = {"p": [torch.randn(n).to(weights) for n in sizes],
+             "m": [(torch.randn(n) * 0.1).to(moments) for n in sizes],
+             "v": [(torch.rand(n) * 0.01).to(moments) for n in sizes]}
+    g = [torch.randn(n).to(torch.bfloat16) for n in sizes]
+    steps = [torch.full((), float(s)) for s in (3, 1, 7, 2)]
+    out = []
+    for warps in (4, 8):
+        ts = {k: [t.clone() for t in v] for k, v in start.items()}
+        tabs = {k: ops._tables(v) for k, v in ts.items()} | {"g": ops._tables(g), "step": ops._tables(steps)}
+        if weights == torch.float32:
+            ts["c"] = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            tabs["c"] = ops._tables(ts["c"])
+        adamw_(tabs, TensorBlocks(sizes, g[0].device), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+               seed=11, num_warps=warps)
+        out.append(ts)
+    assert any(not torch.equal(a, b) for a, b in zip(out[0]["p"], start["p"]))  # the step moved the weights
+    for k in out[0]:
+        for a, b in zip(out[0][k], out[1][k]):
+            assert torch.equal(a, b), f"{k} differs between 4 and 8 warps"
