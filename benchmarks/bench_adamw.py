@@ -63,7 +63,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_adamw needs a GPU")
     dev = torch.device("cuda")
-    subs = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]
+    variants = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]  # (sub, warps)
     rows = []
     f32, b16 = torch.float32, torch.bfloat16
     for mdt, wdt, nbytes in ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14)):
@@ -73,7 +73,7 @@ def main() -> None:
         tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
         start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v")}
         first = None
-        for sub, warps in subs:
+        for sub, warps in variants:
             for k in start:  # the same starting state for every variant
                 for t, s in zip(ts[k], start[k]):
                     t.copy_(s)
