@@ -223,6 +223,9 @@ class StepStats:
     aux: dict[str, float | torch.Tensor] = field(default_factory=dict)  # host copies on the steps fit logs
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer; summed over ranks when logged
     drops: dict[int, float | torch.Tensor] = field(default_factory=dict)
+    # host clock (perf_counter) by which the step's work was finished: its read on a GPU, the end of its queuing
+    # where the device runs the work as it is queued (the CPU); the logged tokens/s are measured between these
+    done_at: float | None = None
 
 
 @dataclass
@@ -370,6 +373,8 @@ def _read(q: _Queued) -> StepStats:
         q.done.synchronize()
     loss, losses_ok, grad_norm, targets = q.verdict.tolist()
     st = q.st
+    if q.done is not None or st.done_at is None:
+        st.done_at = time.perf_counter()
     st.loss, st.grad_norm = loss, grad_norm
     if targets == 0:  # the same verdict on every rank
         st.skipped = "no_targets"
@@ -466,6 +471,8 @@ def train_step(lp: Loop) -> StepStats | None:
     if device.type == "cuda":
         lp.queued.done = torch.cuda.Event()
         lp.queued.done.record()
+    else:  # the work ran as it was queued: done now, though its verdict is read in the next step
+        st.done_at = time.perf_counter()
     return read
 
 
@@ -551,8 +558,10 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
         progress.update(task, info=f"loss {st.loss:.3f}")
         if _logged(lp, st.step):
             tok_all = lp.run.sum([tok_log])[0]  # the tokens every rank processed, counted
-            _log_train(lp, st.step + 1, st, tok_all / max(time.perf_counter() - t_log, 1e-9), progress)
-            t_log, tok_log = time.perf_counter(), 0
+            # from the end of the last logged step (or the loop's start) to this one's, evals and checkpoint
+            # writes left out: the steps are read one late, so the time of the read is not the step's own
+            _log_train(lp, st.step + 1, st, tok_all / max(st.done_at - t_log, 1e-9), progress)
+            t_log, tok_log = st.done_at, 0
 
     lp.model.train()
     with progress:
@@ -570,12 +579,14 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
             if step - start >= STEADY_SKIP:
                 speed.seconds += time.perf_counter() - t_step
                 speed.steps += 1
+            t_pause = time.perf_counter()
             if do_eval:
                 lp.logger.log({"kind": "eval", "step": step + 1,
                                "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)})
             if do_save:
                 _save(lp, ckpt_root, step + 1)
             t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
+            t_log += t_step - t_pause  # and out of the next logged tokens/s
     lp.step = t.steps
     speed.tokens = int(lp.run.sum([speed.tokens])[0])  # every rank's tokens
     return last_loss, time.perf_counter() - t0, speed

@@ -137,6 +137,33 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
     assert short.tokens_per_s_steady is None
 
 
+def test_logged_tokens_per_s_is_each_steps_own(tmp_path, monkeypatch):
+    """Each train line's tokens/s covers its own step's work and nothing else: every step made 0.1 s slower and
+    every eval 1 s slower, the lines (one per step, read one step late) must each imply a step of 0.1-0.9 s: not
+    ~0 for the last step (read right after the step before it) nor over 1 s for the step after an eval."""
+    import time
+
+    from moeadapt.train import trainer
+
+    fwd_bwd, slow = trainer._forward_backward, trainer.evaluate
+
+    def slow_step(*a, **k):
+        time.sleep(0.1)
+        return fwd_bwd(*a, **k)
+
+    def slow_eval(*a, **k):
+        time.sleep(1.0)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(trainer, "_forward_backward", slow_step)
+    monkeypatch.setattr(trainer, "evaluate", slow_eval)
+    r = api.train(cfg(tmp_path, steps=7, eval_every=3), quiet=True)
+    recs = [x for x in read_metrics(r.output_dir / "metrics.jsonl") if x["kind"] == "train"]
+    assert [x["step"] for x in recs] == list(range(1, 8))
+    step_s = {x["step"]: 4 * 32 / x["tokens_per_s"] for x in recs}  # micro-batch 4 x seq 32 tokens a step
+    assert all(0.1 <= v < 0.9 for s, v in step_s.items() if s > 1), step_s
+
+
 def test_pack_documents_reach_the_model(tmp_path, monkeypatch):
     """data.pack_documents: every train and eval forward gets position_ids of its rows (merged micro-batches
     included) that restart inside rows."""
