@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,15 +61,16 @@ def _plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = res["variants"]
+    color = {d: f"C{i}" for i, d in enumerate(names)}  # a variant's colour in both panels
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
     for d in names:
         steps = sorted(res[d]["loss"])
-        a.plot(steps, _smooth([res[d]["loss"][s] for s in steps]), label=LABELS[d])
+        a.plot(steps, _smooth([res[d]["loss"][s] for s in steps]), label=LABELS[d], color=color[d])
     a.set_ylabel("train loss (10-step mean)")
     a.legend()
-    a.set_title(res["title"])
+    a.set_title("\n".join(textwrap.wrap(res["title"], 90)), fontsize=9)
     for d in names[1:]:
-        b.plot(res["steps"], res["gap"][d], label=LABELS[d])
+        b.plot(res["steps"], res["gap"][d], label=LABELS[d], color=color[d])
     b.axhline(0, color="grey", lw=0.5)
     b.set_ylabel(f"minus {names[0]}")
     b.set_xlabel("step")

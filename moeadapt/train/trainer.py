@@ -223,8 +223,9 @@ class StepStats:
     aux: dict[str, float | torch.Tensor] = field(default_factory=dict)  # host copies on the steps fit logs
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer; summed over ranks when logged
     drops: dict[int, float | torch.Tensor] = field(default_factory=dict)
-    # host clock (perf_counter) by which the step's work was finished: its read on a GPU, the end of its queuing
-    # where the device runs the work as it is queued (the CPU); the logged tokens/s are measured between these
+    # host clock (perf_counter) by which the step's work was finished, for the logged tokens/s: the end of its
+    # queuing (where the device runs work as it is queued, the CPU, or had finished it when the host came to read
+    # it: a host-bound step), else the end of the read's wait for it
     done_at: float | None = None
 
 
@@ -369,11 +370,12 @@ def _for_log(lp: Loop, st: StepStats) -> None:
 def _read(q: _Queued) -> StepStats:
     """The verdict of a queued step, read on the host (waiting for that step only): its loss, gradient norm and
     whether it was skipped."""
-    if q.done is not None:
-        q.done.synchronize()
-    loss, losses_ok, grad_norm, targets = q.verdict.tolist()
     st = q.st
-    if q.done is not None or st.done_at is None:
+    if q.done is not None and not q.done.query():  # still running: it ends when the wait does
+        q.done.synchronize()
+        st.done_at = None
+    loss, losses_ok, grad_norm, targets = q.verdict.tolist()
+    if st.done_at is None:
         st.done_at = time.perf_counter()
     st.loss, st.grad_norm = loss, grad_norm
     if targets == 0:  # the same verdict on every rank
@@ -471,8 +473,7 @@ def train_step(lp: Loop) -> StepStats | None:
     if device.type == "cuda":
         lp.queued.done = torch.cuda.Event()
         lp.queued.done.record()
-    else:  # the work ran as it was queued: done now, though its verdict is read in the next step
-        st.done_at = time.perf_counter()
+    st.done_at = time.perf_counter()  # the earliest it can end; the read moves it on if it has to wait
     return read
 
 
