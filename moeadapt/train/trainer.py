@@ -223,9 +223,9 @@ class StepStats:
     aux: dict[str, float | torch.Tensor] = field(default_factory=dict)  # host copies on the steps fit logs
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per MoE layer; summed over ranks when logged
     drops: dict[int, float | torch.Tensor] = field(default_factory=dict)
-    # host clock (perf_counter) by which the step's work was finished, for the logged tokens/s: the end of its
-    # queuing (where the device runs work as it is queued, the CPU, or had finished it when the host came to read
-    # it: a host-bound step), else the end of the read's wait for it
+    # host clock (perf_counter) by which the step's work was done, for the logged tokens/s: the end of its
+    # queuing where the work was done by the time the host read it (the CPU runs it as it is queued; a host-bound
+    # GPU step), else the end of the read's wait for it
     done_at: float | None = None
 
 

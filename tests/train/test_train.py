@@ -164,6 +164,36 @@ def test_logged_tokens_per_s_is_each_steps_own(tmp_path, monkeypatch):
     assert all(0.1 <= v < 0.9 for s, v in step_s.items() if s > 1), step_s
 
 
+def test_a_steps_end_is_its_queuing_or_the_reads_wait():
+    """A GPU step the device had finished before the host read it (a host-bound step) ends when its queuing did;
+    one still running ends when the read's wait does (the event's synchronize); one read without an event (no
+    deferred read) ends at its read."""
+    import time
+
+    from moeadapt.train.trainer import StepStats, _Queued, _read
+
+    class Event:
+        def __init__(self, finished):
+            self.finished, self.waited = finished, False
+
+        def query(self):
+            return self.finished
+
+        def synchronize(self):
+            self.waited = True
+
+    verdict = torch.tensor([1.5, 1.0, 0.5, 10.0])
+    for finished in (True, False):
+        st = StepStats(loss=0.0, grad_norm=0.0, tokens=1, done_at=time.perf_counter() - 5.0)
+        queued, ev = st.done_at, Event(finished)
+        t = time.perf_counter()
+        got = _read(_Queued(st, verdict, ev))
+        assert ev.waited is not finished and got.loss == 1.5 and got.skipped is None
+        assert (got.done_at == queued) if finished else (got.done_at >= t), (finished, got.done_at, queued, t)
+    t = time.perf_counter()
+    assert _read(_Queued(StepStats(loss=0.0, grad_norm=0.0, tokens=1), verdict)).done_at >= t
+
+
 def test_pack_documents_reach_the_model(tmp_path, monkeypatch):
     """data.pack_documents: every train and eval forward gets position_ids of its rows (merged micro-batches
     included) that restart inside rows."""
