@@ -373,9 +373,9 @@ def _read(q: _Queued) -> StepStats:
     st = q.st
     if q.done is not None and not q.done.query():  # still running: it ends when the wait does
         q.done.synchronize()
-        st.done_at = None
+        st.done_at = time.perf_counter()
     loss, losses_ok, grad_norm, targets = q.verdict.tolist()
-    if st.done_at is None:
+    if st.done_at is None:  # read as soon as queued (no deferred read): done once its verdict is here
         st.done_at = time.perf_counter()
     st.loss, st.grad_norm = loss, grad_norm
     if targets == 0:  # the same verdict on every rank
