@@ -7,6 +7,8 @@ Variants (`--variants`, comma list; the first is the baseline):
   bf16m    train.moment_dtype bf16: the moments stochastically rounded
   bf16w    train.weight_dtype bf16: the weights themselves bf16, stochastically rounded, no fp32 weight
   bf16wm   both
+  split    train.weight_dtype fp32_split: fp32 weights kept as a bf16 half (the matmuls' operand) + an int16 half
+  splitm   split weights and bf16 moments
 
 Usage: python3 benchmarks/bench_precision.py CONFIG [--variants fp32,bf16m,bf16wm] [--set KEY=VALUE ...]
                                              [--out DIR] [--timeout S]
@@ -31,9 +33,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {"fp32": [], "bf16m": ["train.moment_dtype=bf16"], "bf16w": ["train.weight_dtype=bf16"],
-            "bf16wm": ["train.moment_dtype=bf16", "train.weight_dtype=bf16"]}
+            "bf16wm": ["train.moment_dtype=bf16", "train.weight_dtype=bf16"],
+            "split": ["train.weight_dtype=fp32_split"],
+            "splitm": ["train.moment_dtype=bf16", "train.weight_dtype=fp32_split"]}
 LABELS = {"fp32": "fp32 weights + moments", "bf16m": "bf16 moments", "bf16w": "bf16 weights",
-          "bf16wm": "bf16 weights + moments"}
+          "bf16wm": "bf16 weights + moments", "split": "split fp32 weights",
+          "splitm": "split fp32 weights + bf16 moments"}
 
 
 def _run(config: str, variant: str, sets: list[str], out_dir: Path, timeout: int) -> dict:

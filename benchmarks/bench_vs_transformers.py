@@ -304,6 +304,7 @@ def run_ours(args, mode: str) -> dict:
             "tokens_per_step": args.mb * args.seq * run.world, "world": run.world,
             "precision": (("bf16 frozen base + fp32 adapters" if mode == "lora" else
                            "bf16 weights (stochastically rounded)" if cfg.train.weight_dtype == "bf16" else
+                           "fp32 weights split (bf16 + int16 halves)" if cfg.train.weight_dtype == "fp32_split" else
                            "fp32 master weights")
                           + ((", bf16 adapter copies (the lean experts' adapter gradients fp32)" if mode == "lora"
                               else ", bf16 weight copies and gradients") if copies is not None else "")
@@ -555,8 +556,9 @@ def main() -> None:
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--moments", default="fp32", choices=["fp32", "bf16"], help="our side: train.moment_dtype "
                    "(AdamW's moments in bf16, stochastically rounded; on a GPU)")
-    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16"], help="our side, full fine-tuning: "
-                   "train.weight_dtype (the trained weights in bf16, stochastically rounded; one GPU)")
+    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp32_split"], help="our side, full "
+                   "fine-tuning: train.weight_dtype (bf16: the trained weights in bf16, stochastically rounded; "
+                   "fp32_split: fp32 weights as a bf16 half and an int16 half; one GPU)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
                    f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -13,6 +13,8 @@ Plain tensors (one process) pass through as they are.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .sharded_io import local
@@ -42,9 +44,11 @@ def build_optimizer(params: list[torch.nn.Parameter], train, device: torch.devic
     if bf16_moments and device.type != "cuda":
         raise ValueError("train.moment_dtype: bf16 runs in a Triton GPU kernel (CopyAdamW); this run is on the CPU. "
                          "Set train.moment_dtype: fp32")
-    if copies or bf16_moments or getattr(train, "weight_dtype", "fp32") == "bf16":
+    weights = getattr(train, "weight_dtype", "fp32")
+    if copies or bf16_moments or weights != "fp32":
         return CopyAdamW(params, copies, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
-                         moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed)
+                         moment_dtype=torch.bfloat16 if bf16_moments else torch.float32, seed=train.seed,
+                         split_weights=weights == "fp32_split")
     return ShardedAdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, fused=True)
 
 
@@ -54,7 +58,9 @@ class CopyAdamW(torch.optim.Optimizer):
     the gradient's dtype: the lean experts path returns fp32 gradients for copied adapters). bf16 parameters
     (train.weight_dtype bf16: no fp32 weight, no copy) are updated in fp32 and stored stochastically rounded
     (ops/optim/reference.py); a parameter may be a block of rows of a bigger tensor (the experts' w1 / w3 in
-    one gate/up buffer, train/copies.py `store_bf16`).
+    one gate/up buffer, train/copies.py `store_bf16`). With split_weights (train.weight_dtype fp32_split) a bf16
+    parameter is instead the high half of an fp32 weight whose low 16 bits are its state `weight_lo` (int16,
+    zero at the first step: the weight starts as its bf16 value), and the update is the fp32 one exactly.
 
     The update and the state dict are torch.optim.AdamW's (per parameter `step`, `exp_avg`, `exp_avg_sq`;
     a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
@@ -72,11 +78,12 @@ class CopyAdamW(torch.optim.Optimizer):
     AdamW, which casts moments to the weights' dtype)."""
 
     def __init__(self, params, copies: dict | None = None, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, moment_dtype: torch.dtype = torch.float32, seed: int = 0):
+                 weight_decay: float = 0.0, moment_dtype: torch.dtype = torch.float32, seed: int = 0,
+                 split_weights: bool = False):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         if moment_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"CopyAdamW keeps its moments in torch.float32 or torch.bfloat16, not {moment_dtype}")
-        self.moment_dtype, self.seed = moment_dtype, seed
+        self.moment_dtype, self.seed, self.split_weights = moment_dtype, seed, split_weights
         # each rank's shards draw their own rounding bits (their elements are indexed from 0 on every rank)
         self._rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.copies = dict(copies or {})
@@ -155,6 +162,8 @@ class CopyAdamW(torch.optim.Optimizer):
                       or st["exp_avg"].dtype != self.moment_dtype):
                     # state set from outside load_state_dict (the DCP resume writes it in place)
                     _own_state(p, st, self.moment_dtype)
+                if self._split(p) and "weight_lo" not in st:  # (a state from a run without the remainder)
+                    st["weight_lo"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
             steps = [self.state[p]["step"] for p in ps]
             torch._foreach_add_(steps, 1.0)
             if found_inf is not None:  # a skipped step does not count (torch's fused AdamW does the same)
@@ -166,23 +175,57 @@ class CopyAdamW(torch.optim.Optimizer):
                     "step": self._table((gi, *key, "step"), steps)}
             if key[2]:  # copied
                 tabs["c"] = self._table((gi, *key, "c"), [self.copies[p] for p in ps], row_blocks=True)
+            if self._split(ps[0]):
+                tabs["lo"] = self._table((gi, *key, "lo"), [self.state[p]["weight_lo"] for p in ps])
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
                    seed=self.seed + 7919 * launch + 104729 * self._rank)
 
+    def _split(self, p: torch.Tensor) -> bool:
+        """p is the bf16 high half of a split fp32 weight (its low half in the state's `weight_lo`)."""
+        return self.split_weights and p.dtype == torch.bfloat16
+
     def load_state_dict(self, state_dict):
-        """torch's load, then every state tensor as the kernel reads it: its own aligned storage (a loaded tensor
-        may be a view into the file's buffer), the step count a float32 scalar on its parameter's device
-        (torch.optim.Optimizer keeps non-fused step counts on the host)."""
-        super().load_state_dict(state_dict)
+        """torch's load for the parameter groups and step counts; the moments and a split weight's `weight_lo`
+        are kept as they were saved (torch's load would cast them to the parameter's dtype: fp32 moments of a
+        bf16 weight rounded to bf16, weight_lo's integers turned into bf16 values), then every state tensor as the
+        kernel reads it (`_own_state`: its own aligned storage, the moments in this run's `moment_dtype`, the
+        step count a float32 scalar on its parameter's device). A run without split weights drops `weight_lo`
+        (its weights are whole)."""
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        by_id = dict(zip(ids, params))
+        kept, rest = {}, {}
+        for i, st in state_dict["state"].items():
+            rest[i] = {k: v for k, v in st.items() if k not in _KEPT}
+            for k in _KEPT:
+                if k not in st:
+                    continue
+                t = st[k]
+                p = by_id.get(i)
+                if not torch.is_tensor(t) or p is None or t.shape != p.shape or (
+                        k == "weight_lo" and t.dtype != torch.int16):
+                    want = "an int16 tensor" if k == "weight_lo" else "a tensor"
+                    raise ValueError(f"optimizer state {i}.{k} is not {want} of its parameter's shape; the state is "
+                                     "corrupt or from another config")
+                if k != "weight_lo" or self._split(p):
+                    kept.setdefault(p, {})[k] = t
+        super().load_state_dict({**state_dict, "state": rest})
+        for p, st in kept.items():
+            self.state[p].update(st)
         for p, st in self.state.items():
             _own_state(p, st, self.moment_dtype)
+
+
+_KEPT = ("exp_avg", "exp_avg_sq", "weight_lo")  # state tensors CopyAdamW.load_state_dict keeps in their own dtype
 
 
 def _own_state(p: torch.Tensor, st: dict, moment_dtype: torch.dtype) -> None:
     """A CopyAdamW state as its kernel reads it: the step count a float32 scalar on p's device, the moments in
     `moment_dtype` on p's device in their own (aligned, contiguous) storage (fp32 moments loaded into bf16 ones
-    round to nearest)."""
+    round to nearest); a split weight's `weight_lo` on p's device in its own storage."""
+    if "weight_lo" in st:
+        st["weight_lo"] = st["weight_lo"].to(device=p.device).clone(memory_format=torch.contiguous_format)
     if "step" in st:
         st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).reshape(()).clone()
     for k in ("exp_avg", "exp_avg_sq"):

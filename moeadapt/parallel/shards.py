@@ -85,10 +85,10 @@ def fill_shards(model: nn.Module, fill: Fill) -> None:
         local.copy_(src)
 
 
-def shard_bytes(model: nn.Module, moment_bytes: int = 4) -> dict[str, int]:
+def shard_bytes(model: nn.Module, moment_bytes: int = 4, lo_bytes: int = 0) -> dict[str, int]:
     """This rank's bytes of weights, gradients (trainable parameters, in their dtype) and optimizer state
-    (AdamW's exp_avg and exp_avg_sq, `moment_bytes` each per trainable element), and the largest single local
-    tensor. What `AdamW` and autograd allocate for these shards; compare plan.memory.state_bytes."""
+    (AdamW's exp_avg and exp_avg_sq, `moment_bytes` each per trainable element, and `lo_bytes` of a split
+    weight's low half: train.weight_dtype fp32_split), and the largest single local tensor. What `AdamW` and autograd allocate for these shards; compare plan.memory.state_bytes."""
     weights = grads = largest = trainable = 0
     for _, t, _ in named_tensors(model):
         if not isinstance(t, nn.Parameter):
@@ -100,4 +100,5 @@ def shard_bytes(model: nn.Module, moment_bytes: int = 4) -> dict[str, int]:
         if t.requires_grad:
             grads += b
             trainable += local.numel()
-    return {"weights": weights, "grads": grads, "optimizer": 2 * moment_bytes * trainable, "largest_tensor": largest}
+    return {"weights": weights, "grads": grads, "optimizer": (2 * moment_bytes + lo_bytes) * trainable,
+            "largest_tensor": largest}

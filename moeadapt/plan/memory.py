@@ -5,14 +5,15 @@ allocated), and the bytes each rank holds at the step's peak:
   weights     every parameter sharded over dp_shard * cp (FSDP2; experts: E/ep whole experts per EP rank,
               further sharded over dp_shard_in_ep = dp_shard * cp / ep, which gives the same 1/(dp_shard*cp));
               frozen base in bf16 (LoRA), trainable parameters in fp32 (the master copy; bf16 with
-              train.weight_dtype bf16: Plan.weight_bytes, no copy, bf16 gradients); counted tensor by
+              train.weight_dtype bf16 / fp32_split: Plan.weight_bytes, no copy, bf16 gradients); counted tensor by
               tensor for the rank holding the most (`state_bytes`: FSDP2's torch.chunk pieces of dim 0);
   grads       fp32, trainable parameters only, sharded like the weights (one GPU with train.weight_copies, full
               FT's weights or LoRA's adapters: bf16 gradients + a persistent bf16 copy of each in place of fp32
               gradients + autocast's per-layer casts; every phase's total is the same: at backward i, 2 B x all
               weights + 2 B x those >= i = 2 B x those < i + 4 B x those >= i, so the model below covers both;
               the lean experts path keeps its adapters' gradients fp32, 2 B a parameter more there);
-  optimizer   AdamW m and v, fp32 (bf16: Plan.moment_bytes), trainable parameters only, sharded;
+  optimizer   AdamW m and v, fp32 (bf16: Plan.moment_bytes), and fp32_split's int16 low halves (Plan.lo_bytes),
+              trainable parameters only, sharded;
   gathered    FSDP all-gather buffers: the root module (embedding, final norm, LM head: kept gathered for the
               whole step, reshard_after_forward=False) + two blocks (current + prefetched) unsharded in bf16,
               a block's experts being its E/ep local experts + one fp32 reduce-scatter buffer for the block's
@@ -76,6 +77,7 @@ class Plan:
     ep_capacity_factor: float = 1.5  # parallel.ep_capacity_factor
     moment_bytes: int = 4  # bytes of each AdamW moment a parameter: 2 with train.moment_dtype bf16
     weight_bytes: int = 4  # bytes of a trainable weight and of its gradient: 2 with train.weight_dtype bf16
+    lo_bytes: int = 0  # optimizer state bytes of a split weight's low half: 2 with train.weight_dtype fp32_split
 
     @property
     def shard(self) -> int:
@@ -169,8 +171,8 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     FSDP2 + EP shard them: a tensor's dim 0 (an expert tensor's E/ep local experts) is cut in torch.chunk
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
     ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters and their gradients in
-    `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16) and two AdamW states of `plan.moment_bytes`
-    each. parallel/shards.py `shard_bytes` measures the same on a built model; the dry run (train/dryrun.py)
+    `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16 / fp32_split) and two AdamW states of
+    `plan.moment_bytes` each (+ `plan.lo_bytes`: fp32_split's low halves). parallel/shards.py `shard_bytes` measures the same on a built model; the dry run (train/dryrun.py)
     checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
@@ -184,7 +186,7 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
         weights += local * (plan.weight_bytes if tr else base_bytes)
         trainable += local if tr else 0
     return {"weights": weights, "grads": trainable * plan.weight_bytes,
-            "optimizer": 2 * trainable * plan.moment_bytes}
+            "optimizer": trainable * (2 * plan.moment_bytes + plan.lo_bytes)}
 
 
 # -- activations -------------------------------------------------------------------------------------------

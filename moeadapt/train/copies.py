@@ -28,9 +28,10 @@ takes this path only where the step has one forward. One difference in rounding:
 w1's and w3's copies as one [E, 2F, I] buffer (`gate_up_pairs`), so the input's gradient from gate and up is one
 GEMM accumulating both in fp32, where two bf16 GEMM outputs were added.
 
-`train.weight_dtype: bf16` (full fine-tuning) is the other way to a bf16 step: `store_bf16` keeps the weights
-themselves in bf16 (no fp32 weight, no copy; CopyAdamW stores them stochastically rounded), and the experts' w1 /
-w3 become the halves of one buffer in place of their copies'.
+`train.weight_dtype: bf16` or `fp32_split` (full fine-tuning) is the other way to a bf16 step: `store_bf16` keeps
+the weights themselves in bf16 (no fp32 weight, no copy; CopyAdamW stores them stochastically rounded, or with
+fp32_split keeps the 16 bits each drops in its state, so that the weights are fp32 ones exactly), and the experts'
+w1 / w3 become the halves of one buffer in place of their copies'.
 """
 
 from __future__ import annotations
@@ -169,35 +170,36 @@ def gate_up_pairs(model: nn.Module, targets) -> list[tuple[nn.Parameter, nn.Para
 
 
 def why_not_bf16(cfg, run, device: torch.device) -> str | None:
-    """Why this run cannot keep its trained weights in bf16 (`train.weight_dtype: bf16`), as the message that
-    names the fix; None where it can (or does not ask)."""
+    """Why this run cannot keep its trained weights as bf16 parameters (`train.weight_dtype: bf16` or
+    `fp32_split`), as the message that names the fix; None where it can (or does not ask)."""
     t = cfg.train
-    if t.weight_dtype != "bf16":
+    if t.weight_dtype == "fp32":
         return None
-    fix = "; set train.weight_dtype: fp32"
+    what, fix = f"train.weight_dtype: {t.weight_dtype}", "; set train.weight_dtype: fp32"
     if cfg.lora is not None:
-        return "train.weight_dtype: bf16 is for full fine-tuning (a LoRA run's adapters are few and stay fp32)" + fix
+        return f"{what} is for full fine-tuning (a LoRA run's adapters are few and stay fp32)" + fix
     if run.world > 1:
-        return ("train.weight_dtype: bf16 runs in one process; under torchrun FSDP2 shards fp32 weights and "
-                "makes their bf16 compute copies" + fix)
+        return (f"{what} runs in one process; under torchrun FSDP2 shards fp32 weights and makes their bf16 "
+                "compute copies" + fix)
     if device.type != "cuda" or t.dtype == "fp32":
-        return ("train.weight_dtype: bf16 needs a GPU and bf16 autocast (its update is a Triton GPU kernel); this "
-                "run is on the CPU or has train.dtype fp32" + fix)
+        return (f"{what} needs a GPU and bf16 autocast (its update is a Triton GPU kernel); this run is on the CPU "
+                "or has train.dtype fp32" + fix)
     if t.grad_accum_steps > 1 and not t.merge_microbatches:
-        return ("train.weight_dtype: bf16 would add the gradients of several micro-batches (train.grad_accum_steps "
-                "> 1) in bf16; set train.merge_microbatches: true (one forward) or train.weight_dtype: fp32")
+        return (f"{what} would add the gradients of several micro-batches (train.grad_accum_steps > 1) in bf16; "
+                "set train.merge_microbatches: true (one forward) or train.weight_dtype: fp32")
     return None
 
 
 @torch.no_grad()
 def store_bf16(model: nn.Module) -> int:
-    """Full fine-tuning with `train.weight_dtype: bf16`: every trainable parameter cast to bf16 in place (the
-    Parameter objects kept, so optimizer, checkpoints and names are unchanged), and each grouped experts' w1 /
-    w3 laid out as the two row halves of one gate/up buffer (`GroupedExperts.pair_weights`: one GEMM each way)
-    where each expert's [F, L] is a whole number of the optimizer kernel's blocks (it updates the halves in
-    place). No fp32 weight and no bf16 copy remain; CopyAdamW updates the bf16 weights in fp32 and stores them
-    stochastically rounded (ops/optim/reference.py). The residual stream then runs in bf16 (the embedding's
-    dtype), as in a LoRA run. Returns the number of paired experts."""
+    """Full fine-tuning with `train.weight_dtype: bf16` / `fp32_split`: every trainable parameter cast to bf16
+    in place (the Parameter objects kept, so optimizer, checkpoints and names are unchanged), and each grouped
+    experts' w1 / w3 laid out as the two row halves of one gate/up buffer (`GroupedExperts.pair_weights`: one
+    GEMM each way) where each expert's [F, L] is a whole number of the optimizer kernel's blocks (it updates the
+    halves in place). No bf16 copy remains; CopyAdamW updates the bf16 weights in fp32 and stores them
+    stochastically rounded, or with fp32_split keeps the 16 bits each drops (its state's `weight_lo`, zero at
+    first: the fp32 weights start as these bf16 values; ops/optim/reference.py). The residual stream then runs in
+    bf16 (the embedding's dtype), as in a LoRA run. Returns the number of paired experts."""
     for p in model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
             p.data = p.data.to(torch.bfloat16)

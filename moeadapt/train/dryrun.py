@@ -44,9 +44,10 @@ def _simulate_rank(cfg: RunConfig, world: int, rank: int, device: torch.device) 
         run = DistributedRun(cfg, torch.device("cpu"))  # fake group: the meshes are real, the traffic is not
         model = build_meta(cfg, device)
         run.parallelize(model)
-        if cfg.train.weight_dtype == "bf16":  # as the trainer stores them (one process: train/copies.py)
+        if cfg.train.weight_dtype != "fp32":  # as the trainer stores them (one process: train/copies.py)
             store_bf16(model)
-        out = shard_bytes(model, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4)
+        out = shard_bytes(model, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4,
+                          lo_bytes=2 if cfg.train.weight_dtype == "fp32_split" else 0)
         out["init_block"] = max(init_block_bytes(global_layout(t, m)[0]) for _, t, m in named_tensors(model))
         out["rank"] = rank
         return out
@@ -74,7 +75,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, ranks: list[int] | None = 
     plan = Plan(world, par.dp_replicate, par.dp_shard, par.cp, par.ep, par.activation_checkpointing,
                 cfg.train.micro_batch_size, cfg.train.seq_len, a2a_chunks=par.a2a_chunks,
                 ep_capacity_factor=par.ep_capacity_factor, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4,
-                weight_bytes=2 if cfg.train.weight_dtype == "bf16" else 4)
+                weight_bytes=2 if cfg.train.weight_dtype != "fp32" else 4,
+                lo_bytes=2 if cfg.train.weight_dtype == "fp32_split" else 0)
     base_bytes = 2 if (cfg.lora is not None and dev.type == "cuda") else 4
     planned = state_bytes(cfg.model, plan, cfg.lora, base_bytes)
     r0 = next((r for r in rows if r["rank"] == 0), None)

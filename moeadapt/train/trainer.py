@@ -322,11 +322,12 @@ def _fused_adam(lp: Loop) -> bool:
 def make_optimizer(cfg: RunConfig, run, model: HybridMoEModel,
                    params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, WeightCopies | None]:
     """The run's AdamW and, where the run takes them (copies.why_not), the bf16 weight copies it writes; with
-    train.weight_dtype bf16, the trained weights first stored in bf16 (copies.store_bf16: no copies then)."""
+    train.weight_dtype bf16 / fp32_split, the trained weights first stored in bf16 (copies.store_bf16: no copies
+    then)."""
     why = why_not_bf16(cfg, run, run.device)
     if why:
         raise TrainingError(why)
-    if cfg.train.weight_dtype == "bf16":
+    if cfg.train.weight_dtype != "fp32":  # bf16 / fp32_split: the parameters themselves bf16, no copies
         store_bf16(model)
     copies = plan_copies(model, cfg, run, run.device)
     return build_optimizer(params, cfg.train, run.device, copies.by_weight() if copies else None), copies
@@ -807,6 +808,9 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
             trained = "adapters" if cfg.lora else "weights"
             if t.weight_dtype == "bf16":
                 console.print("weights: bf16 (train.weight_dtype), updated in fp32 and stored stochastically rounded")
+            elif t.weight_dtype == "fp32_split":
+                console.print("weights: fp32, split (train.weight_dtype): the matmuls read the bf16 high halves, "
+                              "the optimizer keeps the low 16 bits")
             else:
                 console.print(f"{trained}: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
                                                       else "cast to bf16 at each use (no weight copies: "

@@ -435,3 +435,131 @@ def test_copy_adamw_steps_bf16_weights_in_row_blocks(seed):
     assert w1.data_ptr() == buf.data_ptr() and torch.equal(buf[:, :F], w1.detach())
     t2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().float()) for p in ps], **kw)
     t2.load_state_dict(opt.state_dict())
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.float().contiguous().view(torch.int32)
+
+
+def test_split_fp32_round_trips_bit_for_bit(seed):
+    """split_fp32 / join_fp32 (train.weight_dtype fp32_split) on fp32 values over the whole exponent range, both
+    signs, zeros, subnormals, infinities and exact ties: the pair gives the value back bit for bit; the high half
+    is torch's bf16 rounding except at exact ties (away from zero there) and the low half is within
+    [-2^15, 2^15); dropping the low half loses the value (what the kernel tests below would catch)."""
+    from moeadapt.ops.optim import join_fp32, split_fp32
+
+    g = torch.Generator().manual_seed(seed)
+    n = 20000
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 127, (n,), generator=g).float())
+    ties = (_bits(torch.randn(500, generator=g)) & ~0xFFFF) | 0x8000
+    x = torch.cat([x, ties.view(torch.float32), torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 3.0e38,
+                                                              float("inf"), -float("inf")])])
+    hi, lo = split_fp32(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert torch.equal(_bits(join_fp32(hi, lo)), _bits(x))
+    tie = (_bits(x) & 0xFFFF) == 0x8000
+    rne = x.to(torch.bfloat16)
+    assert torch.equal(_bits(hi)[~tie], _bits(rne)[~tie])
+    assert (hi.float()[tie].abs() >= x[tie].abs()).all()  # ties away from zero
+    assert not torch.equal(_bits(join_fp32(hi, torch.zeros_like(lo))), _bits(x))
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_adamw_kernel_split_weights_are_the_fp32_weights(seed, moments):
+    """Split weights (a bf16 high half + an int16 remainder) take the fp32 weights' update bit for bit: five
+    steps of the kernel on both from the same start, gradients and seed give join(hi, lo) equal to the fp32
+    weights and the same moments, with hi the split of the fp32 weight. The same weights without their
+    remainders (bf16 weights, stochastically rounded) are not the fp32 ones: the check can fail."""
+    from moeadapt.ops.optim import join_fp32, split_fp32
+
+    sizes = _sizes()
+    g = torch.Generator().manual_seed(seed)
+    p32 = [torch.randn(n, generator=g) for n in sizes]
+    runs = {}
+    for kind in ("fp32", "split", "bf16"):
+        if kind == "fp32":
+            p, lo = [t.clone() for t in p32], None
+        else:
+            p, lo = map(list, zip(*(split_fp32(t) for t in p32)))
+            p = [t.clone() for t in p]
+            lo = [t.clone() for t in lo] if kind == "split" else None
+        m = [torch.zeros(n, dtype=moments) for n in sizes]
+        v = [torch.zeros(n, dtype=moments) for n in sizes]
+        steps = [torch.zeros(()) for _ in sizes]
+        gg = torch.Generator().manual_seed(seed + 1)
+        for _ in range(5):
+            grads = [torch.randn(n, generator=gg).to(torch.bfloat16) for n in sizes]
+            for s in steps:
+                s += 1
+            tabs = {"p": _tables(p), "g": _tables(grads), "m": _tables(m), "v": _tables(v), "step": _tables(steps)}
+            if lo is not None:
+                tabs["lo"] = _tables(lo)
+            adamw_(tabs, TensorBlocks(sizes, p[0].device), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                   grad_scale=torch.tensor(1.5), seed=seed)
+        runs[kind] = (p, lo, m, v)
+    want, _, wm, wv = runs["fp32"]
+    hi, lo, m, v = runs["split"]
+    for w, h, low in zip(want, hi, lo):
+        assert h.dtype == torch.bfloat16 and low.dtype == torch.int16
+        assert torch.equal(_bits(join_fp32(h, low)), _bits(w))
+        assert torch.equal(_bits(h), _bits(split_fp32(w)[0]))
+    for a, b in zip(m + v, wm + wv):
+        assert torch.equal(a, b)
+    sr = runs["bf16"][0]
+    assert not all(torch.equal(_bits(s), _bits(w)) for s, w in zip(sr, want))
+
+
+def test_copy_adamw_split_weights_state_dict(seed):
+    """CopyAdamW with split_weights on bf16 parameters (the gate/up halves of one buffer and a plain one): three
+    steps equal to CopyAdamW's on the fp32 weights bit for bit (join of the parameter and its state's
+    `weight_lo`); its state dict loads back (weight_lo kept int16, not cast to the parameter's dtype) and the
+    next step still matches; a weight_lo of another dtype is refused; a run without split weights drops it."""
+    from moeadapt.ops.optim import join_fp32
+
+    E, F, L = 2, 4, BLOCK // 4
+    g = torch.Generator().manual_seed(seed)
+    w32 = [torch.randn(E, F, L, generator=g).to(torch.bfloat16).float() for _ in range(2)]
+    w32.append(torch.randn(37, generator=g).to(torch.bfloat16).float())  # bf16 values: split starts exact
+
+    def make(split):
+        if split:
+            buf = torch.cat([w32[0], w32[1]], 1).to(torch.bfloat16)
+            w1, w3 = torch.nn.Parameter(buf[:, :F]), torch.nn.Parameter(buf[:, F:])
+            w1.data, w3.data = buf[:, :F], buf[:, F:]
+            ps = [w1, w3, torch.nn.Parameter(w32[2].to(torch.bfloat16))]
+        else:
+            ps = [torch.nn.Parameter(w.clone()) for w in w32]
+            for p in ps:
+                p.grad_dtype = None  # bf16 gradients on fp32 weights, as the copies path hands them over
+        return ps, CopyAdamW(ps, None, lr=5e-2, betas=(0.9, 0.95), weight_decay=0.1, seed=3, split_weights=split)
+
+    def step(ps, opt, k):
+        gk = torch.Generator().manual_seed(seed + k)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gk).to(torch.bfloat16)
+        opt.step()
+
+    (ps, opt), (ref, ref_opt) = make(True), make(False)
+    for k in range(3):
+        step(ps, opt, k)
+        step(ref, ref_opt, k)
+    joined = lambda ps, opt: [join_fp32(p.detach(), opt.state[p]["weight_lo"]) for p in ps]  # noqa: E731
+    for a, b in zip(joined(ps, opt), ref):
+        assert torch.equal(_bits(a), _bits(b.detach()))
+    sd = opt.state_dict()
+    ps2, opt2 = make(True)
+    with torch.no_grad():
+        for a, b in zip(ps2, ps):
+            a.copy_(b)
+    opt2.load_state_dict(sd)
+    assert all(opt2.state[p]["weight_lo"].dtype == torch.int16 for p in ps2)
+    step(ps2, opt2, 3)
+    step(ref, ref_opt, 3)
+    for a, b in zip(joined(ps2, opt2), ref):
+        assert torch.equal(_bits(a), _bits(b.detach()))
+    bad = {**sd, "state": {i: {**st, "weight_lo": st["weight_lo"].float()} for i, st in sd["state"].items()}}
+    with pytest.raises(ValueError, match="weight_lo is not an int16"):
+        make(True)[1].load_state_dict(bad)
+    plain = CopyAdamW([torch.nn.Parameter(w.clone()) for w in w32], None, lr=5e-2)
+    plain.load_state_dict(sd)
+    assert all("weight_lo" not in st for st in plain.state.values())

@@ -85,11 +85,13 @@ def test_runs_that_keep_autocasts_casts(change, why):
 
 
 @pytest.mark.parametrize("moments, weights", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                              (torch.bfloat16, "bf16")])
+                                              (torch.bfloat16, "bf16"), (torch.float32, "bf16"),
+                                              (torch.float32, "fp32_split")])
 def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights):
     """A CopyAdamW run saved and resumed (train/checkpoint.py) continues exactly: weights (fp32 with copies, or
-    bf16: train.weight_dtype), moments (fp32 or bf16: the file keeps their dtype), step counts and copies as they
-    were, and the next step the same as the unbroken run's."""
+    bf16 or fp32_split: train.weight_dtype, the split weights' int16 low halves with them), moments (fp32 or bf16:
+    the file keeps their dtype), step counts and copies as they were, and the next step the same as the unbroken
+    run's."""
     from moeadapt.parallel.optim import CopyAdamW
     from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
     from moeadapt.train.copies import store_bf16
@@ -103,13 +105,13 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights)
         for mod in model.modules():
             if isinstance(mod, GroupedLinear):
                 mod.backend = "reference"
-        if weights == "bf16":
+        if weights != "fp32":
             store_bf16(model)
         copies = WeightCopies(copy_targets(model))  # none of bf16 weights
         params = [p for p in model.parameters() if p.requires_grad]
-        assert all(p.dtype == getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[weights]) for p in params)
+        assert all(p.dtype == (torch.float32 if weights == "fp32" else torch.bfloat16) for p in params)
         opt = CopyAdamW(params, copies.by_weight(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
-                        moment_dtype=moments)
+                        moment_dtype=moments, split_weights=weights == "fp32_split")
         return model, copies, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
     def step(model, copies, opt):
@@ -132,9 +134,12 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights)
     step(b[0], b[1], b[3])
     for pa, pb in zip(a[2], b[2]):
         assert torch.equal(pa, pb)
-        for k in ("exp_avg", "exp_avg_sq", "step"):
+        for k in ("exp_avg", "exp_avg_sq", "step") + (("weight_lo",) if weights == "fp32_split" else ()):
             assert torch.equal(a[3].state[pa][k], b[3].state[pb][k]), k
         assert b[3].state[pb]["exp_avg"].dtype == moments
+    if weights == "fp32_split":  # the low halves were saved and loaded as int16, and they are not all zero
+        assert all(b[3].state[p]["weight_lo"].dtype == torch.int16 for p in b[2])
+        assert any(bool(b[3].state[p]["weight_lo"].any()) for p in b[2])
 
 
 def test_a_misaligned_trainable_tensor_keeps_autocasts_casts(seed):
@@ -337,18 +342,21 @@ def test_gate_up_pair_computes_the_two_projections(seed):
     (dict(train=dict(grad_accum_steps=2)), "merge_microbatches"),
     (dict(train=dict(dtype="fp32")), "bf16 autocast"),
 ])
-def test_bf16_weights_refused_where_they_cannot_run(change, why):
+@pytest.mark.parametrize("weights", ["bf16", "fp32_split"])
+def test_bf16_weights_refused_where_they_cannot_run(change, why, weights):
     from moeadapt.train.copies import why_not_bf16
 
-    train = dict(weight_dtype="bf16") | change.pop("train", {})
+    change = {k: dict(v) for k, v in change.items()}
+    train = dict(weight_dtype=weights) | change.pop("train", {})
     cfg = RunConfig(model=micro_spec(), train=train, **change)
     cuda = torch.device("cuda")
     assert why in why_not_bf16(cfg, LocalRun(cfg, cuda), cuda)
     assert "weight_dtype: fp32" in why_not_bf16(cfg, LocalRun(cfg, cuda), cuda)
-    ok = RunConfig(model=micro_spec(), train=dict(weight_dtype="bf16"))
+    assert f"weight_dtype: {weights} " in why_not_bf16(cfg, LocalRun(cfg, cuda), cuda)
+    ok = RunConfig(model=micro_spec(), train=dict(weight_dtype=weights))
     assert why_not_bf16(ok, LocalRun(ok, cuda), cuda) is None
     assert "GPU" in why_not_bf16(ok, LocalRun(ok, torch.device("cpu")), torch.device("cpu"))
-    merged = RunConfig(model=micro_spec(), train=dict(weight_dtype="bf16", grad_accum_steps=2,
+    merged = RunConfig(model=micro_spec(), train=dict(weight_dtype=weights, grad_accum_steps=2,
                                                      merge_microbatches=True))
     assert why_not_bf16(merged, LocalRun(merged, cuda), cuda) is None
 

@@ -103,17 +103,19 @@ def test_cli_dry_run_prints_each_rank(capsys, tmp_path):
     assert "dry run: micro LoRA, 4 ranks, FSDP4 EP1" in out and "runtime / planner (rank 0): weights 1.0000" in out
 
 
-def test_bf16_weights_halve_the_weight_and_gradient_bytes():
-    """train.weight_dtype bf16 (one process): the rank holds 2 bytes of weight and 2 of gradient a trainable
-    parameter, as the planner says; under torchrun (world 2) the dry run refuses it as the trainer does."""
+@pytest.mark.parametrize("weights, state", [("bf16", 8), ("fp32_split", 10)])
+def test_bf16_weights_halve_the_weight_and_gradient_bytes(weights, state):
+    """train.weight_dtype bf16 / fp32_split (one process): the rank holds 2 bytes of weight and 2 of gradient a
+    trainable parameter, and 8 of AdamW state (10 with fp32_split's int16 low halves), as the planner says;
+    under torchrun (world 2) the dry run refuses it as the trainer does."""
     spec = micro_spec(n_routed_experts=8)
-    cfg = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": "bf16"}})
+    cfg = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": weights}})
     res = dry_run(cfg, 1, quiet=True)
     n = param_counts(spec, None).total
     r0 = res["ranks"][0]
-    assert r0["weights"] == 2 * n and r0["grads"] == 2 * n and r0["optimizer"] == 8 * n
+    assert r0["weights"] == 2 * n and r0["grads"] == 2 * n and r0["optimizer"] == state * n
     assert res["runtime_over_planner"] == {"weights": 1.0, "grads": 1.0, "optimizer": 1.0}
-    two = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": "bf16"},
+    two = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": weights},
                             "parallel": {"dp_shard": 2}})
-    with pytest.raises(ValueError, match="weight_dtype: bf16 runs in one process"):
+    with pytest.raises(ValueError, match=f"weight_dtype: {weights} runs in one process"):
         dry_run(two, 2, quiet=True)

@@ -22,6 +22,12 @@ Weights kept in bf16 (`train.weight_dtype: bf16`, full fine-tuning): no fp32 wei
 bf16 weight as fp32, runs as above and stores the new weight stochastically rounded to bf16, with 16 more random
 bits per element (`weight_bits`). An update smaller than half of bf16's spacing (lr x ~1 against a weight of
 magnitude |w|: 0.4% of |w|), which round-to-nearest would drop every step, moves the weight in expectation.
+
+Weights kept split (`train.weight_dtype: fp32_split`, full fine-tuning): the fp32 weight exactly, as two 16-bit
+halves (`split_fp32`): hi, its bf16 rounding (to nearest, ties away from zero), is the parameter the matmuls
+read, and lo = bits(w) - bits(hi), a signed 16-bit integer, sits in the optimizer's state. The step rebuilds the
+fp32 weight (`join_fp32`), runs the update above in fp32 and splits the result again: the fp32 trajectory bit
+for bit, with no separate bf16 copy (4 bytes a parameter for the weight, as fp32, and 2 fewer moved a step).
 """
 
 from __future__ import annotations
@@ -88,3 +94,22 @@ def stochastic_round_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def grad_norm_reference(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm of a list of gradients, summed in float64."""
     return torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt()
+
+
+def split_fp32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x -> (hi bf16, lo int16) with join_fp32(hi, lo) == x bit for bit: hi is x rounded to the nearest bf16
+    (ties away from zero: 0x8000 added to x's bits, the low 16 cut), lo the difference of the two bit patterns,
+    which lies in [-2^15, 2^15)."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    hi = (bits + 0x8000) & ~0xFFFF  # int64: no wrap; the top bit is the sign bit of the int32 pattern
+    lo = bits - hi
+    hi16 = (hi >> 16) & 0xFFFF
+    hi16 = torch.where(hi16 >= 2**15, hi16 - 2**16, hi16)
+    return hi16.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+
+
+def join_fp32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight of a (hi bf16, lo int16) pair (`split_fp32`): bits(hi) << 16, plus lo."""
+    bits = (hi.contiguous().view(torch.int16).long() << 16) + lo.long()
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).int().view(torch.float32)

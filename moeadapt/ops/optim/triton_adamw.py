@@ -7,7 +7,9 @@ both moments (12) and writes them back (12) plus the bf16 copy (2): 28 bytes a p
 of every weight (6), the cast of every gradient back to fp32 (6) and the fp32 AdamW (28) took 40. With the
 moments in bf16 (`train.moment_dtype: bf16`, stochastically rounded: reference.py) a step moves 20 bytes; with
 the weights in bf16 as well (`train.weight_dtype: bf16`: no fp32 weight, no copy; the weight stochastically
-rounded too) 14.
+rounded too) 14; with the weights split (`train.weight_dtype: fp32_split`: the fp32 weight as its bf16 rounding,
+which is the parameter, plus an int16 remainder in the optimizer state; reference.py) 26 with fp32 moments and 18
+with bf16 ones, and the update is the fp32 one bit for bit.
 
 How: the tensors stay where they are (the module's weights, autograd's gradients, the optimizer's state). A
 `TensorBlocks` cuts their elements into BLOCK-sized pieces that never straddle two tensors; program i works on
@@ -143,14 +145,34 @@ def _round_bf16(x, r):
 
 
 @triton.jit
-def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_ptr, lr, beta1, beta2, eps, decay,
-                 bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
-                 P_BF16: tl.constexpr):
+def _join_fp32(hi, lo):
+    """The fp32 weight of its bf16 high half and int16 remainder (`reference.join_fp32`)."""
+    bits = (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16) + lo.to(tl.int32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_fp32(x):
+    """fp32 x -> (bf16 rounded to nearest, ties away from zero; int16 remainder of the bit patterns), as
+    `reference.split_fp32`."""
+    bits = x.to(tl.int32, bitcast=True)
+    hb = (bits + 0x8000) & -65536  # 0xFFFF0000
+    lo = (bits - hb).to(tl.int16)
+    return (hb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), lo
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, mask, elem, key, scale_ptr, lr, beta1, beta2, eps,
+                 decay, bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
+                 P_BF16: tl.constexpr, P_SPLIT: tl.constexpr):
     # lanes outside the tensor (mask False) compute garbage that is never stored
     g = tl.load(g_ptr + idx, mask=mask).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
-    p = tl.load(p_ptr + idx, mask=mask).to(tl.float32)
+    if P_SPLIT:  # the fp32 weight from its bf16 high half and int16 remainder
+        p = _join_fp32(tl.load(p_ptr + idx, mask=mask), tl.load(l_ptr + idx, mask=mask))
+    else:
+        p = tl.load(p_ptr + idx, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + idx, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + idx, mask=mask).to(tl.float32)
     p = p * (1.0 - lr * decay)
@@ -158,9 +180,13 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, mask, elem, key, scale_
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
     r = 0
-    if M_BF16 or P_BF16:
+    if M_BF16 or (P_BF16 and not P_SPLIT):
         r = _hash32(elem.to(tl.uint32) ^ key)
-    if P_BF16:  # the weight kept in bf16, stochastically rounded
+    if P_SPLIT:  # split again: the exact fp32 weight
+        hi, lo = _split_fp32(p)
+        tl.store(p_ptr + idx, hi, mask=mask)
+        tl.store(l_ptr + idx, lo, mask=mask)
+    elif P_BF16:  # the weight kept in bf16, stochastically rounded
         tl.store(p_ptr + idx, _round_bf16(p, _hash32(r) & 0xFFFF), mask=mask)
     else:
         tl.store(p_ptr + idx, p, mask=mask)
@@ -185,10 +211,11 @@ def _row_block_offset(off_ptr, chunk_ptr, stride_ptr, t, start, ALIGN: tl.conste
 
 @triton.jit(do_not_specialize=["seed"])
 def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v_ptr, v_off, step_ptr, step_off,
-                  c_ptr, c_off, c_chunk, c_stride, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
+                  c_ptr, c_off, c_chunk, c_stride, l_ptr, l_off, tid_ptr, start_ptr, numel_ptr, scale_ptr, skip_ptr,
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
                   HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
-                  P_BF16: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                  P_BF16: tl.constexpr, P_SPLIT: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
+                  SUB: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
@@ -202,22 +229,24 @@ def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v
     v_ptr += tl.multiple_of(tl.load(v_off + t), ALIGN) + start
     if HAS_COPY:
         c_ptr += _row_block_offset(c_off, c_chunk, c_stride, t, start, ALIGN, BLOCK)
+    if P_SPLIT:
+        l_ptr += tl.multiple_of(tl.load(l_off + t), ALIGN) + start
     step = tl.load(step_ptr + tl.load(step_off + t))  # this step's count (1 on the first)
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     key = 0
-    if M_BF16 or P_BF16:  # the stochastic rounding's random bits: a hash of (seed, tensor, step), element's index
+    if M_BF16 or (P_BF16 and not P_SPLIT):  # the stochastic rounding's random bits: a hash of (seed, tensor, step), element's index
         key = _hash32(_hash32(t.to(tl.uint32) ^ seed.to(tl.uint32)) ^ step.to(tl.uint32))
     # the block in SUB-element pieces, one after another (SUB_FP32_MOMENTS / SUB_BF16_MOMENTS say why)
     for i in range(0, BLOCK, SUB):
         idx = i + tl.arange(0, SUB)
         elem = start + idx
         if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
-            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, None, elem, key, scale_ptr, lr, beta1, beta2, eps,
-                         decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16)
+            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, None, elem, key, scale_ptr, lr, beta1,
+                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT)
         else:
-            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1, beta2,
-                         eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16)
+            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1,
+                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT)
 
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
@@ -226,13 +255,15 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            num_warps: int = NUM_WARPS) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": weights in fp32 or bf16,
     gradients in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to
-    this step; "c": optional bf16 copies of fp32 weights, written from the new weights). Weights and copies may
-    be row blocks (TensorTable's row_blocks). grad_scale (device scalar): every gradient is divided by it;
-    found_inf (device scalar): nonzero skips the whole step. bf16 moments and bf16 weights are stored
-    stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
+    this step; "c": optional bf16 copies of fp32 weights, written from the new weights; "lo": optional int16
+    remainders of bf16 weights, which then hold fp32 weights split in two: `reference.split_fp32`). Weights and
+    copies may be row blocks (TensorTable's row_blocks). grad_scale (device scalar): every gradient is divided by
+    it; found_inf (device scalar): nonzero skips the whole step. bf16 moments and bf16 weights without a remainder
+    are stored stochastically rounded, their random bits drawn from `seed`, the tensor's index and its step count
     (`reference.moment_bits`, `reference.weight_bits`): the same inputs give the same result.
     sub: elements per loop step of a program (a power of two dividing BLOCK; default SUB_FP32_MOMENTS or
-    SUB_BF16_MOMENTS, the latter for bf16 weights too); num_warps: the launch's warps (NUM_WARPS)."""
+    SUB_BF16_MOMENTS, the latter for bf16 moments and stochastically rounded bf16 weights); num_warps: the
+    launch's warps (NUM_WARPS)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
@@ -245,18 +276,24 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
         raise ValueError(f"AdamW weights must be float32 or bfloat16; got {p_dtype}")
     if c is not None and p_dtype != torch.float32:
         raise ValueError("a bf16 copy is made of fp32 weights; these weights are bf16 already (drop the copies)")
+    lo = tabs.get("lo")
+    if lo is not None and (p_dtype != torch.bfloat16 or lo.anchor.dtype != torch.int16):
+        raise ValueError(f"split weights are a bf16 high half and an int16 remainder; got {p_dtype} and "
+                         f"{lo.anchor.dtype}")
     c = c if c is not None else p
-    low = torch.bfloat16 in (m_dtype, p_dtype)
-    if sub is None:
+    lt = lo if lo is not None else p  # an unread pointer without split weights
+    if sub is None:  # split weights with fp32 moments: the fp32 weights' code, whose update they reproduce
+        low = m_dtype == torch.bfloat16 or (p_dtype == torch.bfloat16 and lo is None)
         sub = SUB_BF16_MOMENTS if low else SUB_FP32_MOMENTS
     _adamw_kernel[(blocks.n_blocks,)](
         p.anchor, p.offsets, p.chunk, p.stride, tabs["g"].anchor, tabs["g"].offsets, tabs["m"].anchor,
         tabs["m"].offsets, tabs["v"].anchor, tabs["v"].offsets, tabs["step"].anchor, tabs["step"].offsets,
-        c.anchor, c.offsets, c.chunk, c.stride,
+        c.anchor, c.offsets, c.chunk, c.stride, lt.anchor, lt.offsets,
         blocks.tensor_id, blocks.start, blocks.numel,
         p.anchor if grad_scale is None else grad_scale, p.anchor if found_inf is None else found_inf,
         float(lr), float(b1), float(b2), math.log2(b1) if b1 > 0 else -math.inf,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
-        M_BF16=m_dtype == torch.bfloat16, P_BF16=p_dtype == torch.bfloat16, ALIGN=ALIGN, BLOCK=BLOCK, SUB=sub,
+        M_BF16=m_dtype == torch.bfloat16, P_BF16=p_dtype == torch.bfloat16, P_SPLIT=lo is not None, ALIGN=ALIGN,
+        BLOCK=BLOCK, SUB=sub,
         num_warps=num_warps)
