@@ -1,14 +1,15 @@
 """The multi-tensor AdamW kernel (ops/optim/triton_adamw.py) alone: ms per step and the bandwidth it reaches, for
-fp32 and bf16 moments, fp32 weights with their bf16 copy and bf16 weights, and each loop step `sub`, on one list
-of tensors shaped like full fine-tuning's.
+fp32 and bf16 moments, fp32 weights with their bf16 copy, bf16 weights and split fp32 weights (a bf16 half and
+an int16 half: train.weight_dtype fp32_split), and each loop step `sub`, on one list of tensors shaped like full
+fine-tuning's.
 
 Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8]
                                         [--out FILE.json]
 
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
 an fp32 weight written (2): fp32 weight and moments 28, bf16 moments 20, bf16 weights and moments 14 (no copy),
-bf16 weights with fp32 moments 22. Every variant's result is compared with the first's of its kind (the same
-arithmetic: equal bit for bit). Needs a GPU.
+bf16 weights with fp32 moments 22, split weights 26 (fp32 moments) or 18 (bf16). Every variant's result is
+compared with the first's of its kind (the same arithmetic: equal bit for bit). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _tensors(n_params: int, moment_dtype: torch.dtype, weight_dtype: torch.dtype, device) -> dict:
-    """~40 tensors of mixed sizes summing to about n_params (expert stacks, projections, norms)."""
+def _tensors(n_params: int, moment_dtype: torch.dtype, weight_dtype: torch.dtype | str, device) -> dict:
+    """~40 tensors of mixed sizes summing to about n_params (expert stacks, projections, norms); weight_dtype
+    "split": bf16 weights with their int16 low halves ("lo")."""
+    split = weight_dtype == "split"
+    weight_dtype = torch.bfloat16 if split else weight_dtype
     g = torch.Generator().manual_seed(0)
     big = n_params // 48
     sizes = [big] * 40 + [int(x) for x in torch.randint(1, big // 8, (64,), generator=g)] + [2048] * 32
@@ -36,6 +40,8 @@ def _tensors(n_params: int, moment_dtype: torch.dtype, weight_dtype: torch.dtype
            "step": [torch.ones((), device=device) for _ in sizes]}
     if weight_dtype == torch.float32:
         out["c"] = [torch.empty(n, device=device, dtype=torch.bfloat16) for n in sizes]
+    if split:
+        out["lo"] = [torch.randint(-2**15, 2**15, (n,), device=device, dtype=torch.int16) for n in sizes]
     return out
 
 
@@ -66,12 +72,13 @@ def main() -> None:
     variants = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]  # (sub, warps)
     rows = []
     f32, b16 = torch.float32, torch.bfloat16
-    for mdt, wdt, nbytes in ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14)):
+    kinds = ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14), (f32, "split", 26), (b16, "split", 18))
+    for mdt, wdt, nbytes in kinds:
         ts = _tensors(int(args.params), mdt, wdt, dev)
         n = sum(t.numel() for t in ts["p"])
         blocks = TensorBlocks([t.numel() for t in ts["p"]], dev)
         tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
-        start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v")}
+        start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v", "lo") if k in ts}
         first = None
         for sub, warps in variants:
             for k in start:  # the same starting state for every variant
@@ -79,11 +86,12 @@ def main() -> None:
                     t.copy_(s)
             kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps)
             adamw_(tabs, blocks, **kw)  # compile, and the result every variant must give
-            got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs if k in ("p", "m", "v", "c")]
+            got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs
+                   if k in ("p", "m", "v", "c", "lo")]
             same = None if first is None else all(torch.equal(x, y) for x, y in zip(got, first))
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
-            row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],
+            row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],  # "split" stays
                    "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9,
                    "same_as_first": same}
             rows.append(row)

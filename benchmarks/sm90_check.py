@@ -31,6 +31,7 @@ _DT = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
+    torch.int16: "i16",
     torch.int32: "i32",
     torch.int64: "i64",
     torch.int8: "i8",

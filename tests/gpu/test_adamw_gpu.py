@@ -1,5 +1,5 @@
 """GPU: the multi-tensor AdamW kernel compiled (tests/ops/test_adamw_kernels.py runs it in Triton's interpreter),
-fp32 and bf16 moments, fp32 and bf16 weights, the gradient norm, against the same references: the ops tests
+fp32 and bf16 moments, fp32, bf16 and split weights, the gradient norm, against the same references: the ops tests
 themselves, with CUDA as the default device."""
 
 import os
@@ -38,6 +38,16 @@ def test_bf16_moments_compiled(on_cuda, seed, check):
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 def test_bf16_weights_compiled(on_cuda, seed, moments):
     ops.test_adamw_kernel_bf16_weights_match_reference(seed, moments)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_split_weights_compiled(on_cuda, seed, moments):
+    """Split weights take the compiled fp32 path's update bit for bit (FMA contraction included)."""
+    ops.test_adamw_kernel_split_weights_are_the_fp32_weights(seed, moments)
+
+
+def test_copy_adamw_split_weights_compiled(on_cuda, seed):
+    ops.test_copy_adamw_split_weights_state_dict(seed)
 
 
 @pytest.mark.parametrize("check", ["test_bf16_weights_follow_updates_below_their_spacing",

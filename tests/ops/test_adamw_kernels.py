@@ -448,10 +448,9 @@ def test_split_fp32_round_trips_bit_for_bit(seed):
     [-2^15, 2^15); dropping the low half loses the value (what the kernel tests below would catch)."""
     from moeadapt.ops.optim import join_fp32, split_fp32
 
-    g = torch.Generator().manual_seed(seed)
     n = 20000
-    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 127, (n,), generator=g).float())
-    ties = (_bits(torch.randn(500, generator=g)) & ~0xFFFF) | 0x8000
+    x = torch.randn(n) * torch.exp2(torch.randint(-140, 127, (n,)).float())
+    ties = (_bits(torch.randn(500)) & ~0xFFFF) | 0x8000
     x = torch.cat([x, ties.view(torch.float32), torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 3.0e38,
                                                               float("inf"), -float("inf")])])
     hi, lo = split_fp32(x)
@@ -473,8 +472,8 @@ def test_adamw_kernel_split_weights_are_the_fp32_weights(seed, moments):
     from moeadapt.ops.optim import join_fp32, split_fp32
 
     sizes = _sizes()
-    g = torch.Generator().manual_seed(seed)
-    p32 = [torch.randn(n, generator=g) for n in sizes]
+    p32 = [torch.randn(n) for n in sizes]
+    grads = [[torch.randn(n).to(torch.bfloat16) for n in sizes] for _ in range(5)]
     runs = {}
     for kind in ("fp32", "split", "bf16"):
         if kind == "fp32":
@@ -486,12 +485,10 @@ def test_adamw_kernel_split_weights_are_the_fp32_weights(seed, moments):
         m = [torch.zeros(n, dtype=moments) for n in sizes]
         v = [torch.zeros(n, dtype=moments) for n in sizes]
         steps = [torch.zeros(()) for _ in sizes]
-        gg = torch.Generator().manual_seed(seed + 1)
-        for _ in range(5):
-            grads = [torch.randn(n, generator=gg).to(torch.bfloat16) for n in sizes]
+        for gs in grads:
             for s in steps:
                 s += 1
-            tabs = {"p": _tables(p), "g": _tables(grads), "m": _tables(m), "v": _tables(v), "step": _tables(steps)}
+            tabs = {"p": _tables(p), "g": _tables(gs), "m": _tables(m), "v": _tables(v), "step": _tables(steps)}
             if lo is not None:
                 tabs["lo"] = _tables(lo)
             adamw_(tabs, TensorBlocks(sizes, p[0].device), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -517,9 +514,9 @@ def test_copy_adamw_split_weights_state_dict(seed):
     from moeadapt.ops.optim import join_fp32
 
     E, F, L = 2, 4, BLOCK // 4
-    g = torch.Generator().manual_seed(seed)
-    w32 = [torch.randn(E, F, L, generator=g).to(torch.bfloat16).float() for _ in range(2)]
-    w32.append(torch.randn(37, generator=g).to(torch.bfloat16).float())  # bf16 values: split starts exact
+    w32 = [torch.randn(E, F, L).to(torch.bfloat16).float() for _ in range(2)]
+    w32.append(torch.randn(37).to(torch.bfloat16).float())  # bf16 values: split starts exact
+    grads = [[torch.randn(w.shape).to(torch.bfloat16) for w in w32] for _ in range(4)]
 
     def make(split):
         if split:
@@ -534,9 +531,8 @@ def test_copy_adamw_split_weights_state_dict(seed):
         return ps, CopyAdamW(ps, None, lr=5e-2, betas=(0.9, 0.95), weight_decay=0.1, seed=3, split_weights=split)
 
     def step(ps, opt, k):
-        gk = torch.Generator().manual_seed(seed + k)
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=gk).to(torch.bfloat16)
+        for p, g in zip(ps, grads[k]):
+            p.grad = g.clone()
         opt.step()
 
     (ps, opt), (ref, ref_opt) = make(True), make(False)
