@@ -3,11 +3,12 @@ One `moeadapt train` run per variant (on a GPU: bf16 moments and bf16 weights ar
 every step and the evals compared against the fp32 run.
 
 Variants (`--variants`, comma list; the first is the baseline):
-  fp32     fp32 weights (bf16 copies for the matmuls) and fp32 AdamW moments: the default
+  fp32     fp32 weights (bf16 copies for the matmuls) and fp32 AdamW moments
   bf16m    train.moment_dtype bf16: the moments stochastically rounded
   bf16w    train.weight_dtype bf16: the weights themselves bf16, stochastically rounded, no fp32 weight
   bf16wm   both
-  split    train.weight_dtype fp32_split: fp32 weights kept as a bf16 half (the matmuls' operand) + an int16 half
+  split    train.weight_dtype fp32_split: fp32 weights kept as a bf16 half (the matmuls' operand) + an int16 half;
+           the default (auto) where it runs
   splitm   split weights and bf16 moments
 
 Usage: python3 benchmarks/bench_precision.py CONFIG [--variants fp32,bf16m,bf16wm] [--set KEY=VALUE ...]
@@ -32,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = {"fp32": [], "bf16m": ["train.moment_dtype=bf16"], "bf16w": ["train.weight_dtype=bf16"],
+VARIANTS = {"fp32": ["train.weight_dtype=fp32"], "bf16m": ["train.moment_dtype=bf16", "train.weight_dtype=fp32"],
+            "bf16w": ["train.weight_dtype=bf16"],
             "bf16wm": ["train.moment_dtype=bf16", "train.weight_dtype=bf16"],
             "split": ["train.weight_dtype=fp32_split"],
             "splitm": ["train.moment_dtype=bf16", "train.weight_dtype=fp32_split"]}

@@ -224,6 +224,7 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.models.stats import count_parameters
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
+    from moeadapt.train.copies import resolve_weight_dtype
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, make_optimizer, start_run, train_step
 
@@ -237,6 +238,7 @@ def run_ours(args, mode: str) -> dict:
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
+    cfg = resolve_weight_dtype(cfg, run, run.device)  # as the trainer settles train.weight_dtype auto
     counts = count_parameters(build_model(spec, "meta"), spec)  # the base model, adapters left out
     model = build_meta(cfg, run.device)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -556,9 +558,10 @@ def main() -> None:
                    "train.weight_copies (bf16 weight copies and bf16 gradients; off: autocast's casts)")
     p.add_argument("--moments", default="fp32", choices=["fp32", "bf16"], help="our side: train.moment_dtype "
                    "(AdamW's moments in bf16, stochastically rounded; on a GPU)")
-    p.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp32_split"], help="our side, full "
-                   "fine-tuning: train.weight_dtype (bf16: the trained weights in bf16, stochastically rounded; "
-                   "fp32_split: fp32 weights as a bf16 half and an int16 half; one GPU)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "fp32_split"], help="our side, "
+                   "full fine-tuning: train.weight_dtype (bf16: the trained weights in bf16, stochastically rounded; "
+                   "fp32_split: fp32 weights as a bf16 half and an int16 half, one GPU; auto: the trainer's "
+                   "default, fp32_split where it runs)")
     p.add_argument("--unfuse", default="", help="our side: comma list of glue fusions to turn off for an A/B run "
                    f"in one tree ({', '.join(UNFUSE)}; see `unfuse`)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -378,13 +378,15 @@ class TrainSpec(_Strict):
                                                   "stochastically rounded (ops/optim/reference.py); on a GPU "
                                                   "(the trainer's CopyAdamW, which under FSDP2 steps the local "
                                                   "shards)")
-    weight_dtype: Literal["fp32", "bf16", "fp32_split"] = Field(
-        default="fp32", description="how the trained weights are kept (full fine-tuning, one GPU): bf16 stores "
-        "them in 2 bytes a parameter with no fp32 weight and no compute copy, updated in fp32 and stored "
-        "stochastically rounded; fp32_split keeps the fp32 weight exactly as its bf16 rounding (the parameter "
-        "the matmuls read: no copy) and the 16 bits it drops (int16, in the optimizer's state), so the update "
-        "is fp32's bit for bit with 2 bytes a parameter less memory and traffic than fp32 + copy "
-        "(ops/optim/reference.py); with either the gradients are bf16 and the residual stream runs in bf16")
+    weight_dtype: Literal["auto", "fp32", "bf16", "fp32_split"] = Field(
+        default="auto", description="how the trained weights are kept: fp32; bf16 (full fine-tuning, one GPU) "
+        "stores them in 2 bytes a parameter with no fp32 weight and no compute copy, updated in fp32 and stored "
+        "stochastically rounded; fp32_split (full fine-tuning, one GPU) keeps the fp32 weight exactly as its "
+        "bf16 rounding (the parameter the matmuls read: no copy) and the 16 bits it drops (int16, in the "
+        "optimizer's state), so the update is fp32's bit for bit with 2 bytes a parameter less memory and "
+        "traffic than fp32 + copy (ops/optim/reference.py); with bf16 and fp32_split the gradients are bf16 and "
+        "the residual stream runs in bf16. auto: fp32_split where it runs (train/copies.py "
+        "resolve_weight_dtype), else fp32")
     cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
                              "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
                              "process on a GPU, fixed shapes, no packed documents or images")

@@ -91,6 +91,9 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
     micro_batches = micro_batches or [1, 2, 4, 8]
     E = spec.n_routed_experts
     feasible, rejected = [], []
+    # one GPU, full fine-tuning: the trainer's default keeps the weights split (train.weight_dtype auto ->
+    # fp32_split: bf16 parameters, bf16 gradients, int16 low halves in the optimizer's state, no copies)
+    weights = dict(weight_bytes=2, lo_bytes=2) if gpus == 1 and lora is None else {}
     for cp in cps:
         if gpus % cp:
             continue
@@ -105,8 +108,8 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
                         continue
                     for rc in recomputes:
                         for mb in micro_batches:
-                            c = evaluate_plan(spec, Plan(gpus, gpus // shard, dp_shard, cp, ep, rc, mb, seq),
-                                              lora, cap, hw)
+                            c = evaluate_plan(spec, Plan(gpus, gpus // shard, dp_shard, cp, ep, rc, mb, seq,
+                                                         **weights), lora, cap, hw)
                             (feasible if c.fits else rejected).append(c)
     feasible.sort(key=lambda c: -c.comm["tokens_per_s_per_gpu"])
     rejected.sort(key=lambda c: c.memory["total"])

@@ -171,11 +171,17 @@ def gate_up_pairs(model: nn.Module, targets) -> list[tuple[nn.Parameter, nn.Para
 
 def why_not_bf16(cfg, run, device: torch.device) -> str | None:
     """Why this run cannot keep its trained weights as bf16 parameters (`train.weight_dtype: bf16` or
-    `fp32_split`), as the message that names the fix; None where it can (or does not ask)."""
+    `fp32_split`), as the message that names the fix; None where it can (or does not ask: fp32, or auto, which
+    `resolve_weight_dtype` settles)."""
     t = cfg.train
-    if t.weight_dtype == "fp32":
+    if t.weight_dtype in ("fp32", "auto"):
         return None
-    what, fix = f"train.weight_dtype: {t.weight_dtype}", "; set train.weight_dtype: fp32"
+    return _bf16_params_refusal(cfg, run, device, t.weight_dtype)
+
+
+def _bf16_params_refusal(cfg, run, device: torch.device, weights: str) -> str | None:
+    t = cfg.train
+    what, fix = f"train.weight_dtype: {weights}", "; set train.weight_dtype: fp32"
     if cfg.lora is not None:
         return f"{what} is for full fine-tuning (a LoRA run's adapters are few and stay fp32)" + fix
     if run.world > 1:
@@ -188,6 +194,20 @@ def why_not_bf16(cfg, run, device: torch.device) -> str | None:
         return (f"{what} would add the gradients of several micro-batches (train.grad_accum_steps > 1) in bf16; "
                 "set train.merge_microbatches: true (one forward) or train.weight_dtype: fp32")
     return None
+
+
+def resolve_weight_dtype(cfg, run, device: torch.device):
+    """cfg with a concrete train.weight_dtype: `auto` (the default) is fp32_split where the run can keep its
+    trained weights as bf16 parameters (full fine-tuning in one process on a GPU with bf16 autocast, one forward
+    a step) and has train.weight_copies on, else fp32 (with its bf16 copies where `why_not` allows them). Both are
+    fp32 weights: fp32_split keeps the bf16 half the matmuls read as the parameter itself (no copy, its residual
+    stream in bf16 as under FSDP2's mixed precision) and the other half in the optimizer's state. Returns cfg
+    itself when there is nothing to settle, else a copy."""
+    t = cfg.train
+    if t.weight_dtype != "auto":
+        return cfg
+    ok = t.weight_copies and _bf16_params_refusal(cfg, run, device, "fp32_split") is None
+    return cfg.model_copy(update={"train": t.model_copy(update={"weight_dtype": "fp32_split" if ok else "fp32"})})
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from ..parallel.shards import global_layout, named_tensors, shard_bytes
 from ..plan.memory import Plan, state_bytes
 from ..ui import make_console
 from .build import build_meta
-from .copies import store_bf16, why_not_bf16
+from .copies import resolve_weight_dtype, store_bf16, why_not_bf16
 
 console = make_console()
 
@@ -66,6 +66,7 @@ def dry_run(cfg: RunConfig, world: int | None = None, ranks: list[int] | None = 
     if world != par.world_size:
         raise ValueError(f"--world {world} but the config's parallel section gives dp_replicate*dp_shard*cp = "
                          f"{par.world_size}; set parallel.dp_shard (e.g. --set parallel.dp_shard={world // par.cp})")
+    cfg = resolve_weight_dtype(cfg, SimpleNamespace(world=world), torch.device("cuda"))  # as the trainer settles it
     why = why_not_bf16(cfg, SimpleNamespace(world=world), torch.device("cuda"))  # the trainer's refusals
     if why:
         raise ValueError(why)

@@ -49,7 +49,7 @@ from ..parallel.optim import CopyAdamW, build_optimizer
 from ..ui import make_console
 from .build import build_meta, materialize_shards
 from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoints, resume_candidates
-from .copies import WeightCopies, plan_copies, store_bf16, why_not_bf16
+from .copies import WeightCopies, plan_copies, resolve_weight_dtype, store_bf16, why_not_bf16
 from .copies import why_not as why_not_copies
 from .errors import TrainingError
 from .graph import StepGraph, check_graphable
@@ -323,7 +323,8 @@ def make_optimizer(cfg: RunConfig, run, model: HybridMoEModel,
                    params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, WeightCopies | None]:
     """The run's AdamW and, where the run takes them (copies.why_not), the bf16 weight copies it writes; with
     train.weight_dtype bf16 / fp32_split, the trained weights first stored in bf16 (copies.store_bf16: no copies
-    then)."""
+    then); auto is settled first (copies.resolve_weight_dtype)."""
+    cfg = resolve_weight_dtype(cfg, run, run.device)
     why = why_not_bf16(cfg, run, run.device)
     if why:
         raise TrainingError(why)
@@ -720,8 +721,9 @@ def _export(lp: Loop, out_dir: Path) -> None:
 
 
 def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
-    t = cfg.train
     run = start_run(cfg)
+    cfg = resolve_weight_dtype(cfg, run, run.device)  # train.weight_dtype auto -> fp32_split or fp32
+    t = cfg.train
     why = check_graphable(cfg, run) if t.cuda_graph else None
     if why:
         raise TrainingError(f"train.cuda_graph: {why}")

@@ -57,7 +57,7 @@ def _full_loop(spec, base, data, seed, **train):
 
     cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
         "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": STEPS,
-        "log_every": 2, "lr": LR, "warmup_steps": 0, **train}})
+        "log_every": 2, "lr": LR, "warmup_steps": 0, "weight_dtype": "fp32", **train}})  # fp32: the copies path
     return trainer_loop(cfg, base, data)
 
 
@@ -156,23 +156,30 @@ def test_lora_copies_train_as_the_casts(seed, seq):
 
 
 @pytest.mark.parametrize("graphed", [False, True])
-def test_bf16_weights_train_as_fp32_weights(seed, graphed):
-    """train.weight_dtype bf16 (copies.store_bf16, CopyAdamW's stochastically rounded bf16 weights) on the tiny
-    model against fp32 weights with their bf16 copies, from the same weights on the same batches: the weights stay
-    bf16 (the experts' w1 / w3 one buffer's halves where they pair), the first loss is the same to the residual
-    stream's bf16 rounding, every loss stays within 2%, and the weights' updates agree as a whole (lr 1e-3: each
-    update several bf16 steps of the weights)."""
+@pytest.mark.parametrize("kept", ["bf16", "fp32_split", "auto"])
+def test_bf16_weights_train_as_fp32_weights(seed, graphed, kept):
+    """train.weight_dtype bf16 (copies.store_bf16, CopyAdamW's stochastically rounded bf16 weights), fp32_split
+    (the same bf16 parameters with their int16 low halves in the optimizer's state) and auto (the default, which
+    is fp32_split here) on the tiny model against fp32 weights with their bf16 copies, from the same weights on
+    the same batches: the weights stay bf16 (the experts' w1 / w3 one buffer's halves where they pair), the first
+    loss is the same to the residual stream's bf16 rounding, every loss stays within 2%, and the weights' updates
+    agree as a whole (lr 1e-3: each update several bf16 steps of the weights); split weights keep int16 low
+    halves that are not all zero."""
     from moeadapt.models.moe import GroupedExperts
 
     spec, base, data = _tiny_full(seed)
     runs = []
-    for weights in ("fp32", "bf16"):
+    for weights in ("fp32", kept):
         lp, params, copies = _full_loop(spec, base, data, seed, weight_dtype=weights, lr=1e-3)
         m = lp.model
-        assert (copies is None) == (weights == "bf16")
+        assert (copies is None) == (weights != "fp32")
         start = [p.detach().float().clone() for p in params]
-        stats = _steps(lp, STEPS, graphed and weights == "bf16")
-        if weights == "bf16":
+        stats = _steps(lp, STEPS, graphed and weights != "fp32")
+        if weights != "fp32":
+            if weights != "bf16":
+                assert lp.opt.split_weights
+                lows = [lp.opt.state[p]["weight_lo"] for p in params]
+                assert all(t.dtype == torch.int16 for t in lows) and any(bool(t.any()) for t in lows)
             assert all(p.dtype == torch.bfloat16 for p in params)
             for e in (mod for mod in m.modules() if isinstance(mod, GroupedExperts)):
                 assert (e._gu_pair is not None) == (e.w1.weight[0].numel() % 4096 == 0)

@@ -130,9 +130,11 @@ def test_trainer_steps_never_wait(seed):
         trainer._read = read
 
 
-def test_trainer_steps_with_weight_copies_never_wait(seed):
-    """Full fine-tuning with bf16 weight copies (train/copies.py): CopyAdamW's tables, gradient norm and update
-    make no host sync either, once its block maps exist (the first step)."""
+@pytest.mark.parametrize("weights", ["fp32", "fp32_split"])
+def test_trainer_steps_with_weight_copies_never_wait(seed, weights):
+    """Full fine-tuning with bf16 weight copies (train/copies.py) or split weights (train.weight_dtype
+    fp32_split, the default where it runs): CopyAdamW's tables, gradient norm and update make no host sync
+    either, once its block maps exist (the first step)."""
     from moeadapt.config import RunConfig
     from moeadapt.parallel.optim import CopyAdamW
     from moeadapt.train import trainer
@@ -142,13 +144,13 @@ def test_trainer_steps_with_weight_copies_never_wait(seed):
     spec, model = _model(seed)
     cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
         "seed": seed % 1000, "device": "cuda", "micro_batch_size": ROWS, "seq_len": SEQ, "steps": 10,
-        "log_every": 1}})
+        "log_every": 1, "weight_dtype": weights}})
     batch = _batch(spec, seed)
 
     run = LocalRun(cfg, torch.device("cuda"))
     params = [p for p in model.parameters() if p.requires_grad]
     opt, copies = trainer.make_optimizer(cfg, run, model, params)
-    assert isinstance(opt, CopyAdamW) and copies is not None
+    assert isinstance(opt, CopyAdamW) and (copies is not None) == (weights == "fp32")
     lp = trainer.Loop(cfg, run, model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                       _SameBatch(batch), NullLogger(), None, 1.0, True, copies=copies)
     for step in range(2):  # compiles, autotunes, makes the optimizer state and its block maps

@@ -452,3 +452,33 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
         assert abs(la - lb) < 1e-2 * lb and abs(na - nb) < 3e-2 * nb, (runs["bf16"], runs["fp32"])
     rel = float((moved["bf16"] - moved["fp32"]).norm() / moved["fp32"].norm())
     assert rel < 0.5, f"the weights' updates differ by {rel:.3f} (relative)"  # no update at all: 1.0
+
+
+def test_weight_dtype_auto_is_split_where_bf16_parameters_run():
+    """train.weight_dtype auto (the default) settles to fp32_split for one-process full fine-tuning on a GPU with
+    bf16 autocast and train.weight_copies on, and to fp32 elsewhere (LoRA, torchrun, the CPU, fp32 steps, bf16
+    gradients adding over several forwards, copies turned off); explicit values are kept."""
+    from types import SimpleNamespace
+
+    from moeadapt.train.copies import resolve_weight_dtype, why_not_bf16
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    one = SimpleNamespace(world=1)
+
+    def settled(device=cuda, run=one, **change):
+        train = change.pop("train", {})
+        cfg = RunConfig(model=micro_spec(), train=train, **change)
+        assert cfg.train.weight_dtype == train.get("weight_dtype", "auto")
+        assert why_not_bf16(cfg, run, device) is None or train.get("weight_dtype") not in (None, "auto")
+        return resolve_weight_dtype(cfg, run, device).train.weight_dtype
+
+    assert settled() == "fp32_split"
+    assert settled(train=dict(grad_accum_steps=2, merge_microbatches=True)) == "fp32_split"
+    assert settled(lora=dict(rank=4)) == "fp32"
+    assert settled(run=SimpleNamespace(world=2)) == "fp32"
+    assert settled(cpu) == "fp32"
+    assert settled(train=dict(dtype="fp32")) == "fp32"
+    assert settled(train=dict(grad_accum_steps=2)) == "fp32"
+    assert settled(train=dict(weight_copies=False)) == "fp32"
+    for w in ("fp32", "bf16", "fp32_split"):
+        assert settled(train=dict(weight_dtype=w)) == w

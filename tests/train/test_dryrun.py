@@ -35,7 +35,7 @@ def test_bf16_moments_halve_the_optimizer_bytes(world):
     """train.moment_dtype bf16: the ranks hold 4 bytes of AdamW state a trainable parameter in all, as the planner
     says for rank 0 (one process, and FSDP2's shards, where CopyAdamW steps the local shards)."""
     spec = micro_spec(n_routed_experts=8)
-    cfg = build_run_config({"model": spec.model_dump(), "train": {"moment_dtype": "bf16"},
+    cfg = build_run_config({"model": spec.model_dump(), "train": {"moment_dtype": "bf16", "weight_dtype": "fp32"},
                             "parallel": {"dp_shard": world}})
     res = dry_run(cfg, world, ranks=list(range(world)), quiet=True)
     assert sum(r["optimizer"] for r in res["ranks"]) == param_counts(spec, None).total * 4
