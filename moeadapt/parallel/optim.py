@@ -181,6 +181,15 @@ class CopyAdamW(torch.optim.Optimizer):
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
                    seed=self.seed + 7919 * launch + 104729 * self._rank)
 
+    @torch.no_grad()
+    def full_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 weight: a split weight joined with its state's `weight_lo` (a new fp32 tensor), any other
+        tensor as it is."""
+        from ..ops.optim import join_fp32
+
+        lo = self.state.get(p, {}).get("weight_lo") if self._split(p) else None
+        return p if lo is None else join_fp32(p.detach(), lo).view(p.shape)
+
     def _split(self, p: torch.Tensor) -> bool:
         """p is the bf16 high half of a split fp32 weight (its low half in the state's `weight_lo`)."""
         return self.split_weights and p.dtype == torch.bfloat16

@@ -104,9 +104,10 @@ class DistributedRun:
         """`init_from` into the parallelized model: each rank reads only its shards. Collective."""
         return load_init_from(model, path, self.dims)
 
-    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
-        """The trained model as sharded safetensors, each rank writing its own shards. Collective."""
-        export_sharded(model, path, config, self.dims, max_shard_bytes=max_shard_bytes)
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int, **kw) -> None:
+        """The trained model as sharded safetensors, each rank writing its own shards (kw: export_sharded's dtype /
+        value). Collective."""
+        export_sharded(model, path, config, self.dims, max_shard_bytes=max_shard_bytes, **kw)
 
     def adapter_copy(self, model: nn.Module) -> nn.Module | None:
         """On rank 0, a meta-built model holding the trained LoRA adapters (gathered: they are small) for

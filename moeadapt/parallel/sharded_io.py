@@ -153,13 +153,16 @@ class IdentityLayout:
 def export_sharded(model: nn.Module, path: str | Path, config: dict, dims: ParallelDims | None = None,
                    layout=None, dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    extra_files: dict[str, str] | None = None,
-                   keep_dtype: Callable[[str], bool] = lambda n: n.endswith("expert_bias")) -> Path:
+                   keep_dtype: Callable[[str], bool] = lambda n: n.endswith("expert_bias"),
+                   value: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Path:
     """Write the model as safetensors files of <= max_shard_bytes (`model.safetensors`, or
     `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`) + config.json (+ `extra_files`).
     Collective under torch.distributed: every rank writes only the boxes it owns; no tensor is gathered.
     Atomic (`moeadapt.io.write_sharded_dir`). `layout` maps our tensors to the output's (default ours;
     `moeadapt.onboard.loader.HFLayout` for a Hugging Face checkpoint's names); `dtype` casts floating
-    tensors except those `keep_dtype` names. LoRA adapters are not written (see `gather_adapters`)."""
+    tensors except those `keep_dtype` names; `value` gives the tensor to write for one of the model's (its local
+    shard; default the tensor itself: CopyAdamW.full_weight writes split weights whole, one at a time). LoRA
+    adapters are not written (see `gather_adapters`)."""
     layout = layout or IdentityLayout()
     regs = model_regions(model, dims)
     claimed: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -179,7 +182,7 @@ def export_sharded(model: nn.Module, path: str | Path, config: dict, dims: Paral
     def write(emit) -> None:
         for n, t, r in writes:
             if r.owner and 0 not in r.shape:
-                for dn, off, piece in layout.pieces(n, r, local(t).detach()):
+                for dn, off, piece in layout.pieces(n, r, local(t if value is None else value(t)).detach()):
                     emit(dn, off, piece)
 
     return write_sharded_dir(path, order, config, write, max_shard_bytes, extra_files)

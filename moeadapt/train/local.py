@@ -72,10 +72,11 @@ class LocalRun:
 
         return load_model(path, model)
 
-    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int) -> None:
+    def export_model(self, model: nn.Module, path, config: dict, max_shard_bytes: int, **kw) -> None:
+        """kw: export_sharded's dtype / value (a split-weights run writes its fp32 weights)."""
         from ..parallel.sharded_io import export_sharded
 
-        export_sharded(model, path, config, max_shard_bytes=max_shard_bytes)
+        export_sharded(model, path, config, max_shard_bytes=max_shard_bytes, **kw)
 
     def adapter_copy(self, model: nn.Module) -> nn.Module:
         return model

@@ -707,8 +707,11 @@ def _export(lp: Loop, out_dir: Path) -> None:
         raise TrainingError("the trained weights hold NaN/Inf; not exporting them. Lower train.lr and resume from "
                             "the last good checkpoint with train.resume=true")
     if cfg.lora is None:
+        # split weights (train.weight_dtype fp32_split) are written whole: fp32, each joined with its low half
+        split = isinstance(lp.opt, CopyAdamW) and lp.opt.split_weights
+        kw = dict(dtype=torch.float32, value=lp.opt.full_weight) if split else {}
         lp.run.export_model(lp.model, out_dir / "model", {"moeadapt": cfg.model.model_dump(mode="json")},
-                            int(cfg.train.export_shard_gb * 1e9))
+                            int(cfg.train.export_shard_gb * 1e9), **kw)
         return
     plain = lp.run.adapter_copy(lp.model)  # None on ranks other than 0
     if plain is not None:

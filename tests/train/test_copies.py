@@ -482,3 +482,40 @@ def test_weight_dtype_auto_is_split_where_bf16_parameters_run():
     assert settled(train=dict(weight_copies=False)) == "fp32"
     for w in ("fp32", "bf16", "fp32_split"):
         assert settled(train=dict(weight_dtype=w)) == w
+
+
+def test_split_weights_export_their_fp32_values(seed, tmp_path):
+    """A split-weights run (train.weight_dtype fp32_split) exports what the trainer's `_export` writes for it:
+    every trained weight in fp32, joined with its int16 low half bit for bit (not the bf16 half the matmuls read,
+    which the plain export would write), after two CopyAdamW steps that moved the low halves off zero."""
+    from moeadapt.io import load_tensors
+    from moeadapt.ops.optim import join_fp32
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.parallel.sharded_io import export_sharded
+    from moeadapt.train.copies import store_bf16
+
+    spec = micro_spec(n_layers=2)
+    model = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
+    for mod in model.modules():
+        if isinstance(mod, GroupedLinear):
+            mod.backend = "reference"
+    store_bf16(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = CopyAdamW(params, None, lr=1e-2, split_weights=True)
+    x, y = (torch.randint(0, spec.vocab_size, (2, 16)) for _ in range(2))
+    for _ in range(2):
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    export_sharded(model, tmp_path / "model", {"moeadapt": spec.model_dump(mode="json")}, dtype=torch.float32,
+                   value=opt.full_weight)
+    out = load_tensors(tmp_path / "model" / "model.safetensors")
+    names = {id(p): n for n, p in model.named_parameters()}
+    differs = 0
+    for p in params:
+        got = out[names[id(p)]]
+        want = join_fp32(p.detach(), opt.state[p]["weight_lo"])
+        assert got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        differs += int((got != p.detach().float()).sum())
+    assert differs > 0  # the low halves carry something the bf16 halves alone would lose
