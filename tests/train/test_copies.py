@@ -519,3 +519,41 @@ def test_split_weights_export_their_fp32_values(seed, tmp_path):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         differs += int((got != p.detach().float()).sum())
     assert differs > 0  # the low halves carry something the bf16 halves alone would lose
+
+
+def test_a_split_run_resumes_as_fp32_weights(seed, tmp_path):
+    """A checkpoint of a split-weights run (bf16 halves in model.safetensors, int16 low halves in the optimizer's
+    state) resumed with train.weight_dtype fp32: the fp32 weights are the joined halves bit for bit, not the bf16
+    halves alone."""
+    from moeadapt.ops.optim import join_fp32
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
+    from moeadapt.train.copies import store_bf16
+
+    spec = micro_spec(n_layers=2)
+    x, y = (torch.randint(0, spec.vocab_size, (2, 16)) for _ in range(2))
+
+    def setup(split):
+        model = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
+        for mod in model.modules():
+            if isinstance(mod, GroupedLinear):
+                mod.backend = "reference"
+        if split:
+            store_bf16(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = CopyAdamW(params, None, lr=1e-2, split_weights=split)
+        return model, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    model, params, opt, sched = setup(True)
+    for _ in range(2):
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    path = save_checkpoint(tmp_path, 2, model, opt, sched, {"pos": 0})
+    want = [join_fp32(p.detach(), opt.state[p]["weight_lo"]) for p in params]
+    m2, p2, opt2, sched2 = setup(False)
+    load_checkpoint(path, m2, opt2, sched2)
+    for p, w in zip(p2, want):
+        assert p.dtype == torch.float32
+        assert torch.equal(p.detach().view(torch.int32), w.view(torch.int32))
+    assert all("weight_lo" not in opt2.state[p] for p in p2)
