@@ -202,7 +202,9 @@ class ModelSpec(_Strict):
         "terms, 16 mantissa bits, and the bf16 input exact, fp32 sums (no fp32 copy of the input; an input that "
         "is not bf16, or torch < 2.8, runs as tf32); tf32 = tensor cores, inputs rounded to 10 mantissa bits "
         "(H200: within 3% of bf16's layer time); fp32 = full precision (+31% on a frozen E=896 layer); "
-        "bf16 = bf16 inputs")
+        "bf16 = bf16 inputs. Where the weight itself is bf16 (train.weight_dtype fp32_split, the one-GPU "
+        "full fine-tuning default, or bf16; FSDP2's bf16 gathers under torchrun) its low term is zero: the "
+        "logits of the bf16-rounded weight")
     n_group: int = Field(default=1, ge=1)
     topk_group: int = Field(default=1, ge=1)
     routed_scaling_factor: float = Field(default=1.0, gt=0)
