@@ -159,3 +159,20 @@ def test_bf16_weights_halve_weights_and_gradients_and_drop_the_copies():
     assert bf16["optimizer"] == fp32["optimizer"]
     assert bf16["activations"] < fp32["activations"]
     assert bf16["total"] < fp32["total"] - 4 * n
+
+
+def test_one_gpu_full_fine_tuning_plans_the_split_default():
+    """The search plans one GPU's full fine-tuning as the trainer runs it by default (train.weight_dtype auto ->
+    fp32_split: 2-byte weights and gradients, the 2-byte low halves in the optimizer term, no copies); LoRA and
+    several GPUs keep fp32 weights."""
+    small = get_preset("small")
+    kw = dict(seq_lens=[4096], micro_batches=[2], recomputes=("none",), cps=(1,))
+    one = search(small, 1, "141GiB", **kw)
+    c = (one.feasible or one.rejected)[0]
+    assert (c.plan.weight_bytes, c.plan.lo_bytes) == (2, 2)
+    n = c.memory["params_trainable"]
+    assert c.memory["optimizer"] == pytest.approx(10 * n, rel=1e-6)
+    two = search(small, 2, "141GiB", **kw)
+    assert all((x.plan.weight_bytes, x.plan.lo_bytes) == (4, 0) for x in two.feasible + two.rejected)
+    lora = search(small, 1, "141GiB", lora=LoRASpec(rank=16), **kw)
+    assert all((x.plan.weight_bytes, x.plan.lo_bytes) == (4, 0) for x in lora.feasible + lora.rejected)
