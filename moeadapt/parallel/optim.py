@@ -59,8 +59,9 @@ class CopyAdamW(torch.optim.Optimizer):
     (train.weight_dtype bf16: no fp32 weight, no copy) are updated in fp32 and stored stochastically rounded
     (ops/optim/reference.py); a parameter may be a block of rows of a bigger tensor (the experts' w1 / w3 in
     one gate/up buffer, train/copies.py `store_bf16`). With split_weights (train.weight_dtype fp32_split) a bf16
-    parameter is instead the high half of an fp32 weight whose low 16 bits are its state `weight_lo` (int16,
-    zero at the first step: the weight starts as its bf16 value), and the update is the fp32 one exactly.
+    parameter is instead the high half of an fp32 weight whose low 16 bits are its state `weight_lo` (int16:
+    `seed_low_halves` gives those of the fp32 weights a run starts from; zero otherwise, the weight starting as
+    its bf16 value), and the update is the fp32 one exactly.
 
     The update and the state dict are torch.optim.AdamW's (per parameter `step`, `exp_avg`, `exp_avg_sq`;
     a checkpoint of either loads into the other). One Triton launch per group of parameters that share a gradient
@@ -154,7 +155,7 @@ class CopyAdamW(torch.optim.Optimizer):
         for launch, (gi, group, key, ps) in enumerate(self._parts()):
             for p in ps:
                 st = self.state[p]
-                if not st:
+                if "step" not in st:  # (a split weight's seeded `weight_lo` may be there already)
                     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     for k in ("exp_avg", "exp_avg_sq"):
                         st[k] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.contiguous_format)
@@ -180,6 +181,18 @@ class CopyAdamW(torch.optim.Optimizer):
             adamw_(tabs, self._block_map(ps), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                    weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf,
                    seed=self.seed + 7919 * launch + 104729 * self._rank)
+
+    def seed_low_halves(self, lows: dict) -> None:
+        """Give split weights their fp32 low halves before the first step (`weight_lo`, int16 like the parameter:
+        train/copies.py `store_bf16(model, lows)` makes them from the fp32 weights it splits), where the state has
+        none yet; without them a split weight starts as its bf16 value."""
+        for p, lo in lows.items():
+            if not self._split(p) or lo.dtype != torch.int16 or lo.shape != p.shape:
+                raise ValueError(f"a low half of shape {tuple(lo.shape)} / {lo.dtype} for a {p.dtype} parameter of "
+                                 f"shape {tuple(p.shape)}: expected int16 halves of split (bf16) weights")
+            st = self.state[p]
+            if "weight_lo" not in st:  # taken as it is where it already lies on p's device, contiguous
+                st["weight_lo"] = lo.to(device=p.device, memory_format=torch.contiguous_format)
 
     @torch.no_grad()
     def full_weight(self, p: torch.Tensor) -> torch.Tensor:

@@ -153,15 +153,27 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
                              f"has {tuple(p.shape)}; the optimizer state is corrupt or from another config - resume "
                              "from an earlier step_* or start a new output_dir")
         state.setdefault(int(idx), {})[k] = v
+    # fp32 weights resumed as split ones (train.weight_dtype fp32_split, e.g. a run saved before it was the
+    # default): each parameter takes its bf16 half, the optimizer the int16 low half, so nothing is rounded away
+    from ..ops.optim import split_fp32
+
+    split = getattr(optimizer, "split_weights", False)
+    lows = {}
     with torch.no_grad():
         for k, v in tensors.items():
-            own[k].copy_(v)
+            if split and own[k].dtype == torch.bfloat16 and v.dtype == torch.float32:
+                hi, lows[own[k]] = split_fp32(v)
+                own[k].copy_(hi)
+            else:
+                own[k].copy_(v)
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         scheduler.load_state_dict(sched_state)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{state_file}: the optimizer / scheduler state does not fit this run ({e}); resume with "
                          "the config the run was saved with") from None
+    if lows:
+        optimizer.seed_low_halves(lows)
     rng = load_tensors(path / "rng.safetensors")
     if "cpu" not in rng or rng["cpu"].dtype != torch.uint8:
         raise ValueError(f"{path / 'rng.safetensors'} holds no CPU RNG state; the checkpoint is corrupt")

@@ -211,18 +211,25 @@ def resolve_weight_dtype(cfg, run, device: torch.device):
 
 
 @torch.no_grad()
-def store_bf16(model: nn.Module) -> int:
+def store_bf16(model: nn.Module, lows: dict | None = None) -> int:
     """Full fine-tuning with `train.weight_dtype: bf16` / `fp32_split`: every trainable parameter cast to bf16
     in place (the Parameter objects kept, so optimizer, checkpoints and names are unchanged), and each grouped
     experts' w1 / w3 laid out as the two row halves of one gate/up buffer (`GroupedExperts.pair_weights`: one
     GEMM each way) where each expert's [F, L] is a whole number of the optimizer kernel's blocks (it updates the
     halves in place). No bf16 copy remains; CopyAdamW updates the bf16 weights in fp32 and stores them
-    stochastically rounded, or with fp32_split keeps the 16 bits each drops (its state's `weight_lo`, zero at
-    first: the fp32 weights start as these bf16 values; ops/optim/reference.py). The residual stream then runs in
-    bf16 (the embedding's dtype), as in a LoRA run. Returns the number of paired experts."""
+    stochastically rounded, or with fp32_split keeps the 16 bits each drops (its state's `weight_lo`;
+    ops/optim/reference.py). With `lows` (a dict; fp32_split) each fp32 weight is split exactly instead
+    (`split_fp32`: the parameter its bf16 half) and its int16 low half put in `lows[parameter]`, for
+    `CopyAdamW.seed_low_halves`: the run then starts from the fp32 weights themselves. The residual stream then
+    runs in bf16 (the embedding's dtype), as in a LoRA run. Returns the number of paired experts."""
+    from ..ops.optim import split_fp32
+
     for p in model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
-            p.data = p.data.to(torch.bfloat16)
+            if lows is not None and p.dtype == torch.float32 and p.device.type != "meta":
+                p.data, lows[p] = split_fp32(p.data)
+            else:
+                p.data = p.data.to(torch.bfloat16)
     return sum(bool(m.pair_weights()) for m in model.modules()
                if isinstance(m, GroupedExperts) and m.w1.weight.requires_grad and m.w3.weight.requires_grad
                and _halves_in_blocks(m.w1.weight))

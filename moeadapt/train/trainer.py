@@ -328,10 +328,14 @@ def make_optimizer(cfg: RunConfig, run, model: HybridMoEModel,
     why = why_not_bf16(cfg, run, run.device)
     if why:
         raise TrainingError(why)
+    lows = {} if cfg.train.weight_dtype == "fp32_split" else None  # the fp32 weights' low halves, kept exactly
     if cfg.train.weight_dtype != "fp32":  # bf16 / fp32_split: the parameters themselves bf16, no copies
-        store_bf16(model)
+        store_bf16(model, lows)
     copies = plan_copies(model, cfg, run, run.device)
-    return build_optimizer(params, cfg.train, run.device, copies.by_weight() if copies else None), copies
+    opt = build_optimizer(params, cfg.train, run.device, copies.by_weight() if copies else None)
+    if lows:
+        opt.seed_low_halves(lows)
+    return opt, copies
 
 
 def clip_divisor(grad_norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:

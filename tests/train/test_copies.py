@@ -363,10 +363,12 @@ def test_bf16_weights_refused_where_they_cannot_run(change, why, weights):
 
 def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
     """store_bf16: every trainable parameter bf16, the same Parameter objects and names, the values rounded
-    to bf16; the experts whose [F, L] is a whole number of optimizer blocks get w1 / w3 as one buffer's halves,
+    to bf16 (with `lows`, split exactly: the int16 low halves kept); the experts whose [F, L] is a whole number of
+    optimizer blocks get w1 / w3 as one buffer's halves,
     which their forward then reads as one GEMM, with the output and gradients of the two-GEMM path on the same
     bf16 weights (bf16 GEMMs: to rounding)."""
     from moeadapt.models.moe import GroupedExperts
+    from moeadapt.ops.optim import join_fp32
     from moeadapt.ops.optim.triton_adamw import BLOCK
     from moeadapt.train.copies import store_bf16
 
@@ -388,8 +390,12 @@ def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
     for w in (*experts.children(), *twin.children()):
         w.backend = "torch"  # torch._grouped_mm, as on CUDA
     w1 = experts.w1.weight
-    assert store_bf16(experts) == 1 and store_bf16(twin) == 1
-    twin._gu_pair = None  # the twin runs the two GEMMs on the same values
+    w32 = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    lows = {}
+    assert store_bf16(experts, lows) == 1 and store_bf16(twin) == 1
+    for n, p in experts.named_parameters():  # split exactly (fp32_split), the paired halves included
+        assert torch.equal(join_fp32(p.detach(), lows[p]).view(torch.int32), w32[n].view(torch.int32)), n
+    twin._gu_pair = None  # the twin runs the two GEMMs on the same values (twin: rounded to nearest even)
     assert experts.w1.weight is w1 and experts.w1.weight.dtype == torch.bfloat16
     counts = torch.tensor([70, 0, 58])
     offs = counts.cumsum(0).to(torch.int32)
@@ -412,12 +418,14 @@ def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
     assert not torch.allclose(y, outs[1][0], rtol=2e-2, atol=2e-2 * float(outs[1][0].abs().max()))
 
 
-def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
-    """train.weight_dtype bf16 through the trainer's own loop (make_optimizer -> store_bf16 -> CopyAdamW, the clip
-    as its grad_scale, the skip flag on the device) on the tiny model against the fp32 run from the same weights
-    and batches: every loss within 1% and every gradient norm within 3% over three steps, the weights' updates
-    within half their size of the fp32 run's, the weights bf16 and the experts' w1 / w3 paired. On the CPU, in
-    Triton's interpreter: the GPU-only refusal is lifted here (the same test on a GPU: tests/gpu/test_copies_gpu.py)."""
+@pytest.mark.parametrize("kept", ["bf16", "fp32_split"])
+def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch, kept):
+    """train.weight_dtype bf16 / fp32_split through the trainer's own loop (make_optimizer -> store_bf16 ->
+    CopyAdamW, the clip as its grad_scale, the skip flag on the device) on the tiny model against the fp32 run from
+    the same weights and batches: every loss within 1% and every gradient norm within 3% over three steps, the
+    weights' updates within half their size of the fp32 run's, the weights bf16 and the experts' w1 / w3 paired;
+    split weights start as the fp32 weights bit for bit (their low halves seeded). On the CPU, in Triton's
+    interpreter: the GPU-only refusal is lifted here (the same test on a GPU: tests/gpu/test_copies_gpu.py)."""
     from moeadapt.config import get_preset
     from moeadapt.models.moe import GroupedExperts
     from moeadapt.train import trainer
@@ -429,13 +437,18 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
     data = [torch.randint(3, spec.vocab_size, (2, 65), generator=g) for _ in range(3)]
     base = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
     runs, moved = {}, {}
-    for w in ("fp32", "bf16"):
+    for w in ("fp32", kept):
         cfg = RunConfig.model_validate({"model": spec.model_dump(), "train": {
             "device": "cpu", "dtype": "bf16", "micro_batch_size": 2, "seq_len": 64, "steps": 3, "lr": 1e-3,
             "warmup_steps": 0, "weight_dtype": w}})
         lp, params, _ = trainer_loop(cfg, base, data)
         m = lp.model
         start = [p.detach().float().clone() for p in params]
+        if w == "fp32":
+            fp32_start = start
+        elif w == "fp32_split":  # the fp32 weights exactly: bf16 halves + seeded low halves
+            start = [lp.opt.full_weight(p).clone() for p in params]
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(start, fp32_start))
         stats = []
         for step in range(3):
             lp.step = step
@@ -443,14 +456,15 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch):
         stats = [s for s in stats + [trainer.settle(lp)] if s is not None]
         assert [s.step for s in stats] == [0, 1, 2] and all(s.skipped is None for s in stats)
         runs[w] = [(float(s.loss), float(s.grad_norm)) for s in stats]
-        moved[w] = torch.cat([(p.detach().float() - s).flatten() for p, s in zip(params, start)])
-        want = torch.bfloat16 if w == "bf16" else torch.float32
+        now = [lp.opt.full_weight(p) if w == "fp32_split" else p.detach().float() for p in params]
+        moved[w] = torch.cat([(p - s).flatten() for p, s in zip(now, start)])
+        want = torch.float32 if w == "fp32" else torch.bfloat16
         assert all(p.dtype == want for p in params)
-        if w == "bf16":
+        if w != "fp32":
             assert all(e._gu_pair is not None for e in m.modules() if isinstance(e, GroupedExperts))
-    for (la, na), (lb, nb) in zip(runs["bf16"], runs["fp32"]):
-        assert abs(la - lb) < 1e-2 * lb and abs(na - nb) < 3e-2 * nb, (runs["bf16"], runs["fp32"])
-    rel = float((moved["bf16"] - moved["fp32"]).norm() / moved["fp32"].norm())
+    for (la, na), (lb, nb) in zip(runs[kept], runs["fp32"]):
+        assert abs(la - lb) < 1e-2 * lb and abs(na - nb) < 3e-2 * nb, (runs[kept], runs["fp32"])
+    rel = float((moved[kept] - moved["fp32"]).norm() / moved["fp32"].norm())
     assert rel < 0.5, f"the weights' updates differ by {rel:.3f} (relative)"  # no update at all: 1.0
 
 
@@ -557,3 +571,56 @@ def test_a_split_run_resumes_as_fp32_weights(seed, tmp_path):
         assert p.dtype == torch.float32
         assert torch.equal(p.detach().view(torch.int32), w.view(torch.int32))
     assert all("weight_lo" not in opt2.state[p] for p in p2)
+
+
+def test_split_weights_start_from_the_fp32_weights(seed, tmp_path):
+    """fp32_split starts from the fp32 weights themselves, not their bf16 rounding: `store_bf16(model, lows)`
+    gives every weight its exact low half (join(parameter, low) is the fp32 weight bit for bit; the paired
+    gate/up halves: test_store_bf16_keeps_the_parameters_and_pairs_the_experts), CopyAdamW takes them before its
+    first step, and a checkpoint of fp32 weights (a run saved with train.weight_dtype fp32) resumed as split
+    weights keeps them exactly too; without the halves the weights would differ from the fp32 ones."""
+    from moeadapt.ops.optim import join_fp32
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
+    from moeadapt.train.copies import store_bf16
+
+    spec = micro_spec(n_layers=2)
+
+    def fresh():
+        model = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
+        for mod in model.modules():
+            if isinstance(mod, GroupedLinear):
+                mod.backend = "reference"
+        return model
+
+    model = fresh()
+    names = dict(model.named_parameters())
+    fp32 = {n: p.detach().clone() for n, p in names.items() if p.requires_grad}
+    lows = {}
+    store_bf16(model, lows)
+    assert {id(p) for p in lows} == {id(names[n]) for n in fp32}
+    for n, w in fp32.items():
+        p = names[n]
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(join_fp32(p.detach(), lows[p]).view(torch.int32), w.view(torch.int32)), n
+    assert any(not torch.equal(names[n].detach().float(), w) for n, w in fp32.items())
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = CopyAdamW(params, None, lr=1e-2, split_weights=True)
+    opt.seed_low_halves(lows)
+    assert all(torch.equal(opt.state[p]["weight_lo"], lows[p]) for p in params)
+    with pytest.raises(ValueError, match="int16 halves"):
+        opt.seed_low_halves({params[0]: lows[params[0]].float()})
+
+    # a checkpoint of the fp32 weights, resumed as split weights
+    ref = fresh()
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = CopyAdamW(ref_params, None, lr=1e-2)
+    path = save_checkpoint(tmp_path, 0, ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0),
+                           {"pos": 0})
+    m2 = fresh()
+    store_bf16(m2)
+    p2 = [p for p in m2.parameters() if p.requires_grad]
+    opt2 = CopyAdamW(p2, None, lr=1e-2, split_weights=True)
+    load_checkpoint(path, m2, opt2, torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0))
+    for (n, p), w in zip(((n, p) for n, p in m2.named_parameters() if p.requires_grad), fp32.values()):
+        assert torch.equal(opt2.full_weight(p).view(torch.int32), w.view(torch.int32)), n
