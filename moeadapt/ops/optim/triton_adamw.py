@@ -235,7 +235,8 @@ def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v
     bc1 = 1.0 - tl.exp2(step * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     key = 0
-    if M_BF16 or (P_BF16 and not P_SPLIT):  # the stochastic rounding's random bits: a hash of (seed, tensor, step), element's index
+    # the stochastic rounding's random bits: a hash of (seed, tensor, step), then the element's index
+    if M_BF16 or (P_BF16 and not P_SPLIT):
         key = _hash32(_hash32(t.to(tl.uint32) ^ seed.to(tl.uint32)) ^ step.to(tl.uint32))
     # the block in SUB-element pieces, one after another (SUB_FP32_MOMENTS / SUB_BF16_MOMENTS say why)
     for i in range(0, BLOCK, SUB):
