@@ -370,11 +370,12 @@ class TrainSpec(_Strict):
                                               "beyond the newest N after each save; None = keep all")
     tensorboard: bool = False
     kernel_backend: Literal["auto", "reference", "triton"] = "auto"
-    weight_copies: bool = Field(default=True, description="one-process bf16 training (full fine-tuning or LoRA): "
-                                "the matmuls read bf16 copies of the fp32 weights / adapters that the optimizer "
-                                "rewrites each step, and the gradients stay bf16 (train/copies.py; the same "
-                                "values as autocast's casts); taken where the step has one forward and no "
-                                "recompute")
+    weight_copies: bool = Field(default=True, description="one-process bf16 training (LoRA, or full fine-tuning "
+                                "with train.weight_dtype fp32): the matmuls read bf16 copies of the fp32 weights / "
+                                "adapters that the optimizer rewrites each step, and the gradients stay bf16 "
+                                "(train/copies.py; the same values as autocast's casts); taken where the step has "
+                                "one forward and no recompute. Off, train.weight_dtype auto is fp32 too: autocast's "
+                                "per-use casts")
     moment_dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="dtype of AdamW's two moments: "
                                                   "bf16 keeps them in 4 bytes a parameter instead of 8, stored "
                                                   "stochastically rounded (ops/optim/reference.py); on a GPU "
