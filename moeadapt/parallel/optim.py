@@ -212,10 +212,8 @@ class CopyAdamW(torch.optim.Optimizer):
         are kept as they were saved (torch's load would cast them to the parameter's dtype: fp32 moments of a
         bf16 weight rounded to bf16, weight_lo's integers turned into bf16 values), then every state tensor as the
         kernel reads it (`_own_state`: its own aligned storage, the moments in this run's `moment_dtype`, the
-        step count a float32 scalar on its parameter's device). A run without split weights drops `weight_lo`,
-        joining it into its fp32 weights (which hold the saved bf16 halves: a split run resumed as fp32)."""
-        from ..ops.optim import join_fp32
-
+        step count a float32 scalar on its parameter's device). A run without split weights drops `weight_lo`
+        (train/checkpoint.py joins it into the fp32 weights first: a split run resumed as fp32)."""
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         by_id = dict(zip(ids, params))
@@ -234,9 +232,6 @@ class CopyAdamW(torch.optim.Optimizer):
                                      "corrupt or from another config")
                 if k != "weight_lo" or self._split(p):
                     kept.setdefault(p, {})[k] = t
-                elif p.dtype == torch.float32:  # a split run resumed with whole fp32 weights: join the halves
-                    with torch.no_grad():
-                        local(p).copy_(join_fp32(local(p).to(torch.bfloat16), local(t).to(p.device)))
         super().load_state_dict({**state_dict, "state": rest})
         for p, st in kept.items():
             self.state[p].update(st)

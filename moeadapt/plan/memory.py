@@ -79,6 +79,13 @@ class Plan:
     weight_bytes: int = 4  # bytes of a trainable weight and of its gradient: 2 with train.weight_dtype bf16
     lo_bytes: int = 0  # optimizer state bytes of a split weight's low half: 2 with train.weight_dtype fp32_split
 
+    @staticmethod
+    def state_dtypes(weight_dtype: str, moment_dtype: str) -> dict[str, int]:
+        """moment_bytes / weight_bytes / lo_bytes for a run's settled train.weight_dtype ("fp32", "bf16",
+        "fp32_split") and train.moment_dtype."""
+        return {"moment_bytes": 2 if moment_dtype == "bf16" else 4, "weight_bytes": 4 if weight_dtype == "fp32" else 2,
+                "lo_bytes": 2 if weight_dtype == "fp32_split" else 0}
+
     @property
     def shard(self) -> int:
         return self.dp_shard * self.cp
@@ -172,8 +179,8 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
     ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters and their gradients in
     `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16 / fp32_split) and two AdamW states of
-    `plan.moment_bytes` each (+ `plan.lo_bytes`: fp32_split's low halves). parallel/shards.py `shard_bytes` measures the same on a built model; the dry run (train/dryrun.py)
-    checks they agree."""
+    `plan.moment_bytes` each (+ `plan.lo_bytes`: fp32_split's low halves). parallel/shards.py `shard_bytes`
+    measures the same on a built model; the dry run (train/dryrun.py) checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
     weights = trainable = 0.0

@@ -93,7 +93,7 @@ def search(spec: ModelSpec, gpus: int, gpu_mem: float | str, lora: LoRASpec | No
     feasible, rejected = [], []
     # one GPU, full fine-tuning: the trainer's default keeps the weights split (train.weight_dtype auto ->
     # fp32_split: bf16 parameters, bf16 gradients, int16 low halves in the optimizer's state, no copies)
-    weights = dict(weight_bytes=2, lo_bytes=2) if gpus == 1 and lora is None else {}
+    weights = Plan.state_dtypes("fp32_split", "fp32") if gpus == 1 and lora is None else {}
     for cp in cps:
         if gpus % cp:
             continue

@@ -153,17 +153,24 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
                              f"has {tuple(p.shape)}; the optimizer state is corrupt or from another config - resume "
                              "from an earlier step_* or start a new output_dir")
         state.setdefault(int(idx), {})[k] = v
-    # fp32 weights resumed as split ones (train.weight_dtype fp32_split, e.g. a run saved before it was the
-    # default): each parameter takes its bf16 half, the optimizer the int16 low half, so nothing is rounded away
-    from ..ops.optim import split_fp32
+    # split and whole fp32 weights load into each other with nothing rounded away: fp32 weights resumed as split
+    # ones (train.weight_dtype fp32_split, e.g. a run saved before it was the default) give the parameter its bf16
+    # half and the optimizer the int16 low half; a split run resumed with fp32 weights joins its halves
+    from ..ops.optim import join_fp32, split_fp32
 
     split = getattr(optimizer, "split_weights", False)
-    lows = {}
+    lows, saved_lows = {}, {}
+    if not split:
+        for idx, st in state.items():
+            if "weight_lo" in st:
+                saved_lows[id(params[idx])] = st.pop("weight_lo")
     with torch.no_grad():
         for k, v in tensors.items():
             if split and own[k].dtype == torch.bfloat16 and v.dtype == torch.float32:
                 hi, lows[own[k]] = split_fp32(v)
                 own[k].copy_(hi)
+            elif id(own[k]) in saved_lows and own[k].dtype == torch.float32 and v.dtype == torch.bfloat16:
+                own[k].copy_(join_fp32(v, saved_lows[id(own[k])]))
             else:
                 own[k].copy_(v)
     try:

@@ -46,8 +46,8 @@ def _simulate_rank(cfg: RunConfig, world: int, rank: int, device: torch.device) 
         run.parallelize(model)
         if cfg.train.weight_dtype != "fp32":  # as the trainer stores them (one process: train/copies.py)
             store_bf16(model)
-        out = shard_bytes(model, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4,
-                          lo_bytes=2 if cfg.train.weight_dtype == "fp32_split" else 0)
+        b = Plan.state_dtypes(cfg.train.weight_dtype, cfg.train.moment_dtype)
+        out = shard_bytes(model, moment_bytes=b["moment_bytes"], lo_bytes=b["lo_bytes"])
         out["init_block"] = max(init_block_bytes(global_layout(t, m)[0]) for _, t, m in named_tensors(model))
         out["rank"] = rank
         return out
@@ -75,9 +75,8 @@ def dry_run(cfg: RunConfig, world: int | None = None, ranks: list[int] | None = 
     rows = [_simulate_rank(cfg, world, r, dev) for r in (ranks if ranks is not None else [0])]
     plan = Plan(world, par.dp_replicate, par.dp_shard, par.cp, par.ep, par.activation_checkpointing,
                 cfg.train.micro_batch_size, cfg.train.seq_len, a2a_chunks=par.a2a_chunks,
-                ep_capacity_factor=par.ep_capacity_factor, moment_bytes=2 if cfg.train.moment_dtype == "bf16" else 4,
-                weight_bytes=2 if cfg.train.weight_dtype != "fp32" else 4,
-                lo_bytes=2 if cfg.train.weight_dtype == "fp32_split" else 0)
+                ep_capacity_factor=par.ep_capacity_factor,
+                **Plan.state_dtypes(cfg.train.weight_dtype, cfg.train.moment_dtype))
     base_bytes = 2 if (cfg.lora is not None and dev.type == "cuda") else 4
     planned = state_bytes(cfg.model, plan, cfg.lora, base_bytes)
     r0 = next((r for r in rows if r["rank"] == 0), None)
