@@ -3,7 +3,7 @@ fp32 and bf16 moments, fp32 weights with their bf16 copy, bf16 weights and split
 an int16 half: train.weight_dtype fp32_split), and each loop step `sub`, on one list of tensors shaped like full
 fine-tuning's.
 
-Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8]
+Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8] [--stream 0,1]
                                         [--out FILE.json]
 
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
@@ -63,14 +63,24 @@ def main() -> None:
     a.add_argument("--params", type=float, default=1.0e9)
     a.add_argument("--subs", default="4096,2048,1024,512,256")
     a.add_argument("--warps", default="4", help="comma list of num_warps to launch with (every sub with each)")
+    a.add_argument("--stream", default="0", help="comma list of 0 / 1: the kernel's cache hints (triton_adamw.STREAM)")
     a.add_argument("--reps", type=int, default=10)
     a.add_argument("--out", default=None)
     args = a.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_adamw needs a GPU")
     dev = torch.device("cuda")
-    variants = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]  # (sub, warps)
+    variants = [(int(s), int(w), bool(int(c))) for c in args.stream.split(",") for w in args.warps.split(",")
+                for s in args.subs.split(",")]  # (sub, warps, stream)
     rows = []
+    # the bandwidth a plain device-to-device copy reaches on this card: what a memory-bound pass can hope for
+    src = torch.empty(int(args.params) * 2, dtype=torch.float32, device=dev)  # 8 B a parameter each way
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_ms = _ms(partial(dst.copy_, src), args.reps)
+    copy_tb = 2 * src.numel() * 4 / copy_ms / 1e9
+    print(f"device-to-device copy of {src.numel() * 4 / 1e9:.1f} GB: {copy_ms:.2f} ms, {copy_tb:.2f} TB/s", flush=True)
+    del src, dst
     f32, b16 = torch.float32, torch.bfloat16
     kinds = ((f32, f32, 28), (b16, f32, 20), (f32, b16, 22), (b16, b16, 14), (f32, "split", 26), (b16, "split", 18))
     for mdt, wdt, nbytes in kinds:
@@ -80,11 +90,12 @@ def main() -> None:
         tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
         start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v", "lo") if k in ts}
         first = None
-        for sub, warps in variants:
+        for sub, warps, stream in variants:
             for k in start:  # the same starting state for every variant
                 for t, s in zip(ts[k], start[k]):
                     t.copy_(s)
-            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps)
+            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps,
+                      stream=stream)
             adamw_(tabs, blocks, **kw)  # compile, and the result every variant must give
             got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs
                    if k in ("p", "m", "v", "c", "lo")]
@@ -92,7 +103,8 @@ def main() -> None:
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
             row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],  # "split" stays
-                   "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9,
+                   "sub": sub, "num_warps": warps, "stream": stream, "params": n, "ms": ms,
+                   "TB_per_s": n * nbytes / ms / 1e9,
                    "same_as_first": same}
             rows.append(row)
             print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5} warps {warps}: "
@@ -102,7 +114,8 @@ def main() -> None:
         del ts, tabs, start, first
         torch.cuda.empty_cache()
     if args.out:
-        atomic_write_text(args.out, json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        atomic_write_text(args.out, json.dumps({"gpu": torch.cuda.get_device_name(), "copy_TB_per_s": copy_tb,
+                                                      "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
