@@ -3,7 +3,7 @@ fp32 and bf16 moments, fp32 weights with their bf16 copy, bf16 weights and split
 an int16 half: train.weight_dtype fp32_split), and each loop step `sub`, on one list of tensors shaped like full
 fine-tuning's.
 
-Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8] [--stream 0,1]
+Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024,512,256] [--warps 4,8]
                                         [--out FILE.json]
 
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
@@ -63,15 +63,13 @@ def main() -> None:
     a.add_argument("--params", type=float, default=1.0e9)
     a.add_argument("--subs", default="4096,2048,1024,512,256")
     a.add_argument("--warps", default="4", help="comma list of num_warps to launch with (every sub with each)")
-    a.add_argument("--stream", default="0", help="comma list of 0 / 1: the kernel's cache hints (triton_adamw.STREAM)")
     a.add_argument("--reps", type=int, default=10)
     a.add_argument("--out", default=None)
     args = a.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_adamw needs a GPU")
     dev = torch.device("cuda")
-    variants = [(int(s), int(w), bool(int(c))) for c in args.stream.split(",") for w in args.warps.split(",")
-                for s in args.subs.split(",")]  # (sub, warps, stream)
+    variants = [(int(s), int(w)) for w in args.warps.split(",") for s in args.subs.split(",")]  # (sub, warps)
     rows = []
     # the bandwidth a plain device-to-device copy reaches on this card: what a memory-bound pass can hope for
     src = torch.empty(int(args.params) * 2, dtype=torch.float32, device=dev)  # 8 B a parameter each way
@@ -90,12 +88,11 @@ def main() -> None:
         tabs = {k: TensorTable(v, dev, row_blocks=k in ("p", "c")) for k, v in ts.items()}
         start = {k: [t.clone() for t in ts[k]] for k in ("p", "m", "v", "lo") if k in ts}
         first = None
-        for sub, warps, stream in variants:
+        for sub, warps in variants:
             for k in start:  # the same starting state for every variant
                 for t, s in zip(ts[k], start[k]):
                     t.copy_(s)
-            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps,
-                      stream=stream)
+            kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, seed=5, sub=sub, num_warps=warps)
             adamw_(tabs, blocks, **kw)  # compile, and the result every variant must give
             got = [torch.cat([t.view(-1).float()[:4096] for t in ts[k]]) for k in tabs
                    if k in ("p", "m", "v", "c", "lo")]
@@ -103,7 +100,7 @@ def main() -> None:
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
             row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],  # "split" stays
-                   "sub": sub, "num_warps": warps, "stream": stream, "params": n, "ms": ms,
+                   "sub": sub, "num_warps": warps, "params": n, "ms": ms,
                    "TB_per_s": n * nbytes / ms / 1e9,
                    "same_as_first": same}
             rows.append(row)

@@ -32,9 +32,6 @@ from ..host import host_tensor, to_device
 
 BLOCK = 4096  # elements per program: 2.9B parameters make ~0.7M programs, each a few 16-byte vectors per lane
 NUM_WARPS = 4
-# Cache hints for the step's one pass over every tensor: loads marked evict-first, stores streaming (".cs"), so
-# that the pass does not push the rest of L2 out for lines it never reads again. Off: plain loads and stores.
-STREAM = False
 # Elements a program updates at once, looping over its block (benchmarks/bench_adamw.py, one H100, ~0.9B
 # parameters): with bf16 moments the whole block at once spills (255 registers on sm_90) and runs at 2.39 TB/s,
 # 1024 at a time at 2.96 TB/s; with fp32 moments every step size is within 3% (2.85-2.98 TB/s), and the whole
@@ -165,35 +162,19 @@ def _split_fp32(x):
 
 
 @triton.jit
-def _ld(ptr, mask, STREAM: tl.constexpr):
-    """A load the pass reads once (STREAM says why)."""
-    if STREAM:
-        return tl.load(ptr, mask=mask, eviction_policy="evict_first")
-    return tl.load(ptr, mask=mask)
-
-
-@triton.jit
-def _st(ptr, value, mask, STREAM: tl.constexpr):
-    if STREAM:
-        tl.store(ptr, value, mask=mask, cache_modifier=".cs")
-    else:
-        tl.store(ptr, value, mask=mask)
-
-
-@triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, mask, elem, key, scale_ptr, lr, beta1, beta2, eps,
                  decay, bc1, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
-                 P_BF16: tl.constexpr, P_SPLIT: tl.constexpr, STREAM: tl.constexpr):
+                 P_BF16: tl.constexpr, P_SPLIT: tl.constexpr):
     # lanes outside the tensor (mask False) compute garbage that is never stored
-    g = _ld(g_ptr + idx, mask, STREAM).to(tl.float32)
+    g = tl.load(g_ptr + idx, mask=mask).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
     if P_SPLIT:  # the fp32 weight from its bf16 high half and int16 remainder
-        p = _join_fp32(_ld(p_ptr + idx, mask, STREAM), _ld(l_ptr + idx, mask, STREAM))
+        p = _join_fp32(tl.load(p_ptr + idx, mask=mask), tl.load(l_ptr + idx, mask=mask))
     else:
-        p = _ld(p_ptr + idx, mask, STREAM).to(tl.float32)
-    m = _ld(m_ptr + idx, mask, STREAM).to(tl.float32)
-    v = _ld(v_ptr + idx, mask, STREAM).to(tl.float32)
+        p = tl.load(p_ptr + idx, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + idx, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + idx, mask=mask).to(tl.float32)
     p = p * (1.0 - lr * decay)
     m = m + (1.0 - beta1) * (g - m)  # torch's lerp
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -203,20 +184,20 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, mask, elem, key,
         r = _hash32(elem.to(tl.uint32) ^ key)
     if P_SPLIT:  # split again: the exact fp32 weight
         hi, lo = _split_fp32(p)
-        _st(p_ptr + idx, hi, mask, STREAM)
-        _st(l_ptr + idx, lo, mask, STREAM)
+        tl.store(p_ptr + idx, hi, mask=mask)
+        tl.store(l_ptr + idx, lo, mask=mask)
     elif P_BF16:  # the weight kept in bf16, stochastically rounded
-        _st(p_ptr + idx, _round_bf16(p, _hash32(r) & 0xFFFF), mask, STREAM)
+        tl.store(p_ptr + idx, _round_bf16(p, _hash32(r) & 0xFFFF), mask=mask)
     else:
-        _st(p_ptr + idx, p, mask, STREAM)
+        tl.store(p_ptr + idx, p, mask=mask)
     if M_BF16:  # the moments kept in bf16, stochastically rounded (the update above used them unrounded)
-        _st(m_ptr + idx, _round_bf16(m, r & 0xFFFF), mask, STREAM)
-        _st(v_ptr + idx, _round_bf16(v, r >> 16), mask, STREAM)
+        tl.store(m_ptr + idx, _round_bf16(m, r & 0xFFFF), mask=mask)
+        tl.store(v_ptr + idx, _round_bf16(v, r >> 16), mask=mask)
     else:
-        _st(m_ptr + idx, m, mask, STREAM)
-        _st(v_ptr + idx, v, mask, STREAM)
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
     if HAS_COPY:
-        _st(c_ptr + idx, p.to(tl.bfloat16), mask, STREAM)
+        tl.store(c_ptr + idx, p.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -234,7 +215,7 @@ def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v
                   lr, beta1, beta2, log2_beta1, log2_beta2, eps, decay, seed,
                   HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_COPY: tl.constexpr, M_BF16: tl.constexpr,
                   P_BF16: tl.constexpr, P_SPLIT: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
-                  SUB: tl.constexpr, STREAM: tl.constexpr):
+                  SUB: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # the step is skipped: nothing changes
             return
@@ -263,18 +244,16 @@ def _adamw_kernel(p_ptr, p_off, p_chunk, p_stride, g_ptr, g_off, m_ptr, m_off, v
         elem = start + idx
         if start + BLOCK <= n:  # a whole block: unmasked, so the loads and stores are vectors
             _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, None, elem, key, scale_ptr, lr, beta1,
-                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT,
-                         STREAM)
+                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT)
         else:
             _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, l_ptr, idx, elem < n, elem, key, scale_ptr, lr, beta1,
-                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT,
-                         STREAM)
+                         beta2, eps, decay, bc1, bc2_sqrt, HAS_SCALE, HAS_COPY, M_BF16, P_BF16, P_SPLIT)
 
 
 def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
            betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None, seed: int = 0, sub: int | None = None,
-           num_warps: int = NUM_WARPS, stream: bool = STREAM) -> None:
+           num_warps: int = NUM_WARPS) -> None:
     """One AdamW step in place over the tensors of `tabs` ("p", "g", "m", "v", "step": weights in fp32 or bf16,
     gradients in any float dtype, moments in fp32 or bf16 (both the same), fp32 step counts already advanced to
     this step; "c": optional bf16 copies of fp32 weights, written from the new weights; "lo": optional int16
@@ -285,7 +264,7 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
     (`reference.moment_bits`, `reference.weight_bits`): the same inputs give the same result.
     sub: elements per loop step of a program (a power of two dividing BLOCK; default SUB_FP32_MOMENTS or
     SUB_BF16_MOMENTS, the latter for bf16 moments and stochastically rounded bf16 weights); num_warps: the
-    launch's warps (NUM_WARPS); stream: cache hints for a pass read once (STREAM)."""
+    launch's warps (NUM_WARPS)."""
     if not blocks.n_blocks:
         return
     b1, b2 = betas
@@ -317,5 +296,5 @@ def adamw_(tabs: dict[str, TensorTable], blocks: TensorBlocks, *, lr: float,
         math.log2(b2) if b2 > 0 else -math.inf, float(eps), float(weight_decay), seed & 0x7FFFFFFF,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, HAS_COPY="c" in tabs,
         M_BF16=m_dtype == torch.bfloat16, P_BF16=p_dtype == torch.bfloat16, P_SPLIT=lo is not None, ALIGN=ALIGN,
-        BLOCK=BLOCK, SUB=sub, STREAM=stream,
+        BLOCK=BLOCK, SUB=sub,
         num_warps=num_warps)
