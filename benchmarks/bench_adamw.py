@@ -9,7 +9,8 @@ Usage: python3 benchmarks/bench_adamw.py [--params 1.0e9] [--subs 4096,2048,1024
 Bytes a parameter: the bf16 gradient (2) read, the weight and the two moments read and written, the bf16 copy of
 an fp32 weight written (2): fp32 weight and moments 28, bf16 moments 20, bf16 weights and moments 14 (no copy),
 bf16 weights with fp32 moments 22, split weights 26 (fp32 moments) or 18 (bf16). Every variant's result is
-compared with the first's of its kind (the same arithmetic: equal bit for bit). Needs a GPU.
+compared with the first's of its kind (the same arithmetic: equal bit for bit). First, a plain device-to-device
+copy's bandwidth on the same card: the rate a memory-bound pass can reach there. Needs a GPU.
 """
 
 from __future__ import annotations
