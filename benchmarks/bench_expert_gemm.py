@@ -29,22 +29,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_adamw import _ms  # noqa: E402  (median of CUDA-event intervals; every variant runs once before)
 
 # wgrad launches: (BI, BO, BK, num_warps, num_stages)
 WGRAD = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
          (128, 128, 64, 4, 4), (128, 256, 64, 8, 4), (64, 256, 64, 8, 4)]
-
-
-def _ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    for i in range(reps):
-        ev[i].record()
-        fn()
-    ev[-1].record()
-    torch.cuda.synchronize()
-    return sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))[reps // 2]
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
