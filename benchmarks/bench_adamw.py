@@ -101,8 +101,7 @@ def main() -> None:
             first = first or got
             ms = _ms(partial(adamw_, tabs, blocks, **kw), args.reps)
             row = {"moments": str(mdt).split(".")[-1], "weights": str(wdt).split(".")[-1],  # "split" stays
-                   "sub": sub, "num_warps": warps, "params": n, "ms": ms,
-                   "TB_per_s": n * nbytes / ms / 1e9,
+                   "sub": sub, "num_warps": warps, "params": n, "ms": ms, "TB_per_s": n * nbytes / ms / 1e9,
                    "same_as_first": same}
             rows.append(row)
             print(f"weights {row['weights']:>8} moments {row['moments']:>8}  sub {sub:>5} warps {warps}: "

@@ -71,7 +71,6 @@ def main() -> None:
     gmm = partial(torch._grouped_mm, offs=offs)
     # (op, flops, torch's call, [(launch name, Triton call)])
     ops = []
-
     ops.append(("gate_up fwd", 2 * N * I * 2 * F, partial(gmm, x, pair.transpose(1, 2)), []))
     ops.append(("gate_up dx", 2 * N * I * 2 * F, partial(gmm, dh, pair), []))
     ops.append(("down fwd", 2 * N * I * F, partial(gmm, act, w2.transpose(1, 2)), []))
