@@ -67,6 +67,7 @@ from moeadapt.io import atomic_write_text  # noqa: E402
 
 MODES = ("lora", "full")
 TINY = dict(seq=64, mb=2, steps=2, warmup=1)
+GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graph -> train.cuda_graph
 FULL = dict(seq=4096, mb=2, steps=10, warmup=3)  # warm-up 3: with --cuda-graph the capture is the third step
 LR = {"lora": 1e-3, "full": 1e-4}  # both stacks; AdamW betas (0.9, 0.95), no weight decay (TrainSpec's defaults)
 
@@ -225,6 +226,7 @@ def run_ours(args, mode: str) -> dict:
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
     from moeadapt.train.copies import resolve_weight_dtype
+    from moeadapt.train.graph import resolve_cuda_graph
     from moeadapt.train.metrics import NullLogger
     from moeadapt.train.trainer import Loop, flops_per_token, lr_lambda, make_optimizer, start_run, train_step
 
@@ -234,7 +236,7 @@ def run_ours(args, mode: str) -> dict:
                     train=dict(steps=args.warmup + args.steps, seq_len=args.seq, micro_batch_size=args.mb,
                                lr=LR[mode], output_dir=out_dir, log_every=10**6,
                                weight_copies=args.weight_copies == "on", moment_dtype=args.moments,
-                               weight_dtype=args.weights),
+                               weight_dtype=args.weights, cuda_graph=GRAPH_MODES[args.cuda_graph]),
                     parallel=dict(reshard_after_forward=args.reshard_after_forward == "on"))
     t0 = time.perf_counter()
     run = start_run(cfg)
@@ -256,7 +258,8 @@ def run_ours(args, mode: str) -> dict:
     ds = token_batches(spec.vocab_size, args.mb * (args.warmup + args.steps), args.seq)
     sampler = Sampler(ds, args.mb, t.seed, rank=run.data_rank, world=run.data_world)
     lp = Loop(cfg, run, model, params, opt, sched, sampler, NullLogger(), None, fpt, True, copies=copies)
-    if args.cuda_graph:
+    graphed, _ = resolve_cuda_graph(cfg, run)  # as the trainer settles train.cuda_graph
+    if graphed:
         trainer.use_cuda_graph(lp)
     if args.defer_verdict != "auto":  # the run's own choice otherwise (LocalRun / DistributedRun.defer_verdict)
         run.defer_verdict = args.defer_verdict == "on"
@@ -312,7 +315,7 @@ def run_ours(args, mode: str) -> dict:
                               else ", bf16 weight copies and gradients") if copies is not None else "")
                           + (", bf16 AdamW moments" if cfg.train.moment_dtype == "bf16" else "")
                           + ", bf16 autocast" if run.device.type == "cuda" else "fp32 (CPU)"),
-            "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": bool(args.cuda_graph),
+            "lora_targets": cfg.lora.targets if cfg.lora else None, "cuda_graph": graphed,
             "defer_verdict": run.defer_verdict, "warmup_steps": args.warmup, **res}
 
 
@@ -444,7 +447,7 @@ def spawn(args, side: str, mode: str, deadline: float) -> dict:
                "--rank", str(args.rank), "--preset", args.preset, "--peer-experts", args.peer_experts]
         cmd += ["--tiny"] if args.tiny else []
         cmd += ["--profile"] if args.profile and side == "ours" else []
-        cmd += ["--cuda-graph"] if args.cuda_graph and side == "ours" else []
+        cmd += ["--cuda-graph", args.cuda_graph] if side == "ours" else []
         cmd += ["--defer-verdict", args.defer_verdict] if side == "ours" else []
         cmd += ["--reshard-after-forward", args.reshard_after_forward] if side == "ours" else []
         cmd += ["--weight-copies", args.weight_copies] if side == "ours" else []
@@ -531,7 +534,7 @@ def main() -> None:
     p.add_argument("--modes", default="lora,full", help="comma list of lora | full")
     p.add_argument("--steps", type=int, default=None, help="timed steps (median); default 10, --tiny 2")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps first; default 3, --tiny 1 (at least 3 with --cuda-graph: the capture is untimed)")
+                   help="untimed steps first; default 3, --tiny 1 (at least 3 where the step is captured: the capture is untimed)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row; default 4096, --tiny 64")
     p.add_argument("--mb", type=int, default=None, help="rows per step (micro-batch); default 2")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank on both sides)")
@@ -547,8 +550,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write bench_vs_transformers.json (+ .png) into this directory")
     p.add_argument("--profile", action="store_true", help="our side: profile one extra step and save its CUDA time "
                    "by kernel family in the row")
-    p.add_argument("--cuda-graph", action="store_true", help="our side with train.cuda_graph (the step's "
-                   "forwards and backwards captured once and replayed)")
+    p.add_argument("--cuda-graph", nargs="?", const="on", default="auto", choices=list(GRAPH_MODES), help="our "
+                   "side: train.cuda_graph (the step's forwards and backwards captured once and replayed); auto, the "
+                   "default: as the trainer settles it (captured in one process on a GPU); bare --cuda-graph: on; "
+                   "off: eager steps")
     p.add_argument("--defer-verdict", default="auto", choices=["auto", "on", "off"], help="our side: read each "
                    "step's verdict one step late (on) or before its optimizer step (off); auto: as the trainer does")
     p.add_argument("--reshard-after-forward", default="on", choices=["on", "off"], help="our side under torchrun: "
@@ -570,7 +575,8 @@ def main() -> None:
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.cuda_graph:  # the step that captures the graph is a warm-up step, never a timed one (both sides alike)
+    # the step that captures the graph is a warm-up step, never a timed one (both sides alike)
+    if args.cuda_graph == "on" or (args.cuda_graph == "auto" and torch.cuda.is_available()):
         from moeadapt.train.graph import WARMUP as GRAPH_WARMUP
 
         args.warmup = max(args.warmup, GRAPH_WARMUP + 1)

@@ -390,9 +390,12 @@ class TrainSpec(_Strict):
         "traffic than fp32 + copy (ops/optim/reference.py); with bf16 and fp32_split the gradients are bf16 and "
         "the residual stream runs in bf16. auto: fp32_split where it runs (train/copies.py "
         "resolve_weight_dtype), else fp32")
-    cuda_graph: bool = Field(default=False, description="capture the step's forwards and backwards once as a "
-                             "CUDA graph and replay it (train/graph.py): the host no longer bounds the step; one "
-                             "process on a GPU, fixed shapes, no packed documents or images")
+    cuda_graph: bool | Literal["auto"] = Field(
+        default="auto", description="capture the step's forwards and backwards once as a CUDA graph and replay it "
+        "(train/graph.py), so that the host no longer bounds the step. auto (the default): on where the run allows "
+        "it (one process on a GPU; fixed shapes: no packed documents or images; no activation recompute or "
+        "offload; the Triton kernels), eager elsewhere; true: required (a run it cannot serve is refused, with "
+        "the reason); false: eager steps")
 
     @field_validator("betas")
     @classmethod

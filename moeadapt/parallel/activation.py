@@ -118,7 +118,7 @@ class _ToHost(torch.autograd.Function):
         return g.to(ctx.device, non_blocking=True)
 
 
-def _checkpointed_forward(orig, mode: str, routers: list[Router], offload: bool, *args, **kwargs):
+def _checkpointed_forward(orig, mode: str, routers: list[Router], offload: bool, rng: bool, *args, **kwargs):
     def context_fn():
         fwd, rec = create_selective_checkpoint_contexts(_selective_policy) if mode == "selective" else (_Null(), _Null())
         return fwd, _KeepRouterCounts(routers, rec)
@@ -130,8 +130,9 @@ def _checkpointed_forward(orig, mode: str, routers: list[Router], offload: bool,
         def run(x_host, *a, **kw):
             return orig(x_host.to(device, non_blocking=True), *a, **kw)
 
-        return checkpoint(run, _ToHost.apply(x), *rest, use_reentrant=False, context_fn=context_fn, **kwargs)
-    return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(run, _ToHost.apply(x), *rest, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=rng, **kwargs)
+    return checkpoint(orig, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=rng, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, offload: bool = False) -> None:
@@ -150,5 +151,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, offload: bool = 
         if getattr(block, "_moeadapt_ac", None):
             continue
         routers = [m for m in block.modules() if isinstance(m, Router)]
-        block.forward = functools.partial(_checkpointed_forward, block.forward, mode, routers, offload)
+        # the RNG state is stashed for the recompute only where the block draws random numbers (dropout): a
+        # block without any computes the same without it, and reading the CUDA RNG state is not allowed
+        # while a CUDA graph captures the step (train.cuda_graph)
+        rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
+        block.forward = functools.partial(_checkpointed_forward, block.forward, mode, routers, offload, rng)
         block._moeadapt_ac = mode

@@ -1,4 +1,5 @@
-"""The step's forwards and backwards captured once as a CUDA graph and replayed (`train.cuda_graph`).
+"""The step's forwards and backwards captured once as a CUDA graph and replayed (`train.cuda_graph`: auto, the
+default, captures where `auto_graph_refusal` finds nothing; true requires it; false never).
 
 Issuing a step costs the host about as much as the GPU takes to run it (~5,000 kernel launches and autograd's
 bookkeeping for the `small` preset), so the host bounds the step. A replay issues the same kernels in one call.
@@ -40,7 +41,39 @@ def check_graphable(cfg, run) -> str | None:
                 "data.pack_documents: false")
     if cfg.model.vision is not None:
         return "images change shape from batch to batch: train vision-language models without it"
+    if cfg.parallel.offload_activations:
+        return ("offloaded activations wait in host buffers made during the step, which a replay cannot keep: "
+                "set parallel.offload_activations: false")
     return None
+
+
+def auto_graph_refusal(cfg, run) -> str | None:
+    """Why `train.cuda_graph: auto` leaves this run eager (None: it captures). Besides what check_graphable
+    refuses, auto leaves out what its GPU tests do not cover: activation recompute (checkpoint's recompute inside
+    the capture) and the reference kernels (some of their ops read values on the host)."""
+    why = check_graphable(cfg, run)
+    if why:
+        return why
+    if cfg.parallel.activation_checkpointing != "none":
+        return f"parallel.activation_checkpointing is {cfg.parallel.activation_checkpointing!r}"
+    if cfg.train.kernel_backend == "reference":
+        return "train.kernel_backend is 'reference'"
+    return None
+
+
+def resolve_cuda_graph(cfg, run) -> tuple[bool, str | None]:
+    """(capture the step?, why not): train.cuda_graph true must be servable (TrainingError naming the reason
+    and the fix), auto captures where `auto_graph_refusal` finds nothing, false never."""
+    mode = cfg.train.cuda_graph
+    if mode is False:
+        return False, "train.cuda_graph: false"
+    if mode is True:
+        why = check_graphable(cfg, run)
+        if why:
+            raise TrainingError(f"train.cuda_graph: {why}")
+        return True, None
+    why = auto_graph_refusal(cfg, run)
+    return why is None, why
 
 
 class StepGraph:

@@ -52,7 +52,8 @@ from .checkpoint import clean_partial_saves, latest_checkpoint, prune_checkpoint
 from .copies import WeightCopies, plan_copies, resolve_weight_dtype, store_bf16, why_not_bf16
 from .copies import why_not as why_not_copies
 from .errors import TrainingError
-from .graph import StepGraph, check_graphable
+from .graph import WARMUP as GRAPH_WARMUP
+from .graph import StepGraph, check_graphable, resolve_cuda_graph
 from .local import LocalRun
 from .metrics import MetricsLogger, NullLogger, load_quantiles, plot_report
 from .vl import evaluate_vl
@@ -731,9 +732,7 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
     run = start_run(cfg)
     cfg = resolve_weight_dtype(cfg, run, run.device)  # train.weight_dtype auto -> fp32_split or fp32
     t = cfg.train
-    why = check_graphable(cfg, run) if t.cuda_graph else None
-    if why:
-        raise TrainingError(f"train.cuda_graph: {why}")
+    graphed, no_graph = resolve_cuda_graph(cfg, run)  # auto: where the run allows it; true: refused if it cannot
     why = why_not_bf16(cfg, run, run.device)  # before the model is built
     if why:
         raise TrainingError(why)
@@ -772,14 +771,14 @@ def train(cfg: RunConfig, quiet: bool = False) -> TrainResult:
                                                      world=run.data_world),
               MetricsLogger(out_dir, t.tensorboard) if run.is_main else NullLogger(), eval_ds, fpt, quiet,
               copies=copies)
-    if t.cuda_graph:
+    if graphed:
         use_cuda_graph(lp)
     start = _resume(lp)
     lp.logger.truncate_after(start)  # a resumed run continues the log from its checkpoint step
     if start:
         lp.logger.log({"kind": "resume", "step": start})
     with _run_errors(lp):
-        return _train_body(lp, start, out_dir, n_train, n_total, len(train_ds), quiet)
+        return _train_body(lp, start, out_dir, n_train, n_total, len(train_ds), quiet, no_graph)
 
 
 @contextlib.contextmanager
@@ -806,7 +805,7 @@ def _run_errors(lp: Loop):
 
 
 def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int, n_rows: int,
-                quiet: bool) -> TrainResult:
+                quiet: bool, no_graph: str | None) -> TrainResult:
     cfg, t, run = lp.cfg, lp.cfg.train, lp.run
     if not quiet:
         console.print(f"[bold]{cfg.model.name}[/]: {n_total / 1e6:.2f}M params, "
@@ -824,6 +823,8 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                 console.print(f"{trained}: fp32, " + ("the matmuls read bf16 copies (train.weight_copies)" if lp.copies
                                                       else "cast to bf16 at each use (no weight copies: "
                                                       f"{why or 'no trainable matmul weight to copy'})"))
+            console.print(f"step: captured as a CUDA graph after {GRAPH_WARMUP} eager steps, then replayed "
+                          "(train.cuda_graph)" if lp.graph else f"step: eager ({no_graph})")
     eval_before, acc_before = _final_eval(lp, start, "before")
 
     last_loss, elapsed, speed = fit(lp, start)
@@ -841,7 +842,10 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
-                   "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype}
+                   "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
+                   # the steps replayed from a CUDA graph (train.cuda_graph), or why they ran eagerly
+                   "cuda_graph": lp.graph is not None and lp.graph.graph is not None,
+                   "cuda_graph_off": no_graph if lp.graph is None else None}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

@@ -23,7 +23,7 @@ pytestmark = [
 ROWS, SEQ, STEPS, LR = 2, 256, 6, 1e-4
 
 
-def _loops(seed, lora):
+def _loops(seed, lora, ac="none"):
     from moeadapt.config import RunConfig, get_preset
     from moeadapt.lora import inject_lora
     from moeadapt.models.model import build_model, materialize
@@ -54,6 +54,10 @@ def _loops(seed, lora):
     out = []
     for graphed in (False, True):
         m = copy.deepcopy(model).train()
+        if ac != "none":  # recompute inside the capture: checkpoint's forward and backward hooks run in it
+            from moeadapt.parallel.activation import apply_activation_checkpointing
+
+            apply_activation_checkpointing(m, ac)
         params = [p for p in m.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=LR, fused=True)
         lp = trainer.Loop(cfg, LocalRun(cfg, torch.device("cuda")), m, params, opt,
@@ -65,12 +69,13 @@ def _loops(seed, lora):
     return out
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_replayed_steps_match_the_eager_ones(seed, lora):
+@pytest.mark.parametrize("lora,ac", [(False, "none"), (True, "none"), (False, "full"), (True, "selective")],
+                         ids=["full", "lora", "full-recompute", "lora-selective"])
+def test_replayed_steps_match_the_eager_ones(seed, lora, ac):
     from moeadapt.train import graph, trainer
 
     runs = []
-    for lp in _loops(seed, lora):
+    for lp in _loops(seed, lora, ac):
         start = [p.detach().clone() for p in lp.params]
         stats = []
         for step in range(STEPS):
@@ -95,3 +100,28 @@ def test_replayed_steps_match_the_eager_ones(seed, lora):
     # the logged step's statistics are the replay's own, not the captured step's
     logged = [s for s in sg if s.aux]
     assert logged and all(s.step % 2 == 1 or s.step == 0 for s in logged)
+
+
+def test_the_default_captures_a_one_gpu_run(tmp_path):
+    """train.cuda_graph: auto (the default) replays the step of a one-GPU run and says so in summary.json; the run
+    trains (its eval loss falls) with an eval between the replays; a recompute run stays eager, with the reason."""
+    import json
+
+    from moeadapt import api
+    from moeadapt.config import build_run_config, get_preset
+
+    def run(name, **parallel):
+        cfg = build_run_config({"model": get_preset("tiny").model_dump(),
+                                "train": {"steps": 8, "micro_batch_size": 2, "seq_len": 128, "device": "cuda",
+                                          "eval_every": 4, "eval_batches": 2, "lr": 3e-3,
+                                          "output_dir": str(tmp_path / name)},
+                                "data": {"train": "builtin:tinystories", "eval_fraction": 0.05},
+                                "parallel": parallel})
+        res = api.train(cfg, quiet=True)
+        return res, json.loads((tmp_path / name / "summary.json").read_text())
+
+    res, summary = run("auto")
+    assert summary["cuda_graph"] is True and summary["cuda_graph_off"] is None, summary
+    assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
+    _, summary = run("recompute", activation_checkpointing="full")
+    assert summary["cuda_graph"] is False and "activation_checkpointing" in summary["cuda_graph_off"], summary

@@ -1,5 +1,7 @@
-"""`train.cuda_graph` is refused, with the reason and the fix, where a replay could not repeat the step."""
+"""`train.cuda_graph` is refused, with the reason and the fix, where a replay could not repeat the step; `auto`
+(the default) captures only where `true` would be accepted and its GPU tests cover the run, eager elsewhere."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -7,16 +9,17 @@ import torch
 
 from moeadapt import api
 from moeadapt.config import build_run_config
-from moeadapt.train.graph import check_graphable
+from moeadapt.train.graph import check_graphable, resolve_cuda_graph
 from moeadapt.train.trainer import TrainingError
 from tests.conftest import micro_spec
 
 
-def _cfg(tmp_path, **data):
+def _cfg(tmp_path, graph=True, parallel=None, train=None, **data):
     return build_run_config({"model": micro_spec().model_dump(),
                              "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 32, "device": "cpu",
-                                       "cuda_graph": True, "output_dir": str(tmp_path / "run")},
-                             "data": {"train": "builtin:tinystories", "eval_fraction": 0.01, **data}})
+                                       "cuda_graph": graph, "output_dir": str(tmp_path / "run"), **(train or {})},
+                             "data": {"train": "builtin:tinystories", "eval_fraction": 0.01, **data},
+                             "parallel": parallel or {}})
 
 
 def test_cuda_graph_on_cpu_is_one_clear_error(tmp_path):
@@ -34,3 +37,39 @@ def test_cuda_graph_refuses_what_a_replay_cannot_repeat(tmp_path, what):
         assert why is None
     else:
         assert why and ("pack_documents: false" in why if what == "packed" else "without torchrun" in why), why
+
+
+def test_auto_is_the_default_and_a_cpu_run_stays_eager(tmp_path):
+    cfg = build_run_config({"model": micro_spec().model_dump(), "data": {"train": "builtin:tinystories"}})
+    assert cfg.train.cuda_graph == "auto"
+    cfg = _cfg(tmp_path, graph="auto")
+    api.train(cfg, quiet=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["cuda_graph"] is False and "CUDA device" in summary["cuda_graph_off"], summary
+
+
+GPU = SimpleNamespace(world=1, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("what", ["plain", "packed", "torchrun", "recompute", "selective", "offload", "reference",
+                                  "off"])
+def test_auto_captures_only_what_its_tests_cover(tmp_path, what):
+    kw = {"packed": dict(pack_documents=True),
+          "recompute": dict(parallel={"activation_checkpointing": "full"}),
+          "selective": dict(parallel={"activation_checkpointing": "selective"}),
+          "offload": dict(parallel={"activation_checkpointing": "full", "offload_activations": True}),
+          "reference": dict(train={"kernel_backend": "reference"})}.get(what, {})
+    cfg = _cfg(tmp_path, graph=False if what == "off" else "auto", **kw)
+    run = SimpleNamespace(world=2, device=GPU.device) if what == "torchrun" else GPU
+    on, why = resolve_cuda_graph(cfg, run)
+    assert on is (what == "plain"), (what, why)
+    want = {"plain": None, "packed": "pack_documents: false", "torchrun": "without torchrun",
+            "recompute": "activation_checkpointing", "selective": "activation_checkpointing",
+            "offload": "offload_activations: false", "reference": "kernel_backend", "off": "false"}[what]
+    assert (why is None) if want is None else (want in why), (what, why)
+
+
+def test_true_refuses_offloaded_activations_with_the_fix(tmp_path):
+    cfg = _cfg(tmp_path, parallel={"activation_checkpointing": "full", "offload_activations": True})
+    with pytest.raises(TrainingError, match="offload_activations: false"):
+        resolve_cuda_graph(cfg, GPU)
