@@ -49,13 +49,11 @@ def check_graphable(cfg, run) -> str | None:
 
 def auto_graph_refusal(cfg, run) -> str | None:
     """Why `train.cuda_graph: auto` leaves this run eager (None: it captures). Besides what check_graphable
-    refuses, auto leaves out what its GPU tests do not cover: activation recompute (checkpoint's recompute inside
-    the capture) and the reference kernels (some of their ops read values on the host)."""
+    refuses, auto leaves out the reference kernels (some of their ops read values on the host, which a capture
+    cannot). Activation recompute (full or selective) captures: tests/gpu/test_cuda_graph_gpu.py replays it."""
     why = check_graphable(cfg, run)
     if why:
         return why
-    if cfg.parallel.activation_checkpointing != "none":
-        return f"parallel.activation_checkpointing is {cfg.parallel.activation_checkpointing!r}"
     if cfg.train.kernel_backend == "reference":
         return "train.kernel_backend is 'reference'"
     return None

@@ -103,17 +103,18 @@ def test_replayed_steps_match_the_eager_ones(seed, lora, ac):
 
 
 def test_the_default_captures_a_one_gpu_run(tmp_path):
-    """train.cuda_graph: auto (the default) replays the step of a one-GPU run and says so in summary.json; the run
-    trains (its eval loss falls) with an eval between the replays; a recompute run stays eager, with the reason."""
+    """train.cuda_graph: auto (the default) replays the step of a one-GPU run, with full recompute too, and says
+    so in summary.json; the run trains (its eval loss falls) with an eval between the replays; the reference
+    kernels stay eager, with the reason."""
     import json
 
     from moeadapt import api
     from moeadapt.config import build_run_config, get_preset
 
-    def run(name, **parallel):
+    def run(name, backend="auto", **parallel):
         cfg = build_run_config({"model": get_preset("tiny").model_dump(),
                                 "train": {"steps": 8, "micro_batch_size": 2, "seq_len": 128, "device": "cuda",
-                                          "eval_every": 4, "eval_batches": 2, "lr": 3e-3,
+                                          "eval_every": 4, "eval_batches": 2, "lr": 3e-3, "kernel_backend": backend,
                                           "output_dir": str(tmp_path / name)},
                                 "data": {"train": "builtin:tinystories", "eval_fraction": 0.05},
                                 "parallel": parallel})
@@ -123,5 +124,8 @@ def test_the_default_captures_a_one_gpu_run(tmp_path):
     res, summary = run("auto")
     assert summary["cuda_graph"] is True and summary["cuda_graph_off"] is None, summary
     assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
-    _, summary = run("recompute", activation_checkpointing="full")
-    assert summary["cuda_graph"] is False and "activation_checkpointing" in summary["cuda_graph_off"], summary
+    res, summary = run("recompute", activation_checkpointing="full")
+    assert summary["cuda_graph"] is True, summary
+    assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
+    _, summary = run("reference", backend="reference")
+    assert summary["cuda_graph"] is False and "reference" in summary["cuda_graph_off"], summary
