@@ -105,6 +105,13 @@ class StepGraph:
         return type(st)(loss=st.loss, grad_norm=st.grad_norm, tokens=st.tokens, aux=dict(st.aux),
                         counts=dict(st.counts), drops=dict(st.drops)), finite
 
+    def release(self) -> None:
+        """Drop the captured graph and everything in its memory pool (the trainer has dropped the gradients after
+        the last optimizer step), and hand the pool's memory back to the device; the caller runs eagerly after."""
+        self.graph, self.grads, self.inputs, self.out = None, [], [], None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
     def _capture(self, batches: list[tuple]) -> None:
         if any(p.grad is not None for p in self.params):
             raise TrainingError("train.cuda_graph: gradients are held before the capture; the trainer drops them "

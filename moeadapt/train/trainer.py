@@ -206,6 +206,7 @@ class Loop:
     start: int = 0  # the step fit started from (it logs that one)
     queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
     graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
+    graph_released: str | None = None  # why a captured graph was released mid-run (the steps then ran eagerly)
     copies: WeightCopies | None = None  # bf16 compute copies of the weights the forward borrows (copies.py)
 
     def say(self, msg: str) -> None:
@@ -407,6 +408,24 @@ def settle(lp: Loop) -> StepStats | None:
     return st
 
 
+def _evaluate(lp: Loop) -> float:
+    """The eval loss. A captured step graph keeps its memory pool between replays, so an eval runs beside it; if
+    the eval does not fit there (CUDA out of memory), the graph is released (its pool freed) and the eval run
+    again, and the steps after it run eagerly: said once, and in summary.json."""
+    try:
+        return evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)
+    except torch.cuda.OutOfMemoryError:
+        if lp.graph is None or lp.graph.graph is None:
+            raise
+    # outside the except block, so that the failed eval's tensors (held by its traceback) are gone
+    lp.graph.release()
+    lp.graph = None
+    lp.graph_released = (f"released after step {lp.step + 1}: an eval did not fit beside the captured step's "
+                         "memory; the steps after it ran eagerly")
+    lp.say(f"[yellow]train.cuda_graph: {lp.graph_released}")
+    return evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)
+
+
 def use_cuda_graph(lp: Loop) -> None:
     """train.cuda_graph: the step's forwards and backwards are captured once and replayed (train/graph.py)."""
     why = check_graphable(lp.cfg, lp.run)
@@ -590,7 +609,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
             t_pause = time.perf_counter()
             if do_eval:
                 lp.logger.log({"kind": "eval", "step": step + 1,
-                               "eval_loss": evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)})
+                               "eval_loss": _evaluate(lp)})
             if do_save:
                 _save(lp, ckpt_root, step + 1)
             t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
@@ -696,7 +715,7 @@ def _final_eval(lp: Loop, step: int, when: str) -> tuple[float, dict | None]:
         loss, acc = r["loss"], {"accuracy": r["accuracy"], **r.get("by_question", {})}
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss, "eval_accuracy": r["accuracy"]})
     else:
-        loss = evaluate(lp.model, lp.eval_ds, cfg, device, run=lp.run)
+        loss = _evaluate(lp)
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss})
     if not lp.quiet:
         extra = "" if acc is None else "  answer accuracy " + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
@@ -845,7 +864,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
                    # the steps replayed from a CUDA graph (train.cuda_graph), or why they ran eagerly
                    "cuda_graph": lp.graph is not None and lp.graph.graph is not None,
-                   "cuda_graph_off": no_graph if lp.graph is None else None}
+                   "cuda_graph_off": lp.graph_released or (no_graph if lp.graph is None else None)}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

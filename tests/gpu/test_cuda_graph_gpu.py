@@ -102,7 +102,7 @@ def test_replayed_steps_match_the_eager_ones(seed, lora, ac):
     assert logged and all(s.step % 2 == 1 or s.step == 0 for s in logged)
 
 
-def test_the_default_captures_a_one_gpu_run(tmp_path):
+def test_the_default_captures_a_one_gpu_run(tmp_path, monkeypatch):
     """train.cuda_graph: auto (the default) replays the step of a one-GPU run, with full recompute too, and says
     so in summary.json; the run trains (its eval loss falls) with an eval between the replays; the reference
     kernels stay eager, with the reason."""
@@ -129,3 +129,21 @@ def test_the_default_captures_a_one_gpu_run(tmp_path):
     assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
     _, summary = run("reference", backend="reference")
     assert summary["cuda_graph"] is False and "reference" in summary["cuda_graph_off"], summary
+
+    # an eval that runs out of memory beside the graph's pool (the first after the capture, at step 4) releases
+    # the graph, whose memory goes back to the device, and the run goes on eagerly
+    from moeadapt.train import trainer
+
+    evaluate, reserved = trainer.evaluate, []
+
+    def tight_evaluate(*a, **k):
+        reserved.append(torch.cuda.memory_reserved())
+        if len(reserved) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return evaluate(*a, **k)
+
+    monkeypatch.setattr(trainer, "evaluate", tight_evaluate)
+    res, summary = run("released")
+    assert summary["cuda_graph"] is False and "released after step 4" in summary["cuda_graph_off"], summary
+    assert reserved[2] < reserved[1], reserved  # the graph's pool handed back
+    assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)

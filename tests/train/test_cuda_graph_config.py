@@ -73,3 +73,44 @@ def test_true_refuses_offloaded_activations_with_the_fix(tmp_path):
     cfg = _cfg(tmp_path, parallel={"activation_checkpointing": "full", "offload_activations": True})
     with pytest.raises(TrainingError, match="offload_activations: false"):
         resolve_cuda_graph(cfg, GPU)
+
+
+class _Graph:
+    """A StepGraph stand-in: captured (`graph` set) until released."""
+
+    def __init__(self, captured=True):
+        self.graph = object() if captured else None
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+        self.graph = None
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_an_eval_that_does_not_fit_beside_the_graph_releases_it(monkeypatch, captured):
+    """An eval that runs out of device memory beside a captured graph's pool releases the graph, runs again and
+    says so; without a captured graph the out-of-memory error is the user's to see."""
+    from moeadapt.train import trainer
+
+    calls = []
+
+    def evaluate(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return 1.25
+
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    said = []
+    graph = _Graph(captured)
+    lp = SimpleNamespace(graph=graph, graph_released=None, step=6, model=None, eval_ds=None, cfg=None,
+                         run=SimpleNamespace(device=torch.device("cpu")), say=said.append)
+    if not captured:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            trainer._evaluate(lp)
+        assert graph.released == 0 and lp.graph is graph
+        return
+    assert trainer._evaluate(lp) == 1.25 and len(calls) == 2
+    assert graph.released == 1 and lp.graph is None
+    assert "released after step 7" in lp.graph_released and said and lp.graph_released in said[0]
