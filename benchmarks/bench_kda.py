@@ -268,6 +268,18 @@ def sweep(shape):
         dict(o_BV=32),
         dict(stages=2),
         dict(stages=4),
+        dict(local_BK2=64),
+        dict(local_BK2=64, intra2_warps=4),
+        dict(local_BK=64, local_warps=8),
+        dict(local_BK=16),
+        dict(local_BV=32),
+        dict(local_BV=128),
+        dict(dv_BV=64),
+        dict(dh_warps=2),
+        dict(h_warps=2),
+        dict(intra_BK=64),
+        dict(wu_BK=128, wu_warps=8),
+        dict(o_BV=128, o_warps=8),
     ]
     best = (float("inf"), {})
     for var in variants:
