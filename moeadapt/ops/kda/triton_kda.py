@@ -64,14 +64,16 @@ class KDALaunch:
     o_warps: int = 4
     dh_warps: int = 4
     dv_warps: int = 4
-    dv_BV: int = 16
+    # _bwd_dv's V-block 32 (was 16) and _bwd_intra on 64-wide K-blocks with 4 warps (was 32 / 2; earlier, H200:
+    # 32 / 2 beat 32 / 1, 16 / 2, 16 / 1) with _state_bv's rule: H100, bench_kda.py --launch, one run, fwd+bwd ms
+    # against the former launch: 2.37 vs 2.57 at 2,4096,16,128 (the `small` step's layer), 5.09 vs 5.21 at
+    # 1,16384,16,128, 17.62 vs 18.30 at 8,4096,32,128; with dv_BV 16 and the rest as now 2.37 / 5.17 / 17.73
+    dv_BV: int = 32
     local_BK: int = 32
     local_BV: int = 64
     local_warps: int = 4
-    # _bwd_intra (K-block local_BK2): 1.48 ms at BK 32 / 2 warps vs 1.57 / 2.19 / 1.64 at 32 / 1, 16 / 2, 16 / 1
-    # (H200, 1,16384,16,128; 5.99 vs 6.61 / 9.06 / 6.88 ms at 8,4096,32,128)
-    local_BK2: int = 32
-    intra2_warps: int = 2
+    local_BK2: int = 64
+    intra2_warps: int = 4
     # the diagonal blocks of _fwd_intra / _bwd_intra take tensor-core dots where the gate's decay within the
     # sub-chunk is at most this (every channel of the K-block), elementwise otherwise (negative: always elementwise;
     # _bwd_intra 2.81 vs 1.57 ms)
@@ -365,12 +367,14 @@ chunk_kda_fwd_fast = eager_or_op(chunk_kda_fwd, _chunk_kda_fwd_impl, _kda_setup_
 
 def _state_bv(cfg, NH, V, device):
     """V-block of the state recurrences (one program per sequence, head and V-block, looping over chunks):
-    cfg["h_BV"], or with "auto" 16 when 32-wide blocks would leave SMs idle (fewer programs than SMs), else
-    32 (narrower blocks re-read w / kd / qg once more per block)."""
+    cfg["h_BV"], or with "auto" 16 when 32-wide blocks would fill at most half the SMs, else 32 (narrower blocks
+    re-read w / kd / qg once more per block). H100, bench_kda.py --sweep, fwd+bwd: at 2,4096,16,128 (the `small`
+    step: 128 programs of 32 on 132 SMs) 32 takes 2.43 ms against 16's 2.54; at 1,16384,16,128 (64 programs of
+    32) 16 wins (KDALaunch's comment)."""
     bv = cfg["h_BV"]
     if bv == "auto":
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        bv = 16 if NH * triton.cdiv(V, 32) < sms else 32
+        bv = 16 if 2 * NH * triton.cdiv(V, 32) <= sms else 32
     return min(bv, V)
 
 
