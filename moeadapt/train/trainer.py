@@ -823,6 +823,17 @@ def _run_errors(lp: Loop):
                             "resume with train.resume=true") from None
 
 
+def _why_not_replayed(lp: Loop, no_graph: str | None) -> str | None:
+    """Why the run's last steps were not replayed from a CUDA graph (None: they were)."""
+    if lp.graph_released:
+        return lp.graph_released
+    if lp.graph is None:
+        return no_graph
+    if lp.graph.graph is None:
+        return f"the run ended within its {GRAPH_WARMUP} eager warm-up steps, before the capture"
+    return None
+
+
 def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int, n_rows: int,
                 quiet: bool, no_graph: str | None) -> TrainResult:
     cfg, t, run = lp.cfg, lp.cfg.train, lp.run
@@ -864,7 +875,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
                    # the steps replayed from a CUDA graph (train.cuda_graph), or why they ran eagerly
                    "cuda_graph": lp.graph is not None and lp.graph.graph is not None,
-                   "cuda_graph_off": lp.graph_released or (no_graph if lp.graph is None else None)}
+                   "cuda_graph_off": _why_not_replayed(lp, no_graph)}
         if acc_before is not None:
             summary.update(eval_accuracy_before=acc_before, eval_accuracy_after=acc_after)
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))

@@ -114,3 +114,16 @@ def test_an_eval_that_does_not_fit_beside_the_graph_releases_it(monkeypatch, cap
     assert trainer._evaluate(lp) == 1.25 and len(calls) == 2
     assert graph.released == 1 and lp.graph is None
     assert "released after step 7" in lp.graph_released and said and lp.graph_released in said[0]
+
+
+def test_summary_says_why_the_steps_were_not_replayed():
+    from moeadapt.train.trainer import _why_not_replayed
+
+    lp = SimpleNamespace(graph=None, graph_released=None)
+    assert _why_not_replayed(lp, "it needs a CUDA device") == "it needs a CUDA device"
+    lp.graph = _Graph(captured=False)  # a run shorter than the eager warm-up steps
+    assert "warm-up steps, before the capture" in _why_not_replayed(lp, None)
+    lp.graph = _Graph(captured=True)
+    assert _why_not_replayed(lp, None) is None
+    lp.graph, lp.graph_released = None, "released after step 4: ..."
+    assert _why_not_replayed(lp, None).startswith("released after step 4")
