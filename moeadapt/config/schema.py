@@ -388,8 +388,8 @@ class TrainSpec(_Strict):
         "bf16 rounding (the parameter the matmuls read: no copy) and the 16 bits it drops (int16, in the "
         "optimizer's state), so the update is fp32's bit for bit with 2 bytes a parameter less memory and "
         "traffic than fp32 + copy (ops/optim/reference.py); with bf16 and fp32_split the gradients are bf16 and "
-        "the residual stream runs in bf16. auto: fp32_split where it runs (train/copies.py "
-        "resolve_weight_dtype), else fp32")
+        "the residual stream runs in bf16; the MoE routers' weights stay fp32 under both. auto: fp32_split where it "
+        "runs (train/copies.py resolve_weight_dtype), else fp32")
     cuda_graph: bool | Literal["auto"] = Field(
         default="auto", description="capture the step's forwards and backwards once as a CUDA graph and replay it "
         "(train/graph.py), so that the host no longer bounds the step. auto (the default): on where the run allows "

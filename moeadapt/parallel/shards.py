@@ -88,9 +88,10 @@ def fill_shards(model: nn.Module, fill: Fill) -> None:
 def shard_bytes(model: nn.Module, moment_bytes: int = 4, lo_bytes: int = 0) -> dict[str, int]:
     """This rank's bytes of weights, gradients (trainable parameters, in their dtype) and optimizer state
     (AdamW's exp_avg and exp_avg_sq, `moment_bytes` each per trainable element, and `lo_bytes` of a split
-    weight's low half: train.weight_dtype fp32_split), and the largest single local tensor. What `AdamW` and
-    autograd allocate for these shards; compare plan.memory.state_bytes."""
-    weights = grads = largest = trainable = 0
+    weight's low half: train.weight_dtype fp32_split, whose split weights are the bf16 trainable ones), and the
+    largest single local tensor. What `AdamW` and autograd allocate for these shards; compare
+    plan.memory.state_bytes."""
+    weights = grads = largest = trainable = halves = 0
     for _, t, _ in named_tensors(model):
         if not isinstance(t, nn.Parameter):
             continue
@@ -101,5 +102,6 @@ def shard_bytes(model: nn.Module, moment_bytes: int = 4, lo_bytes: int = 0) -> d
         if t.requires_grad:
             grads += b
             trainable += local.numel()
-    return {"weights": weights, "grads": grads, "optimizer": (2 * moment_bytes + lo_bytes) * trainable,
+            halves += local.numel() if t.dtype == torch.bfloat16 else 0
+    return {"weights": weights, "grads": grads, "optimizer": 2 * moment_bytes * trainable + lo_bytes * halves,
             "largest_tensor": largest}

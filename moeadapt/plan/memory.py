@@ -109,9 +109,10 @@ class ParamCounts:
     lora_targets: tuple[frozenset, ...] = ()  # per layer: adapted module names relative to the block
     lora_rank: int = 0
     # every parameter tensor as the runtime holds it: (dim-0 rows, elements per row, is a routed-expert
-    # tensor, trainable); LoRA adapters in the layout lora/layers.py gives them (dense A [r, in], B [out, r];
-    # grouped A [E, in, r], B [E, r, out]); tied weights once
-    tensors: tuple[tuple[int, int, bool, bool], ...] = ()
+    # tensor, trainable, kept fp32 where the trained weights are bf16: the routers', train/copies.py store_bf16);
+    # LoRA adapters in the layout lora/layers.py gives them (dense A [r, in], B [out, r]; grouped A [E, in, r],
+    # B [E, r, out]); tied weights once
+    tensors: tuple[tuple[int, int, bool, bool, bool], ...] = ()
 
     @property
     def total(self) -> int:
@@ -129,6 +130,7 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     from ..lora.inject import _matches
     from ..models.model import build_model
     from ..models.moe import GroupedLinear
+    from ..models.router import Router
 
     spec = ModelSpec.model_validate_json(spec_json)
     lora = LoRASpec.model_validate_json(lora_json) if lora_json else None
@@ -139,12 +141,14 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     root = 0
     seen = set()
     tensors = []
+    whole = {id(mod.weight) for mod in m.modules() if isinstance(mod, Router)}
     for name, p in m.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         is_exp = ".ffn.experts." in name
-        tensors.append((p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1, is_exp, lora is None))
+        tensors.append((p.shape[0] if p.dim() else 1, p[0].numel() if p.dim() else 1, is_exp, lora is None,
+                        id(p) in whole))
         if name.startswith("layers."):
             i = int(name.split(".")[1])
             (experts if ".ffn.experts." in name else dense)[i] += p.numel()
@@ -159,12 +163,12 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
             if isinstance(mod, GroupedLinear):
                 le[i] += mod.n_experts * r * (mod.in_features + mod.out_features)
                 tg[i].add(name.split(".", 2)[2])
-                tensors += [(mod.n_experts, mod.in_features * r, True, True),
-                            (mod.n_experts, r * mod.out_features, True, True)]
+                tensors += [(mod.n_experts, mod.in_features * r, True, True, False),
+                            (mod.n_experts, r * mod.out_features, True, True, False)]
             elif isinstance(mod, nn.Linear):
                 ld[i] += r * (mod.in_features + mod.out_features)
                 tg[i].add(name.split(".", 2)[2])
-                tensors += [(r, mod.in_features, False, True), (mod.out_features, r, False, True)]
+                tensors += [(r, mod.in_features, False, True, False), (mod.out_features, r, False, True, False)]
     return ParamCounts(root, tuple(dense), tuple(experts), tuple(ld), tuple(le), tuple(frozenset(t) for t in tg),
                        lora.rank if lora is not None else 0, tuple(tensors))
 
@@ -179,21 +183,26 @@ def state_bytes(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, base_bytes: 
     pieces over the sharding ranks (dp_shard * cp; experts: dp_shard * cp / ep), rank 0 holding ceil(rows /
     ranks). Frozen base in `base_bytes` (LoRA; 2 = bf16 on GPU), trainable parameters and their gradients in
     `plan.weight_bytes` (fp32; bf16 with train.weight_dtype bf16 / fp32_split) and two AdamW states of
-    `plan.moment_bytes` each (+ `plan.lo_bytes`: fp32_split's low halves). parallel/shards.py `shard_bytes`
-    measures the same on a built model; the dry run (train/dryrun.py) checks they agree."""
+    `plan.moment_bytes` each (+ `plan.lo_bytes`: fp32_split's low halves); the routers' weights stay fp32 with
+    fp32 gradients and no low half. parallel/shards.py `shard_bytes` measures the same on a built model; the dry
+    run (train/dryrun.py) checks they agree."""
     pc = param_counts(spec, lora)
     n = plan.shard
-    weights = trainable = 0.0
-    for rows, row_numel, is_exp, tr in pc.tensors:
+    weights = grads = optimizer = 0.0
+    for rows, row_numel, is_exp, tr, whole in pc.tensors:
         if is_exp:
             rows, ranks = rows // plan.ep, max(1, n // plan.ep)
         else:
             ranks = n
         local = min(rows, -(-rows // ranks)) * row_numel
-        weights += local * (plan.weight_bytes if tr else base_bytes)
-        trainable += local if tr else 0
-    return {"weights": weights, "grads": trainable * plan.weight_bytes,
-            "optimizer": trainable * (2 * plan.moment_bytes + plan.lo_bytes)}
+        if not tr:
+            weights += local * base_bytes
+            continue
+        wb = 4 if whole else plan.weight_bytes
+        weights += local * wb
+        grads += local * wb
+        optimizer += local * (2 * plan.moment_bytes + (0 if whole else plan.lo_bytes))
+    return {"weights": weights, "grads": grads, "optimizer": optimizer}
 
 
 # -- activations -------------------------------------------------------------------------------------------

@@ -155,15 +155,15 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> tuple[int,
         state.setdefault(int(idx), {})[k] = v
     # split and whole fp32 weights load into each other with nothing rounded away: fp32 weights resumed as split
     # ones (train.weight_dtype fp32_split, e.g. a run saved before it was the default) give the parameter its bf16
-    # half and the optimizer the int16 low half; a split run resumed with fp32 weights joins its halves
+    # half and the optimizer the int16 low half; a split run resumed with fp32 weights joins its halves, as does a
+    # weight a split run now keeps whole (the routers' weights: train/copies.py store_bf16)
     from ..ops.optim import join_fp32, split_fp32
 
     split = getattr(optimizer, "split_weights", False)
     lows, saved_lows = {}, {}
-    if not split:
-        for idx, st in state.items():
-            if "weight_lo" in st:
-                saved_lows[id(params[idx])] = st.pop("weight_lo")
+    for idx, st in state.items():  # a low half saved for a weight this run keeps whole (fp32) is joined into it
+        if "weight_lo" in st and not (split and params[idx].dtype == torch.bfloat16):
+            saved_lows[id(params[idx])] = st.pop("weight_lo")
     with torch.no_grad():
         for k, v in tensors.items():
             if split and own[k].dtype == torch.bfloat16 and v.dtype == torch.float32:

@@ -221,11 +221,16 @@ def store_bf16(model: nn.Module, lows: dict | None = None) -> int:
     ops/optim/reference.py). With `lows` (a dict; fp32_split) each fp32 weight is split exactly instead
     (`split_fp32`: the parameter its bf16 half) and its int16 low half put in `lows[parameter]`, for
     `CopyAdamW.seed_low_halves`: the run then starts from the fp32 weights themselves. The residual stream then
-    runs in bf16 (the embedding's dtype), as in a LoRA run. Returns the number of paired experts."""
+    runs in bf16 (the embedding's dtype), as in a LoRA run. The MoE routers' weights stay fp32 (updated as
+    plain fp32 weights, as DeepSeek-V3 keeps its gating): their logits are fp32 (`router_matmul` bf16x2 reads 16 of
+    the weight's mantissa bits) and pick the experts, and they are a few thousandths of the parameters. Returns the
+    number of paired experts."""
+    from ..models.router import Router
     from ..ops.optim import split_fp32
 
+    keep = {id(m.weight) for m in model.modules() if isinstance(m, Router)}
     for p in model.parameters():
-        if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16 and id(p) not in keep:
             if lows is not None and p.dtype == torch.float32 and p.device.type != "meta":
                 p.data, lows[p] = split_fp32(p.data)
             else:

@@ -148,13 +148,18 @@ def test_bf16_moments_halve_the_optimizer_term():
 
 def test_bf16_weights_halve_weights_and_gradients_and_drop_the_copies():
     """train.weight_dtype bf16 (Plan.weight_bytes = 2, one GPU): weights and gradients 2 bytes a trainable
-    parameter, no bf16 compute copies, and the residual stream bf16 (the embedding's dtype), so the activations
-    shrink too; the optimizer term unchanged."""
+    parameter but the routers' weights (kept fp32), no bf16 compute copies, and the residual stream bf16 (the
+    embedding's dtype), so the activations shrink too; the optimizer term unchanged."""
+    from moeadapt.plan.memory import param_counts
+
     small = get_preset("small")
     base = dict(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute="none", micro_batch=2, seq_len=4096)
     fp32, bf16 = (memory_breakdown(small, Plan(**base, weight_bytes=b), None) for b in (4, 2))
     n = fp32["params_trainable"]
-    assert fp32["weights"] == pytest.approx(4 * n, rel=1e-6) and bf16["weights"] == pytest.approx(2 * n, rel=1e-6)
+    nr = sum(rows * row for rows, row, _, _, whole in param_counts(small, None).tensors if whole)
+    assert 0 < nr < n / 1000
+    assert fp32["weights"] == pytest.approx(4 * n, rel=1e-6)
+    assert bf16["weights"] == pytest.approx(2 * n + 2 * nr, rel=1e-6)
     assert bf16["grads"] == pytest.approx(fp32["grads"] / 2, rel=1e-9)
     assert bf16["optimizer"] == fp32["optimizer"]
     assert bf16["activations"] < fp32["activations"]
@@ -163,15 +168,18 @@ def test_bf16_weights_halve_weights_and_gradients_and_drop_the_copies():
 
 def test_one_gpu_full_fine_tuning_plans_the_split_default():
     """The search plans one GPU's full fine-tuning as the trainer runs it by default (train.weight_dtype auto ->
-    fp32_split: 2-byte weights and gradients, the 2-byte low halves in the optimizer term, no copies); LoRA and
-    several GPUs keep fp32 weights."""
+    fp32_split: 2-byte weights and gradients, the 2-byte low halves in the optimizer term, no copies; the routers'
+    weights whole in fp32); LoRA and several GPUs keep fp32 weights."""
+    from moeadapt.plan.memory import param_counts
+
     small = get_preset("small")
     kw = dict(seq_lens=[4096], micro_batches=[2], recomputes=("none",), cps=(1,))
     one = search(small, 1, "141GiB", **kw)
     c = (one.feasible or one.rejected)[0]
     assert (c.plan.weight_bytes, c.plan.lo_bytes) == (2, 2)
     n = c.memory["params_trainable"]
-    assert c.memory["optimizer"] == pytest.approx(10 * n, rel=1e-6)
+    nr = sum(rows * row for rows, row, _, _, whole in param_counts(small, None).tensors if whole)  # routers: no low
+    assert c.memory["optimizer"] == pytest.approx(10 * n - 2 * nr, rel=1e-6)  # half (kept fp32)
     two = search(small, 2, "141GiB", **kw)
     assert all((x.plan.weight_bytes, x.plan.lo_bytes) == (4, 0) for x in two.feasible + two.rejected)
     lora = search(small, 1, "141GiB", lora=LoRASpec(rank=16), **kw)

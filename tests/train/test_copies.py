@@ -10,6 +10,7 @@ import torch
 from moeadapt.config import RunConfig
 from moeadapt.models.model import build_model, materialize
 from moeadapt.models.moe import GroupedLinear
+from moeadapt.models.router import Router
 from moeadapt.train.copies import WeightCopies, copy_targets, why_not
 from moeadapt.train.local import LocalRun
 from tests.conftest import micro_spec
@@ -109,7 +110,10 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights)
             store_bf16(model)
         copies = WeightCopies(copy_targets(model))  # none of bf16 weights
         params = [p for p in model.parameters() if p.requires_grad]
-        assert all(p.dtype == (torch.float32 if weights == "fp32" else torch.bfloat16) for p in params)
+        routers = {id(m.weight) for m in model.modules() if isinstance(m, Router)}
+        assert routers
+        assert all(p.dtype == (torch.float32 if weights == "fp32" or id(p) in routers else torch.bfloat16)
+                   for p in params)  # the routers' weights stay fp32 (store_bf16)
         opt = CopyAdamW(params, copies.by_weight(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
                         moment_dtype=moments, split_weights=weights == "fp32_split")
         return model, copies, params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -134,12 +138,54 @@ def test_checkpoint_round_trip_with_copy_adamw(seed, tmp_path, moments, weights)
     step(b[0], b[1], b[3])
     for pa, pb in zip(a[2], b[2]):
         assert torch.equal(pa, pb)
-        for k in ("exp_avg", "exp_avg_sq", "step") + (("weight_lo",) if weights == "fp32_split" else ()):
+        split = weights == "fp32_split" and pa.dtype == torch.bfloat16
+        for k in ("exp_avg", "exp_avg_sq", "step") + (("weight_lo",) if split else ()):
             assert torch.equal(a[3].state[pa][k], b[3].state[pb][k]), k
         assert b[3].state[pb]["exp_avg"].dtype == moments
     if weights == "fp32_split":  # the low halves were saved and loaded as int16, and they are not all zero
-        assert all(b[3].state[p]["weight_lo"].dtype == torch.int16 for p in b[2])
-        assert any(bool(b[3].state[p]["weight_lo"].any()) for p in b[2])
+        halves = [p for p in b[2] if p.dtype == torch.bfloat16]
+        assert all(b[3].state[p]["weight_lo"].dtype == torch.int16 for p in halves)
+        assert any(bool(b[3].state[p]["weight_lo"].any()) for p in halves)
+        assert all("weight_lo" not in b[3].state[p] for p in b[2] if p.dtype == torch.float32)
+
+
+def test_a_split_checkpoint_whose_router_was_split_resumes_it_whole(seed, tmp_path):
+    """A fp32_split checkpoint saved while the routers' weights were split too (bf16 high half in the model file,
+    int16 low half in the optimizer state) resumes into a run that keeps them fp32 (store_bf16): the two halves are
+    joined into the exact fp32 weight and no low half is left in the state."""
+    from moeadapt.ops.optim import split_fp32
+    from moeadapt.parallel.optim import CopyAdamW
+    from moeadapt.train.checkpoint import load_checkpoint, save_checkpoint
+    from moeadapt.train.copies import store_bf16
+
+    spec = micro_spec(n_layers=2)
+
+    def setup(split_routers):
+        model = materialize(build_model(spec, "meta"), "cpu", seed=seed % 1000)
+        lows = {}
+        store_bf16(model, lows)
+        if split_routers:  # as store_bf16 did before the routers stayed fp32
+            for m in model.modules():
+                if isinstance(m, Router):
+                    m.weight.data, lows[m.weight] = split_fp32(m.weight.data)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = CopyAdamW(params, lr=1e-2, split_weights=True)
+        opt.seed_low_halves(lows)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    want = {n: p.detach().clone() for n, p in setup(False)[0].named_parameters() if n.endswith("router.weight")}
+    old = setup(True)
+    assert all(old[0].get_parameter(n).dtype == torch.bfloat16 for n in want)
+    path = save_checkpoint(tmp_path, 1, *old, {"pos": 0})
+    new = setup(False)
+    with torch.no_grad():
+        for n in want:
+            new[0].get_parameter(n).zero_()
+    load_checkpoint(path, *new)
+    for n, w in want.items():
+        p = new[0].get_parameter(n)
+        assert p.dtype == torch.float32 and torch.equal(p.detach().view(torch.int32), w.view(torch.int32)), n
+        assert "weight_lo" not in new[1].state.get(p, {}), n
 
 
 def test_a_misaligned_trainable_tensor_keeps_autocasts_casts(seed):
@@ -362,8 +408,9 @@ def test_bf16_weights_refused_where_they_cannot_run(change, why, weights):
 
 
 def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
-    """store_bf16: every trainable parameter bf16, the same Parameter objects and names, the values rounded
-    to bf16 (with `lows`, split exactly: the int16 low halves kept); the experts whose [F, L] is a whole number of
+    """store_bf16: every trainable parameter bf16 but the routers' weights (fp32: they pick the experts), the same
+    Parameter objects and names, the values rounded to bf16 (with `lows`, split exactly: the int16 low halves
+    kept); the experts whose [F, L] is a whole number of
     optimizer blocks get w1 / w3 as one buffer's halves,
     which their forward then reads as one GEMM, with the output and gradients of the two-GEMM path on the same
     bf16 weights (bf16 GEMMs: to rounding)."""
@@ -375,9 +422,12 @@ def test_store_bf16_keeps_the_parameters_and_pairs_the_experts(seed):
     model = materialize(build_model(micro_spec(), "meta"), "cpu", seed=seed % 1000)
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     assert store_bf16(model) == 0  # micro_spec's experts are smaller than one block
+    routers = [n for n, _ in model.named_parameters() if n.endswith("router.weight")]
+    assert routers
     for n, p in model.named_parameters():
-        assert p is before[n][0] and p.dtype == torch.bfloat16, n
-        assert torch.equal(p.detach(), before[n][1].to(torch.bfloat16)), n
+        want = torch.float32 if n in routers else torch.bfloat16
+        assert p is before[n][0] and p.dtype == want, (n, p.dtype)
+        assert torch.equal(p.detach(), before[n][1].to(want)), n
 
     E, L = 3, 512
     F = BLOCK // L
@@ -458,8 +508,8 @@ def test_bf16_weights_train_in_the_trainers_loop(seed, monkeypatch, kept):
         runs[w] = [(float(s.loss), float(s.grad_norm)) for s in stats]
         now = [lp.opt.full_weight(p) if w == "fp32_split" else p.detach().float() for p in params]
         moved[w] = torch.cat([(p - s).flatten() for p, s in zip(now, start)])
-        want = torch.float32 if w == "fp32" else torch.bfloat16
-        assert all(p.dtype == want for p in params)
+        routers = {id(r.weight) for r in m.modules() if isinstance(r, Router)}
+        assert all(p.dtype == (torch.float32 if w == "fp32" or id(p) in routers else torch.bfloat16) for p in params)
         if w != "fp32":
             assert all(e._gu_pair is not None for e in m.modules() if isinstance(e, GroupedExperts))
     for (la, na), (lb, nb) in zip(runs[kept], runs["fp32"]):
@@ -527,8 +577,8 @@ def test_split_weights_export_their_fp32_values(seed, tmp_path):
     names = {id(p): n for n, p in model.named_parameters()}
     differs = 0
     for p in params:
-        got = out[names[id(p)]]
-        want = join_fp32(p.detach(), opt.state[p]["weight_lo"])
+        got = out[names[id(p)]]  # a weight kept whole (the routers', fp32) is written as it is
+        want = join_fp32(p.detach(), opt.state[p]["weight_lo"]) if p.dtype == torch.bfloat16 else p.detach()
         assert got.dtype == torch.float32
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         differs += int((got != p.detach().float()).sum())
@@ -564,7 +614,8 @@ def test_a_split_run_resumes_as_fp32_weights(seed, tmp_path):
         opt.step()
         opt.zero_grad(set_to_none=True)
     path = save_checkpoint(tmp_path, 2, model, opt, sched, {"pos": 0})
-    want = [join_fp32(p.detach(), opt.state[p]["weight_lo"]) for p in params]
+    want = [join_fp32(p.detach(), opt.state[p]["weight_lo"]) if p.dtype == torch.bfloat16 else p.detach().clone()
+            for p in params]  # the routers' weights are kept whole (fp32)
     m2, p2, opt2, sched2 = setup(False)
     load_checkpoint(path, m2, opt2, sched2)
     for p, w in zip(p2, want):
@@ -598,16 +649,20 @@ def test_split_weights_start_from_the_fp32_weights(seed, tmp_path):
     fp32 = {n: p.detach().clone() for n, p in names.items() if p.requires_grad}
     lows = {}
     store_bf16(model, lows)
-    assert {id(p) for p in lows} == {id(names[n]) for n in fp32}
+    whole = {n for n in fp32 if n.endswith("router.weight")}  # kept fp32: no low half
+    assert whole and {id(p) for p in lows} == {id(names[n]) for n in fp32 if n not in whole}
     for n, w in fp32.items():
         p = names[n]
+        if n in whole:
+            assert p.dtype == torch.float32 and torch.equal(p.detach(), w), n
+            continue
         assert p.dtype == torch.bfloat16
         assert torch.equal(join_fp32(p.detach(), lows[p]).view(torch.int32), w.view(torch.int32)), n
     assert any(not torch.equal(names[n].detach().float(), w) for n, w in fp32.items())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = CopyAdamW(params, None, lr=1e-2, split_weights=True)
     opt.seed_low_halves(lows)
-    assert all(torch.equal(opt.state[p]["weight_lo"], lows[p]) for p in params)
+    assert all(torch.equal(opt.state[p]["weight_lo"], lows[p]) for p in params if p in lows)
     with pytest.raises(ValueError, match="int16 halves"):
         opt.seed_low_halves({params[0]: lows[params[0]].float()})
 

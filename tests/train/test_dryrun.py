@@ -106,14 +106,19 @@ def test_cli_dry_run_prints_each_rank(capsys, tmp_path):
 @pytest.mark.parametrize("weights, state", [("bf16", 8), ("fp32_split", 10)])
 def test_bf16_weights_halve_the_weight_and_gradient_bytes(weights, state):
     """train.weight_dtype bf16 / fp32_split (one process): the rank holds 2 bytes of weight and 2 of gradient a
-    trainable parameter, and 8 of AdamW state (10 with fp32_split's int16 low halves), as the planner says;
-    under torchrun (world 2) the dry run refuses it as the trainer does."""
+    trainable parameter, and 8 of AdamW state (10 with fp32_split's int16 low halves), but for the routers'
+    weights (kept fp32: 4 + 4 + 8), as the planner says; under torchrun (world 2) the dry run refuses it as the
+    trainer does."""
     spec = micro_spec(n_routed_experts=8)
     cfg = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": weights}})
     res = dry_run(cfg, 1, quiet=True)
-    n = param_counts(spec, None).total
+    pc = param_counts(spec, None)
+    n = pc.total
+    nr = sum(rows * row for rows, row, _, _, whole in pc.tensors if whole)  # the routers' weights
+    assert 0 < nr == spec.n_routed_experts * spec.hidden_size * sum(map(spec.is_moe_layer, range(spec.n_layers)))
     r0 = res["ranks"][0]
-    assert r0["weights"] == 2 * n and r0["grads"] == 2 * n and r0["optimizer"] == state * n
+    assert r0["weights"] == 2 * n + 2 * nr and r0["grads"] == 2 * n + 2 * nr
+    assert r0["optimizer"] == state * n - (state - 8) * nr
     assert res["runtime_over_planner"] == {"weights": 1.0, "grads": 1.0, "optimizer": 1.0}
     two = build_run_config({"model": spec.model_dump(), "train": {"weight_dtype": weights},
                             "parallel": {"dp_shard": 2}})
