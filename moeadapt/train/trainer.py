@@ -408,8 +408,8 @@ def settle(lp: Loop) -> StepStats | None:
     return st
 
 
-def _evaluate(lp: Loop) -> float:
-    """The eval loss. A captured step graph keeps its memory pool between replays, so an eval runs beside it; if
+def _evaluate(lp: Loop, done: int) -> float:
+    """The eval loss after `done` steps. A captured step graph keeps its memory pool between replays, so an eval runs beside it; if
     the eval does not fit there (CUDA out of memory), the graph is released (its pool freed) and the eval run
     again, and the steps after it run eagerly: said once, and in summary.json."""
     try:
@@ -420,7 +420,7 @@ def _evaluate(lp: Loop) -> float:
     # outside the except block, so that the failed eval's tensors (held by its traceback) are gone
     lp.graph.release()
     lp.graph = None
-    lp.graph_released = (f"released after step {lp.step + 1}: an eval did not fit beside the captured step's "
+    lp.graph_released = (f"released after step {done}: an eval did not fit beside the captured step's "
                          "memory; the steps after it ran eagerly")
     lp.say(f"[yellow]train.cuda_graph: {lp.graph_released}")
     return evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)
@@ -609,7 +609,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
             t_pause = time.perf_counter()
             if do_eval:
                 lp.logger.log({"kind": "eval", "step": step + 1,
-                               "eval_loss": _evaluate(lp)})
+                               "eval_loss": _evaluate(lp, step + 1)})
             if do_save:
                 _save(lp, ckpt_root, step + 1)
             t_step = time.perf_counter()  # evals and checkpoint writes stay out of the next step's time
@@ -715,7 +715,7 @@ def _final_eval(lp: Loop, step: int, when: str) -> tuple[float, dict | None]:
         loss, acc = r["loss"], {"accuracy": r["accuracy"], **r.get("by_question", {})}
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss, "eval_accuracy": r["accuracy"]})
     else:
-        loss = _evaluate(lp)
+        loss = _evaluate(lp, step)
         lp.logger.log({"kind": "eval", "step": step, "eval_loss": loss})
     if not lp.quiet:
         extra = "" if acc is None else "  answer accuracy " + " ".join(f"{k} {v:.3f}" for k, v in acc.items())

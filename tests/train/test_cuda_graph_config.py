@@ -104,14 +104,14 @@ def test_an_eval_that_does_not_fit_beside_the_graph_releases_it(monkeypatch, cap
     monkeypatch.setattr(trainer, "evaluate", evaluate)
     said = []
     graph = _Graph(captured)
-    lp = SimpleNamespace(graph=graph, graph_released=None, step=6, model=None, eval_ds=None, cfg=None,
+    lp = SimpleNamespace(graph=graph, graph_released=None, model=None, eval_ds=None, cfg=None,
                          run=SimpleNamespace(device=torch.device("cpu")), say=said.append)
     if not captured:
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            trainer._evaluate(lp)
+            trainer._evaluate(lp, 7)
         assert graph.released == 0 and lp.graph is graph
         return
-    assert trainer._evaluate(lp) == 1.25 and len(calls) == 2
+    assert trainer._evaluate(lp, 7) == 1.25 and len(calls) == 2
     assert graph.released == 1 and lp.graph is None
     assert "released after step 7" in lp.graph_released and said and lp.graph_released in said[0]
 
