@@ -393,8 +393,8 @@ class TrainSpec(_Strict):
     cuda_graph: bool | Literal["auto"] = Field(
         default="auto", description="capture the step's forwards and backwards once as a CUDA graph and replay it "
         "(train/graph.py), so that the host no longer bounds the step. auto (the default): on where the run allows "
-        "it (one process on a GPU; fixed shapes: no packed documents or images; no offloaded activations, nor LoRA "
-        "dropout under recompute; the Triton kernels), eager elsewhere; true: required (a run it cannot serve is refused, with "
+        "it (one process on a GPU; fixed shapes: no packed documents or images; dropless experts; no offloaded "
+        "activations, nor LoRA dropout under recompute; the Triton kernels), eager elsewhere; true: required (a run it cannot serve is refused, with "
         "the reason); false: eager steps")
 
     @field_validator("betas")

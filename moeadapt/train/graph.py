@@ -44,6 +44,9 @@ def check_graphable(cfg, run) -> str | None:
     if cfg.parallel.offload_activations:
         return ("offloaded activations wait in host buffers made during the step, which a replay cannot keep: "
                 "set parallel.offload_activations: false")
+    if cfg.model.capacity_factor is not None:
+        return ("an expert capacity (model.capacity_factor) makes each step's routed row count a value the host "
+                "reads: set model.capacity_factor: null (dropless)")
     if cfg.parallel.activation_checkpointing != "none" and cfg.lora is not None and cfg.lora.dropout > 0:
         return ("the recompute replays LoRA's dropout masks from the CUDA RNG state, which cannot be read while a "
                 "step is captured: set lora.dropout: 0 or parallel.activation_checkpointing: none")

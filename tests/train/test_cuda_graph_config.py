@@ -14,8 +14,8 @@ from moeadapt.train.trainer import TrainingError
 from tests.conftest import micro_spec
 
 
-def _cfg(tmp_path, graph=True, parallel=None, train=None, lora=None, **data):
-    return build_run_config({"model": micro_spec().model_dump(), **({"lora": lora} if lora else {}),
+def _cfg(tmp_path, graph=True, parallel=None, train=None, lora=None, model=None, **data):
+    return build_run_config({"model": {**micro_spec().model_dump(), **(model or {})}, **({"lora": lora} if lora else {}),
                              "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 32, "device": "cpu",
                                        "cuda_graph": graph, "output_dir": str(tmp_path / "run"), **(train or {})},
                              "data": {"train": "builtin:tinystories", "eval_fraction": 0.01, **data},
@@ -52,10 +52,11 @@ GPU = SimpleNamespace(world=1, device=torch.device("cuda"))
 
 
 @pytest.mark.parametrize("what", ["plain", "packed", "torchrun", "recompute", "selective", "offload", "reference",
-                                  "off", "dropout", "dropout_recompute"])
+                                  "off", "dropout", "dropout_recompute", "capacity"])
 def test_auto_captures_what_a_replay_repeats(tmp_path, what):
     kw = {"packed": dict(pack_documents=True),
           "dropout": dict(lora={"rank": 4, "dropout": 0.1}),
+          "capacity": dict(model={"capacity_factor": 1.25}),
           "dropout_recompute": dict(lora={"rank": 4, "dropout": 0.1}, parallel={"activation_checkpointing": "full"}),
           "recompute": dict(parallel={"activation_checkpointing": "full"}),
           "selective": dict(parallel={"activation_checkpointing": "selective"}),
@@ -67,6 +68,7 @@ def test_auto_captures_what_a_replay_repeats(tmp_path, what):
     assert on is (what in ("plain", "recompute", "selective", "dropout")), (what, why)
     want = {"plain": None, "packed": "pack_documents: false", "torchrun": "without torchrun",
             "recompute": None, "selective": None, "dropout": None, "dropout_recompute": "lora.dropout: 0",
+            "capacity": "capacity_factor: null",
             "offload": "offload_activations: false", "reference": "kernel_backend", "off": "false"}[what]
     assert (why is None) if want is None else (want in why), (what, why)
 
