@@ -67,8 +67,8 @@ from moeadapt.io import atomic_write_text  # noqa: E402
 
 MODES = ("lora", "full")
 TINY = dict(seq=64, mb=2, steps=2, warmup=1)
-GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graph -> train.cuda_graph
 FULL = dict(seq=4096, mb=2, steps=10, warmup=3)  # warm-up 3: with --cuda-graph the capture is the third step
+GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graph -> train.cuda_graph
 LR = {"lora": 1e-3, "full": 1e-4}  # both stacks; AdamW betas (0.9, 0.95), no weight decay (TrainSpec's defaults)
 
 

@@ -24,17 +24,17 @@ _OPT_IN = re.compile(r"opt-in [^;|]*vs the default|default vs bf16")
 _ROW = re.compile(r"^\| (\d+) \| (\d\d-\d\d) \| (H100|H200) \|(.*)\|([^|]*)\|([^|]*)\|\s*$")
 
 
-def _last_ms(cell: str) -> float | None:
-    """The step time a cell ends with: the number after its last arrow, else its first number; None for none."""
-    cell = cell.split("(")[0] if "→" not in cell else cell
-    tail = cell.split("→")[-1]
-    m = re.search(r"\d+(?:\.\d+)?", tail)
-    return float(m.group()) if m else None
+_NUM = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _first_ms(cell: str) -> float | None:
-    m = re.search(r"\d+(?:\.\d+)?", cell)
+    m = _NUM.search(cell)
     return float(m.group()) if m else None
+
+
+def _last_ms(cell: str) -> float | None:
+    """The step time a cell ends with: the number after its last arrow, else its first number; None for none."""
+    return _first_ms(cell.split("→")[-1] if "→" in cell else cell.split("(")[0])
 
 
 def read_runs(text: str) -> list[dict]:

@@ -1,5 +1,5 @@
 """The step's forwards and backwards captured once as a CUDA graph and replayed (`train.cuda_graph`: auto, the
-default, captures where `auto_graph_refusal` finds nothing; true requires it; false never).
+default, captures where `resolve_cuda_graph` finds nothing against it; true requires it; false never).
 
 Issuing a step costs the host about as much as the GPU takes to run it (~5,000 kernel launches and autograd's
 bookkeeping for the `small` preset), so the host bounds the step. A replay issues the same kernels in one call.
@@ -53,30 +53,21 @@ def check_graphable(cfg, run) -> str | None:
     return None
 
 
-def auto_graph_refusal(cfg, run) -> str | None:
-    """Why `train.cuda_graph: auto` leaves this run eager (None: it captures). Besides what check_graphable
-    refuses, auto leaves out the reference kernels (some of their ops read values on the host, which a capture
-    cannot). Activation recompute (full or selective) captures: tests/gpu/test_cuda_graph_gpu.py replays it."""
-    why = check_graphable(cfg, run)
-    if why:
-        return why
-    if cfg.train.kernel_backend == "reference":
-        return "train.kernel_backend is 'reference'"
-    return None
-
-
 def resolve_cuda_graph(cfg, run) -> tuple[bool, str | None]:
     """(capture the step?, why not): train.cuda_graph true must be servable (TrainingError naming the reason
-    and the fix), auto captures where `auto_graph_refusal` finds nothing, false never."""
+    and the fix); auto captures what check_graphable allows except the reference kernels (some of their ops read
+    values on the host, which a capture cannot; activation recompute, full or selective, captures:
+    tests/gpu/test_cuda_graph_gpu.py replays it); false never."""
     mode = cfg.train.cuda_graph
     if mode is False:
         return False, "train.cuda_graph: false"
+    why = check_graphable(cfg, run)
     if mode is True:
-        why = check_graphable(cfg, run)
         if why:
             raise TrainingError(f"train.cuda_graph: {why}")
         return True, None
-    why = auto_graph_refusal(cfg, run)
+    if why is None and cfg.train.kernel_backend == "reference":
+        why = "train.kernel_backend is 'reference'"
     return why is None, why
 
 
