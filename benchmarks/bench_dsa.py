@@ -470,7 +470,17 @@ FLEX_VARIANTS = {
 }
 
 
-def forms(log, Ts, Hs, batch, reps=5, variants=True):
+# Launches of ops/dsa/triton_tile_attn.py (the same tiles without FlexAttention) timed beside its TILE_LAUNCH:
+# overrides of it
+TILE_VARIANTS = {
+    "fwd_bn128": {"FWD_BN": 128}, "fwd_w4": {"FWD_WARPS": 4}, "fwd_s3": {"FWD_STAGES": 3},
+    "dq_bn32": {"DQ_BN": 32}, "dq_w4": {"DQ_WARPS": 4}, "dq_s3": {"DQ_STAGES": 3}, "dq_bn128": {"DQ_BN": 128},
+    "dkv_bn128": {"DKV_BN": 128}, "dkv_bm32": {"DKV_BM": 32}, "dkv_w4": {"DKV_WARPS": 4},
+    "dkv_s3": {"DKV_STAGES": 3}, "dkv_bm128": {"DKV_BM": 128}, "dkv_bn32_w4": {"DKV_BN": 32, "DKV_WARPS": 4},
+}
+
+
+def forms(log, Ts, Hs, batch, reps=5, variants=True, tile_variants=True):
     """MLA attention fwd + bwd in its two forms (models/dsa_attn.py) from the same q_nope, q_pe, kv latent, k_pe
     and wkv_b, at DeepSeek's dims (nope 128, rope 64, kv_lora_rank 512, v_head_dim 128), LI selections of top-2048:
     absorbed (W_uk into q, MQA sparse attention on the latent, W_uv after) vs MHA (per-head k, v = kv latent x
@@ -485,12 +495,12 @@ def forms(log, Ts, Hs, batch, reps=5, variants=True):
         idx = lightning_indexer_triton(q_idx, k_idx, w_idx, TOPK)
         del q_idx, k_idx, w_idx
         for H in Hs:
-            rows.append(_forms_row(idx, T, H, batch, reps, log, variants))
+            rows.append(_forms_row(idx, T, H, batch, reps, log, variants, tile_variants))
             torch.cuda.empty_cache()
     return rows
 
 
-def _forms_row(idx, T, H, batch, reps, log, variants=True):
+def _forms_row(idx, T, H, batch, reps, log, variants=True, tile_variants=True):
     """One (T, H) row of `forms`; its tensors are freed on return."""
     from moeadapt.ops.dsa import flex_attn as fa
     from moeadapt.ops.dsa import sparse_attention
@@ -583,6 +593,34 @@ def _forms_row(idx, T, H, batch, reps, log, variants=True):
         row[f"flex_{name}"] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
         log(f"forms T={T} H={H} B={batch}: flex {name}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms "
             f"(grads vs default {err:.2g})")
+    # the same tiles by triton_tile_attn.py (no head-dim padding), its launch and the variants, checked against
+    # FlexAttention's default
+    from moeadapt.ops.dsa import triton_tile_attn as tta
+
+    tiles = fa.selection_tiles(idx, T, T)
+    flex_ms = row.get("flex_default", {})
+    for name, c in [("default", {})] + (list(TILE_VARIANTS.items()) if tile_variants else []):
+        launch = {**tta.TILE_LAUNCH, **c}
+
+        def tiles_fb(launch=launch):
+            for x in qkv:
+                x.grad = None
+            tta.tile_attention(*qkv, tiles, scale, launch).backward(do)
+
+        try:
+            tiles_fb()
+            grads = [x.grad.float() for x in qkv]
+            err = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(grads, ref or grads))
+            fwd = timeit(lambda lc=launch: tta.tile_attention(*qkv, tiles, scale, lc), reps=reps)
+            tot = timeit(tiles_fb, reps=reps)
+        except Exception as e:  # a launch that does not fit (shared memory, registers) is reported, not fatal
+            log(f"forms T={T} H={H} B={batch}: tiles {name} failed: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        row[f"tiles_{name}"] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
+        vs = (f" | flex default / this: fwd {flex_ms['fwd_ms'] / fwd:.2f}x bwd "
+              f"{flex_ms['bwd_ms'] / (tot - fwd):.2f}x fwd+bwd {flex_ms['fwdbwd_ms'] / tot:.2f}x" if flex_ms else "")
+        log(f"forms T={T} H={H} B={batch}: tiles {name}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms "
+            f"(grads vs flex {err:.2g}){vs}")
     return row
 
 
@@ -606,6 +644,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="batch size for --li, --check and --forms")
     ap.add_argument("--no-flex-variants", dest="flex_variants", action="store_false",
                     help="--forms: time FlexAttention's default launch only, not FLEX_VARIANTS")
+    ap.add_argument("--no-tile-variants", dest="tile_variants", action="store_false",
+                    help="--forms: time triton_tile_attn's TILE_LAUNCH only, not TILE_VARIANTS")
     ap.add_argument("--forms", action="store_true", help="MLA attention fwd + bwd, absorbed vs MHA form, at each "
                     "--T and --H; then exit")
     a = ap.parse_args()
@@ -623,7 +663,7 @@ def main():
         res["check"] = check(log, T=a.T[0] if a.T != [8192, 32768, 131072] else 32768, Hs=tuple(a.H[::-1]),
                              fwd_only=a.fwd_only, bwd_names=a.bwd, batch=a.batch)
     elif a.forms:
-        res["forms"] = forms(log, a.T, a.H, a.batch, variants=a.flex_variants)
+        res["forms"] = forms(log, a.T, a.H, a.batch, variants=a.flex_variants, tile_variants=a.tile_variants)
     elif a.li:
         res["li"] = li_shapes(log, a.T, a.hi, a.batch)
     if a.check or a.forms or a.li:  # one mode, then exit

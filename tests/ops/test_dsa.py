@@ -16,6 +16,7 @@ from moeadapt.ops.dsa import (
     indexer_scores_reference,
     lightning_indexer,
     sparse_attention,
+    sparse_attention_reference,
 )
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -530,3 +531,53 @@ def test_triton_pds_backward_falls_back_when_shared_memory_is_short(gen, monkeyp
     assert len(tsa._fallen_back) == 2
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+def _tile_selection(gen, B, T, topk, empty_row):
+    """Causal selections of T queries: query t takes every key up to topk of them, else topk random keys of its
+    past (itself included); `empty_row` selects nothing. At T = 384, topk = 320 the block (1, 0) is full, the
+    diagonal and last-row blocks partial, (0, 1) empty (with `empty_row` >= 256)."""
+    idx = torch.full((B, T, topk), -1, dtype=torch.int64)
+    for b in range(B):
+        for t in range(T):
+            keys = torch.arange(t + 1) if t < topk else torch.randperm(t + 1, generator=gen)[:topk].sort().values
+            idx[b, t, : len(keys)] = keys
+    idx[:, empty_row] = -1
+    return idx
+
+
+@triton_only
+@pytest.mark.parametrize("D,DV,full", [(192, 64, True), (64, 32, False)])
+def test_tile_attention_matches_reference(gen, D, DV, full):
+    """ops/dsa/triton_tile_attn.py (the MHA form's dense tiles without FlexAttention's head-dim padding: D = 192
+    as 128 + 64 channels) against the float64 reference: o, dq, dk, dv on fp32 inputs, a query that selects
+    nothing included (o = 0, no gradient); with and without full blocks. Dropping the full blocks from the lists
+    (their pairs then unseen) fails the same check."""
+    from moeadapt.ops.dsa import flex_attn as fa
+    from moeadapt.ops.dsa.triton_tile_attn import tile_attention
+
+    B, T, H, topk = 1, 384, 2, 320
+    idx = _tile_selection(gen, B, T, topk, empty_row=int(torch.randint(256, T, (1,), generator=gen)))
+    q, k = (_rand(gen, B, T, H, D) for _ in range(2))
+    v, do = (_rand(gen, B, T, H, DV) for _ in range(2))
+    scale = D ** -0.5
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_ref = sparse_attention_reference(*leaves, idx, scale)
+    ref = [o_ref, *torch.autograd.grad(o_ref, leaves, do)]
+    tiles = fa.selection_tiles(idx.to(DEV), T, T, full_blocks=full)
+    if full:
+        assert int(tiles.kv_full_num.sum()) > 0 and int(tiles.kv_num.sum()) > 0  # both kinds of tile are walked
+
+    def run(tl_):
+        xs = [x.float().to(DEV).requires_grad_() for x in (q, k, v)]
+        o = tile_attention(*xs, tl_, scale)
+        return [o, *torch.autograd.grad(o, xs, do.float().to(DEV))]
+
+    def err(got):
+        return max(((a.double().cpu() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref))
+
+    assert err(run(tiles)) < 1e-4
+    if full:
+        broken = tiles._replace(kv_full_num=torch.zeros_like(tiles.kv_full_num),
+                                q_full_num=torch.zeros_like(tiles.q_full_num))
+        assert err(run(broken)) > 1e-2

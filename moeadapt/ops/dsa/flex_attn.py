@@ -20,11 +20,15 @@ is selected are listed as full (no mask read), the others as partial, where mask
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import triton_tile_attn
 
 BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
@@ -38,8 +42,10 @@ BLOCK = 128  # FlexAttention's query and key block
 # 128 x 64 (dq) with 8 warps run it 1.83x faster (4.22 -> 2.30 ms at B 2, T 4096, 16 heads; bench_dsa.py
 # --forms, H100, RESULTS.md), same gradients to the bit; max-autotune found 3.70 ms. In the `small` steps
 # (H100, seq 4096 x 2) the MHA form with these tiles: full FT 217.2 -> 192.3 ms, LoRA 174.9 -> 150.6 ms.
-FLEX_CONFIG = {"FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5, "AUTOTUNE": False,
-               "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+# KERNEL: "triton" runs the tiles with triton_tile_attn.py's kernels where they take the head dims (no padding of
+# D = 192 to 256), "flex" with FlexAttention.
+FLEX_CONFIG = {"KERNEL": "flex", "FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5,
+               "AUTOTUNE": False, "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
                                   "bwd_num_warps": 8, "bwd_num_stages": 2}}
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
 
@@ -143,8 +149,24 @@ def _lists(flags, rows, cols, transpose, full):
     return num[0], idx[0], (num[1] if full else None), (idx[1] if full else None)
 
 
-def selection_block_mask(indices: torch.Tensor, T: int, Tk: int, full_blocks: bool = True) -> BlockMask:
-    """The BlockMask of a selection: indices [B, T, K] (-1 unused) -> per 128-query block the key blocks holding a
+class SelectionTiles(NamedTuple):
+    """A selection's tiles: the byte mask sel [B * T, Tk] (uint8, 1 = selected) and both sides' block lists (int32):
+    per query block the key blocks holding a selected pair, kv_num [B, 1, nqb] and kv_idx [B, 1, nqb, nkb] (the
+    partial blocks first, in key order), and per key block the query blocks, q_num / q_idx; the *_full_* lists hold
+    the blocks whose every pair is selected (None without full blocks: then every block is partial)."""
+    sel: torch.Tensor
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    kv_full_num: torch.Tensor | None
+    kv_full_idx: torch.Tensor | None
+    q_num: torch.Tensor
+    q_idx: torch.Tensor
+    q_full_num: torch.Tensor | None
+    q_full_idx: torch.Tensor | None
+
+
+def selection_tiles(indices: torch.Tensor, T: int, Tk: int, full_blocks: bool = True) -> SelectionTiles:
+    """The tiles of a selection: indices [B, T, K] (-1 unused) -> per 128-query block the key blocks holding a
     selected pair; with full_blocks those whose every pair is selected are listed apart (no mask read there).
     The byte mask, the tile flags and both sides' lists (the backward walks the query lists) are four kernels:
     no host synchronisation (the step can be captured in a CUDA graph), little host time (the eager step)."""
@@ -156,16 +178,27 @@ def selection_block_mask(indices: torch.Tensor, T: int, Tk: int, full_blocks: bo
     full = bool(full_blocks and Tk % BLOCK == 0)
     flags = torch.empty(B, nqb, nkb, device=indices.device, dtype=torch.int8)
     _tile_flags_kernel[(B * nqb, nkb)](sel, flags, T, Tk, nqb, nkb, FULL=full, BLOCK=BLOCK, num_warps=4)
-    kv = _lists(flags, nqb, nkb, False, full)
-    q = _lists(flags, nkb, nqb, True, full)
-    sel = sel.view(B, T, Tk)
+    return SelectionTiles(sel, *_lists(flags, nqb, nkb, False, full), *_lists(flags, nkb, nqb, True, full))
+
+
+def tiles_block_mask(tiles: SelectionTiles, T: int, Tk: int) -> BlockMask:
+    """FlexAttention's BlockMask of a selection's tiles (mask_mod reads the byte mask in the partial blocks)."""
+    B = tiles.kv_num.shape[0]
+    sel = tiles.sel.view(B, T, Tk)
 
     def keep(b, h, q_idx, kv_idx):
         return sel[b, q_idx, kv_idx] != 0
 
-    bm = BlockMask.from_kv_blocks(*kv, BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(T, Tk), compute_q_blocks=False)
-    bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices = q
+    bm = BlockMask.from_kv_blocks(tiles.kv_num, tiles.kv_idx, tiles.kv_full_num, tiles.kv_full_idx,
+                                  BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(T, Tk), compute_q_blocks=False)
+    bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices = (
+        tiles.q_num, tiles.q_idx, tiles.q_full_num, tiles.q_full_idx)
     return bm
+
+
+def selection_block_mask(indices: torch.Tensor, T: int, Tk: int, full_blocks: bool = True) -> BlockMask:
+    """The BlockMask of a selection (`selection_tiles`, then `tiles_block_mask`)."""
+    return tiles_block_mask(selection_tiles(indices, T, Tk, full_blocks), T, Tk)
 
 
 def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
@@ -174,8 +207,12 @@ def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     -> o [B, T, H, DV] (0 for a query that selects nothing). Differentiable in q, k, v. On CUDA FlexAttention is
     compiled (once per shape); elsewhere it runs eagerly (its reference math, forward only)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
-    bm = selection_block_mask(indices, q.shape[1], k.shape[1], cfg["FULL_BLOCKS"])
-    return flex_on_mask(q, k, v, bm, scale, cfg)
+    T, Tk = q.shape[1], k.shape[1]
+    tiles = selection_tiles(indices, T, Tk, cfg["FULL_BLOCKS"])
+    if cfg["KERNEL"] == "triton" and q.is_cuda and triton_tile_attn.supported(q, v):
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return triton_tile_attn.tile_attention(q, k, v, tiles, scale)
+    return flex_on_mask(q, k, v, tiles_block_mask(tiles, T, Tk), scale, cfg)
 
 
 def flex_on_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm: BlockMask, scale: float | None = None,
