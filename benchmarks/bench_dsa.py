@@ -473,10 +473,9 @@ FLEX_VARIANTS = {
 # Launches of ops/dsa/triton_tile_attn.py (the same tiles without FlexAttention) timed beside its TILE_LAUNCH:
 # overrides of it
 TILE_VARIANTS = {
-    "fwd_bn128": {"FWD_BN": 128}, "fwd_w4": {"FWD_WARPS": 4}, "fwd_s3": {"FWD_STAGES": 3},
-    "dq_bn32": {"DQ_BN": 32}, "dq_w4": {"DQ_WARPS": 4}, "dq_s3": {"DQ_STAGES": 3}, "dq_bn128": {"DQ_BN": 128},
-    "dkv_bn128": {"DKV_BN": 128}, "dkv_bm32": {"DKV_BM": 32}, "dkv_w4": {"DKV_WARPS": 4},
-    "dkv_s3": {"DKV_STAGES": 3}, "dkv_bm128": {"DKV_BM": 128}, "dkv_bn32_w4": {"DKV_BN": 32, "DKV_WARPS": 4},
+    "fwd_bn128": {"FWD_BN": 128}, "fwd_w4": {"FWD_WARPS": 4}, "dq_bn32": {"DQ_BN": 32}, "dq_w4": {"DQ_WARPS": 4},
+    "dkv_bn64": {"DKV_BN": 64}, "dkv_bn64_bm32": {"DKV_BN": 64, "DKV_BM": 32}, "dkv_bm32": {"DKV_BM": 32},
+    "dkv_w4_bn64": {"DKV_BN": 64, "DKV_WARPS": 4}, "stages1": {"FWD_STAGES": 1, "DQ_STAGES": 1, "DKV_STAGES": 1},
 }
 
 

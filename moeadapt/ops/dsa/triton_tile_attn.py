@@ -31,9 +31,18 @@ LOG2E = 1.4426950408889634
 LIST_BLOCK = 128  # the lists' query and key block (flex_attn.BLOCK)
 # The launch (bench_dsa.py --forms times variants): the forward and dq programs take LIST_BLOCK queries and walk
 # each listed key block in steps of FWD_BN / DQ_BN keys; a dk / dv program takes DKV_BN keys and walks each listed
-# query block in steps of DKV_BM queries.
+# query block in steps of DKV_BM queries (FlexAttention's tuned backward tiles in flex_attn.py: 128 x 64 for dq,
+# 64 queries x 128 keys for dk / dv). Each fits an sm_90 card's 227 KiB of shared memory
+# (tests/ops/test_tile_attn_fits.py compiles them ahead of time); not yet timed on a GPU.
 TILE_LAUNCH = dict(FWD_BN=64, FWD_WARPS=8, FWD_STAGES=2, DQ_BN=64, DQ_WARPS=8, DQ_STAGES=2,
-                   DKV_BN=64, DKV_BM=64, DKV_WARPS=8, DKV_STAGES=2)
+                   DKV_BN=128, DKV_BM=64, DKV_WARPS=8, DKV_STAGES=2)
+# fp32 inputs (tests) hold twice the bytes a tile: smaller steps, no pipelining
+FP32_LAUNCH = dict(FWD_BN=32, FWD_STAGES=1, DQ_BN=16, DQ_STAGES=1, DKV_BM=16, DKV_STAGES=1)
+
+
+def _launch(q: torch.Tensor, launch: dict | None) -> dict:
+    lc = TILE_LAUNCH if launch is None else launch
+    return {**lc, **FP32_LAUNCH} if q.dtype == torch.float32 and q.is_cuda else lc
 
 
 def supported(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -63,25 +72,24 @@ def _fwd_tiles(acc, m_i, l_i, q1, q2, k_b, v_b, sel_b, qrows, IDX, n, s_kt, s_vt
                BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of the query rows over the n listed key blocks IDX[0:n] (MASKED: partial blocks, the byte
     mask decides each pair)."""
-    for j in range(n):
-        kb = tl.load(IDX + j)
-        for sub in tl.static_range(LB // BN):
-            keys = kb * LB + sub * BN + tl.arange(0, BN)
-            s = _mm(q1, tl.trans(_rows(k_b, keys, s_kt, 0, D1, D)), IEEE)
-            if D2 > 0:
-                s = _mm(q2, tl.trans(_rows(k_b, keys, s_kt, D1, D2, D)), IEEE, s)
-            s = s * qk_scale
-            if MASKED:
-                sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
-                s = tl.where(sel != 0, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no pair yet: p = 0, not NaN
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _rows(v_b, keys, s_vt, 0, DV, DV)
-            acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
-            m_i = m_new
+    SUBS: tl.constexpr = LB // BN
+    for it in range(n * SUBS):  # one flat loop (not blocks x sub-steps): the pipeliner buffers BN keys a stage
+        keys = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BN + tl.arange(0, BN)
+        s = _mm(q1, tl.trans(_rows(k_b, keys, s_kt, 0, D1, D)), IEEE)
+        if D2 > 0:
+            s = _mm(q2, tl.trans(_rows(k_b, keys, s_kt, D1, D2, D)), IEEE, s)
+        s = s * qk_scale
+        if MASKED:
+            sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
+            s = tl.where(sel != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no pair yet: p = 0, not NaN
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _rows(v_b, keys, s_vt, 0, DV, DV)
+        acc = _mm(p.to(v.dtype), v, IEEE, acc * alpha[:, None])
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -123,25 +131,24 @@ def _dq_tiles(dq1, dq2, q1, q2, do, lse, delta, k_b, v_b, sel_b, qrows, IDX, n, 
               D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, LB: tl.constexpr,
               BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """dS K of the query rows over the n listed key blocks IDX[0:n], added to (dq1, dq2) (unscaled)."""
-    for j in range(n):
-        kb = tl.load(IDX + j)
-        for sub in tl.static_range(LB // BN):
-            keys = kb * LB + sub * BN + tl.arange(0, BN)
-            k1 = _rows(k_b, keys, s_kt, 0, D1, D)
-            s = _mm(q1, tl.trans(k1), IEEE)
-            k2 = k1
-            if D2 > 0:
-                k2 = _rows(k_b, keys, s_kt, D1, D2, D)
-                s = _mm(q2, tl.trans(k2), IEEE, s)
-            p = tl.exp2(s * qk_scale - lse[:, None])
-            if MASKED:
-                sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
-                p = tl.where(sel != 0, p, 0.0)
-            dp = _mm(do, tl.trans(_rows(v_b, keys, s_vt, 0, DV, DV)), IEEE)
-            ds = (p * (dp - delta[:, None])).to(k1.dtype)
-            dq1 = _mm(ds, k1, IEEE, dq1)
-            if D2 > 0:
-                dq2 = _mm(ds, k2, IEEE, dq2)
+    SUBS: tl.constexpr = LB // BN
+    for it in range(n * SUBS):  # one flat loop, as in _fwd_tiles
+        keys = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BN + tl.arange(0, BN)
+        k1 = _rows(k_b, keys, s_kt, 0, D1, D)
+        s = _mm(q1, tl.trans(k1), IEEE)
+        k2 = k1
+        if D2 > 0:
+            k2 = _rows(k_b, keys, s_kt, D1, D2, D)
+            s = _mm(q2, tl.trans(k2), IEEE, s)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
+            p = tl.where(sel != 0, p, 0.0)
+        dp = _mm(do, tl.trans(_rows(v_b, keys, s_vt, 0, DV, DV)), IEEE)
+        ds = (p * (dp - delta[:, None])).to(k1.dtype)
+        dq1 = _mm(ds, k1, IEEE, dq1)
+        if D2 > 0:
+            dq2 = _mm(ds, k2, IEEE, dq2)
     return dq1, dq2
 
 
@@ -190,27 +197,26 @@ def _dkv_tiles(dk1, dk2, dv, k1, k2, v, q_b, do_b, lse_b, delta_b, sel_b, keys, 
                qk_scale, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, LB: tl.constexpr,
                BM: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q (unscaled) of the key rows over the n listed query blocks IDX[0:n]."""
-    for j in range(n):
-        qb = tl.load(IDX + j)
-        for sub in tl.static_range(LB // BM):
-            qrows = qb * LB + sub * BM + tl.arange(0, BM)
-            q1 = _rows(q_b, qrows, s_qt, 0, D1, D)
-            st = _mm(k1, tl.trans(q1), IEEE)
-            q2 = q1
-            if D2 > 0:
-                q2 = _rows(q_b, qrows, s_qt, D1, D2, D)
-                st = _mm(k2, tl.trans(q2), IEEE, st)
-            pt = tl.exp2(st * qk_scale - tl.load(lse_b + qrows)[None, :])
-            if MASKED:
-                sel = tl.load(sel_b + qrows[None, :].to(tl.int64) * TK + keys[:, None])
-                pt = tl.where(sel != 0, pt, 0.0)
-            do = _rows(do_b, qrows, s_dot, 0, DV, DV)
-            dv = _mm(pt.to(do.dtype), do, IEEE, dv)
-            dpt = _mm(v, tl.trans(do), IEEE)
-            dst = (pt * (dpt - tl.load(delta_b + qrows)[None, :])).to(q1.dtype)
-            dk1 = _mm(dst, q1, IEEE, dk1)
-            if D2 > 0:
-                dk2 = _mm(dst, q2, IEEE, dk2)
+    SUBS: tl.constexpr = LB // BM
+    for it in range(n * SUBS):  # one flat loop, as in _fwd_tiles
+        qrows = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BM + tl.arange(0, BM)
+        q1 = _rows(q_b, qrows, s_qt, 0, D1, D)
+        st = _mm(k1, tl.trans(q1), IEEE)
+        q2 = q1
+        if D2 > 0:
+            q2 = _rows(q_b, qrows, s_qt, D1, D2, D)
+            st = _mm(k2, tl.trans(q2), IEEE, st)
+        pt = tl.exp2(st * qk_scale - tl.load(lse_b + qrows)[None, :])
+        if MASKED:
+            sel = tl.load(sel_b + qrows[None, :].to(tl.int64) * TK + keys[:, None])
+            pt = tl.where(sel != 0, pt, 0.0)
+        do = _rows(do_b, qrows, s_dot, 0, DV, DV)
+        dv = _mm(pt.to(do.dtype), do, IEEE, dv)
+        dpt = _mm(v, tl.trans(do), IEEE)
+        dst = (pt * (dpt - tl.load(delta_b + qrows)[None, :])).to(q1.dtype)
+        dk1 = _mm(dst, q1, IEEE, dk1)
+        if D2 > 0:
+            dk2 = _mm(dst, q2, IEEE, dk2)
     return dk1, dk2, dv
 
 
@@ -268,7 +274,7 @@ def _unit_channels(x: torch.Tensor) -> torch.Tensor:
 def tile_attention_fwd(q, k, v, tiles, scale: float, launch: dict | None = None):
     """(o [B, T, H, DV] in q's dtype, lse [B, H, T] fp32 base 2) of q, k [B, T, H, D], v [B, T, H, DV] over
     `tiles` (flex_attn.SelectionTiles)."""
-    lc = TILE_LAUNCH if launch is None else launch
+    lc = _launch(q, launch)
     B, T, H, D = q.shape
     TK, DV = k.shape[1], v.shape[-1]
     d1, d2 = _split_d(D)
@@ -285,7 +291,7 @@ def tile_attention_fwd(q, k, v, tiles, scale: float, launch: dict | None = None)
 
 def tile_attention_bwd(q, k, v, o, lse, do, tiles, scale: float, launch: dict | None = None):
     """(dq, dk, dv) in q's / k's / v's dtypes for the cotangent do of `tile_attention_fwd`'s o."""
-    lc = TILE_LAUNCH if launch is None else launch
+    lc = _launch(q, launch)
     B, T, H, D = q.shape
     TK, DV = k.shape[1], v.shape[-1]
     d1, d2 = _split_d(D)
