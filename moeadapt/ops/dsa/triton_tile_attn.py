@@ -68,18 +68,54 @@ def _store_rows(base, rows, s_t, x, C0: tl.constexpr, CW: tl.constexpr, C: tl.co
 
 
 @triton.jit
+def _parts(base, rows, s_t, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
+    """The rows' channels as the two power-of-two parts [rows, D1] and [rows, D2] (the second is the first where
+    D2 = 0: unused)."""
+    x1 = _rows(base, rows, s_t, 0, D1, D)
+    x2 = x1
+    if D2 > 0:
+        x2 = _rows(base, rows, s_t, D1, D2, D)
+    return x1, x2
+
+
+@triton.jit
+def _dot_parts(a1, a2, b1, b2, D2: tl.constexpr, IEEE: tl.constexpr):
+    """a b^T over the two channel parts (fp32)."""
+    s = _mm(a1, tl.trans(b1), IEEE)
+    if D2 > 0:
+        s = _mm(a2, tl.trans(b2), IEEE, s)
+    return s
+
+
+@triton.jit
+def _step_rows(IDX, it, LB: tl.constexpr, STEP: tl.constexpr):
+    """Rows of step `it` of a flat walk over listed blocks IDX[...] of LB rows in steps of STEP rows. One flat loop
+    (not blocks x sub-steps): the pipeliner then buffers one step a stage, not a whole block's sub-steps."""
+    return tl.load(IDX + it // (LB // STEP)) * LB + (it % (LB // STEP)) * STEP + tl.arange(0, STEP)
+
+
+@triton.jit
+def _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T, TK, H: tl.constexpr, D: tl.constexpr,
+                 D1: tl.constexpr, D2: tl.constexpr, LB: tl.constexpr):
+    """The forward's and dq's program (query block, b * H + h): (b, h, its query rows, its batch and head's k / v
+    bases and byte-mask rows, q's two parts)."""
+    qb, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    qrows = qb * LB + tl.arange(0, LB)
+    q1, q2 = _parts(Q + b * sq_b + h * sq_h, qrows, sq_t, D, D1, D2)
+    return b, h, qrows, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, SEL + b * T * TK, q1, q2
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q1, q2, k_b, v_b, sel_b, qrows, IDX, n, s_kt, s_vt, TK, qk_scale,
                D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, LB: tl.constexpr,
                BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """Online softmax of the query rows over the n listed key blocks IDX[0:n] (MASKED: partial blocks, the byte
     mask decides each pair)."""
-    SUBS: tl.constexpr = LB // BN
-    for it in range(n * SUBS):  # one flat loop (not blocks x sub-steps): the pipeliner buffers BN keys a stage
-        keys = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BN + tl.arange(0, BN)
-        s = _mm(q1, tl.trans(_rows(k_b, keys, s_kt, 0, D1, D)), IEEE)
-        if D2 > 0:
-            s = _mm(q2, tl.trans(_rows(k_b, keys, s_kt, D1, D2, D)), IEEE, s)
-        s = s * qk_scale
+    for it in range(n * (LB // BN)):
+        keys = _step_rows(IDX, it, LB, BN)
+        k1, k2 = _parts(k_b, keys, s_kt, D, D1, D2)
+        s = _dot_parts(q1, q2, k1, k2, D2, IEEE) * qk_scale
         if MASKED:
             sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
             s = tl.where(sel != 0, s, float("-inf"))
@@ -101,17 +137,9 @@ def _tile_attn_fwd(Q, K, V, O, LSE, SEL, NUM, IDX, FNUM, FIDX,
                    LB: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
     """o [B, T, H, DV] and lse [B, H, T] (base 2, +inf where a row selects nothing) of one query block and head.
     Program (query block, b * H + h)."""
+    b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T,
+                                                         TK, H, D, D1, D2, LB)
     qb, bh = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
-    qrows = qb * LB + tl.arange(0, LB)
-    q_b = Q + b * sq_b + h * sq_h
-    k_b = K + b * sk_b + h * sk_h
-    v_b = V + b * sv_b + h * sv_h
-    sel_b = SEL + b * T * TK
-    q1 = _rows(q_b, qrows, sq_t, 0, D1, D)
-    q2 = q1
-    if D2 > 0:
-        q2 = _rows(q_b, qrows, sq_t, D1, D2, D)
     m_i = tl.full([LB], float("-inf"), tl.float32)
     l_i = tl.zeros([LB], tl.float32)
     acc = tl.zeros([LB, DV], tl.float32)
@@ -132,16 +160,10 @@ def _dq_tiles(dq1, dq2, q1, q2, do, lse, delta, k_b, v_b, sel_b, qrows, IDX, n, 
               D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, LB: tl.constexpr,
               BN: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """dS K of the query rows over the n listed key blocks IDX[0:n], added to (dq1, dq2) (unscaled)."""
-    SUBS: tl.constexpr = LB // BN
-    for it in range(n * SUBS):  # one flat loop, as in _fwd_tiles
-        keys = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BN + tl.arange(0, BN)
-        k1 = _rows(k_b, keys, s_kt, 0, D1, D)
-        s = _mm(q1, tl.trans(k1), IEEE)
-        k2 = k1
-        if D2 > 0:
-            k2 = _rows(k_b, keys, s_kt, D1, D2, D)
-            s = _mm(q2, tl.trans(k2), IEEE, s)
-        p = tl.exp2(s * qk_scale - lse[:, None])
+    for it in range(n * (LB // BN)):
+        keys = _step_rows(IDX, it, LB, BN)
+        k1, k2 = _parts(k_b, keys, s_kt, D, D1, D2)
+        p = tl.exp2(_dot_parts(q1, q2, k1, k2, D2, IEEE) * qk_scale - lse[:, None])
         if MASKED:
             sel = tl.load(sel_b + qrows[:, None].to(tl.int64) * TK + keys[None, :])
             p = tl.where(sel != 0, p, 0.0)
@@ -161,17 +183,9 @@ def _tile_attn_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEL, NUM, IDX, FNUM, FIDX,
                   LB: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
     """delta = rowsum(o dO) [B, H, T] and dq [B, T, H, D] of one query block and head. Program (query block,
     b * H + h)."""
+    b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T,
+                                                         TK, H, D, D1, D2, LB)
     qb, bh = tl.program_id(0), tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
-    qrows = qb * LB + tl.arange(0, LB)
-    q_b = Q + b * sq_b + h * sq_h
-    k_b = K + b * sk_b + h * sk_h
-    v_b = V + b * sv_b + h * sv_h
-    sel_b = SEL + b * T * TK
-    q1 = _rows(q_b, qrows, sq_t, 0, D1, D)
-    q2 = q1
-    if D2 > 0:
-        q2 = _rows(q_b, qrows, sq_t, D1, D2, D)
     do = _rows(DO + b * sdo_b + h * sdo_h, qrows, sdo_t, 0, DV, DV)
     o = _rows(O + (b * T * H + h) * DV, qrows, H * DV, 0, DV, DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -198,16 +212,10 @@ def _dkv_tiles(dk1, dk2, dv, k1, k2, v, q_b, do_b, lse_b, delta_b, sel_b, keys, 
                qk_scale, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, LB: tl.constexpr,
                BM: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """dv += P^T dO and dk += dS^T Q (unscaled) of the key rows over the n listed query blocks IDX[0:n]."""
-    SUBS: tl.constexpr = LB // BM
-    for it in range(n * SUBS):  # one flat loop, as in _fwd_tiles
-        qrows = tl.load(IDX + it // SUBS) * LB + (it % SUBS) * BM + tl.arange(0, BM)
-        q1 = _rows(q_b, qrows, s_qt, 0, D1, D)
-        st = _mm(k1, tl.trans(q1), IEEE)
-        q2 = q1
-        if D2 > 0:
-            q2 = _rows(q_b, qrows, s_qt, D1, D2, D)
-            st = _mm(k2, tl.trans(q2), IEEE, st)
-        pt = tl.exp2(st * qk_scale - tl.load(lse_b + qrows)[None, :])
+    for it in range(n * (LB // BM)):
+        qrows = _step_rows(IDX, it, LB, BM)
+        q1, q2 = _parts(q_b, qrows, s_qt, D, D1, D2)
+        pt = tl.exp2(_dot_parts(k1, k2, q1, q2, D2, IEEE) * qk_scale - tl.load(lse_b + qrows)[None, :])
         if MASKED:
             sel = tl.load(sel_b + qrows[None, :].to(tl.int64) * TK + keys[:, None])
             pt = tl.where(sel != 0, pt, 0.0)
@@ -232,11 +240,7 @@ def _tile_attn_dkv(Q, K, V, DO, LSE, DELTA, DK, DV_, SEL, NUM, IDX, FNUM, FIDX,
     kt, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     keys = kt * BN + tl.arange(0, BN)
-    k_b = K + b * sk_b + h * sk_h
-    k1 = _rows(k_b, keys, sk_t, 0, D1, D)
-    k2 = k1
-    if D2 > 0:
-        k2 = _rows(k_b, keys, sk_t, D1, D2, D)
+    k1, k2 = _parts(K + b * sk_b + h * sk_h, keys, sk_t, D, D1, D2)
     v = _rows(V + b * sv_b + h * sv_h, keys, sv_t, 0, DV, DV)
     q_b = Q + b * sq_b + h * sq_h
     do_b = DO + b * sdo_b + h * sdo_h
