@@ -206,7 +206,8 @@ def sparse_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
                           scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
     """`sparse_attention` for the MHA layout on dense tiles: q, k [B, T, H, D], v [B, T, H, DV], indices [B, T, K]
     -> o [B, T, H, DV] (0 for a query that selects nothing). Differentiable in q, k, v. On CUDA FlexAttention is
-    compiled (once per shape); elsewhere it runs eagerly (its reference math, forward only)."""
+    compiled (once per shape), or with cfg["KERNEL"] = "triton" triton_tile_attn.py's kernels run the same tiles
+    where they take the head dims; elsewhere FlexAttention runs eagerly (its reference math, forward only)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
     T, Tk = q.shape[1], k.shape[1]
     tiles = selection_tiles(indices, T, Tk, cfg["FULL_BLOCKS"])
