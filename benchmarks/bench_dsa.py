@@ -573,31 +573,37 @@ def _forms_row(idx, T, H, batch, reps, log, variants=True, tile_variants=True):
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph a variant
 
+    where = f"forms T={T} H={H} B={batch}"
+
+    def timed(label, fwd_fn, fb, ref):
+        """{fwd_ms, fwdbwd_ms, bwd_ms, grad_err} of one kernel setting (its dq, dk, dv against ref, None: itself),
+        or None where it does not launch (shared memory, registers: reported, not fatal)."""
+        try:
+            fb()
+            grads = [x.grad.float() for x in qkv]
+            err = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(grads, ref or grads))
+            fwd, tot = timeit(fwd_fn, reps=reps), timeit(fb, reps=reps)
+        except Exception as e:
+            log(f"{where}: {label} failed: {type(e).__name__}: {str(e)[:160]}")
+            return None
+        log(f"{where}: {label}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms (grads vs flex default "
+            f"{err:.2g})")
+        return {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
+
     ref = None
     for name, c in [("default", {})] + (list(FLEX_VARIANTS.items()) if variants else []):
         cfg = {**fa.FLEX_CONFIG, **c}
         mask = fa.selection_block_mask(idx, T, T, cfg["FULL_BLOCKS"]) if "FULL_BLOCKS" in c else bm
-        run = flex_fb(cfg, mask)
-        try:
-            run()
-            grads = [x.grad.float() for x in qkv]
-            err = 0.0 if ref is None else max((a - b).abs().max().item() / b.abs().max().item()
-                                               for a, b in zip(grads, ref))
-            ref = grads if ref is None else ref
-            fwd = timeit(lambda m=mask, cf=cfg: fa.flex_on_mask(*qkv, m, scale, cf), reps=reps)
-            tot = timeit(run, reps=reps)
-        except Exception as e:  # a launch that does not fit (shared memory, registers) is reported, not fatal
-            log(f"forms T={T} H={H} B={batch}: flex {name} failed: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        row[f"flex_{name}"] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
-        log(f"forms T={T} H={H} B={batch}: flex {name}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms "
-            f"(grads vs default {err:.2g})")
-    # the same tiles by triton_tile_attn.py (no head-dim padding), its launch and the variants, checked against
-    # FlexAttention's default
+        res = timed(f"flex {name}", lambda m=mask, cf=cfg: fa.flex_on_mask(*qkv, m, scale, cf), flex_fb(cfg, mask),
+                    ref)
+        if res is not None:
+            row[f"flex_{name}"] = res
+            ref = ref or [x.grad.float() for x in qkv]
+    # the same tiles by triton_tile_attn.py (no head-dim padding), its launch and the variants
     from moeadapt.ops.dsa import triton_tile_attn as tta
 
     tiles = fa.selection_tiles(idx, T, T)
-    flex_ms = row.get("flex_default", {})
+    flex_ms = row.get("flex_default")
     for name, c in [("default", {})] + (list(TILE_VARIANTS.items()) if tile_variants else []):
         launch = {**tta.TILE_LAUNCH, **c}
 
@@ -606,20 +612,12 @@ def _forms_row(idx, T, H, batch, reps, log, variants=True, tile_variants=True):
                 x.grad = None
             tta.tile_attention(*qkv, tiles, scale, launch).backward(do)
 
-        try:
-            tiles_fb()
-            grads = [x.grad.float() for x in qkv]
-            err = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(grads, ref or grads))
-            fwd = timeit(lambda lc=launch: tta.tile_attention(*qkv, tiles, scale, lc), reps=reps)
-            tot = timeit(tiles_fb, reps=reps)
-        except Exception as e:  # a launch that does not fit (shared memory, registers) is reported, not fatal
-            log(f"forms T={T} H={H} B={batch}: tiles {name} failed: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        row[f"tiles_{name}"] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "bwd_ms": tot - fwd, "grad_err": err}
-        vs = (f" | flex default / this: fwd {flex_ms['fwd_ms'] / fwd:.2f}x bwd "
-              f"{flex_ms['bwd_ms'] / (tot - fwd):.2f}x fwd+bwd {flex_ms['fwdbwd_ms'] / tot:.2f}x" if flex_ms else "")
-        log(f"forms T={T} H={H} B={batch}: tiles {name}: fwd {fwd:.2f} bwd {tot - fwd:.2f} fwd+bwd {tot:.2f} ms "
-            f"(grads vs flex {err:.2g}){vs}")
+        res = timed(f"tiles {name}", lambda lc=launch: tta.tile_attention(*qkv, tiles, scale, lc), tiles_fb, ref)
+        if res is not None:
+            row[f"tiles_{name}"] = res
+            if flex_ms:
+                log(f"{where}: tiles {name}: flex default / this: fwd {flex_ms['fwd_ms'] / res['fwd_ms']:.2f}x bwd "
+                    f"{flex_ms['bwd_ms'] / res['bwd_ms']:.2f}x fwd+bwd {flex_ms['fwdbwd_ms'] / res['fwdbwd_ms']:.2f}x")
     return row
 
 

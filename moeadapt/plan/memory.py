@@ -130,7 +130,7 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     from ..lora.inject import _matches
     from ..models.model import build_model
     from ..models.moe import GroupedLinear
-    from ..models.router import Router
+    from ..models.router import router_weight_ids
 
     spec = ModelSpec.model_validate_json(spec_json)
     lora = LoRASpec.model_validate_json(lora_json) if lora_json else None
@@ -141,7 +141,7 @@ def _count(spec_json: str, lora_json: str | None) -> ParamCounts:
     root = 0
     seen = set()
     tensors = []
-    whole = {id(mod.weight) for mod in m.modules() if isinstance(mod, Router)}
+    whole = router_weight_ids(m)
     for name, p in m.named_parameters():
         if id(p) in seen:
             continue

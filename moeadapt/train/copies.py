@@ -225,10 +225,10 @@ def store_bf16(model: nn.Module, lows: dict | None = None) -> int:
     plain fp32 weights, as DeepSeek-V3 keeps its gating): their logits are fp32 (`router_matmul` bf16x2 reads 16 of
     the weight's mantissa bits) and pick the experts, and they are a few thousandths of the parameters. Returns the
     number of paired experts."""
-    from ..models.router import Router
+    from ..models.router import router_weight_ids
     from ..ops.optim import split_fp32
 
-    keep = {id(m.weight) for m in model.modules() if isinstance(m, Router)}
+    keep = router_weight_ids(model)
     for p in model.parameters():
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16 and id(p) not in keep:
             if lows is not None and p.dtype == torch.float32 and p.device.type != "meta":

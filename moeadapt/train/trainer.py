@@ -409,9 +409,9 @@ def settle(lp: Loop) -> StepStats | None:
 
 
 def _evaluate(lp: Loop, done: int) -> float:
-    """The eval loss after `done` steps. A captured step graph keeps its memory pool between replays, so an eval runs beside it; if
-    the eval does not fit there (CUDA out of memory), the graph is released (its pool freed) and the eval run
-    again, and the steps after it run eagerly: said once, and in summary.json."""
+    """The eval loss after `done` steps. A captured step graph keeps its memory pool between replays, so an eval
+    runs beside it; if the eval does not fit there (CUDA out of memory), the graph is released (its pool freed) and
+    the eval run again, and the steps after it run eagerly: said once, and in summary.json."""
     try:
         return evaluate(lp.model, lp.eval_ds, lp.cfg, lp.run.device, run=lp.run)
     except torch.cuda.OutOfMemoryError:

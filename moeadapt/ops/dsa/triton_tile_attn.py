@@ -97,13 +97,13 @@ def _step_rows(IDX, it, LB: tl.constexpr, STEP: tl.constexpr):
 @triton.jit
 def _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T, TK, H: tl.constexpr, D: tl.constexpr,
                  D1: tl.constexpr, D2: tl.constexpr, LB: tl.constexpr):
-    """The forward's and dq's program (query block, b * H + h): (b, h, its query rows, its batch and head's k / v
-    bases and byte-mask rows, q's two parts)."""
+    """The forward's and dq's program (query block, b * H + h): (those two ids, b, h, its query rows, its batch and
+    head's k / v bases and byte-mask rows, q's two parts)."""
     qb, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     qrows = qb * LB + tl.arange(0, LB)
     q1, q2 = _parts(Q + b * sq_b + h * sq_h, qrows, sq_t, D, D1, D2)
-    return b, h, qrows, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, SEL + b * T * TK, q1, q2
+    return qb, bh, b, h, qrows, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, SEL + b * T * TK, q1, q2
 
 
 @triton.jit
@@ -137,9 +137,8 @@ def _tile_attn_fwd(Q, K, V, O, LSE, SEL, NUM, IDX, FNUM, FIDX,
                    LB: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
     """o [B, T, H, DV] and lse [B, H, T] (base 2, +inf where a row selects nothing) of one query block and head.
     Program (query block, b * H + h)."""
-    b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T,
-                                                         TK, H, D, D1, D2, LB)
-    qb, bh = tl.program_id(0), tl.program_id(1)
+    qb, bh, b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b,
+                                                                 sv_h, T, TK, H, D, D1, D2, LB)
     m_i = tl.full([LB], float("-inf"), tl.float32)
     l_i = tl.zeros([LB], tl.float32)
     acc = tl.zeros([LB, DV], tl.float32)
@@ -183,9 +182,8 @@ def _tile_attn_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEL, NUM, IDX, FNUM, FIDX,
                   LB: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr, IEEE: tl.constexpr):
     """delta = rowsum(o dO) [B, H, T] and dq [B, T, H, D] of one query block and head. Program (query block,
     b * H + h)."""
-    b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b, sv_h, T,
-                                                         TK, H, D, D1, D2, LB)
-    qb, bh = tl.program_id(0), tl.program_id(1)
+    qb, bh, b, h, qrows, k_b, v_b, sel_b, q1, q2 = _query_block(Q, K, V, SEL, sq_b, sq_t, sq_h, sk_b, sk_h, sv_b,
+                                                                 sv_h, T, TK, H, D, D1, D2, LB)
     do = _rows(DO + b * sdo_b + h * sdo_h, qrows, sdo_t, 0, DV, DV)
     o = _rows(O + (b * T * H + h) * DV, qrows, H * DV, 0, DV, DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
