@@ -473,7 +473,8 @@ FLEX_VARIANTS = {
 # Launches of ops/dsa/triton_tile_attn.py (the same tiles without FlexAttention) timed beside its TILE_LAUNCH:
 # overrides of it
 TILE_VARIANTS = {  # (4-warp launches spill at these head dims when compiled for sm_90: left out)
-    "fwd_bn128": {"FWD_BN": 128}, "dq_bn32": {"DQ_BN": 32}, "dkv_bn128": {"DKV_BN": 128}, "dkv_bm32": {"DKV_BM": 32},
+    "fwd_bn128": {"FWD_BN": 128}, "fwd_s2": {"FWD_STAGES": 2}, "dq_bn32": {"DQ_BN": 32}, "dq_s3": {"DQ_STAGES": 3},
+    "dkv_bn64": {"DKV_BN": 64}, "dkv_bm32": {"DKV_BM": 32},
     "stages1": {"FWD_STAGES": 1, "DQ_STAGES": 1, "DKV_STAGES": 1}, "stages3": {"FWD_STAGES": 3, "DQ_STAGES": 3,
                                                                               "DKV_STAGES": 3},
 }
@@ -541,8 +542,7 @@ def _forms_row(idx, T, H, batch, reps, log, variants=True, tile_variants=True):
     probe = torch.empty(batch, T, H, 1, device=dev)
     row = {"T": T, "H": H, "batch": batch, "mha_dense_tiles": fa.dense_tiles_apply(probe, probe, idx)}
     got = {}
-    variants = [("absorbed", absorbed), ("mha", mha)]
-    for name, f in variants:
+    for name, f in [("absorbed", absorbed), ("mha", mha)]:
         o = fb(f)()
         got[name] = [o.float()] + [x.grad.float() for x in leaves]
         row[f"{name}_fwd_ms"] = timeit(f, reps=reps)

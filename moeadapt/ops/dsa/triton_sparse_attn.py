@@ -264,7 +264,7 @@ def _mark_selected_kernel(IDX, SEL, LO, HI, si_t, ssel_t, TOPK, TK, BLOCK_I: tl.
     hi = TOPK * 0 - 1
     for i0 in range(0, TOPK, BLOCK_I):
         offs = i0 + tl.arange(0, BLOCK_I)
-        ix = tl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1)
+        ix = tl.load(IDX + row * si_t + offs, mask=offs < TOPK, other=-1).to(tl.int32)  # int32 or int64 indices
         ok = (ix >= 0) & (ix < TK)
         tl.store(SEL + row * ssel_t + tl.where(ok, ix, 0), tl.full([BLOCK_I], 1, tl.uint8), mask=ok)
         hi = tl.maximum(hi, tl.max(tl.where(ok, ix, -1)))
