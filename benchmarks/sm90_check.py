@@ -7,7 +7,9 @@ shared memory, registers and spills per launch: catches `OutOfResources` before 
 How: a child process runs the op once under the interpreter (CPU) and records each `kernel[grid](...)`
 launch (module, kernel, argument dtypes, constexprs, num_warps/num_stages); this process (not interpreted,
 so the kernels are real JITFunctions) compiles each distinct launch ahead of time with
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`. ptxas ships with triton.
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`. ptxas ships with triton. Like the JIT, an
+integer argument divisible by 16 and a tensor whose address is 16-byte aligned compile with tt.divisibility = 16
+(vector widths, and whether a loop's loads can be pipelined, depend on it), so the recorded shapes matter.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ LAUNCHES: dict = {}
 
 
 def _sig(names, params, args, kwargs):
+    """(signature, constexprs, the names that the JIT would specialise as divisible by 16)."""
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
-    sig, const = {}, {}
+    sig, const, div16 = {}, {}, []
     for i, n in enumerate(names):
         v = bound.get(n)
         if params[i]:
@@ -53,10 +56,14 @@ def _sig(names, params, args, kwargs):
             const[n] = v
         elif isinstance(v, torch.Tensor):
             sig[n] = "*" + _DT[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                div16.append(n)
         elif isinstance(v, bool):
             sig[n] = "i1"
         elif isinstance(v, int):
             sig[n] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                div16.append(n)
         elif isinstance(v, float):
             sig[n] = "fp32"
         elif v is None:
@@ -64,7 +71,7 @@ def _sig(names, params, args, kwargs):
             const[n] = None
         else:
             raise TypeError(f"{n}: {type(v)}")
-    return sig, const
+    return sig, const, div16
 
 
 class _Recorder:
@@ -82,8 +89,8 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-            sig, const = _sig(self.names, self.params, args, kwargs)
-            rec = dict(module=self.module, name=self.name, sig=sig, const=const, opts=opts)
+            sig, const, div16 = _sig(self.names, self.params, args, kwargs)
+            rec = dict(module=self.module, name=self.name, sig=sig, const=const, opts=opts, div16=div16)
             LAUNCHES.setdefault(json.dumps(rec, sort_keys=True), rec)
             return self.interp[grid](*args, **{k: v for k, v in kwargs.items()})
 
@@ -125,6 +132,12 @@ def res_usage(compiled) -> str:
     return f"{usage} shared {smem} B{'  OVER 227 KB' if smem > SMEM_LIMIT else ''}"
 
 
+def _pipelined(compiled) -> str:
+    """'  async copies n' where the TTGIR has loads software-pipelined into shared memory (cp.async), else ''."""
+    n = compiled.asm["ttgir"].count("async_copy_global_to_local")
+    return f"  async copies {n}" if n else ""
+
+
 def compile_all(recs, cap=90):
     import importlib
 
@@ -135,10 +148,11 @@ def compile_all(recs, cap=90):
         jit = getattr(importlib.import_module(r["module"]), name)
         assert isinstance(jit, JITFunction), f"{name} is not a JITFunction (TRITON_INTERPRET set?)"
         const = {(jit.arg_names.index(k),): v for k, v in r["const"].items()}
-        src = ASTSource(fn=jit, signature=r["sig"], constexprs=const)
+        attrs = {(jit.arg_names.index(n),): [["tt.divisibility", 16]] for n in r.get("div16", [])}
+        src = ASTSource(fn=jit, signature=r["sig"], constexprs=const, attrs=attrs)
         try:
             k = triton.compile(src, target=target, options=dict(o))
-            print(f"{name:24s} {str(o):40s} {res_usage(k)}")
+            print(f"{name:24s} {str(o):40s} {res_usage(k)}{_pipelined(k)}")
             bad += k.metadata.shared > SMEM_LIMIT
         except Exception as e:  # noqa: BLE001
             bad += 1

@@ -422,3 +422,165 @@ def test_kda_layer_with_the_norm_in_its_convs(seed, docs):
     assert _rel(y, yr) < 1e-4 and _rel(x.grad, xr.grad) < 1e-4
     for (n, p), pr in zip(layer.named_parameters(), ref.parameters()):
         assert _rel(p.grad, pr.grad) < 1e-4, n
+
+
+# ------------------------------------------------------------------ the sliding-window kernels (impl="window")
+
+
+def _window_reference(x64, w64, dy64, pos, nd):
+    """(y, dx, dw) of the float64 reference: conv + SiLU (+ the per-head L2 norm), positions as given."""
+    xr, wr = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+    y = causal_conv_silu_reference(xr, wr, None if pos is None else pos.long().cpu(), norm_dim=nd)
+    y.backward(dy64)
+    return y.detach(), xr.grad, wr.grad
+
+
+def _run_window(x, w, dy, pos, nd, seg_len, block_c):
+    """(y, dx, dw, dx of the dx-only form) by the window kernels at an explicit launch."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_window_bwd, conv_silu_window_fwd
+
+    y = conv_silu_window_fwd(x, w, pos, nd, seg_len, block_c)
+    dx, dw = conv_silu_window_bwd(x, w, dy, pos, nd, True, seg_len, block_c)
+    dx_only = conv_silu_window_bwd(x, w, dy, pos, nd, False, seg_len, block_c)
+    return y, dx, dw, dx_only
+
+
+# (B, T, C, KW, segment, channel block, norm_dim, documents): segments of 9 (KW 4: 3 steps an iteration), 8 (KW 3)
+# and 5 (KW 2); T not a multiple of the segment, the last segment partly past T, and one segment whose backward halo
+# straddles T (T = 37, segment [27, 36): halo rows 36 in, 37 and 38 out; T = 33, [24, 32): 32 in, 33 out); C not a
+# multiple of the channel block; the norm with one head (block 16) and two heads (block 32) a program.
+WINDOW_CASES = [(2, 37, 48, 4, 9, 32, 0, None), (2, 37, 48, 4, 9, 32, 0, "edges"), (2, 37, 64, 4, 9, 32, 16, "edges"),
+                (1, 37, 48, 4, 9, 16, 16, None), (2, 33, 40, 3, 8, 32, 0, "edges"), (2, 33, 32, 3, 8, 16, 16, "edges"),
+                (1, 26, 24, 2, 5, 16, 0, "edges")]
+
+
+def _edge_positions(B: int, T: int, L: int, g: torch.Generator) -> torch.Tensor:
+    """positions [B, T]: row 0 with documents starting at t = 0, exactly at segment edges (L, 2L, 3L), one step
+    before and after one (2L - 1, L + 1: one-token documents among them), row 1 random documents."""
+    starts = sorted({s for s in (0, L, L + 1, 2 * L - 1, 2 * L, 3 * L) if s < T})
+    rows = [_starts_positions(T, starts)] + [_doc_positions(1, T, g)[0] for _ in range(B - 1)]
+    return torch.stack(rows)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,C,KW,L,BC,nd,docs", WINDOW_CASES)
+def test_window_matches_reference(seed, dtype, B, T, C, KW, L, BC, nd, docs):
+    """The window forward, full backward (dx, dw) and dx-only backward against the float64 reference: fp32 within
+    rel 1e-5, bf16 inputs (and bf16 y, dx) within 1e-2, the fp32 weight's gradient within 1e-5 / 1e-2."""
+    g = torch.Generator().manual_seed(seed)
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    pos = _edge_positions(B, T, L, g).to(DEV, torch.int32).contiguous() if docs else None
+    x, dy = x64.to(DEV, dtype), dy64.to(DEV, dtype)
+    w = w64.float().to(DEV)
+    y, dx, dw, dx_only = _run_window(x, w, dy, pos, nd, L, BC)
+    # the reference on the inputs as the kernels saw them (bf16-rounded)
+    yr, dxr, dwr = _window_reference(x.double().cpu(), w64.float().double(), dy.double().cpu(), pos, nd)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert y.dtype == dx.dtype == dx_only.dtype == dtype and dw.dtype == torch.float32 and dw.shape == (C, 1, KW)
+    assert _rel(y, yr) < tol and _rel(dx, dxr) < tol and _rel(dx_only, dxr) < tol
+    assert _rel(dw, dwr) < tol
+    if dtype == torch.float32:  # the dx-only form is the same arithmetic without the weight gradient
+        torch.testing.assert_close(dx_only, dx, rtol=0, atol=0)
+    if docs:  # the documents changed the result
+        assert _rel(dx, _window_reference(x.double().cpu(), w64.float().double(), dy.double().cpu(), None, nd)[1]) > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("KW,docs", [(4, False), (4, True), (5, True)])
+def test_window_through_the_launchers(seed, KW, docs, B=2, T=100, C=40):
+    """impl="window" on conv_silu_fwd_launch / conv_silu_bwd_launch / conv_silu_dx_launch at the default window
+    launch (WIN_*: one 256-channel block over 40 channels, segments of 48 steps, T = 100 three of them) gives the
+    reference's results; KW = 5 takes the tile / two-pass kernels. An unknown impl raises."""
+    from moeadapt.ops.kda import triton_conv as tc
+
+    g = torch.Generator().manual_seed(seed)
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    pos = _doc_positions(B, T, g).to(DEV, torch.int32).contiguous() if docs else None
+    x, w, dy = x64.float().to(DEV), w64.float().to(DEV), dy64.float().to(DEV)
+    yr, dxr, dwr = _window_reference(x64, w64, dy64, pos, 0)
+    y = tc.conv_silu_fwd_launch(x, w, pos, impl="window")
+    dx, dw = tc.conv_silu_bwd_launch(x, w, dy, pos, impl="window")
+    dx_only = tc.conv_silu_dx_launch(x, w, dy, pos, "window")
+    assert _rel(y, yr) < 1e-5 and _rel(dx, dxr) < 1e-5 and _rel(dw, dwr) < 1e-5 and _rel(dx_only, dxr) < 1e-5
+    for bad in (lambda: tc.conv_silu_fwd_launch(x, w, impl="windows"),
+                lambda: tc.conv_silu_bwd_launch(x, w, dy, impl="fused")):
+        with pytest.raises(ValueError, match="impl must be"):
+            bad()
+
+
+def test_window_defaults_unchanged():
+    """The measured forms stay the defaults until the window kernels are timed on a GPU."""
+    from moeadapt.ops.kda import triton_conv as tc
+
+    assert (tc.FWD_IMPL, tc.BWD_IMPL, tc.DX_ONLY_IMPL) == ("tile", "two_pass", "two_pass")
+    assert tc.WIN_FWD_SEG_LEN % 6 == 0 and tc.WIN_BWD_SEG_LEN % 6 == 0  # whole loop iterations for KW 2, 3, 4
+
+
+def _segment_truncated_dx(x64, w64, dy64, L):
+    """(dx of the reference, and dx with every dpre row past the end of x[t]'s own segment of L steps left out):
+    what a window backward without its halo would give. dx[t] = sum_s w[KW-1-s] dpre[t+s], dpre from autograd."""
+    B, T, C = x64.shape
+    KW = w64.shape[-1]
+    xr = x64.clone().requires_grad_()
+    pre = torch.nn.functional.conv1d(xr.transpose(1, 2), w64, padding=KW - 1, groups=C)[..., :T].transpose(1, 2)
+    pre.retain_grad()
+    torch.nn.functional.silu(pre).backward(dy64)
+    dpre = pre.grad
+    full, trunc = torch.zeros_like(x64), torch.zeros_like(x64)
+    t = torch.arange(T)
+    for s in range(KW):
+        shifted = torch.zeros_like(dpre)
+        shifted[:, :T - s] = dpre[:, s:]
+        term = shifted * w64[:, 0, KW - 1 - s]
+        full += term
+        trunc += term * ((t + s) < (t // L + 1) * L).to(term.dtype)[None, :, None]
+    return xr.grad, full, trunc
+
+
+@needs_triton
+def test_window_check_catches_broken_inputs(seed, B=2, T=37, C=24, KW=4, L=9):
+    """The comparisons above tell a correct window kernel from a broken one: (1) dx without the backward's halo
+    (dpre past the segment's end dropped) and y without the forward's (each segment started afresh, as documents
+    of L steps would) are far outside the 1e-5 tolerance that the kernels meet; (2) positions with one document
+    boundary at a segment edge moved by one step make y and dx miss the reference by far more than it."""
+    x64, dy64 = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    x, w, dy = x64.float().to(DEV), w64.float().to(DEV), dy64.float().to(DEV)
+    ref_dx, full, trunc = _segment_truncated_dx(x64, w64, dy64, L)
+    assert _rel(full, ref_dx) < 1e-12  # the explicit transposed conv is the reference's dx
+    y, dx, dw, dx_only = _run_window(x, w, dy, None, 0, L, 32)
+    assert _rel(dx, ref_dx) < 1e-5 and _rel(dx_only, ref_dx) < 1e-5
+    assert _rel(dx, trunc) > 1e-2 and _rel(dx_only, trunc) > 1e-2
+    per_segment = (torch.arange(T) % L).expand(B, T)
+    assert _rel(y, causal_conv_silu_reference(x64, w64)) < 1e-5
+    assert _rel(y, causal_conv_silu_reference(x64, w64, per_segment)) > 1e-2
+    # documents: the boundary at 2L is given at 2L + 1 instead
+    good = _starts_positions(T, [0, L, 2 * L]).expand(B, T)
+    wrong = _starts_positions(T, [0, L, 2 * L + 1]).expand(B, T).to(DEV, torch.int32).contiguous()
+    yr, dxr, dwr = _window_reference(x64, w64, dy64, good, 0)
+    y, dx, dw, _ = _run_window(x, w, dy, good.to(DEV, torch.int32).contiguous(), 0, L, 32)
+    assert _rel(y, yr) < 1e-5 and _rel(dx, dxr) < 1e-5 and _rel(dw, dwr) < 1e-5
+    y, dx, dw, _ = _run_window(x, w, dy, wrong, 0, L, 32)
+    assert _rel(y, yr) > 1e-2 and _rel(dx, dxr) > 1e-2 and _rel(dw, dwr) > 1e-3
+
+
+@needs_triton
+def test_window_strided_input_and_expanded_cotangent(seed, B=2, T=29, C=40, KW=4):
+    """The window kernels on x a channel slice of a wider projection (row stride 3 C) and dy broadcast over batch
+    and time (strides 0): the reference's y, dx and dw."""
+    from moeadapt.ops.kda.triton_conv import conv_silu_window_bwd, conv_silu_window_fwd
+
+    base = torch.randn(B, T, 3 * C, dtype=torch.float64)
+    w64 = torch.randn(C, 1, KW, dtype=torch.float64) * 0.5
+    small = torch.randn(1, 1, C, dtype=torch.float64)
+    yr, dxr, dwr = _window_reference(base[..., C:2 * C].contiguous(), w64, small.expand(B, T, C), None, 0)
+    x = base.float().to(DEV)[..., C:2 * C]
+    dy = small.float().to(DEV).expand(B, T, C)
+    assert x.stride(1) == 3 * C and dy.stride(1) == 0
+    w = w64.float().to(DEV)
+    dx, dw = conv_silu_window_bwd(x, w, dy, None, 0, True, 6, 32)
+    assert _rel(conv_silu_window_fwd(x, w, None, 0, 6, 32), yr) < 1e-5
+    assert _rel(dx, dxr) < 1e-5 and _rel(dw, dwr) < 1e-5
