@@ -7,8 +7,9 @@ rope-dim channels, not interleaved) selects min(index_topk, t+1) past keys per q
 whole blocks of keys by their pooled keys, plus the query's own incomplete block: ops.dsa.kpool_indexer);
 attention runs over those keys only, in one of MLA's two forms (same result): absorbed, MQA on the kv latent (D =
 kv_lora_rank + rope, DV = kv_lora_rank; the gathering kernels), or MHA, per-head keys and values from wkv_b over
-FlexAttention's dense tiles of the selection (fewer FLOPs where the selection is dense, i.e. short contexts:
-`form`, ops/dsa/flex_attn.py); then o <- o * sigmoid(x W_gate) per head and the output projection.
+dense tiles of the selection (fewer FLOPs where the selection is dense, i.e. short contexts: `form`,
+ops/dsa/flex_attn.py; on CUDA the tiles run in ops/dsa/triton_tile_attn.py); then o <- o * sigmoid(x W_gate) per
+head and the output projection.
 The indexer sees detached inputs and is trained only by the KL loss (index_loss_coef).
 Under context parallelism (`cp` set by parallel/) only the key side is gathered (ops/dsa/cp.py).
 Packed documents (`docs`, models/documents.py): RoPE restarts per document (the model's cos / sin) and a query

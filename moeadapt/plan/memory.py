@@ -715,7 +715,7 @@ def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend
     from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
 
     mb, seq = plan.micro_batch, plan.seq_len
-    if _dsa_mha_form(spec, seq, plan.cp, plan.recompute == "selective"):  # FlexAttention: no P / dS buffer
+    if _dsa_mha_form(spec, seq, plan.cp, plan.recompute == "selective"):  # dense tiles (flex_attn.py): no P / dS buffer
         return [0.0] * spec.n_layers
     ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
     return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]

@@ -184,7 +184,7 @@ def sparse_attention(
         q: [B, T, HQ, D]; k: [B, Tk, HK, D]; v: [B, Tk, HK, DV]; HQ a multiple of HK; Tk = T
             except for queries of a longer key sequence (context parallelism: indices index k's Tk rows)
             (MLA runs it in MQA form: HK = 1, D = kv_lora_rank + rope, DV = kv_lora_rank; or in MHA form,
-            HK = HQ, which on CUDA with a dense selection runs FlexAttention's dense tiles: flex_attn.py).
+            HK = HQ, which on CUDA with a dense selection runs on dense tiles: flex_attn.py).
         indices: [B, T, K] shared by all KV heads, or [B, T, HK, K]; -1 = unused.
             All query heads of a KV group attend to that group's selected keys.
         scale: softmax scale, default D^-0.5.
@@ -201,7 +201,7 @@ def sparse_attention(
     if _backend(backend, q) == "triton":
         from .flex_attn import dense_tiles_apply, sparse_attention_flex
 
-        if dense_tiles_apply(q, k, indices):  # MHA layout, dense selection: FlexAttention's dense tiles
+        if dense_tiles_apply(q, k, indices):  # MHA layout, dense selection: dense tiles
             return sparse_attention_flex(q, k, v, indices, scale)
         from .triton_sparse_attn import sparse_attention_triton
 

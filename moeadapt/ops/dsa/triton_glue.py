@@ -378,7 +378,7 @@ def _gate_bwd_kernel(o, g, dy, do, dg, T, H, s_ob, s_ot, s_oh, s_gb, s_gt, s_gh,
 
 
 def _grad_like(o: torch.Tensor) -> torch.Tensor:
-    """An empty tensor for o's gradient in o's strides where o is dense with a unit last stride (FlexAttention's
+    """An empty tensor for o's gradient in o's strides where o is dense with a unit last stride (the attention's
     backward then reads it in its output's layout), else contiguous (empty_like's preserve_format)."""
     return torch.empty_like(o) if o.stride(-1) == 1 else torch.empty(o.shape, device=o.device, dtype=o.dtype)
 
@@ -430,7 +430,7 @@ def _(o: torch.Tensor, gate_logits: torch.Tensor, dy: torch.Tensor) -> tuple[tor
 
 
 def _gate_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)  # o is FlexAttention's output, which its own backward keeps anyway
+    ctx.save_for_backward(*inputs)  # o is the attention's output, which its own backward keeps anyway
 
 
 def _gate_backward(ctx, dy):
@@ -445,7 +445,7 @@ gate_heads_fwd_fast = eager_or_op(gate_heads_fwd, _gate_heads_fwd_impl, _gate_se
 
 def gate_heads_triton(o: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
     """models/dsa_attn.py `gate_heads` by the Triton kernels: o [B, T, H, V] (any strides, e.g. a transposed view
-    of FlexAttention's [B, H, T, V]) * sigmoid(gate_logits [B, T, H]) per head, as contiguous [B, T, H V] in o's
+    of FlexAttention's [B, H, T, V] output) * sigmoid(gate_logits [B, T, H]) per head, as contiguous [B, T, H V] in o's
     dtype; differentiable in both."""
     if o.dim() != 4 or tuple(gate_logits.shape) != tuple(o.shape[:3]):
         raise ValueError(f"gate_heads: o [B, T, H, V] and gate_logits [B, T, H] disagree: {tuple(o.shape)}, "
