@@ -376,6 +376,20 @@ def _win_doc(v, pos, j: tl.constexpr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
+def _win_taps(v0, v1, v2, v3, p1, p2, p3, w0, w1, w2, w3, KW: tl.constexpr, HAS_POS: tl.constexpr):
+    """sum_j w_j v_j over the KW taps, tap j > 0 counted only where j <= p_j (HAS_POS): the forward's pre from
+    x[t-j] (every p_j = positions[t]) and the backward's dx from dpre[t+j] (p_j = positions[t+j])."""
+    acc = v0 * w0
+    if KW > 1:
+        acc += _win_doc(v1, p1, 1, HAS_POS) * w1
+    if KW > 2:
+        acc += _win_doc(v2, p2, 2, HAS_POS) * w2
+    if KW > 3:
+        acc += _win_doc(v3, p3, 3, HAS_POS) * w3
+    return acc
+
+
+@triton.jit
 def _win_weight(w_ptr, c, cm, j: tl.constexpr, KW: tl.constexpr):
     """Tap j's weight w[c, KW-1-j] (it multiplies x[t-j] in output t) over the program's [NH, ND] channels, fp32;
     zero for j >= KW."""
@@ -431,13 +445,7 @@ def _conv_silu_fwd_window_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s
             t = t0 + i * U + k
             x0 = _win_row(xb, t, T, s_xt, c, cm)
             pos = _win_pos(p_ptr, b, t, T, zero, HAS_POS)
-            pre = x0 * w0
-            if KW > 1:
-                pre += _win_doc(x1, pos, 1, HAS_POS) * w1
-            if KW > 2:
-                pre += _win_doc(x2, pos, 2, HAS_POS) * w2
-            if KW > 3:
-                pre += _win_doc(x3, pos, 3, HAS_POS) * w3
+            pre = _win_taps(x0, x1, x2, x3, pos, pos, pos, w0, w1, w2, w3, KW, HAS_POS)
             y = pre * tl.sigmoid(pre)
             if NORM:
                 y = y * _win_head_scale(y, eps)
@@ -542,13 +550,7 @@ def _conv_silu_bwd_window_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, p_ptr, T
                 yn = y * r
                 dyv = r * (dyv - yn * tl.sum(dyv * yn, axis=1)[:, None])
             dpre = dyv * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
-            dx = dpre * w0
-            if KW > 1:
-                dx += _win_doc(d1, q1, 1, HAS_POS) * w1
-            if KW > 2:
-                dx += _win_doc(d2, q2, 2, HAS_POS) * w2
-            if KW > 3:
-                dx += _win_doc(d3, q3, 3, HAS_POS) * w3
+            dx = _win_taps(dpre, d1, d2, d3, q1, q2, q3, w0, w1, w2, w3, KW, HAS_POS)  # output t+j's tap j
             tl.store(dxb + t.to(tl.int64) * s_dxt + c, dx.to(dx_ptr.dtype.element_ty),
                      mask=_win_mask(cm, (t < T) & live))
             if NEED_DW:
