@@ -64,10 +64,11 @@ def _dense_enough(T: int, topk: int, cfg: dict) -> bool:
 
 
 def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, cfg: dict | None = None) -> bool:
-    """Whether an MHA-layout call (HK = HQ) takes FlexAttention's dense tiles: CUDA, one selection per token,
-    T = Tk a multiple of BLOCK, and a selection dense enough (top-k of T vs every causal pair); not under a
-    TorchDispatchMode (selective activation checkpointing's: it must see each op, which the compiled kernel
-    hides, and FlexAttention's eager path materialises every score)."""
+    """Whether an MHA-layout call (HK = HQ) takes the dense tiles: CUDA, one selection per token, T = Tk a
+    multiple of BLOCK, and a selection dense enough (top-k of T vs every causal pair); not under a
+    TorchDispatchMode (selective activation checkpointing's: it must see the attention as one op, which neither
+    the compiled FlexAttention nor the tile kernels' autograd Function is, and FlexAttention's eager path would
+    materialise every score)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
     B, T, HQ, _ = q.shape
     if not (q.is_cuda and _get_current_dispatch_mode() is None and k.shape[2] == HQ and indices.dim() == 3
