@@ -293,13 +293,13 @@ class Router(nn.Module):
         return ids_TK, w_TK
 
 
-@torch.no_grad()
 def router_weight_ids(model: nn.Module) -> set[int]:
     """id() of every Router's weight: the weights bf16 training keeps fp32 (train/copies.py `store_bf16`; the
     planner counts them so, plan/memory.py)."""
     return {id(m.weight) for m in model.modules() if isinstance(m, Router)}
 
 
+@torch.no_grad()
 def update_expert_bias(model: nn.Module, counts_reduce=None, apply: torch.Tensor | None = None) -> None:
     """Aux-loss-free balancing, after each optimizer step: bias += rate * sign(mean - count), re-centred; the
     counts are then zeroed. `apply` (a device bool) keeps every bias as it was where False: the step the counts
