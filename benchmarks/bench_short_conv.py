@@ -77,19 +77,14 @@ def _variants(x, w, dy, pos, launches: list[str]) -> list[tuple[str, str, Callab
     out.append(("dx two_pass, fp32 dpre", "dx", lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass")))
     out.append(("dx two_pass, bf16 dpre", "dx",
                 lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass", dpre_dtype=bf16)))
-    fwd_win = [(tc.WIN_FWD_SEG_LEN, tc.WIN_FWD_BLOCK_C, tc.WIN_FWD_NUM_WARPS, tc.WIN_FWD_NUM_STAGES)]
-    bwd_win = [(tc.WIN_BWD_SEG_LEN, tc.WIN_BWD_BLOCK_C, tc.WIN_BWD_NUM_WARPS, tc.WIN_BWD_NUM_STAGES)]
-    fwd_win += [lc for lc in WINDOW_LAUNCHES if lc not in fwd_win]
-    bwd_win += [lc for lc in WINDOW_LAUNCHES if lc not in bwd_win]
-    for L, bc, nw, ns in fwd_win:
-        out.append((f"fwd window {L},{bc}/{nw}/{ns}", "fwd",
-                    lambda L=L, bc=bc, nw=nw, ns=ns: tc.conv_silu_window_fwd(x, w, pos, 0, L, bc, nw, ns)))
-    for L, bc, nw, ns in bwd_win:
-        out.append((f"bwd window {L},{bc}/{nw}/{ns}", "full",
-                    lambda L=L, bc=bc, nw=nw, ns=ns: tc.conv_silu_window_bwd(x, w, dy, pos, 0, True, L, bc, nw, ns)))
-    for L, bc, nw, ns in bwd_win:
-        out.append((f"dx window {L},{bc}/{nw}/{ns}", "dx",
-                    lambda L=L, bc=bc, nw=nw, ns=ns: tc.conv_silu_window_bwd(x, w, dy, pos, 0, False, L, bc, nw, ns)))
+    fwd_default = (tc.WIN_FWD_SEG_LEN, tc.WIN_FWD_BLOCK_C, tc.WIN_FWD_NUM_WARPS, tc.WIN_FWD_NUM_STAGES)
+    bwd_default = (tc.WIN_BWD_SEG_LEN, tc.WIN_BWD_BLOCK_C, tc.WIN_BWD_NUM_WARPS, tc.WIN_BWD_NUM_STAGES)
+    windows = (("fwd", "fwd", fwd_default, lambda lc: tc.conv_silu_window_fwd(x, w, pos, 0, *lc)),
+               ("bwd", "full", bwd_default, lambda lc: tc.conv_silu_window_bwd(x, w, dy, pos, 0, True, *lc)),
+               ("dx", "dx", bwd_default, lambda lc: tc.conv_silu_window_bwd(x, w, dy, pos, 0, False, *lc)))
+    for label, kind, default, run in windows:
+        for lc in [default] + [lc for lc in WINDOW_LAUNCHES if lc != default]:
+            out.append((f"{label} window {lc[0]},{lc[1]}/{lc[2]}/{lc[3]}", kind, lambda run=run, lc=lc: run(lc)))
     for spec in launches:
         launch = tuple(int(v) for v in spec.split(","))
         out.append((f"bwd launch {spec}", "full", lambda launch=launch: tc.conv_silu_bwd_launch(x, w, dy, pos, *launch)))
