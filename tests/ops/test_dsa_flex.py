@@ -127,7 +127,10 @@ def test_dense_tiles_apply_only_where_they_pay():
     assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=True, cfg={**on, "MHA_FORM": False})
     assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=False, cfg=on)
     assert not fa.mha_form_pays(4096 + 64, 2048, *mla, is_cuda=True, cfg=on)
-    assert not fa.mha_form_pays(8192, 2048, *mla, is_cuda=True, cfg=on)  # 0.67 of the absorbed FLOPs: over 0.5
+    assert fa.mha_form_pays(8192, 2048, *mla, is_cuda=True, cfg=on)  # 0.67 of the absorbed FLOPs
+    assert fa.mha_form_pays(12288, 2048, *mla, is_cuda=True, cfg=on)  # 0.96
+    assert not fa.mha_form_pays(16384, 2048, *mla, is_cuda=True, cfg=on)  # 1.25: over MHA_FORM_COST
+    assert not fa.mha_form_pays(8192, 2048, *mla, is_cuda=True, cfg={**on, "MHA_FORM_COST": 0.5})
     assert not fa.mha_form_pays(65536, 2048, *mla, is_cuda=True, cfg=on)  # top-2048 of 64k: 6% of causal pairs
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -32,9 +32,13 @@ from . import triton_tile_attn
 
 BLOCK = 128  # FlexAttention's query and key block
 # MIN_DENSITY: selected pairs / causal pairs (from T and top-k) at or above which an MHA-layout call takes the
-# dense tiles; MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"), which it does where
-# its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most MHA_FORM_COST times the
-# absorbed form's on the selected pairs (T = 4096, top-2048: 0.39; T = 8192: 0.67, absorbed at 0.5). AUTOTUNE:
+# dense tiles (top-2048 of T = 16384: 0.23, where the tiles ran 15.8 ms fwd + bwd against the MHA-layout sparse
+# kernel's 312 ms, 16 heads, H100); MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"),
+# which it does where its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most
+# MHA_FORM_COST times the absorbed form's on the selected pairs (top-2048 of T = 4096: 0.39; 8192: 0.67; 12288:
+# 0.96; 16384: 1.25). Measured fwd + bwd, absorbed / MHA form (bench_dsa.py --forms, H100, RESULTS.md): T 8192 at
+# 16 / 64 / 128 heads 3.45x / 1.79x / 1.69x; T 16384, tiles alone, 2.66x / 1.16x / 1.08x, a tie at 64 and 128 heads
+# once the MHA form's up-projection is counted: 1.0 keeps the MHA form where it wins at every head count. AUTOTUNE:
 # compile FlexAttention with inductor's max-autotune (it times its launch configurations once per shape) instead
 # of its heuristics. KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics): the backward's
 # tiles BLOCK_M1 x BLOCK_N1 (dk, dv: queries x keys) and BLOCK_M2 x BLOCK_N2 (dq), bwd_num_warps, bwd_num_stages.
@@ -46,7 +50,7 @@ BLOCK = 128  # FlexAttention's query and key block
 # head dims (no padding of D = 192 to 256), "flex" with FlexAttention. At B 2, T 4096, 16 heads on an H100 the
 # Triton kernels take 2.30 ms fwd + bwd against FlexAttention's 3.28 (1.43x; bench_dsa.py --forms, RESULTS.md);
 # the `small` steps: full FT 171.6 -> 168.7 ms, LoRA 128.7 -> 124.9 ms. On the CPU FlexAttention runs either way.
-FLEX_CONFIG = {"KERNEL": "triton", "FULL_BLOCKS": True, "MIN_DENSITY": 0.4, "MHA_FORM": True, "MHA_FORM_COST": 0.5,
+FLEX_CONFIG = {"KERNEL": "triton", "FULL_BLOCKS": True, "MIN_DENSITY": 0.2, "MHA_FORM": True, "MHA_FORM_COST": 1.0,
                "AUTOTUNE": False, "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
                                   "bwd_num_warps": 8, "bwd_num_stages": 2}}
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
