@@ -12,9 +12,6 @@ median, L2 flushed between calls):
   dx fused BTxBC/W     the dx-only backward (frozen weight) in one kernel (`conv_silu_dx_launch(impl="fused")`) at
                        a few launches; the first is the default (FUSED_DX_*)
   dx two_pass          the dx-only backward as the two passes without weight-gradient work, fp32 / bf16 dpre
-  fwd / bwd / dx window L,BC/W/S   the sliding-window kernels (`conv_silu_window_fwd`, `conv_silu_window_bwd`
-                       with and without the weight gradient) at WINDOW_LAUNCHES: L steps x BC channels a program,
-                       W warps, S pipeline stages; the first is the default (WIN_FWD_* / WIN_BWD_*)
   bwd launch ...       --bwd-launch BT,BC,WARPS,TIME_BLOCKS ...: the full backward at these first-pass launches
 Columns: µs per call, effective bandwidth over the bytes a variant must move (forward: read x, write y; every
 backward: read x and dy, write dx; dw and any dpre buffer are extra traffic, not counted), the time ratio to
@@ -24,8 +21,7 @@ fp32 torch reference are printed above its table. --doc-len L: packed documents 
 HAS_POS kernels are the ones timed. --norm-dim D (KDA: the head dim, 128): a second table per shape, q's and k's
 convs with their per-head L2 norm as the step runs them, the norm apart (the convs, then `triton_l2norm`'s one
 launch for both, each way) against the norm inside the conv passes (norm_dim=D): forward, full backward, dx-only
-backward, each also by the window kernels at their default launch; the fused rows' outputs checked against the
-apart rows'. --dry-run: CPU under TRITON_INTERPRET=1 at a tiny shape, checks only (tests
+backward; the fused rows' outputs checked against the apart rows'. --dry-run: CPU under TRITON_INTERPRET=1 at a tiny shape, checks only (tests
 this script).
 """
 
@@ -53,9 +49,6 @@ FUSED_LAUNCHES = ((16, 128, 4), (32, 128, 8))
 # a variant whose dx / dw / y is further than this (relative L2) from the current kernels' is flagged and the run
 # exits 1: bf16 outputs differ by roundings (~4e-3 with a bf16 dpre), a dropped tap or shift by far more
 CHECK_TOL = 1e-2
-# the window kernels' launches timed (seg_len, block_c, warps, stages); the defaults (WIN_FWD_* / WIN_BWD_*) come
-# first. Segments are rounded up to a multiple of KW - 1. bf16 loads pipeline only with block_c >= 64 x warps.
-WINDOW_LAUNCHES = ((24, 256, 4, 3), (96, 256, 4, 3), (48, 512, 4, 3), (48, 512, 8, 4), (48, 256, 4, 1))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,14 +70,6 @@ def _variants(x, w, dy, pos, launches: list[str]) -> list[tuple[str, str, Callab
     out.append(("dx two_pass, fp32 dpre", "dx", lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass")))
     out.append(("dx two_pass, bf16 dpre", "dx",
                 lambda: tc.conv_silu_dx_launch(x, w, dy, pos, "two_pass", dpre_dtype=bf16)))
-    fwd_default = (tc.WIN_FWD_SEG_LEN, tc.WIN_FWD_BLOCK_C, tc.WIN_FWD_NUM_WARPS, tc.WIN_FWD_NUM_STAGES)
-    bwd_default = (tc.WIN_BWD_SEG_LEN, tc.WIN_BWD_BLOCK_C, tc.WIN_BWD_NUM_WARPS, tc.WIN_BWD_NUM_STAGES)
-    windows = (("fwd", "fwd", fwd_default, lambda lc: tc.conv_silu_window_fwd(x, w, pos, 0, *lc)),
-               ("bwd", "full", bwd_default, lambda lc: tc.conv_silu_window_bwd(x, w, dy, pos, 0, True, *lc)),
-               ("dx", "dx", bwd_default, lambda lc: tc.conv_silu_window_bwd(x, w, dy, pos, 0, False, *lc)))
-    for label, kind, default, run in windows:
-        for lc in [default] + [lc for lc in WINDOW_LAUNCHES if lc != default]:
-            out.append((f"{label} window {lc[0]},{lc[1]}/{lc[2]}/{lc[3]}", kind, lambda run=run, lc=lc: run(lc)))
     for spec in launches:
         launch = tuple(int(v) for v in spec.split(","))
         out.append((f"bwd launch {spec}", "full", lambda launch=launch: tc.conv_silu_bwd_launch(x, w, dy, pos, *launch)))
@@ -158,9 +143,6 @@ def run_norm(B: int, T: int, C: int, KW: int, nd: int, dev: str, timed: bool) ->
     def fwd_fused():
         return tc._conv_silu_fwd_impl(xq, wq, None, nd), tc._conv_silu_fwd_impl(xk, wk, None, nd)
 
-    def fwd_window():
-        return tc.conv_silu_window_fwd(xq, wq, None, nd), tc.conv_silu_window_fwd(xk, wk, None, nd)
-
     # the apart backward needs the conv outputs and the norm's 1 / |y| (saved by its forward in the step)
     yq, yk = tc._conv_silu_fwd_impl(xq, wq), tc._conv_silu_fwd_impl(xk, wk)
     _, _, rq, rk = tn._l2norm_qk_fwd_impl(heads(yq), heads(yk), L2_EPS)
@@ -177,16 +159,8 @@ def run_norm(B: int, T: int, C: int, KW: int, nd: int, dev: str, timed: bool) ->
             return (tc.conv_silu_dx_launch(xq, wq, dq, norm_dim=nd), tc.conv_silu_dx_launch(xk, wk, dk, norm_dim=nd))
         return tc.conv_silu_bwd_launch(xq, wq, dq, norm_dim=nd)[0], tc.conv_silu_bwd_launch(xk, wk, dk, norm_dim=nd)[0]
 
-    def bwd_window(dx_only: bool):
-        if dx_only:
-            return (tc.conv_silu_window_bwd(xq, wq, dq, None, nd, False),
-                    tc.conv_silu_window_bwd(xk, wk, dk, None, nd, False))
-        return tc.conv_silu_window_bwd(xq, wq, dq, None, nd)[0], tc.conv_silu_window_bwd(xk, wk, dk, None, nd)[0]
-
     pairs = [("fwd", fwd_apart, fwd_fused), ("bwd full (dx + dw)", lambda: bwd_apart(False), lambda: bwd_fused(False)),
-             ("bwd dx only", lambda: bwd_apart(True), lambda: bwd_fused(True)), ("fwd window", fwd_apart, fwd_window),
-             ("bwd full window", lambda: bwd_apart(False), lambda: bwd_window(False)),
-             ("bwd dx only window", lambda: bwd_apart(True), lambda: bwd_window(True))]
+             ("bwd dx only", lambda: bwd_apart(True), lambda: bwd_fused(True))]
     row = {"shape": [B, T, C], "norm_dim": nd, "pairs": {}}
     for name, apart, fused in pairs:
         a, f = apart(), fused()
@@ -202,12 +176,12 @@ def run_norm(B: int, T: int, C: int, KW: int, nd: int, dev: str, timed: bool) ->
 def _print_norm(row: dict) -> None:
     B, T, C = row["shape"]
     print(f"[{B}, {T}, {C}] q and k, per-head L2 norm over {row['norm_dim']} channels: apart vs in the conv passes")
-    print(f"  {'pass':<22} {'apart us':>9} {'fused us':>9} {'speedup':>8}  check (fused vs apart)")
+    print(f"  {'pass':<20} {'apart us':>9} {'fused us':>9} {'speedup':>8}  check (fused vs apart)")
     for name, v in row["pairs"].items():
         t = (f"{v['apart_us']:9.1f} {v['fused_us']:9.1f} {v['speedup']:7.2f}x" if "apart_us" in v
              else f"{'-':>9} {'-':>9} {'-':>8}")
         bad = "  MISMATCH" if v["rel_vs_apart"] > CHECK_TOL else ""
-        print(f"  {name:<22} {t}  {v['rel_vs_apart']:.1e}{bad}", flush=True)
+        print(f"  {name:<20} {t}  {v['rel_vs_apart']:.1e}{bad}", flush=True)
 
 
 def _print(row: dict) -> None:
@@ -215,7 +189,7 @@ def _print(row: dict) -> None:
     docs = f", documents of {row['doc_len']}" if row["doc_len"] else ""
     print(f"[{B}, {T}, {C}] KW {row['kw']} bf16{docs}: current kernels vs the fp32 reference: rel y "
           f"{row['rel_y']:.1e} dx {row['rel_dx']:.1e} dw {row['rel_dw']:.1e}")
-    print(f"  {'variant':<28} {'us':>8} {'GB/s':>6} {'/ full bwd':>10}  check vs current")
+    print(f"  {'variant':<24} {'us':>8} {'GB/s':>6} {'/ full bwd':>10}  check vs current")
     for name, v in row["variants"].items():
         t = f"{v['us']:8.1f} {v['gbs']:6.0f} {v['vs_full_bwd']:10.2f}" if "us" in v else f"{'-':>8} {'-':>6} {'-':>10}"
         if v["kind"] == "fwd":
@@ -225,7 +199,7 @@ def _print(row: dict) -> None:
             if "rel_dw_vs_current" in v:
                 chk += f" dw {v['rel_dw_vs_current']:.1e}"
         bad = any(k.startswith("rel_") and val > CHECK_TOL for k, val in v.items())
-        print(f"  {name:<28} {t}  {chk}{'  MISMATCH' if bad else ''}", flush=True)
+        print(f"  {name:<24} {t}  {chk}{'  MISMATCH' if bad else ''}", flush=True)
 
 
 def main() -> None:

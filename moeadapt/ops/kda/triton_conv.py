@@ -1,5 +1,5 @@
 """The KDA layer's short causal depthwise convolution + SiLU in Triton, on [B, T, C] directly: one pass forward,
-two backward (one where the weight is frozen), and one-pass sliding-window forms of both (below).
+two backward (one where the weight is frozen).
 
 Owns the kernels behind `causal_conv_silu(..., backend="triton")` and their registration as the torch.library
 custom ops `moeadapt::causal_conv_silu_fwd` / `_bwd` / `_bwd_dx` (so torch.compile and selective activation
@@ -24,23 +24,6 @@ from the y it recomputes anyway: no separate norm pass either way, no extra buff
 and wrote q and k once more each way).
 Packed documents: an optional int32 `positions` [B, T] (contiguous) masks tap j of output t unless
 j <= positions[b, t] (HAS_POS: without it the kernels are the plain conv).
-
-Sliding-window kernels (FWD_IMPL / BWD_IMPL / DX_ONLY_IMPL = "window"; KW <= 4, wider kernels take the forms
-above). The tile kernels read each x (and dpre) row at KW shifts because Triton cannot shift a register tile, and
-the two-pass backward writes and re-reads a dpre buffer: the backward moves well over the ~3 B/element (x, dy in,
-dx out) it needs. A window program owns a block of channels and a segment of L consecutive steps and walks the
-segment one row at a time, keeping the last KW-1 rows it needs as rotating loop-carried [channels] vectors, so
-each row of x and dy is read once per program, plus KW-1 halo rows at the segment's edges (the forward: x before
-it; the backward: x before and after it, dy after it; L2 hits). Forward: t upwards, x[t]
-loaded, x[t-1..t-KW+1] carried, y[t] stored (NORM per head in registers). Backward, one pass: t downwards from
-the segment's end + KW-2; each step loads x[t-KW+1] and dy[t], recomputes pre[t] and dpre[t] (NORM's backward
-per head first) and forms dx[t] from dpre[t..t+KW-1], dpre[t+1..] carried, so no dpre buffer exists; the first
-KW-1 steps are the halo (the next segment's first rows: dpre only, nothing stored). The weight gradient's KW
-partial rows per program come from fp32 register accumulators (NEED_DW; off for the dx-only backward). Load
-addresses depend on the loop index only, and each loop iteration takes KW-1 steps so that every carried value is
-made inside the iteration that passes it on: both are conditions of Triton's software pipeliner, which then
-prefetches the next iterations' rows (num_stages). Not yet timed on a GPU; the defaults stay the tile / two-pass
-forms until they are.
 
 Shape suffixes: B batch, T time, C channels (heads x head dim), KW kernel width.
 No `from __future__ import annotations` here: torch.library infers the op schemas from real annotations.
@@ -72,9 +55,8 @@ BWD_TIME_BLOCKS = 8
 # 157.9 -> 139.3 us, the dx-only two-pass form 96.1 -> 71.9 us.
 DPRE_DTYPE = None
 # The dx-only backward (frozen weight): "two_pass" (_conv_silu_dpre_kernel without the weight-gradient partials on
-# the forward's tile, BLOCK_T x BLOCK_C on NUM_WARPS, then _conv_dx_kernel), "fused"
-# (_conv_silu_dx_fused_kernel: one pass from x, w and dy, no dpre buffer; KW <= 4, wider kernels take "two_pass")
-# or "window" (_conv_silu_bwd_window_kernel without NEED_DW at the WIN_BWD_* launch; not yet timed).
+# the forward's tile, BLOCK_T x BLOCK_C on NUM_WARPS, then _conv_dx_kernel) or "fused"
+# (_conv_silu_dx_fused_kernel: one pass from x, w and dy, no dpre buffer; KW <= 4, wider kernels take "two_pass").
 # Same H100 run: two_pass 71.9 us with a bf16 dpre (96.1 with fp32), fused 99.8 us (its best launch) against the
 # full backward's 157.9; fused keeps dx within 7e-6 of the fp32 path.
 DX_ONLY_IMPL = "two_pass"
@@ -83,30 +65,6 @@ DX_ONLY_IMPL = "two_pass"
 FUSED_DX_BLOCK_T = 32
 FUSED_DX_BLOCK_C = 64
 FUSED_DX_NUM_WARPS = 4
-# Which kernels run (each launcher's `impl=` defaults to these): the forward "tile" (_conv_silu_fwd_kernel) or
-# "window" (_conv_silu_fwd_window_kernel); the full backward "two_pass" (_conv_silu_dpre_kernel, _conv_dx_kernel)
-# or "window" (_conv_silu_bwd_window_kernel); DX_ONLY_IMPL above also takes "window" (the same kernel without the
-# weight-gradient work). The window kernels hold at most 4 taps: wider kernels take the tile / two-pass forms.
-# The window forms are not yet timed on a GPU; the defaults stay the measured ones.
-FWD_IMPL = "tile"
-BWD_IMPL = "two_pass"
-# The window kernels' launches: a program owns WIN_*_BLOCK_C channels (with norm_dim > 0 a whole number of heads,
-# at least one) and WIN_*_SEG_LEN consecutive time steps (rounded up to a multiple of KW-1, the steps one loop
-# iteration takes; [2, 4096, 2048]: 2 x 86 x 8 = 1376 programs), on WIN_*_NUM_WARPS warps, the time loop
-# software-pipelined WIN_*_NUM_STAGES deep (tl.range(num_stages=...): the rows of the next iterations are copied
-# asynchronously while this one computes). The backward's launch serves the full and the dx-only backward.
-# Compiled for sm_90 (Triton 3.6 and 3.9, C and the strides divisible by 16 as in a real launch) the loads pipeline
-# only where a thread's part of a row is at least 4 contiguous bytes: BLOCK_C >= 64 x NUM_WARPS for bf16 (256 on
-# 4 warps: yes; 128 on 4 or 256 on 8: no); at these defaults at most 137 registers, no spills, <= 13 KB shared.
-# Not yet timed on a GPU: guesses to sweep (benchmarks/bench_short_conv.py).
-WIN_FWD_SEG_LEN = 48
-WIN_FWD_BLOCK_C = 256
-WIN_FWD_NUM_WARPS = 4
-WIN_FWD_NUM_STAGES = 3
-WIN_BWD_SEG_LEN = 48
-WIN_BWD_BLOCK_C = 256
-WIN_BWD_NUM_WARPS = 4
-WIN_BWD_NUM_STAGES = 3
 
 
 @triton.jit
@@ -339,258 +297,6 @@ def _conv_silu_dx_fused_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, p_ptr, T, C, s_xb, 
              mask=om)
 
 
-# ------------------------------------------------------------------ sliding-window kernels (KW <= 4)
-
-
-@triton.jit
-def _win_mask(cm, ok):
-    """The channel mask cm where the scalar condition ok holds, else all false (a select on the scalar: the
-    interpreter turns `cm & ok` into int32)."""
-    return tl.where(ok, cm, False)
-
-
-@triton.jit
-def _win_row(base, t, T, s_t, c, cm):
-    """Row t of a [B, T, C] operand (base: its batch row) at the program's channels c [NH, ND], fp32; zero outside
-    0 <= t < T. t is a scalar (the loop's row), so the address depends on the loop index alone."""
-    return tl.load(base + t.to(tl.int64) * s_t + c, mask=_win_mask(cm, (t >= 0) & (t < T)),
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _win_pos(p_ptr, b, t, T, zero, HAS_POS: tl.constexpr):
-    """positions[b, t] broadcast over the program's [NH, ND] channels (one address: a tensor load the pipeliner can
-    prefetch, unlike a scalar one), 0 outside 0 <= t < T; `zero` itself without positions (then unused)."""
-    if HAS_POS:
-        return tl.load(p_ptr + b * T + t + zero, mask=_win_mask(zero == 0, (t >= 0) & (t < T)), other=0)
-    return zero
-
-
-@triton.jit
-def _win_doc(v, pos, j: tl.constexpr, HAS_POS: tl.constexpr):
-    """v where tap j of the output whose position is `pos` lies inside its document (j <= pos), else 0."""
-    if HAS_POS:
-        if j > 0:
-            return tl.where(pos >= j, v, 0.0)
-    return v
-
-
-@triton.jit
-def _win_taps(v0, v1, v2, v3, p1, p2, p3, w0, w1, w2, w3, KW: tl.constexpr, HAS_POS: tl.constexpr):
-    """sum_j w_j v_j over the KW taps, tap j > 0 counted only where j <= p_j (HAS_POS): the forward's pre from
-    x[t-j] (every p_j = positions[t]) and the backward's dx from dpre[t+j] (p_j = positions[t+j])."""
-    acc = v0 * w0
-    if KW > 1:
-        acc += _win_doc(v1, p1, 1, HAS_POS) * w1
-    if KW > 2:
-        acc += _win_doc(v2, p2, 2, HAS_POS) * w2
-    if KW > 3:
-        acc += _win_doc(v3, p3, 3, HAS_POS) * w3
-    return acc
-
-
-@triton.jit
-def _win_weight(w_ptr, c, cm, j: tl.constexpr, KW: tl.constexpr):
-    """Tap j's weight w[c, KW-1-j] (it multiplies x[t-j] in output t) over the program's [NH, ND] channels, fp32;
-    zero for j >= KW."""
-    if j < KW:
-        return tl.load(w_ptr + c * KW + (KW - 1 - j), mask=cm, other=0.0).to(tl.float32)
-    return tl.zeros(c.shape, dtype=tl.float32)
-
-
-@triton.jit
-def _win_head_scale(y, eps):
-    """1 / sqrt(sum(y^2) + eps) over each head (row) of an fp32 [NH, ND] tile, broadcast back to [NH, ND]."""
-    return (1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) + eps))[:, None]
-
-
-@triton.jit
-def _win_channels(NH: tl.constexpr, ND: tl.constexpr, C):
-    """The program's channels as an [NH, ND] tile (NH heads of ND channels; NH = 1 and ND = the block without a
-    norm) and their mask."""
-    c = tl.program_id(1) * (NH * ND) + tl.arange(0, NH)[:, None] * ND + tl.arange(0, ND)[None, :]
-    return c, c < C
-
-
-@triton.jit
-def _conv_silu_fwd_window_kernel(x_ptr, w_ptr, y_ptr, p_ptr, T, C, s_xb, s_xt, s_yb, s_yt, eps,
-                                 KW: tl.constexpr, L: tl.constexpr, NH: tl.constexpr, ND: tl.constexpr,
-                                 HAS_POS: tl.constexpr, NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The forward as a sliding window: a program owns NH x ND channels and the L steps t0 .. t0+L-1 and walks them
-    in order, one row a step. x[t] is loaded once (the KW-1 rows before t0 once more, by the program before); x[t-1],
-    x[t-2], x[t-3] are carried from earlier steps in registers. y[t] = silu(sum_j w[KW-1-j] x[t-j]), tap j counted
-    only where j <= positions[t] (HAS_POS); NORM: each head (row of the tile) L2-normalised before the store.
-    Each iteration of the time loop takes U = KW-1 steps (unrolled; L a multiple of U), so the rows it carries to
-    the next are the ones it loaded: a loop that passes a carried value on unchanged (x2 = x1 across iterations) is
-    one Triton's software pipeliner declines (loopHasDistGreaterThanOne), and then no row is prefetched."""
-    tl.static_assert(KW <= 4, "the window kernels carry at most 3 rows; wider kernels take the tile form")
-    U: tl.constexpr = KW - 1 if KW > 1 else 1
-    tl.static_assert(L % U == 0, "the segment must be a whole number of KW-1 steps")
-    t0 = tl.program_id(0) * L
-    b = tl.program_id(2).to(tl.int64)
-    c, cm = _win_channels(NH, ND, C)
-    xb = x_ptr + b * s_xb
-    yb = y_ptr + b * s_yb
-    zero = tl.zeros([NH, ND], dtype=tl.int32)
-    w0 = _win_weight(w_ptr, c, cm, 0, KW)
-    w1 = _win_weight(w_ptr, c, cm, 1, KW)
-    w2 = _win_weight(w_ptr, c, cm, 2, KW)
-    w3 = _win_weight(w_ptr, c, cm, 3, KW)
-    # the window before t0: x1 = x[t-1], x2 = x[t-2], x3 = x[t-3] (those the taps reach; zero before t = 0)
-    x1 = _win_row(xb, t0 - 1, T, s_xt, c, cm) if KW > 1 else tl.zeros([NH, ND], dtype=tl.float32)
-    x2 = _win_row(xb, t0 - 2, T, s_xt, c, cm) if KW > 2 else tl.zeros([NH, ND], dtype=tl.float32)
-    x3 = _win_row(xb, t0 - 3, T, s_xt, c, cm) if KW > 3 else tl.zeros([NH, ND], dtype=tl.float32)
-    for i in tl.range(L // U, num_stages=NUM_STAGES):
-        for k in tl.static_range(U):
-            t = t0 + i * U + k
-            x0 = _win_row(xb, t, T, s_xt, c, cm)
-            pos = _win_pos(p_ptr, b, t, T, zero, HAS_POS)
-            pre = _win_taps(x0, x1, x2, x3, pos, pos, pos, w0, w1, w2, w3, KW, HAS_POS)
-            y = pre * tl.sigmoid(pre)
-            if NORM:
-                y = y * _win_head_scale(y, eps)
-            tl.store(yb + t.to(tl.int64) * s_yt + c, y.to(y_ptr.dtype.element_ty), mask=_win_mask(cm, t < T))
-            if KW > 3:
-                x3 = x2
-            if KW > 2:
-                x2 = x1
-            if KW > 1:
-                x1 = x0
-
-
-@triton.jit
-def _win_tap(j: tl.constexpr, KW: tl.constexpr, u0, u1, u2, xn):
-    """x[t-j] in the backward's window: u0 = x[t], u1 = x[t-1], u2 = x[t-2] (the KW-1 carried rows) and xn =
-    x[t-(KW-1)] (the row loaded this step)."""
-    if j == KW - 1:
-        return xn
-    if j == 0:
-        return u0
-    if j == 1:
-        return u1
-    return u2
-
-
-@triton.jit
-def _conv_silu_bwd_window_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dwp_ptr, p_ptr, T, C, s_xb, s_xt, s_dyb, s_dyt,
-                                 s_dxb, s_dxt, eps, KW: tl.constexpr, L: tl.constexpr, NH: tl.constexpr,
-                                 ND: tl.constexpr, HAS_POS: tl.constexpr, NEED_DW: tl.constexpr,
-                                 NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The backward as a sliding window, one pass, no dpre buffer: a program owns NH x ND channels and the L steps
-    t0 .. t0+L-1 and walks t downwards from t0+L+KW-2, one row a step. Step t loads x[t-(KW-1)] (x[t], x[t-1],
-    x[t-2] are carried) and dy[t], recomputes pre[t] = sum_j w[KW-1-j] x[t-j] (tap j only where
-    j <= positions[t]), dpre[t] = dy[t] silu'(pre[t]) (NORM: dy first turned into y's gradient per head, as in
-    _conv_silu_dpre_kernel), and dx[t] = sum_s w[KW-1-s] dpre[t+s] from dpre[t+1 .. t+3] carried (x[t] reaches
-    output t+s only where positions[t+s] >= s). The first KW-1 steps are the halo, rows t0+L .. t0+L+KW-2 of the
-    next segment: their dpre is recomputed for the transposed conv, their dx is not stored and they add nothing
-    to the weight gradient. NEED_DW: dw[KW-1-j] += dpre[t] x[t-j] (document-masked) in fp32 registers over the
-    segment, stored as this program's KW partial rows of dwp [programs, KW, C].
-    As in the forward, each loop iteration takes U = KW-1 steps (the first iteration is the halo), so every value
-    it carries on was made in it and Triton's pipeliner can prefetch the next iterations' rows."""
-    tl.static_assert(KW <= 4, "the window kernels carry at most 3 rows; wider kernels take the two-pass form")
-    U: tl.constexpr = KW - 1 if KW > 1 else 1
-    HALO: tl.constexpr = 1 if KW > 1 else 0  # loop iterations spent on the halo
-    tl.static_assert(L % U == 0, "the segment must be a whole number of KW-1 steps")
-    pid_t = tl.program_id(0)
-    t0 = pid_t * L
-    b = tl.program_id(2).to(tl.int64)
-    c, cm = _win_channels(NH, ND, C)
-    xb = x_ptr + b * s_xb
-    dyb = dy_ptr + b * s_dyb
-    dxb = dx_ptr + b * s_dxb
-    zero = tl.zeros([NH, ND], dtype=tl.int32)
-    fzero = tl.zeros([NH, ND], dtype=tl.float32)
-    w0 = _win_weight(w_ptr, c, cm, 0, KW)
-    w1 = _win_weight(w_ptr, c, cm, 1, KW)
-    w2 = _win_weight(w_ptr, c, cm, 2, KW)
-    w3 = _win_weight(w_ptr, c, cm, 3, KW)
-    top = t0 + L + KW - 2  # the last halo row, the walk's first
-    # the x window at t = top: u0 = x[t], u1 = x[t-1], u2 = x[t-2] (KW-1 rows; zero outside 0 <= t < T)
-    u0 = _win_row(xb, top, T, s_xt, c, cm) if KW > 1 else tl.zeros([NH, ND], dtype=tl.float32)
-    u1 = _win_row(xb, top - 1, T, s_xt, c, cm) if KW > 2 else tl.zeros([NH, ND], dtype=tl.float32)
-    u2 = _win_row(xb, top - 2, T, s_xt, c, cm) if KW > 3 else tl.zeros([NH, ND], dtype=tl.float32)
-    # dpre[t+1], dpre[t+2], dpre[t+3] and positions[t+1 ..] (rows past the halo: zero, never reach a stored dx).
-    # Each starts as its own tensor: Triton finds a loop's carried values by comparing each name's value after the
-    # body with its value before, so d2 = d1 with both the same zeros would read as unchanged and d2 stay zero.
-    d1 = tl.zeros([NH, ND], dtype=tl.float32)
-    d2 = tl.zeros([NH, ND], dtype=tl.float32)
-    d3 = tl.zeros([NH, ND], dtype=tl.float32)
-    q1 = tl.zeros([NH, ND], dtype=tl.int32)
-    q2 = tl.zeros([NH, ND], dtype=tl.int32)
-    q3 = tl.zeros([NH, ND], dtype=tl.int32)
-    a0 = tl.zeros([NH, ND], dtype=tl.float32)  # the weight gradient of taps 0 .. 3 over the segment
-    a1 = tl.zeros([NH, ND], dtype=tl.float32)
-    a2 = tl.zeros([NH, ND], dtype=tl.float32)
-    a3 = tl.zeros([NH, ND], dtype=tl.float32)
-    for i in tl.range(L // U + HALO, num_stages=NUM_STAGES):
-        live = i >= HALO  # rows of the segment (not the halo)
-        for k in tl.static_range(U):
-            t = top - (i * U + k)
-            xn = _win_row(xb, t - (KW - 1), T, s_xt, c, cm)
-            dyv = _win_row(dyb, t, T, s_dyt, c, cm)
-            pos = _win_pos(p_ptr, b, t, T, zero, HAS_POS)
-            xm0 = _win_tap(0, KW, u0, u1, u2, xn)
-            pre = xm0 * w0
-            xm1 = fzero
-            xm2 = fzero
-            xm3 = fzero
-            if KW > 1:
-                xm1 = _win_doc(_win_tap(1, KW, u0, u1, u2, xn), pos, 1, HAS_POS)
-                pre += xm1 * w1
-            if KW > 2:
-                xm2 = _win_doc(_win_tap(2, KW, u0, u1, u2, xn), pos, 2, HAS_POS)
-                pre += xm2 * w2
-            if KW > 3:
-                xm3 = _win_doc(_win_tap(3, KW, u0, u1, u2, xn), pos, 3, HAS_POS)
-                pre += xm3 * w3
-            sig = tl.sigmoid(pre)
-            if NORM:  # y = silu(pre), r = 1 / |y| per head: dy <- r (dy - yn sum(dy yn))
-                y = pre * sig
-                r = _win_head_scale(y, eps)
-                yn = y * r
-                dyv = r * (dyv - yn * tl.sum(dyv * yn, axis=1)[:, None])
-            dpre = dyv * sig * (1.0 + pre * (1.0 - sig))  # silu'(pre); 0 past T (dy masked to 0)
-            dx = _win_taps(dpre, d1, d2, d3, q1, q2, q3, w0, w1, w2, w3, KW, HAS_POS)  # output t+j's tap j
-            tl.store(dxb + t.to(tl.int64) * s_dxt + c, dx.to(dx_ptr.dtype.element_ty),
-                     mask=_win_mask(cm, (t < T) & live))
-            if NEED_DW:
-                dl = tl.where(live, dpre, 0.0)
-                a0 += dl * xm0
-                if KW > 1:
-                    a1 += dl * xm1
-                if KW > 2:
-                    a2 += dl * xm2
-                if KW > 3:
-                    a3 += dl * xm3
-            # slide one row down: x[t-1 ..] and dpre[t ..], positions[t ..]
-            if KW == 4:
-                u0 = u1
-                u1 = u2
-                u2 = xn
-                d3 = d2
-                q3 = q2
-            if KW == 3:
-                u0 = u1
-                u1 = xn
-            if KW == 2:
-                u0 = xn
-            if KW > 2:
-                d2 = d1
-                q2 = q1
-            if KW > 1:
-                d1 = dpre
-                q1 = pos
-    if NEED_DW:
-        dwp = dwp_ptr + (b * tl.num_programs(0) + pid_t) * KW * C  # this program's KW partial rows
-        tl.store(dwp + (KW - 1) * C + c, a0, mask=cm)
-        if KW > 1:
-            tl.store(dwp + (KW - 2) * C + c, a1, mask=cm)
-        if KW > 2:
-            tl.store(dwp + (KW - 3) * C + c, a2, mask=cm)
-        if KW > 3:
-            tl.store(dwp + (KW - 4) * C + c, a3, mask=cm)
-
-
 def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 else x.contiguous()
 
@@ -608,52 +314,11 @@ def _channel_block(block_c: int, norm_dim: int) -> int:
     return norm_dim or block_c
 
 
-def _win_tile(block_c: int, norm_dim: int) -> tuple[int, int]:
-    """A window launch's channel tile as (NH, ND): whole heads of norm_dim channels covering block_c (at least
-    one), or one row of block_c channels without a norm."""
-    if block_c <= 0 or block_c & (block_c - 1):
-        raise ValueError(f"block_c={block_c} must be a power of two")
-    return (max(block_c // norm_dim, 1), norm_dim) if norm_dim else (1, block_c)
-
-
-def _win_seg_len(seg_len: int, KW: int) -> int:
-    """A window launch's segment: seg_len rounded up to a whole number of the kernel's loop iterations (KW-1
-    steps each)."""
-    u = max(KW - 1, 1)
-    return -(-seg_len // u) * u
-
-
-def conv_silu_window_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
-                         norm_dim: int = 0, seg_len: int = WIN_FWD_SEG_LEN, block_c: int = WIN_FWD_BLOCK_C,
-                         num_warps: int = WIN_FWD_NUM_WARPS, num_stages: int = WIN_FWD_NUM_STAGES) -> torch.Tensor:
-    """The forward by the sliding-window kernel (KW <= 4) with an explicit launch: programs of `seg_len` time steps
-    x `block_c` channels (whole heads of norm_dim with a norm) on `num_warps` warps, the time loop pipelined
-    `num_stages` deep. Operands and result as in `_conv_silu_fwd_impl`."""
-    x = _unit_channel_stride(x)
-    B, T, C = x.shape
-    KW = w.shape[-1]
-    check_norm_dim(C, norm_dim)
-    if KW > 4:
-        raise ValueError(f"the window kernels hold at most 4 taps, got KW={KW}")
-    y = torch.empty((B, T, C), device=x.device, dtype=x.dtype)
-    if x.numel():
-        nh, nd = _win_tile(block_c, norm_dim)
-        seg_len = _win_seg_len(seg_len, KW)
-        _conv_silu_fwd_window_kernel[(triton.cdiv(T, seg_len), triton.cdiv(C, nh * nd), B)](
-            x, w.contiguous(), y, x if positions is None else positions, T, C, x.stride(0), x.stride(1), y.stride(0),
-            y.stride(1), L2_EPS, KW=KW, L=seg_len, NH=nh, ND=nd, HAS_POS=positions is not None, NORM=norm_dim > 0,
-            NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages)
-    return y
-
-
-def conv_silu_fwd_launch(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
-                         norm_dim: int = 0, impl: str = FWD_IMPL) -> torch.Tensor:
-    """The forward by `impl`: "tile" (_conv_silu_fwd_kernel, BLOCK_T x BLOCK_C tiles) or "window"
-    (conv_silu_window_fwd at its WIN_FWD_* launch; KW > 4 takes "tile")."""
-    if impl not in ("tile", "window"):
-        raise ValueError(f"impl must be 'tile' or 'window', got {impl!r}.")
-    if impl == "window" and w.shape[-1] <= 4:
-        return conv_silu_window_fwd(x, w, positions, norm_dim)
+def _conv_silu_fwd_impl(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
+                        norm_dim: int = 0) -> torch.Tensor:
+    """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype; positions:
+    int32 [B, T] contiguous (packed documents) or None; norm_dim > 0: y L2-normalised over each group of norm_dim
+    channels (check_norm_dim)."""
     x = _unit_channel_stride(x)
     B, T, C = x.shape
     check_norm_dim(C, norm_dim)
@@ -665,14 +330,6 @@ def conv_silu_fwd_launch(x: torch.Tensor, w: torch.Tensor, positions: torch.Tens
                                     x.stride(1), y.stride(0), y.stride(1), L2_EPS, KW=w.shape[-1], BT=BLOCK_T, BC=bc,
                                     HAS_POS=positions is not None, NORM=norm_dim > 0, num_warps=NUM_WARPS)
     return y
-
-
-def _conv_silu_fwd_impl(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
-                        norm_dim: int = 0) -> torch.Tensor:
-    """y [B, T, C] = silu(causal depthwise conv of x [B, T, C] with w [C, 1, KW]), in x's dtype; positions:
-    int32 [B, T] contiguous (packed documents) or None; norm_dim > 0: y L2-normalised over each group of norm_dim
-    channels (check_norm_dim). FWD_IMPL's kernel."""
-    return conv_silu_fwd_launch(x, w, positions, norm_dim)
 
 
 conv_silu_fwd = torch.library.custom_op("moeadapt::causal_conv_silu_fwd", mutates_args=())(_conv_silu_fwd_impl)
@@ -718,48 +375,13 @@ def _bwd_operands(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, norm_dim: 
     return x, w.contiguous(), dy, torch.empty(x.shape, device=x.device, dtype=x.dtype)
 
 
-def conv_silu_window_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
-                         norm_dim: int = 0, need_dw: bool = True, seg_len: int = WIN_BWD_SEG_LEN,
-                         block_c: int = WIN_BWD_BLOCK_C, num_warps: int = WIN_BWD_NUM_WARPS,
-                         num_stages: int = WIN_BWD_NUM_STAGES):
-    """The backward by the sliding-window kernel (KW <= 4, one pass, no dpre buffer) with an explicit launch:
-    programs of `seg_len` time steps x `block_c` channels (whole heads of norm_dim with a norm) on `num_warps` warps,
-    the time loop pipelined `num_stages` deep. need_dw: (dx, dw) as conv_silu_bwd_launch returns them (dw summed
-    from the programs' partial rows by one torch reduction), else dx alone."""
-    x, w, dy, dx = _bwd_operands(x, w, dy, norm_dim)
-    B, T, C = x.shape
-    KW = w.shape[-1]
-    if KW > 4:
-        raise ValueError(f"the window kernels hold at most 4 taps, got KW={KW}")
-    if not x.numel():
-        return (dx, torch.zeros(w.shape, device=w.device, dtype=w.dtype)) if need_dw else dx
-    nh, nd = _win_tile(block_c, norm_dim)
-    seg_len = _win_seg_len(seg_len, KW)
-    npt = triton.cdiv(T, seg_len)
-    dw_part = torch.empty((B * npt, KW, C), device=x.device, dtype=torch.float32) if need_dw else None
-    _conv_silu_bwd_window_kernel[(npt, triton.cdiv(C, nh * nd), B)](
-        x, w, dy, dx, dx if dw_part is None else dw_part, x if positions is None else positions, T, C, x.stride(0),
-        x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), L2_EPS, KW=KW, L=seg_len, NH=nh, ND=nd,
-        HAS_POS=positions is not None, NEED_DW=need_dw, NORM=norm_dim > 0, NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages)
-    if not need_dw:
-        return dx
-    return dx, dw_part.sum(0).t().reshape(C, 1, KW).to(w.dtype).contiguous()
-
-
 def conv_silu_bwd_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, positions: torch.Tensor | None = None,
                          block_t: int = BWD_BLOCK_T, block_c: int = BWD_BLOCK_C, num_warps: int = BWD_NUM_WARPS,
                          time_blocks: int = BWD_TIME_BLOCKS, dpre_dtype: torch.dtype | None = DPRE_DTYPE,
-                         norm_dim: int = 0, impl: str = BWD_IMPL) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward (dx and dw) by `impl`: "two_pass" with an explicit launch (benchmarks/bench_short_conv.py sweeps
-    it): the first pass's programs take `time_blocks` blocks of `block_t` steps x `block_c` channels (norm_dim's
-    where it is > 0) on `num_warps` warps, and store dpre in `dpre_dtype` (None: x's dtype); or "window"
-    (conv_silu_window_bwd at its WIN_BWD_* launch; the launch arguments here and dpre_dtype do not apply; KW > 4
-    takes "two_pass"). norm_dim: as in the forward."""
-    if impl not in ("two_pass", "window"):
-        raise ValueError(f"impl must be 'two_pass' or 'window', got {impl!r}.")
-    if impl == "window" and w.shape[-1] <= 4:
-        return conv_silu_window_bwd(x, w, dy, positions, norm_dim)
+                         norm_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward (dx and dw) with an explicit launch (benchmarks/bench_short_conv.py sweeps it): the first pass's
+    programs take `time_blocks` blocks of `block_t` steps x `block_c` channels (norm_dim's where it is > 0) on
+    `num_warps` warps, and store dpre in `dpre_dtype` (None: x's dtype). norm_dim: as in the forward."""
     x, w, dy, dx = _bwd_operands(x, w, dy, norm_dim)
     B, T, C = x.shape
     KW = w.shape[-1]
@@ -777,18 +399,13 @@ def conv_silu_dx_launch(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, posi
                         impl: str = DX_ONLY_IMPL, block_t: int | None = None, block_c: int | None = None,
                         num_warps: int | None = None, dpre_dtype: torch.dtype | None = DPRE_DTYPE,
                         norm_dim: int = 0) -> torch.Tensor:
-    """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 or a norm take "two_pass"),
-    "two_pass" (dpre in `dpre_dtype` without the weight-gradient partials, then the transposed conv) or "window"
-    (conv_silu_window_bwd without the weight gradient at its WIN_BWD_* launch; KW > 4 takes "two_pass"). block_t /
+    """dx alone (the weight needs no gradient), by `impl`: "fused" (one pass; KW > 4 or a norm take "two_pass") or
+    "two_pass" (dpre in `dpre_dtype` without the weight-gradient partials, then the transposed conv). block_t /
     block_c / num_warps: the fused kernel's launch, or the two-pass form's first pass; None takes the constants
-    beside the kernels (FUSED_DX_* for "fused", the forward's BLOCK_T / BLOCK_C / NUM_WARPS for "two_pass"); for
-    "window" block_t / block_c / num_warps are its seg_len / block_c / num_warps (None: WIN_BWD_*).
+    beside the kernels (FUSED_DX_* for "fused", the forward's BLOCK_T / BLOCK_C / NUM_WARPS for "two_pass").
     norm_dim: as in the forward."""
-    if impl not in ("fused", "two_pass", "window"):
-        raise ValueError(f"impl must be 'fused', 'two_pass' or 'window', got {impl!r}.")
-    if impl == "window" and w.shape[-1] <= 4:
-        return conv_silu_window_bwd(x, w, dy, positions, norm_dim, False, block_t or WIN_BWD_SEG_LEN,
-                                    block_c or WIN_BWD_BLOCK_C, num_warps or WIN_BWD_NUM_WARPS)
+    if impl not in ("fused", "two_pass"):
+        raise ValueError(f"impl must be 'fused' or 'two_pass', got {impl!r}.")
     x, w, dy, dx = _bwd_operands(x, w, dy, norm_dim)
     B, T, C = x.shape
     KW = w.shape[-1]
