@@ -150,7 +150,7 @@ class DSAAttention(nn.Module):
         if self.form != "auto":
             return self.form == "mha"
         nope, r, vd, kvl = self.nope, self.rope, self.vd, self.kvl
-        return mha_form_pays(T, self.spec.index_topk, nope + r, vd, kvl + r, kvl, is_cuda)
+        return mha_form_pays(T, self.spec.index_topk, nope + r, vd, kvl + r, kvl, is_cuda, heads=self.n_heads)
 
     def reset_parameters(self) -> None:
         if self.kpool:

@@ -727,7 +727,7 @@ def _dsa_mha_form(spec: ModelSpec, seq: int, cp: int, selective: bool) -> bool:
     if cp > 1 or selective:
         return False
     n, r, vd, c = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
-    return mha_form_pays(seq, spec.index_topk, n + r, vd, c + r, c, True)
+    return mha_form_pays(seq, spec.index_topk, n + r, vd, c + r, c, True, heads=spec.n_heads)
 
 
 def kept_selections(spec: ModelSpec, plan: Plan, t: int) -> float:

@@ -123,15 +123,20 @@ def test_dense_tiles_apply_only_where_they_pay():
     assert fa.selected_pairs(3, 8) == 6
     mla = (192, 128, 576, 512)  # DeepSeek's dims: nope + rope, vd | kv_lora_rank + rope, kv_lora_rank
     on = {**fa.FLEX_CONFIG, "MHA_FORM": True}
-    assert fa.mha_form_pays(4096, 2048, *mla, is_cuda=True, cfg=on)
-    assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=True, cfg={**on, "MHA_FORM": False})
-    assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=False, cfg=on)
-    assert not fa.mha_form_pays(4096 + 64, 2048, *mla, is_cuda=True, cfg=on)
-    assert fa.mha_form_pays(8192, 2048, *mla, is_cuda=True, cfg=on)  # 0.67 of the absorbed FLOPs
-    assert fa.mha_form_pays(12288, 2048, *mla, is_cuda=True, cfg=on)  # 0.96
-    assert not fa.mha_form_pays(16384, 2048, *mla, is_cuda=True, cfg=on)  # 1.25: over MHA_FORM_COST
-    assert not fa.mha_form_pays(8192, 2048, *mla, is_cuda=True, cfg={**on, "MHA_FORM_COST": 0.5})
-    assert not fa.mha_form_pays(65536, 2048, *mla, is_cuda=True, cfg=on)  # top-2048 of 64k: 6% of causal pairs
+
+    def pays(T, cuda=True, cfg=on, heads=64):
+        return fa.mha_form_pays(T, 2048, *mla, is_cuda=cuda, cfg=cfg, heads=heads)
+
+    assert pays(4096) and pays(4096, heads=16)
+    assert not pays(4096, cfg={**on, "MHA_FORM": False})
+    assert not pays(4096, cuda=False)
+    assert not pays(4096 + 64)
+    assert pays(8192) and pays(12288)  # 0.67 and 0.96 of the absorbed FLOPs
+    assert not pays(16384) and not pays(16384, heads=32)  # 1.25: over MHA_FORM_COST
+    assert pays(16384, heads=16)  # under MHA_FORM_COST_FEW_HEADS
+    assert pays(18432, heads=16) and not pays(20480, heads=16)  # selected pairs 0.21 / 0.19 of the causal ones
+    assert not pays(8192, cfg={**on, "MHA_FORM_COST": 0.5})
+    assert not pays(65536, heads=16)  # top-2048 of 64k: 6% of causal pairs
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Seen(TorchDispatchMode):  # as selective activation checkpointing's modes: must see each op
@@ -139,7 +144,7 @@ def test_dense_tiles_apply_only_where_they_pay():
             return func(*args, **(kwargs or {}))
 
     with Seen():
-        assert not fa.mha_form_pays(4096, 2048, *mla, is_cuda=True, cfg=on)
+        assert not pays(4096)
     q = torch.zeros(1, 256, 4, 8)
     idx = torch.zeros(1, 256, 200, dtype=torch.int32)
     assert not fa.dense_tiles_apply(q, q, idx)  # CPU

@@ -36,9 +36,12 @@ BLOCK = 128  # FlexAttention's query and key block
 # kernel's 312 ms, 16 heads, H100); MHA_FORM: whether an MLA layer may pick the MHA form by itself (form="auto"),
 # which it does where its dense-tile FLOPs (every causal pair, nope + rope and vd channels) are at most
 # MHA_FORM_COST times the absorbed form's on the selected pairs (top-2048 of T = 4096: 0.39; 8192: 0.67; 12288:
-# 0.96; 16384: 1.25). Measured fwd + bwd, absorbed / MHA form (bench_dsa.py --forms, H100, RESULTS.md): T 8192 at
-# 16 / 64 / 128 heads 3.45x / 1.79x / 1.69x; T 16384, tiles alone, 2.66x / 1.16x / 1.08x, a tie at 64 and 128 heads
-# once the MHA form's up-projection is counted: 1.0 keeps the MHA form where it wins at every head count. AUTOTUNE:
+# 0.96; 16384: 1.25; 32768: 2.43), MHA_FORM_COST_FEW_HEADS times at <= FEW_HEADS query heads. The absorbed form
+# shares one latent KV head over the query heads, so it costs less per head as heads grow; the tiles cost the same
+# per head. Measured fwd + bwd, absorbed / MHA form (bench_dsa.py --forms, H100, RESULTS.md): T 8192 at 16 / 64 /
+# 128 heads 3.45x / 1.79x / 1.69x, T 12288 2.81x / 1.32x / 1.24x; T 16384 2.44x at 16 heads, a tie at 64 and 128
+# (tiles alone 1.16x / 1.08x); T 32768, 16 heads, tiles alone 1.49x. So 1.0 (to T ~12.5k at top-2048) where the MHA
+# form wins at every head count, 2.0 at <= 16 heads (MIN_DENSITY binds first there: to T ~19k). AUTOTUNE:
 # compile FlexAttention with inductor's max-autotune (it times its launch configurations once per shape) instead
 # of its heuristics. KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics): the backward's
 # tiles BLOCK_M1 x BLOCK_N1 (dk, dv: queries x keys) and BLOCK_M2 x BLOCK_N2 (dq), bwd_num_warps, bwd_num_stages.
@@ -51,6 +54,7 @@ BLOCK = 128  # FlexAttention's query and key block
 # Triton kernels take 2.30 ms fwd + bwd against FlexAttention's 3.28 (1.43x; bench_dsa.py --forms, RESULTS.md);
 # the `small` steps: full FT 171.6 -> 168.7 ms, LoRA 128.7 -> 124.9 ms. On the CPU FlexAttention runs either way.
 FLEX_CONFIG = {"KERNEL": "triton", "FULL_BLOCKS": True, "MIN_DENSITY": 0.2, "MHA_FORM": True, "MHA_FORM_COST": 1.0,
+               "MHA_FORM_COST_FEW_HEADS": 2.0, "FEW_HEADS": 16,
                "AUTOTUNE": False, "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
                                   "bwd_num_warps": 8, "bwd_num_stages": 2}}
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
@@ -82,16 +86,18 @@ def dense_tiles_apply(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor, c
 
 
 def mha_form_pays(T: int, topk: int, d_mha: int, dv_mha: int, d_abs: int, dv_abs: int, is_cuda: bool,
-                  cfg: dict | None = None) -> bool:
-    """Whether an MLA layer should attend in the MHA form (per-head d_mha / dv_mha channels over dense tiles of
-    every causal pair) rather than the absorbed one (d_abs / dv_abs channels over the selected pairs). Not under a
-    TorchDispatchMode (selective recompute), where the dense tiles do not run (`dense_tiles_apply`)."""
+                  cfg: dict | None = None, *, heads: int) -> bool:
+    """Whether an MLA layer of `heads` query heads should attend in the MHA form (per-head d_mha / dv_mha channels
+    over dense tiles of every causal pair) rather than the absorbed one (d_abs / dv_abs channels over the selected
+    pairs). Not under a TorchDispatchMode (selective recompute), where the dense tiles do not run
+    (`dense_tiles_apply`)."""
     cfg = FLEX_CONFIG if cfg is None else cfg
     if not cfg["MHA_FORM"] or not is_cuda or T % BLOCK or _get_current_dispatch_mode() is not None:
         return False
     if not _dense_enough(T, topk, cfg):
         return False
-    return T * (T + 1) / 2 * (d_mha + dv_mha) <= cfg["MHA_FORM_COST"] * selected_pairs(T, topk) * (d_abs + dv_abs)
+    cost = cfg["MHA_FORM_COST_FEW_HEADS"] if heads <= cfg["FEW_HEADS"] else cfg["MHA_FORM_COST"]
+    return T * (T + 1) / 2 * (d_mha + dv_mha) <= cost * selected_pairs(T, topk) * (d_abs + dv_abs)
 
 
 @triton.jit
