@@ -7,6 +7,7 @@ user would write vs dense causal SDPA.
     python benchmarks/bench_dsa.py --check --fwd-only --T 32768 --H 64 128   # SFA only: Triton vs Gluon
     python benchmarks/bench_dsa.py --sweep [fwd bwd li]   # time candidate launch configs at T = 16384, H = 128
     python benchmarks/bench_dsa.py --forms --T 4096 8192 --H 16 32 --batch 2   # MLA attention: absorbed vs MHA form
+    python benchmarks/bench_dsa.py --plot-forms A.json B.json --out forms.png   # --forms rows of several runs, plotted
 
 Every variant is passed to the op as an argument (fwd_cfg / bwd_cfg / gluon of triton_sparse_attn, cfg of
 the indexer); nothing here changes the op's defaults.
@@ -621,6 +622,47 @@ def _forms_row(idx, T, H, batch, reps, log, variants=True, tile_variants=True):
     return row
 
 
+def plot_forms(rows: list[dict], path: str, title: str) -> None:
+    """fwd + bwd ms of the two MLA forms against T, one colour per head count: absorbed (circles, solid), the MHA
+    form (squares, dashed; where a row lacks it, its tile kernels alone, hollow), the form the layer takes now
+    (`flex_attn.mha_form_pays` at DeepSeek's dims) filled. Written atomically."""
+    import os
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moeadapt.ops.dsa import flex_attn as fa
+
+    fig, ax = plt.subplots(figsize=(8.0, 4.8))
+    for i, H in enumerate(sorted({r["H"] for r in rows})):
+        c = f"C{i}"
+        mine = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
+        T = [r["T"] for r in mine]
+        mha_now = [fa.mha_form_pays(t, TOPK, MLA_NOPE + MLA_ROPE, MLA_VD, MLA_KVL + MLA_ROPE, MLA_KVL, True,
+                                    heads=H) for t in T]
+        ax.plot(T, [r["absorbed_fwdbwd_ms"] for r in mine], "-", color=c, label=f"{H} heads: absorbed")
+        mha = [r.get("mha_fwdbwd_ms") or r["tiles_default"]["fwdbwd_ms"] for r in mine]
+        ax.plot(T, mha, "--", color=c, label=f"{H} heads: MHA form")
+        for t, r, a, m, now in zip(T, mine, [r["absorbed_fwdbwd_ms"] for r in mine], mha, mha_now):
+            ax.plot(t, a, "o", color=c, mfc="white" if now else c)
+            ax.plot(t, m, "s", color=c, mfc=(c if now else "white") if r.get("mha_fwdbwd_ms") else "none",
+                    mec=c, alpha=1.0 if r.get("mha_fwdbwd_ms") else 0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens, top-2048 selections)")
+    ax.set_ylabel("fwd + bwd ms, one layer")
+    ax.set_title(title + "\nfilled: the form the layer takes now; hollow square: the MHA form's tiles alone", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -645,7 +687,17 @@ def main():
                     help="--forms: time triton_tile_attn's TILE_LAUNCH only, not TILE_VARIANTS")
     ap.add_argument("--forms", action="store_true", help="MLA attention fwd + bwd, absorbed vs MHA form, at each "
                     "--T and --H; then exit")
+    ap.add_argument("--plot-forms", nargs="+", default=None, metavar="JSON",
+                    help="plot the --forms rows of these result files into --out (a .png); no GPU needed")
+    ap.add_argument("--title", default="MLA attention, absorbed vs MHA form", help="--plot-forms: the title")
     a = ap.parse_args()
+    if a.plot_forms:
+        rows = [r for f in a.plot_forms for r in json.load(open(f)).get("forms", [])]
+        if not rows:
+            raise SystemExit(f"--plot-forms: no --forms rows in {' '.join(a.plot_forms)}")
+        plot_forms(rows, a.out, a.title)
+        print(f"wrote {a.out} ({len(rows)} rows)")
+        return
     t_start = time.time()
 
     def log(msg):

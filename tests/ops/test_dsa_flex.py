@@ -208,3 +208,28 @@ def test_layer_form_rejects_unknown():
     cos, sin = rope_cos_sin(torch.arange(8), layer.rope, 10000.0)
     with pytest.raises(ValueError, match="form='dense' is not one of"):
         layer(torch.randn(1, 8, layer.spec.hidden_size, dtype=torch.float64), cos=cos.double(), sin=sin.double())
+
+
+def test_forms_plot(tmp_path):
+    """bench_dsa.py --plot-forms draws --forms rows (the MHA form's tiles alone where a row lacks the whole form)
+    without a GPU; a file without --forms rows is one clear error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_dsa.py"
+    rows = [{"T": T, "H": H, "absorbed_fwdbwd_ms": 0.002 * T / H ** -0.5, "tiles_default": {"fwdbwd_ms": 1e-4 * T}}
+            for T in (4096, 8192) for H in (16, 64)]
+    rows[0]["mha_fwdbwd_ms"] = 0.5
+    (tmp_path / "a.json").write_text(json.dumps({"forms": rows}))
+    (tmp_path / "empty.json").write_text(json.dumps({"rows": []}))
+    out = tmp_path / "forms.png"
+    run = subprocess.run([sys.executable, str(bench), "--plot-forms", str(tmp_path / "a.json"), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "4 rows" in run.stdout
+    bad = subprocess.run([sys.executable, str(bench), "--plot-forms", str(tmp_path / "empty.json"), "--out",
+                          str(tmp_path / "x.png")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no --forms rows" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x.png").exists()
