@@ -240,9 +240,12 @@ def test_sparse_attention_flex_gpu(H, D, DV):
         assert err < 1.5e-2, f"relative max error {err:.3g}"
 
 
-def test_dsa_layer_mha_form_gpu(monkeypatch):
-    """On CUDA the DSA layer at a dense selection takes the MHA form by itself (with FLEX_CONFIG["MHA_FORM"]) and
-    matches the absorbed form under bf16 autocast: output and the input's gradient."""
+@pytest.mark.parametrize("T,topk", [(256, 192), (1024, 128)])
+def test_dsa_layer_mha_form_gpu(monkeypatch, T, topk):
+    """On CUDA the DSA layer takes the MHA form by itself (with FLEX_CONFIG["MHA_FORM"]) at a dense selection and
+    at a sparse one (top-128 of 1024: 0.23 of the causal pairs, 1.25x the absorbed FLOPs, over MHA_FORM_COST but
+    under MHA_FORM_COST_FEW_HEADS at 4 heads), and matches the absorbed form under bf16 autocast: output and the
+    input's gradient."""
     from moeadapt.models.common import rope_cos_sin
     from moeadapt.models.dsa_attn import DSAAttention
     from moeadapt.models.model import build_model, materialize
@@ -250,10 +253,9 @@ def test_dsa_layer_mha_form_gpu(monkeypatch):
     from tests.conftest import micro_spec
 
     spec = micro_spec(attn_output_gate=True, n_heads=4, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                      v_head_dim=32, index_head_dim=32, index_topk=192, max_position_embeddings=512)
+                      v_head_dim=32, index_head_dim=32, index_topk=topk, max_position_embeddings=2048)
     model = materialize(build_model(spec), seed=SEED % 1000)
     layer = next(m for m in model.modules() if isinstance(m, DSAAttention)).cuda()
-    T = 256
     monkeypatch.setitem(fa.FLEX_CONFIG, "MHA_FORM", True)
     assert layer._mha_form(T, True) and not layer._mha_form(T, False)
     x = torch.randn(2, T, spec.hidden_size, device="cuda")
