@@ -639,7 +639,8 @@ def plot_forms(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8.0, 4.8))
     for i, H in enumerate(sorted({r["H"] for r in rows})):
         c = f"C{i}"
-        mine = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
+        mine = sorted((r for r in rows if r["H"] == H and (r.get("mha_fwdbwd_ms") or r.get("tiles_default"))),
+                      key=lambda r: r["T"])  # a row whose tiles did not launch has nothing to draw for the MHA form
         T = [r["T"] for r in mine]
         mha_now = [fa.mha_form_pays(t, TOPK, MLA_NOPE + MLA_ROPE, MLA_VD, MLA_KVL + MLA_ROPE, MLA_KVL, True,
                                     heads=H) for t in T]
