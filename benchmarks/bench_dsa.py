@@ -642,15 +642,15 @@ def plot_forms(rows: list[dict], path: str, title: str) -> None:
         mine = sorted((r for r in rows if r["H"] == H and (r.get("mha_fwdbwd_ms") or r.get("tiles_default"))),
                       key=lambda r: r["T"])  # a row whose tiles did not launch has nothing to draw for the MHA form
         T = [r["T"] for r in mine]
-        mha_now = [fa.mha_form_pays(t, TOPK, MLA_NOPE + MLA_ROPE, MLA_VD, MLA_KVL + MLA_ROPE, MLA_KVL, True,
-                                    heads=H) for t in T]
-        ax.plot(T, [r["absorbed_fwdbwd_ms"] for r in mine], "-", color=c, label=f"{H} heads: absorbed")
-        mha = [r.get("mha_fwdbwd_ms") or r["tiles_default"]["fwdbwd_ms"] for r in mine]
+        ab = [r["absorbed_fwdbwd_ms"] for r in mine]
+        whole = [bool(r.get("mha_fwdbwd_ms")) for r in mine]  # the whole MHA form timed, else its tiles alone
+        mha = [r["mha_fwdbwd_ms"] if w else r["tiles_default"]["fwdbwd_ms"] for r, w in zip(mine, whole)]
+        ax.plot(T, ab, "-", color=c, label=f"{H} heads: absorbed")
         ax.plot(T, mha, "--", color=c, label=f"{H} heads: MHA form")
-        for t, r, a, m, now in zip(T, mine, [r["absorbed_fwdbwd_ms"] for r in mine], mha, mha_now):
+        for t, a, m, w in zip(T, ab, mha, whole):
+            now = fa.mha_form_pays(t, TOPK, MLA_NOPE + MLA_ROPE, MLA_VD, MLA_KVL + MLA_ROPE, MLA_KVL, True, heads=H)
             ax.plot(t, a, "o", color=c, mfc="white" if now else c)
-            ax.plot(t, m, "s", color=c, mfc=(c if now else "white") if r.get("mha_fwdbwd_ms") else "none",
-                    mec=c, alpha=1.0 if r.get("mha_fwdbwd_ms") else 0.6)
+            ax.plot(t, m, "s", mec=c, mfc=(c if now else "white") if w else "none", alpha=1.0 if w else 0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T (tokens, top-2048 selections)")
