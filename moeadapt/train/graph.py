@@ -16,10 +16,15 @@ finiteness, auxiliary losses and MoE counts are the captured outputs, valid unti
 reads them, on the device, before that). What the captured kernels read from outside the graph's pool must stay
 where it is: the weights (updated in place), the router biases, the ops' cached index tensors (one entry per
 batch shape: only packed documents, refused here, would make enough to evict one).
+
+If the capture fails (an op that syncs with the host or is not capturable), `true` stops with the error and the
+fix; `auto` drops the half-made graph, hands its memory pool back to the device and runs the same step, and every
+step after it, eagerly (`StepGraph.failed` says why; the trainer reports it).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -74,8 +79,11 @@ def resolve_cuda_graph(cfg, run) -> tuple[bool, str | None]:
 class StepGraph:
     """`fwd_bwd(batches)` -> (stats, finite), eagerly for the first WARMUP calls, then captured and replayed."""
 
-    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device):
+    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device,
+                 required: bool = False):
         self.params, self.fwd_bwd, self.device = params, fwd_bwd, device
+        self.required = required  # train.cuda_graph: true (a failed capture stops the run) rather than auto
+        self.failed: str | None = None  # why the capture failed (then every step runs eagerly)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -87,10 +95,11 @@ class StepGraph:
         if any(v is not None for _, _, extra in batches for v in extra.values()):
             raise TrainingError("train.cuda_graph: a batch carries position_ids or images, which a replay cannot "
                                "change; set train.cuda_graph: false")
-        if self.calls <= WARMUP:
+        if self.calls <= WARMUP or self.failed:
             return self.fwd_bwd(batches)
         if self.graph is None:
-            self._capture(batches)
+            if not self._capture(batches):
+                return self.fwd_bwd(batches)  # the same step, eagerly
         else:
             for (sx, sy), (x, y, _) in zip(self.inputs, batches):
                 sx.copy_(to_device(x, self.device))
@@ -109,19 +118,44 @@ class StepGraph:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def _capture(self, batches: list[tuple]) -> None:
+    def _capture(self, batches: list[tuple]) -> bool:
+        """Capture the step on `batches` (True), or, under auto, say why it failed in `failed` (False)."""
         if any(p.grad is not None for p in self.params):
             raise TrainingError("train.cuda_graph: gradients are held before the capture; the trainer drops them "
                                "after every optimizer step")
         self.inputs = [(to_device(x, self.device).clone(), to_device(y, self.device).clone()) for x, y, _ in batches]
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool cannot reuse them
+        stream = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.out = self.fwd_bwd([(sx, sy, {}) for sx, sy in self.inputs])
         except Exception as e:
-            raise TrainingError(f"train.cuda_graph: capturing the step failed ({type(e).__name__}: {e}); set "
-                               "train.cuda_graph: false") from e
+            # an op that cannot be captured invalidates the capture, and ending it then raises again: the first
+            # error is the one that names the op
+            first = e.__context__ if isinstance(e.__context__, Exception) else e
+            why = f"capturing the step failed ({type(first).__name__}: {str(first).strip().splitlines()[0]})"
+            if self.required:
+                raise TrainingError(f"train.cuda_graph: {why}; set train.cuda_graph: false (or auto, which "
+                                   "then runs the steps eagerly)") from e
+            self.failed = why + "; the steps ran eagerly (train.cuda_graph: false skips the attempt)"
+        if self.failed:  # outside the except block: its traceback holds the half-made step's tensors
+            del graph
+            self._abandon(stream)
+            return False
         self.grads = [p.grad for p in self.params]
         self.graph = graph
+        return True
+
+    def _abandon(self, stream: torch.cuda.Stream) -> None:
+        """After a failed capture: the caller's stream current again (torch.cuda.graph leaves its side stream
+        current when ending the capture raises), no gradient or output from the capture (their memory is the
+        graph's pool, never written), and the pool's memory back to the device."""
+        torch.cuda.set_stream(stream)
+        self.out, self.inputs = None, []
+        for p in self.params:
+            p.grad = None
+        gc.collect()  # reference cycles of the half-made autograd graph
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()

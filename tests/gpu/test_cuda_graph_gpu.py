@@ -147,3 +147,69 @@ def test_the_default_captures_a_one_gpu_run(tmp_path, monkeypatch):
     assert summary["cuda_graph"] is False and "released after step 4" in summary["cuda_graph_off"], summary
     assert reserved[2] < reserved[1], reserved  # the graph's pool handed back
     assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_capture_that_fails_runs_the_steps_eagerly_under_auto(seed, where):
+    """An op that syncs with the host inside the captured step (here a hook on the final norm that reads a value,
+    in the forward or the backward) makes the capture fail. Under auto the run goes on eagerly from that same step:
+    the losses are the eager run's, the failure is said once with the op's error, and the half-made graph's memory
+    pool goes back to the device; under train.cuda_graph: true it is one error naming the fix."""
+    from moeadapt.train import graph, trainer
+    from moeadapt.train.errors import TrainingError
+
+    def syncs_under_capture(m):
+        def read(t):
+            if torch.cuda.is_current_stream_capturing():
+                float(t.float().sum())  # a host read: not capturable
+            return None
+
+        if where == "forward":
+            m.norm.register_forward_hook(lambda mod, args, out: read(out))
+        else:
+            m.norm.register_full_backward_hook(lambda mod, gin, gout: read(gout[0]))
+
+    said = []
+    eager, fallback = _loops(seed, lora=False)
+    syncs_under_capture(fallback.model)
+    fallback.say = said.append
+    runs = []
+    for lp in (eager, fallback):
+        stats, reserved = [], {}
+        for step in range(STEPS):
+            lp.step = step
+            if step == graph.WARMUP:  # the step that captures: the memory held before and after it
+                stats.append(trainer.settle(lp))
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                reserved["before"] = torch.cuda.memory_reserved()
+                torch.cuda.reset_peak_memory_stats()
+            stats.append(trainer.train_step(lp))
+            if step == graph.WARMUP:
+                stats.append(trainer.settle(lp))
+                torch.cuda.synchronize()
+                reserved["peak"] = torch.cuda.max_memory_reserved()
+                torch.cuda.empty_cache()
+                reserved["after"] = torch.cuda.memory_reserved()
+        stats.append(trainer.settle(lp))
+        runs.append(([s for s in stats if s is not None], reserved))
+    (se, _), (sf, mem) = runs
+    assert fallback.graph is None and "capturing the step failed" in fallback.graph_released, fallback.graph_released
+    assert fallback.graph_released.startswith(f"step {graph.WARMUP + 1}:")
+    assert len(said) == 1 and fallback.graph_released in said[0], said
+    assert [s.step for s in se] == [s.step for s in sf] == list(range(STEPS))
+    for a, b in zip(se, sf):
+        assert a.skipped is None and b.skipped is None
+        assert abs(a.loss - b.loss) < 1e-3 * abs(a.loss), (a.step, a.loss, b.loss)
+    # the capture's allocations (a step's activations, and in the backward its gradients) are not kept
+    step_bytes = mem["peak"] - mem["before"]
+    assert step_bytes > 0 and mem["after"] - mem["before"] < 0.25 * step_bytes, mem
+
+    _, required = _loops(seed, lora=False)
+    syncs_under_capture(required.model)
+    required.cfg = required.cfg.model_copy(update={"train": required.cfg.train.model_copy(update={"cuda_graph": True})})
+    trainer.use_cuda_graph(required)
+    with pytest.raises(TrainingError, match="capturing the step failed.*set train.cuda_graph: false"):
+        for step in range(graph.WARMUP + 1):
+            required.step = step
+            trainer.train_step(required)
