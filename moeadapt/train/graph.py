@@ -135,14 +135,15 @@ class StepGraph:
             # an op that cannot be captured invalidates the capture, and ending it then raises again: the first
             # error is the one that names the op
             first = e.__context__ if isinstance(e.__context__, Exception) else e
-            why = f"capturing the step failed ({type(first).__name__}: {str(first).strip().splitlines()[0]})"
-            if self.required:
-                raise TrainingError(f"train.cuda_graph: {why}; set train.cuda_graph: false (or auto, which "
-                                   "then runs the steps eagerly)") from e
-            self.failed = why + "; the steps ran eagerly (train.cuda_graph: false skips the attempt)"
+            line = (str(first).strip().splitlines() or [""])[0]
+            self.failed = f"capturing the step failed ({type(first).__name__}: {line})"
         if self.failed:  # outside the except block: its traceback holds the half-made step's tensors
             del graph
             self._abandon(stream)
+            if self.required:
+                raise TrainingError(f"train.cuda_graph: {self.failed}; set train.cuda_graph: false (or auto, "
+                                    "which then runs the steps eagerly)")
+            self.failed += "; the steps ran eagerly (train.cuda_graph: false skips the attempt)"
             return False
         self.grads = [p.grad for p in self.params]
         self.graph = graph

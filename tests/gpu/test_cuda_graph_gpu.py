@@ -151,23 +151,25 @@ def test_the_default_captures_a_one_gpu_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_capture_that_fails_runs_the_steps_eagerly_under_auto(seed, where):
-    """An op that syncs with the host inside the captured step (here a hook on the final norm that reads a value,
-    in the forward or the backward) makes the capture fail. Under auto the run goes on eagerly from that same step:
-    the losses are the eager run's, the failure is said once with the op's error, and the half-made graph's memory
-    pool goes back to the device; under train.cuda_graph: true it is one error naming the fix."""
+    """An op that syncs with the host inside the captured step (a value read from the last block's output in the
+    forward, or from its gradient in the backward) makes the capture fail. Under auto the run goes on eagerly from
+    that same step: the losses are the eager run's, the failure is said once with the op's error, and the half-made
+    graph's memory pool goes back to the device; under train.cuda_graph: true it is one error naming the fix."""
     from moeadapt.train import graph, trainer
     from moeadapt.train.errors import TrainingError
 
-    def syncs_under_capture(m):
-        def read(t):
-            if torch.cuda.is_current_stream_capturing():
-                float(t.float().sum())  # a host read: not capturable
-            return None
+    def read(t):
+        float(t.float().sum())  # a host read: not capturable
 
-        if where == "forward":
-            m.norm.register_forward_hook(lambda mod, args, out: read(out))
-        else:
-            m.norm.register_full_backward_hook(lambda mod, gin, gout: read(gout[0]))
+    def syncs_under_capture(m):
+        def hook(mod, args, out):
+            if torch.cuda.is_current_stream_capturing():
+                if where == "forward":
+                    read(out[0])
+                else:
+                    out[0].register_hook(read)
+
+        m.layers[-1].register_forward_hook(hook)
 
     said = []
     eager, fallback = _loops(seed, lora=False)
