@@ -394,9 +394,8 @@ class TrainSpec(_Strict):
         default="auto", description="capture the step's forwards and backwards once as a CUDA graph and replay it "
         "(train/graph.py), so that the host no longer bounds the step. auto (the default): on where the run allows "
         "it (one process on a GPU; fixed shapes: no packed documents or images; dropless experts; no offloaded "
-        "activations, nor LoRA dropout under recompute; the Triton kernels), eager elsewhere and after a capture "
-        "that fails (said with the reason); true: required (a run it cannot serve is refused, with the reason; a "
-        "failed capture stops the run); false: eager steps")
+        "activations, nor LoRA dropout under recompute; the Triton kernels), eager elsewhere; true: required (a "
+        "run it cannot serve is refused, with the reason); false: eager steps")
 
     @field_validator("betas")
     @classmethod

@@ -17,14 +17,14 @@ reads them, on the device, before that). What the captured kernels read from out
 where it is: the weights (updated in place), the router biases, the ops' cached index tensors (one entry per
 batch shape: only packed documents, refused here, would make enough to evict one).
 
-If the capture fails (an op that syncs with the host or is not capturable), `true` stops with the error and the
-fix; `auto` drops the half-made graph, hands its memory pool back to the device and runs the same step, and every
-step after it, eagerly (`StepGraph.failed` says why; the trainer reports it).
+A capture that fails (an op that reads a value on the host, or one that cannot be captured) stops the run under
+`auto` as under `true`, with the op's error and the fix: it does not go on eagerly, because on torch 2.11 a failed
+capture leaves the process's CUDA random-number state unusable (the next random op raises "Offset increment outside
+graph capture") and keeps the half-made graph's memory pool (tests/gpu/test_cuda_graph_gpu.py).
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 
 import torch
@@ -79,11 +79,8 @@ def resolve_cuda_graph(cfg, run) -> tuple[bool, str | None]:
 class StepGraph:
     """`fwd_bwd(batches)` -> (stats, finite), eagerly for the first WARMUP calls, then captured and replayed."""
 
-    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device,
-                 required: bool = False):
+    def __init__(self, params: list[torch.nn.Parameter], fwd_bwd: Callable, device: torch.device):
         self.params, self.fwd_bwd, self.device = params, fwd_bwd, device
-        self.required = required  # train.cuda_graph: true (a failed capture stops the run) rather than auto
-        self.failed: str | None = None  # why the capture failed (then every step runs eagerly)
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -95,11 +92,10 @@ class StepGraph:
         if any(v is not None for _, _, extra in batches for v in extra.values()):
             raise TrainingError("train.cuda_graph: a batch carries position_ids or images, which a replay cannot "
                                "change; set train.cuda_graph: false")
-        if self.calls <= WARMUP or self.failed:
+        if self.calls <= WARMUP:
             return self.fwd_bwd(batches)
         if self.graph is None:
-            if not self._capture(batches):
-                return self.fwd_bwd(batches)  # the same step, eagerly
+            self._capture(batches)
         else:
             for (sx, sy), (x, y, _) in zip(self.inputs, batches):
                 sx.copy_(to_device(x, self.device))
@@ -118,15 +114,13 @@ class StepGraph:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    def _capture(self, batches: list[tuple]) -> bool:
-        """Capture the step on `batches` (True), or, under auto, say why it failed in `failed` (False)."""
+    def _capture(self, batches: list[tuple]) -> None:
         if any(p.grad is not None for p in self.params):
             raise TrainingError("train.cuda_graph: gradients are held before the capture; the trainer drops them "
                                "after every optimizer step")
         self.inputs = [(to_device(x, self.device).clone(), to_device(y, self.device).clone()) for x, y, _ in batches]
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph's pool cannot reuse them
-        stream = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -136,27 +130,7 @@ class StepGraph:
             # error is the one that names the op
             first = e.__context__ if isinstance(e.__context__, Exception) else e
             line = (str(first).strip().splitlines() or [""])[0]
-            self.failed = f"capturing the step failed ({type(first).__name__}: {line})"
-        if self.failed:  # outside the except block: its traceback holds the half-made step's tensors
-            del graph
-            self._abandon(stream)
-            if self.required:
-                raise TrainingError(f"train.cuda_graph: {self.failed}; set train.cuda_graph: false (or auto, "
-                                    "which then runs the steps eagerly)")
-            self.failed += "; the steps ran eagerly (train.cuda_graph: false skips the attempt)"
-            return False
+            raise TrainingError(f"train.cuda_graph: capturing the step failed ({type(first).__name__}: {line}); "
+                                "set train.cuda_graph: false to run the steps eagerly") from e
         self.grads = [p.grad for p in self.params]
         self.graph = graph
-        return True
-
-    def _abandon(self, stream: torch.cuda.Stream) -> None:
-        """After a failed capture: the caller's stream current again (torch.cuda.graph leaves its side stream
-        current when ending the capture raises), no gradient or output from the capture (their memory is the
-        graph's pool, never written), and the pool's memory back to the device."""
-        torch.cuda.set_stream(stream)
-        self.out, self.inputs = None, []
-        for p in self.params:
-            p.grad = None
-        gc.collect()  # reference cycles of the half-made autograd graph
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()

@@ -206,7 +206,7 @@ class Loop:
     start: int = 0  # the step fit started from (it logs that one)
     queued: _Queued | None = None  # the step whose verdict is not read yet (train_step, settle)
     graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
-    graph_released: str | None = None  # why the steps stopped being replayed mid-run (they then ran eagerly)
+    graph_released: str | None = None  # why a captured graph was released mid-run (the steps then ran eagerly)
     copies: WeightCopies | None = None  # bf16 compute copies of the weights the forward borrows (copies.py)
 
     def say(self, msg: str) -> None:
@@ -433,8 +433,7 @@ def use_cuda_graph(lp: Loop) -> None:
         raise TrainingError(f"train.cuda_graph: {why}")
     t = lp.cfg.train
     per_fwd = t.grad_accum_steps if t.merge_microbatches else 1
-    lp.graph = StepGraph(lp.params, lambda batches: _forward_backward(lp, batches, per_fwd), lp.run.device,
-                         required=lp.cfg.train.cuda_graph is True)
+    lp.graph = StepGraph(lp.params, lambda batches: _forward_backward(lp, batches, per_fwd), lp.run.device)
 
 
 def train_step(lp: Loop) -> StepStats | None:
@@ -463,10 +462,6 @@ def train_step(lp: Loop) -> StepStats | None:
 
     if lp.graph is not None:
         st, finite = lp.graph(batches)
-        if lp.graph.failed:  # auto: the capture failed, this step ran eagerly and so do the ones after it
-            lp.graph_released = f"step {lp.step + 1}: {lp.graph.failed}"
-            lp.say(f"[yellow]train.cuda_graph: {lp.graph_released}")
-            lp.graph = None
     else:
         st, finite = _exact(run, model, lambda: _forward_backward(lp, batches, per_fwd), retry)
     st.step = lp.step
