@@ -132,8 +132,8 @@ def test_dense_tiles_apply_only_where_they_pay():
     assert not pays(4096, cuda=False)
     assert not pays(4096 + 64)
     assert pays(8192) and pays(12288)  # 0.67 and 0.96 of the absorbed FLOPs
-    assert not pays(16384) and not pays(16384, heads=32)  # 1.25: over MHA_FORM_COST
-    assert pays(16384, heads=16)  # under MHA_FORM_COST_FEW_HEADS
+    assert not pays(16384) and not pays(16384, heads=48)  # 1.25: over MHA_FORM_COST
+    assert pays(16384, heads=16) and pays(16384, heads=32)  # under MHA_FORM_COST_FEW_HEADS
     assert pays(18432, heads=16) and not pays(20480, heads=16)  # selected pairs 0.21 / 0.19 of the causal ones
     assert not pays(8192, cfg={**on, "MHA_FORM_COST": 0.5})
     assert not pays(65536, heads=16)  # top-2048 of 64k: 6% of causal pairs

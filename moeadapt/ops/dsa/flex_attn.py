@@ -40,8 +40,9 @@ BLOCK = 128  # FlexAttention's query and key block
 # shares one latent KV head over the query heads, so it costs less per head as heads grow; the tiles cost the same
 # per head. Measured fwd + bwd, absorbed / MHA form (bench_dsa.py --forms, H100, RESULTS.md): T 8192 at 16 / 64 /
 # 128 heads 3.45x / 1.79x / 1.69x, T 12288 2.81x / 1.32x / 1.24x; T 16384 2.44x at 16 heads, a tie at 64 and 128
-# (tiles alone 1.16x / 1.08x); T 32768, 16 heads, tiles alone 1.49x. So 1.0 (to T ~12.5k at top-2048) where the MHA
-# form wins at every head count, 2.0 at <= 16 heads (MIN_DENSITY binds first there: to T ~19k). AUTOTUNE:
+# (tiles alone 1.16x / 1.08x); T 32768, 16 heads, tiles alone 1.49x; at 32 heads T 8192 2.64x, T 16384 1.75x. So
+# 1.0 (to T ~12.5k at top-2048) where the MHA form wins at every head count, 2.0 at <= 32 heads (MIN_DENSITY binds
+# first there: to T ~19k). AUTOTUNE:
 # compile FlexAttention with inductor's max-autotune (it times its launch configurations once per shape) instead
 # of its heuristics. KERNEL_OPTIONS: FlexAttention's kernel_options (None: inductor's heuristics): the backward's
 # tiles BLOCK_M1 x BLOCK_N1 (dk, dv: queries x keys) and BLOCK_M2 x BLOCK_N2 (dq), bwd_num_warps, bwd_num_stages.
@@ -54,7 +55,7 @@ BLOCK = 128  # FlexAttention's query and key block
 # Triton kernels take 2.30 ms fwd + bwd against FlexAttention's 3.28 (1.43x; bench_dsa.py --forms, RESULTS.md);
 # the `small` steps: full FT 171.6 -> 168.7 ms, LoRA 128.7 -> 124.9 ms. On the CPU FlexAttention runs either way.
 FLEX_CONFIG = {"KERNEL": "triton", "FULL_BLOCKS": True, "MIN_DENSITY": 0.2, "MHA_FORM": True, "MHA_FORM_COST": 1.0,
-               "MHA_FORM_COST_FEW_HEADS": 2.0, "FEW_HEADS": 16,
+               "MHA_FORM_COST_FEW_HEADS": 2.0, "FEW_HEADS": 32,
                "AUTOTUNE": False, "KERNEL_OPTIONS": {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
                                   "bwd_num_warps": 8, "bwd_num_stages": 2}}
 _compiled: dict = {}  # compiled FlexAttention by AUTOTUNE
