@@ -20,7 +20,8 @@ batch shape: only packed documents, refused here, would make enough to evict one
 A capture that fails (an op that reads a value on the host, or one that cannot be captured) stops the run under
 `auto` as under `true`, with the op's error and the fix: it does not go on eagerly, because on torch 2.11 a failed
 capture leaves the process's CUDA random-number state unusable (the next random op raises "Offset increment outside
-graph capture") and keeps the half-made graph's memory pool (tests/gpu/test_cuda_graph_gpu.py).
+graph capture") and keeps the half-made graph's memory pool (benchmarks/RESULTS.md, the end-to-end section's
+tried list).
 """
 
 from __future__ import annotations
