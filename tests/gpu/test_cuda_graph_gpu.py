@@ -150,7 +150,7 @@ def test_the_default_captures_a_one_gpu_run(tmp_path, monkeypatch):
 
 
 _FAILING_CAPTURE = """
-import sys, torch
+import os, sys, torch
 from tests.gpu.test_cuda_graph_gpu import _loops
 from moeadapt.train import graph, trainer
 from moeadapt.train.errors import TrainingError
@@ -174,9 +174,10 @@ try:
         lp.step = step
         trainer.train_step(lp)
 except TrainingError as e:
-    print("ERROR:", e)
+    print("ERROR:", e, flush=True)
 else:
-    print("NO ERROR")
+    print("NO ERROR", flush=True)
+os._exit(0)  # no teardown of a process whose capture failed
 """
 
 
