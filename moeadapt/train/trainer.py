@@ -619,12 +619,19 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     return last_loss, time.perf_counter() - t0, speed
 
 
+def _mfu(lp: Loop, tps: float | None) -> float | None:
+    """Model FLOPs utilisation of `tps` tokens/s (every rank's), per GPU; None off the GPUs peak_flops knows."""
+    peak = peak_flops(lp.run.device)
+    return tps * lp.flops_per_token / peak / lp.run.world if peak and tps else None
+
+
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
-    device, peak = lp.run.device, peak_flops(lp.run.device)
+    device = lp.run.device
     rec = {"kind": "train", "step": step, "loss": st.loss, "lr": lp.sched.get_last_lr()[0],
            "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": float(v) for k, v in st.aux.items()}}
-    if peak:
-        rec["mfu"] = tps * lp.flops_per_token / peak / lp.run.world  # tps counts every rank; MFU is per GPU
+    mfu = _mfu(lp, tps)
+    if mfu is not None:
+        rec["mfu"] = mfu
     if device.type == "cuda":
         rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     # st.counts / st.drops: every rank's tokens (summed over ranks by _for_log), the load of the whole step
@@ -870,6 +877,10 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "tokens_per_s": tps,
                    # the training speed: train steps only, after the first STEADY_SKIP (None if too few steps)
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
+                   # the steady speed as a fraction of the GPU's bf16 peak (None off the H100 / H200): FLOPs per
+                   # token = 6 x the active non-embedding parameters, 2/3 of that under LoRA (no weight gradients
+                   # of the frozen base); attention's own FLOPs are not counted
+                   "mfu_steady": _mfu(lp, speed.tokens_per_s), "flops_per_token": lp.flops_per_token,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
@@ -881,8 +892,9 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:
-        steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}), "
-                  if speed.tokens_per_s else "")
+        mfu = _mfu(lp, speed.tokens_per_s)
+        steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}"
+                  f"{f'; {mfu:.1%} MFU' if mfu else ''}), " if speed.tokens_per_s else "")
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {steady}{tps:,.0f} tokens/s "
                       f"wall clock (compiles and evals included); results in {out_dir}/")
     return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps, acc_before, acc_after,

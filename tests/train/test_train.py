@@ -124,17 +124,31 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
         return slow(*a, **k)
 
     monkeypatch.setattr(trainer, "evaluate", slow_eval)
+    monkeypatch.setattr(trainer, "peak_flops", lambda device: 2.0e9)  # the CPU has no peak: MFU against a made-up one
     r = api.train(cfg(tmp_path, steps=8, eval_every=2), quiet=True)
     s = json.loads((r.output_dir / "summary.json").read_text())
     assert s["steady_steps"] == 8 - trainer.STEADY_SKIP
     assert s["tokens_per_s_steady"] == r.tokens_per_s_steady
+    # MFU of the steady speed on the 6 x active non-embedding parameters basis (full fine-tuning here)
+    from moeadapt.models.model import build_model
+    from moeadapt.models.stats import count_parameters
+
+    spec = micro_spec()
+    counts = count_parameters(build_model(spec, "meta"), spec)
+    assert s["flops_per_token"] == 6 * (counts["active_per_token"] - counts["by_component"]["embeddings"])
+    assert s["mfu_steady"] == pytest.approx(s["tokens_per_s_steady"] * s["flops_per_token"] / 2.0e9, rel=1e-9)
+    logged = [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["mfu"] == pytest.approx(x["tokens_per_s"] * s["flops_per_token"] / 2.0e9)
+               for x in logged if x["kind"] == "train")
     # the 3 periodic evals (1.2 s of sleep) fall inside the loop's wall clock, not inside the steady steps: the
     # loop's wall clock holds the steady steps' own seconds plus those sleeps (and the first steps), whatever
     # speed a loaded box runs the steps at
     steady_tokens = s["tokens_per_s"] * s["elapsed_s"] * s["steady_steps"] / 8
     assert s["elapsed_s"] - steady_tokens / s["tokens_per_s_steady"] > 1.1, s
+    monkeypatch.undo()
     short = api.train(cfg(tmp_path / "short", steps=trainer.STEADY_SKIP), quiet=True)
     assert short.tokens_per_s_steady is None
+    assert json.loads((short.output_dir / "summary.json").read_text())["mfu_steady"] is None  # no steady steps, CPU
 
 
 def test_logged_tokens_per_s_is_each_steps_own(tmp_path, monkeypatch):
