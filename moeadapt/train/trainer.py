@@ -869,6 +869,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
     eval_after, acc_after = _final_eval(lp, t.steps, "after")
     lp.logger.close()
     tps = run.sum([lp.tokens_done])[0] / max(elapsed, 1e-9)
+    mfu = _mfu(lp, speed.tokens_per_s)
     _export(lp, out_dir)
     if run.is_main:
         plot_report(lp.logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
@@ -880,7 +881,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    # the steady speed as a fraction of the GPU's bf16 peak (None off the H100 / H200): FLOPs per
                    # token = 6 x the active non-embedding parameters, 2/3 of that under LoRA (no weight gradients
                    # of the frozen base); attention's own FLOPs are not counted
-                   "mfu_steady": _mfu(lp, speed.tokens_per_s), "flops_per_token": lp.flops_per_token,
+                   "mfu_steady": mfu, "flops_per_token": lp.flops_per_token,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
@@ -892,7 +893,6 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:
-        mfu = _mfu(lp, speed.tokens_per_s)
         steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}"
                   f"{f'; {mfu:.1%} MFU' if mfu else ''}), " if speed.tokens_per_s else "")
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {steady}{tps:,.0f} tokens/s "
