@@ -44,7 +44,7 @@ from moeadapt.lora import cast_frozen_, inject_lora  # noqa: E402
 from moeadapt.models.common import CausalConv1d, RMSNorm  # noqa: E402
 from moeadapt.models.model import build_model, materialize  # noqa: E402
 from moeadapt.models.router import update_expert_bias  # noqa: E402
-from moeadapt.models.stats import count_parameters  # noqa: E402
+from moeadapt.models.stats import attention_flops_per_token, count_parameters  # noqa: E402
 
 PEAK = 790e12
 _BASE = dict(conv="reference", loss="reference", norm_cast=False, fused_adamw=False, compile_norm=False,
@@ -60,18 +60,6 @@ def variants() -> dict[str, dict]:
         cur = {**cur, **change}
         out[name] = dict(cur)
     return out
-
-
-# ------------------------------------------------------------------ FLOPs
-def attn_flops_per_token(spec, T: int) -> float:
-    """Attention-score FLOPs of one token, forward + backward (3x forward; the indexer forward only)."""
-    kinds = spec.resolved_layer_types()
-    keys = sum(min(spec.index_topk, t + 1) for t in range(T)) / T
-    dsa = 2 * spec.n_heads * ((spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.kv_lora_rank) * keys
-    idx = 2 * spec.index_n_heads * spec.index_head_dim * (T + 1) / 2
-    K = spec.kda_head_dim
-    kda = spec.kda_n_heads * (6 * K * K + 4 * 64 * (K + K))  # state products + intra-chunk (chunk 64)
-    return 3 * (kinds.count("dsa") * dsa + kinds.count("kda") * kda) + kinds.count("dsa") * idx
 
 
 # ------------------------------------------------------------------ kernel families
@@ -230,7 +218,7 @@ def run_mode(mode: str, names: list[str], args, spec, device, triton_fam) -> lis
     counts = count_parameters(model, spec)
     fpt = 6 * (counts["active_per_token"] - counts["by_component"].get("embeddings", 0))
     fpt_basis = fpt * (2 / 3 if mode == "lora" else 1.0)
-    afpt = attn_flops_per_token(spec, args.seq_len)
+    afpt = attention_flops_per_token(spec, args.seq_len)  # MFU "+attn": attention's own FLOPs too
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq_len + 1), device=device, generator=g)

@@ -6,7 +6,11 @@ Stated hardware (H200 SXM nodes of 8 GPUs; override with `Hardware(...)`):
   * InfiniBand NDR between nodes: one 400 Gb/s NIC per GPU = 50 GB/s, ~40 GB/s achieved (80%);
   * a collective whose group spans nodes runs at the inter-node rate (ring / all-to-all bottleneck);
     an all-to-all over ep ranks sends (ep - 8) / ep of its bytes over IB when ep > 8;
-  * bf16 dense peak 989 TFLOP/s per GPU at 40% MFU for the GEMMs;
+  * bf16 dense peak 989 TFLOP/s per GPU at 40% MFU, for the weights' GEMMs (6 N a token, 4 N under LoRA, + 2 N
+    under full recompute) and attention's own products (`models.stats.attention_flops`: DSA in the form its
+    kernels take at that length, the indexer's scores once, the delta rule's products), one rate for all:
+    measured, the indexer runs at ~90 TFLOP/s at 131k tokens (benchmarks/RESULTS.md), so long-context steps
+    take longer than this predicts;
   * FSDP collectives overlap with compute (prefetch): only the part beyond 85% of compute is exposed;
     the EP all-to-all sits on the critical path between router and experts: exposed in full. It moves the
     runtime's fixed [ep, cap, L] buffers (parallel/expert.py: padding included, the same bytes for every
@@ -22,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
-from .memory import Plan, ep_rows_per_token, param_counts
+from ..models.stats import attention_flops
+from .memory import Plan, dsa_mha_form, ep_rows_per_token, param_counts
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,11 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
     # time per micro-batch
     act = pc.total - sum(pc.block_experts) + sum(pc.block_experts) * spec.n_experts_per_tok / max(1, spec.n_routed_experts)
     flops_per_tok = (4 if lora else 6) * act + (2 if plan.recompute == "full" else 0) * act
-    attn_flops = 0.0
-    for kind in spec.resolved_layer_types():  # quadratic / top-k attention scores (fwd 4 * ... , x3 for bwd)
-        if kind == "dsa":
-            attn_flops += 12 * min(spec.index_topk, plan.seq_len) * spec.n_heads * (2 * spec.kv_lora_rank + spec.qk_rope_head_dim) / 2
-        elif kind == "gqa":
-            attn_flops += 12 * plan.seq_len / 2 * spec.n_heads * spec.gqa_head_dim
-        else:
-            attn_flops += 12 * 64 * spec.kda_n_heads * spec.kda_head_dim
+    # attention's own products (models/stats.py): DSA in the form its kernels take at this length, every kind
+    # forward, backward (2x) and again under full recompute, the indexer once (a recompute keeps its top-k)
+    form = "mha_dense" if dsa_mha_form(spec, plan.seq_len, plan.cp, plan.recompute == "selective") else "absorbed"
+    attn = attention_flops(spec, plan.seq_len, dsa_form=form)
+    attn_flops = (passes + 1) * (attn["dsa"] + attn["kda"] + attn["gdn"] + attn["gqa"]) + attn["indexer"]
     compute_s = t * (flops_per_tok + attn_flops) / (hw.peak_tflops * 1e12 * hw.mfu) * straggler ** 0.5
     fsdp_s = ag / (_bw(n, hw) * 1e9) + rs / (_bw(n, hw) * 1e9) / grad_accum
     if ep > hw.gpus_per_node:

@@ -415,7 +415,7 @@ def _layer_acc(spec: ModelSpec, i: int, seq: int, backend: str, act_bytes: int, 
             _lin_in(acc, "q_lat", qr, int(tr(qm)) + int(idx_train))
         acc.gemm("wq_b", H * (n + r))
         lora(qm, H * (n + r))
-        mha = not ref and _dsa_mha_form(spec, seq, cp, selective)
+        mha = not ref and dsa_mha_form(spec, seq, cp, selective)
         if full and not mha:
             acc.keep("q (q_nope: absorb bmm input)", H * (n + r), gemm_out=1)
         acc.gemm("wkv_a", c + r)
@@ -715,13 +715,13 @@ def _dsa_backward_workspace(spec: ModelSpec, plan: Plan, act_bytes: int, backend
     from ..ops.dsa.triton_sparse_attn import backward_workspace_bytes
 
     mb, seq = plan.micro_batch, plan.seq_len
-    if _dsa_mha_form(spec, seq, plan.cp, plan.recompute == "selective"):  # dense tiles (flex_attn.py): no P / dS buffer
+    if dsa_mha_form(spec, seq, plan.cp, plan.recompute == "selective"):  # dense tiles (flex_attn.py): no P / dS buffer
         return [0.0] * spec.n_layers
     ws = backward_workspace_bytes(mb, seq // plan.cp, seq, spec.n_heads, min(spec.index_topk, seq), act_bytes)
     return [float(ws) if k == "dsa" else 0.0 for k in spec.resolved_layer_types()]
 
 
-def _dsa_mha_form(spec: ModelSpec, seq: int, cp: int, selective: bool) -> bool:
+def dsa_mha_form(spec: ModelSpec, seq: int, cp: int, selective: bool) -> bool:
     """Whether the DSA layers on CUDA attend in MHA form (models/dsa_attn.py): never under context parallelism
     or selective recompute, else where `mha_form_pays` for the whole sequence."""
     if cp > 1 or selective:

@@ -42,7 +42,7 @@ from ..io import atomic_write_text
 from ..lora import export_peft
 from ..models.model import HybridMoEModel, checkpoint_tensors
 from ..models.router import Router, update_expert_bias
-from ..models.stats import count_parameters
+from ..models.stats import attention_flops_per_token, count_parameters
 from ..models.vision import ImageBatch
 from ..ops.host import to_device, to_host
 from ..parallel.optim import CopyAdamW, build_optimizer
@@ -619,10 +619,15 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     return last_loss, time.perf_counter() - t0, speed
 
 
-def _mfu(lp: Loop, tps: float | None) -> float | None:
-    """Model FLOPs utilisation of `tps` tokens/s (every rank's), per GPU; None off the GPUs peak_flops knows."""
+def _mfu(lp: Loop, tps: float | None, attention: bool = False) -> float | None:
+    """Model FLOPs utilisation of `tps` tokens/s (every rank's), per GPU, on the 6 N basis (lp.flops_per_token),
+    or with attention's own FLOPs added (`models.stats.attention_flops_per_token`, one causal sequence of
+    train.seq_len a row); None off the GPUs peak_flops knows."""
     peak = peak_flops(lp.run.device)
-    return tps * lp.flops_per_token / peak / lp.run.world if peak and tps else None
+    if not (peak and tps):
+        return None
+    fpt = lp.flops_per_token + (attention_flops_per_token(lp.cfg.model, lp.cfg.train.seq_len) if attention else 0)
+    return tps * fpt / peak / lp.run.world
 
 
 def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progress) -> None:
@@ -869,7 +874,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
     eval_after, acc_after = _final_eval(lp, t.steps, "after")
     lp.logger.close()
     tps = run.sum([lp.tokens_done])[0] / max(elapsed, 1e-9)
-    mfu = _mfu(lp, speed.tokens_per_s)
+    mfu, mfu_attn = _mfu(lp, speed.tokens_per_s), _mfu(lp, speed.tokens_per_s, attention=True)
     _export(lp, out_dir)
     if run.is_main:
         plot_report(lp.logger.path, out_dir / "report.png", title=f"{cfg.model.name} - {'LoRA' if cfg.lora else 'full'}")
@@ -880,8 +885,11 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
                    # the steady speed as a fraction of the GPU's bf16 peak (None off the H100 / H200): FLOPs per
                    # token = 6 x the active non-embedding parameters, 2/3 of that under LoRA (no weight gradients
-                   # of the frozen base); attention's own FLOPs are not counted
+                   # of the frozen base); the second adds attention's own FLOPs (scores, delta-rule state) for
+                   # one causal sequence of seq_len a row
                    "mfu_steady": mfu, "flops_per_token": lp.flops_per_token,
+                   "mfu_steady_with_attention": mfu_attn,
+                   "attention_flops_per_token": attention_flops_per_token(cfg.model, t.seq_len),
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
@@ -894,7 +902,8 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
     run.finish()
     if not quiet:
         steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}"
-                  f"{f'; {mfu:.1%} MFU' if mfu else ''}), " if speed.tokens_per_s else "")
+                  f"{f'; {mfu:.1%} MFU, {mfu_attn:.1%} counting attention' if mfu else ''}), "
+                  if speed.tokens_per_s else "")
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {steady}{tps:,.0f} tokens/s "
                       f"wall clock (compiles and evals included); results in {out_dir}/")
     return TrainResult(out_dir, eval_before, eval_after, last_loss, tps, t.steps, acc_before, acc_after,

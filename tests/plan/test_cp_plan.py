@@ -72,3 +72,29 @@ def test_offload_leaves_no_block_input_on_the_gpu():
     assert sel == 4 * 262144 * 2048 * 4
     assert off["activations"] >= 262144 * small.hidden_size * 2 * small.n_layers + sel and on["activations"] == sel
     assert on["total"] < off["total"] and "+offload" in Plan(offload=True, **base).label()
+
+
+
+def test_the_time_model_counts_the_indexer_once_and_the_rest_of_attention_per_pass():
+    """The step-time model's attention (models.stats.attention_flops), on hardware of 1 TFLOP/s at 100%: at 131k
+    tokens, sharing three of `small`'s four indexers (index_shared_layers) takes exactly their scores' FLOPs (and
+    their weights' 6 N) off the compute time; a full recompute runs attention's forward again but not the indexer
+    (its top-k is kept), so with or without them it adds the same but for those weights' forward."""
+    from moeadapt.models.stats import attention_flops
+    from moeadapt.plan.comm import Hardware
+    from moeadapt.plan.memory import param_counts
+
+    T = 131072
+    own, shared = get_preset("small"), get_preset("small", index_shared_layers=[7, 11, 15])
+
+    def flops_per_token(spec, recompute):
+        plan = Plan(gpus=1, dp_replicate=1, dp_shard=1, cp=1, ep=1, recompute=recompute, micro_batch=1, seq_len=T)
+        return comm_and_time(spec, plan, None, hw=Hardware(peak_tflops=1.0, mfu=1.0), straggler=1.0)["compute_s"] \
+            * 1e12 / T
+
+    indexer = attention_flops(own, T)["indexer"]
+    weights = param_counts(own, None).total - param_counts(shared, None).total  # the shared layers' indexer weights
+    assert flops_per_token(own, "none") - flops_per_token(shared, "none") == pytest.approx(indexer * 3 / 4 + 6 * weights)
+    recompute = [flops_per_token(spec, "full") - flops_per_token(spec, "none") for spec in (own, shared)]
+    assert recompute[0] - recompute[1] == pytest.approx(2 * weights)  # the weights' forward again, no indexer
+    assert indexer > 0.1 * flops_per_token(own, "none")  # at 131k the indexer is a large share of the step

@@ -137,6 +137,13 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
     counts = count_parameters(build_model(spec, "meta"), spec)
     assert s["flops_per_token"] == 6 * (counts["active_per_token"] - counts["by_component"]["embeddings"])
     assert s["mfu_steady"] == pytest.approx(s["tokens_per_s_steady"] * s["flops_per_token"] / 2.0e9, rel=1e-9)
+    # and with attention's own FLOPs for the run's seq_len (models.stats; its products checked there)
+    from moeadapt.models.stats import attention_flops_per_token
+
+    attn = attention_flops_per_token(spec, 32)
+    assert attn > 0 and s["attention_flops_per_token"] == attn
+    assert s["mfu_steady_with_attention"] == pytest.approx(
+        s["tokens_per_s_steady"] * (s["flops_per_token"] + attn) / 2.0e9, rel=1e-9)
     logged = [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(x["mfu"] == pytest.approx(x["tokens_per_s"] * s["flops_per_token"] / 2.0e9)
                for x in logged if x["kind"] == "train")
