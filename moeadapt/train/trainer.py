@@ -636,7 +636,7 @@ def _log_train(lp: Loop, step: int, st: StepStats, tps: float, progress: Progres
            "grad_norm": float(st.grad_norm), "tokens_per_s": tps, **{f"aux/{k}": float(v) for k, v in st.aux.items()}}
     mfu = _mfu(lp, tps)
     if mfu is not None:
-        rec["mfu"] = mfu
+        rec["mfu"], rec["mfu_with_attention"] = mfu, _mfu(lp, tps, attention=True)
     if device.type == "cuda":
         rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     # st.counts / st.drops: every rank's tokens (summed over ranks by _for_log), the load of the whole step

@@ -147,6 +147,8 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
     logged = [json.loads(x) for x in (r.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(x["mfu"] == pytest.approx(x["tokens_per_s"] * s["flops_per_token"] / 2.0e9)
                for x in logged if x["kind"] == "train")
+    assert all(x["mfu_with_attention"] == pytest.approx(x["tokens_per_s"] * (s["flops_per_token"] + attn) / 2.0e9)
+               for x in logged if x["kind"] == "train")
     # the 3 periodic evals (1.2 s of sleep) fall inside the loop's wall clock, not inside the steady steps: the
     # loop's wall clock holds the steady steps' own seconds plus those sleeps (and the first steps), whatever
     # speed a loaded box runs the steps at
