@@ -523,17 +523,25 @@ def _save(lp: Loop, ckpt_root: Path, step: int) -> None:
 _SKIP_WHY = {"nonfinite_loss": "loss is NaN/Inf", "nonfinite_grad": "gradient norm is NaN/Inf"}
 
 
-# Steps left out of the steady-state speed: the first ones compile and autotune kernels (Triton, torch.compile).
+# Steps left out of the steady-state speed: the first ones compile and autotune kernels (Triton, torch.compile);
+# under train.cuda_graph the step after the graph's eager warm-up is the capture, left out too (steady_skip).
 STEADY_SKIP = 2
+
+
+def steady_skip(lp: Loop) -> int:
+    """How many of this process's first steps the steady speed leaves out: STEADY_SKIP, and with a CUDA graph
+    every step up to its capture (graph.WARMUP eager steps, then the capturing one: ~3x a replayed step)."""
+    return STEADY_SKIP if lp.graph is None else max(STEADY_SKIP, GRAPH_WARMUP + 1)
 
 
 @dataclass
 class Speed:
-    """Train-step time and tokens after the first STEADY_SKIP steps, evals and checkpoint writes left out."""
+    """Train-step time and tokens after the first `skip` steps, evals and checkpoint writes left out."""
 
     seconds: float = 0.0
     tokens: int = 0
     steps: int = 0
+    skip: int = STEADY_SKIP
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -552,7 +560,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
     lp.start = start
     bad, last_loss, t0 = 0, float("nan"), time.perf_counter()
     t_log, tok_log = t0, 0
-    speed, t_step = Speed(), t0
+    speed, t_step = Speed(skip=steady_skip(lp)), t0
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console, disable=lp.quiet)
 
@@ -580,7 +588,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
         bad, last_loss = 0, st.loss
         lp.tokens_done += st.tokens
         tok_log += st.tokens
-        if st.step - start >= STEADY_SKIP:
+        if st.step - start >= speed.skip:
             speed.tokens += st.tokens
         progress.update(task, info=f"loss {st.loss:.3f}")
         if _logged(lp, st.step):
@@ -603,7 +611,7 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
                 account(st)
                 if st is not None and st.skipped:  # no eval or checkpoint after a skipped step
                     do_eval = do_save = False
-            if step - start >= STEADY_SKIP:
+            if step - start >= speed.skip:
                 speed.seconds += time.perf_counter() - t_step
                 speed.steps += 1
             t_pause = time.perf_counter()
@@ -881,7 +889,8 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after, "final_train_loss": last_loss,
                    # wall clock over the loop (first steps' compiles and periodic evals included)
                    "tokens_per_s": tps,
-                   # the training speed: train steps only, after the first STEADY_SKIP (None if too few steps)
+                   # the training speed: train steps only, after the first STEADY_SKIP (and a CUDA graph's
+                   # capture: steady_skip), None if too few steps
                    "tokens_per_s_steady": speed.tokens_per_s, "steady_steps": speed.steps,
                    # the steady speed as a fraction of the GPU's bf16 peak (None off the H100 / H200): FLOPs per
                    # token = 6 x the active non-embedding parameters, 2/3 of that under LoRA (no weight gradients
@@ -901,7 +910,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
     run.finish()
     if not quiet:
-        steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {STEADY_SKIP}"
+        steady = (f"{speed.tokens_per_s:,.0f} tokens/s steady state (train steps after the first {speed.skip}"
                   f"{f'; {mfu:.1%} MFU, {mfu_attn:.1%} counting attention' if mfu else ''}), "
                   if speed.tokens_per_s else "")
         console.print(f"eval loss before {eval_before:.4f} -> after {eval_after:.4f}; {steady}{tps:,.0f} tokens/s "

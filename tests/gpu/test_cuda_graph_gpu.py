@@ -123,12 +123,15 @@ def test_the_default_captures_a_one_gpu_run(tmp_path, monkeypatch):
 
     res, summary = run("auto")
     assert summary["cuda_graph"] is True and summary["cuda_graph_off"] is None, summary
+    # the steady speed leaves out the eager warm-up and the capturing step (trainer.steady_skip)
+    assert summary["steady_steps"] == 8 - 3, summary
     assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
     res, summary = run("recompute", activation_checkpointing="full")
     assert summary["cuda_graph"] is True, summary
     assert res.eval_after < res.eval_before, (res.eval_before, res.eval_after)
     _, summary = run("reference", backend="reference")
     assert summary["cuda_graph"] is False and "reference" in summary["cuda_graph_off"], summary
+    assert summary["steady_steps"] == 8 - 2, summary  # eager: the first two steps only
 
     # an eval that runs out of memory beside the graph's pool (the first after the capture, at step 4) releases
     # the graph, whose memory goes back to the device, and the run goes on eagerly

@@ -160,6 +160,17 @@ def test_steady_state_speed_leaves_out_first_steps_and_evals(tmp_path, monkeypat
     assert json.loads((short.output_dir / "summary.json").read_text())["mfu_steady"] is None  # no steady steps, CPU
 
 
+def test_the_steady_speed_leaves_out_a_cuda_graphs_capture():
+    """With a CUDA graph the step after its eager warm-up captures (~3x a replayed step): the steady speed starts
+    after it; eager runs skip only the compiling first steps."""
+    from types import SimpleNamespace
+
+    from moeadapt.train import graph, trainer
+
+    assert trainer.steady_skip(SimpleNamespace(graph=None)) == trainer.STEADY_SKIP
+    assert trainer.steady_skip(SimpleNamespace(graph=object())) == graph.WARMUP + 1 > trainer.STEADY_SKIP
+
+
 def test_logged_tokens_per_s_is_each_steps_own(tmp_path, monkeypatch):
     """Each train line's tokens/s covers its own step's work and nothing else: every step made 0.1 s slower and
     every eval 1 s slower, the lines (one per step, read one step late) must each imply a step of 0.1-0.9 s: not
