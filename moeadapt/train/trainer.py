@@ -74,7 +74,7 @@ class TrainResult:
     steps: int
     accuracy_before: dict | None = None  # vision-language runs: evaluate_vl's answer accuracy (overall, by question)
     accuracy_after: dict | None = None
-    tokens_per_s_steady: float | None = None  # train steps only, after the first STEADY_SKIP (the speed)
+    tokens_per_s_steady: float | None = None  # train steps only, after the first steady_skip(lp) (the speed)
 
 
 def pick_device(name: str) -> torch.device:
