@@ -222,7 +222,7 @@ def unfuse(model, what: set[str]) -> int:
 def run_ours(args, mode: str) -> dict:
     from moeadapt.data.dataset import Sampler
     from moeadapt.models.model import build_model
-    from moeadapt.models.stats import attention_flops_per_token, count_parameters
+    from moeadapt.models.stats import count_parameters
     from moeadapt.train import trainer
     from moeadapt.train.build import build_meta, materialize_shards
     from moeadapt.train.copies import resolve_weight_dtype
@@ -302,11 +302,10 @@ def run_ours(args, mode: str) -> dict:
         from profile_step import _triton_families, profile_one
 
         res["profile"] = profile_one(step, run.device, _triton_families())
-    # MFU per GPU as summary.json states it (trainer._mfu): 6 N (LoRA 4 N), then with attention's own FLOPs
-    afpt, peak = attention_flops_per_token(spec, args.seq), trainer.peak_flops(run.device)
-    tps = args.mb * args.seq / res["step_s"]  # one rank's tokens/s
-    res.update(flops_per_token=fpt, attention_flops_per_token=afpt, mfu=tps * fpt / peak if peak else None,
-               mfu_with_attention=tps * (fpt + afpt) / peak if peak else None)
+    # MFU per GPU as summary.json states it: 6 N (LoRA 4 N), then with attention's own FLOPs
+    tps = args.mb * args.seq * run.world / res["step_s"]  # every rank's tokens/s
+    res.update(flops_per_token=fpt, attention_flops_per_token=lp.attention_flops_per_token,
+               mfu=trainer._mfu(lp, tps), mfu_with_attention=trainer._mfu(lp, tps, attention=True))
     run.finish()
     shutil.rmtree(out_dir, ignore_errors=True)  # nothing is saved there; train.output_dir must name a directory
     return {"side": "ours", "mode": mode, "model": f"moeadapt {spec.name}", "params_total": counts["total"],

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import ModelSpec
+from ..ops.dsa.flex_attn import selected_pairs
 from ..ops.kda.reference import CHUNK
 
 
@@ -84,8 +85,7 @@ def _pairs(T: int, topk: int, block: int, tail: bool) -> tuple[float, float]:
     """(selected keys, indexer keys) per query, averaged over the T queries of a causal sequence. block = 0: the
     per-token indexer; else KPool over complete blocks of `block` tokens (plus the query's own tail)."""
     if not block:
-        n = min(T, topk)
-        return (n * (n + 1) / 2 + (T - n) * topk) / T, (T + 1) / 2
+        return selected_pairs(T, topk) / T, (T + 1) / 2
     n = torch.arange(1, T + 1, dtype=torch.float64)  # query t sees n = t + 1 tokens
     vis = torch.div(n, block, rounding_mode="floor")  # its complete blocks
     sel = torch.clamp(vis, max=topk // block) * block + ((n - vis * block) if tail else 0)

@@ -208,6 +208,11 @@ class Loop:
     graph: StepGraph | None = None  # train.cuda_graph: the forwards and backwards captured and replayed
     graph_released: str | None = None  # why a captured graph was released mid-run (the steps then ran eagerly)
     copies: WeightCopies | None = None  # bf16 compute copies of the weights the forward borrows (copies.py)
+    # attention's own FLOPs per token at train.seq_len (models.stats), for the MFU that counts them
+    attention_flops_per_token: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attention_flops_per_token = attention_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
 
     def say(self, msg: str) -> None:
         """Run messages (warnings included) come from rank 0 only."""
@@ -629,12 +634,12 @@ def fit(lp: Loop, start: int) -> tuple[float, float, Speed]:
 
 def _mfu(lp: Loop, tps: float | None, attention: bool = False) -> float | None:
     """Model FLOPs utilisation of `tps` tokens/s (every rank's), per GPU, on the 6 N basis (lp.flops_per_token),
-    or with attention's own FLOPs added (`models.stats.attention_flops_per_token`, one causal sequence of
-    train.seq_len a row); None off the GPUs peak_flops knows."""
+    or with attention's own FLOPs added (lp.attention_flops_per_token, one causal sequence of train.seq_len a
+    row); None off the GPUs peak_flops knows."""
     peak = peak_flops(lp.run.device)
     if not (peak and tps):
         return None
-    fpt = lp.flops_per_token + (attention_flops_per_token(lp.cfg.model, lp.cfg.train.seq_len) if attention else 0)
+    fpt = lp.flops_per_token + (lp.attention_flops_per_token if attention else 0)
     return tps * fpt / peak / lp.run.world
 
 
@@ -898,7 +903,7 @@ def _train_body(lp: Loop, start: int, out_dir: Path, n_train: int, n_total: int,
                    # one causal sequence of seq_len a row
                    "mfu_steady": mfu, "flops_per_token": lp.flops_per_token,
                    "mfu_steady_with_attention": mfu_attn,
-                   "attention_flops_per_token": attention_flops_per_token(cfg.model, t.seq_len),
+                   "attention_flops_per_token": lp.attention_flops_per_token,
                    "steps": t.steps, "elapsed_s": elapsed, "trainable_params": n_train,
                    "skipped_nonfinite_steps": lp.skipped_nonfinite, "skipped_no_target_steps": lp.skipped_no_targets,
                    "weight_copies": lp.copies is not None, "weight_dtype": t.weight_dtype,
