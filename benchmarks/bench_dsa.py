@@ -153,7 +153,7 @@ def li_shapes(log, Ts, HIs, B=1):
             for n, cfg in enumerate(cands):
                 def run(cfg=cfg, xs=(q_idx, k_idx, w_idx)):
                     return ti.lightning_indexer_triton(*xs, TOPK, cfg=cfg)
-                ms = try_run(f"li {cfg}", lambda run=run, reps=2 if T > 65536 else 3: timeit(run, reps=reps), log)
+                ms = try_run(f"li {cfg}", lambda run=run, reps=2 if T > 65536 else 3 if T > 8192 else 20: timeit(run, reps=reps), log)
                 if ms is None:
                     continue
                 got = run()

@@ -180,7 +180,8 @@ def _bwd_sub_dg(dg_out, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias,
                 USE_GATE: tl.constexpr):
     """One sub-chunk's dg = (sum of dG from its first row to the chunk's end: s_from at the first row) - the
     in-sub-chunk cumsum + dG, stored into dg_out in its dtype; with USE_GATE, through the fused gate (d/dA_log
-    partials per row into o_dA)."""
+    partials per row into o_dA). Returns the float32 sum of the stored dg over the sub-chunk's valid rows (its
+    share of d dt_bias, which is dg summed over tokens)."""
     b_dg = s_from[None, :] - tl.cumsum(dG, axis=0) + dG
     o = tok[:, None] * sg + cg[None, :]
     mm = m[:, None]
@@ -190,14 +191,15 @@ def _bwd_sub_dg(dg_out, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias,
         x = tl.load(g + o, mask=mm, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv * K + ck).to(tl.float32)[None, :]
         b_dg *= -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.sigmoid(x)
     tl.store(dg_out + o, b_dg.to(dg_out.dtype.element_ty), mask=mm)
+    return tl.sum(tl.where(mm, b_dg, 0.0), axis=0)
 
 
 @triton.jit
 def _bwd_intra(
     q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dq_out, dk_out, dg_out,
-    H, HV, K: tl.constexpr,
+    ddt, H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
-    DIAG_SPREAD: tl.constexpr,
+    DIAG_SPREAD: tl.constexpr, DDT: tl.constexpr,
 ):
     """Per (chunk, head, K-block), the sub-chunks i = last..0 one at a time: every intra-chunk pair term of Aqk and
     Akk added to the partials in dq, dk, dg, dbeta, then dg = reverse cumsum of dG within the chunk (the sum over
@@ -207,7 +209,9 @@ def _bwd_intra(
     (every factor <= 1). The diagonal block (i, i) splits at the sub-chunk's middle gate rm instead (factors within
     e^(+-DIAG_SPREAD/2): taken only where every channel of the K-block decays by at most DIAG_SPREAD within the
     sub-chunk), else runs elementwise per column / row c with E = e^-|G_r - G_c|, which is e^(G_r - G_c) for r >= c
-    and e^(G_c - G_r) for r <= c because G is non-increasing (g <= 0): one exponential serves both sides."""
+    and e^(G_c - G_r) for r <= c because G is non-increasing (g <= 0): one exponential serves both sides.
+    DDT: the chunk's sum of the stored dg over its tokens goes to ddt[chunk, head, K-block columns] (float32), so
+    that d dt_bias is a sum over chunks, not a pass over a float32 copy of dg."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
@@ -221,6 +225,7 @@ def _bwd_intra(
     o_db = db + i_k * T_total * HV + i_hv
     o_dA = dA + i_k * T_total * HV + i_hv
     s = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the rows after the current sub-chunk
+    sdt = tl.zeros([BK], dtype=tl.float32)  # DDT: sum of the stored dg over the chunk's rows
     for n in range(0, NS):
         i = NS - 1 - n
         t_i = t0 + i * BC + ii
@@ -295,5 +300,7 @@ def _bwd_intra(
                 ckk += d_k[:, None] * E * k_c
         dG = _bwd_sub_add(dq, dk, dg, dq_out, dk_out, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
         s += tl.sum(dG, axis=0)
-        _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+        sdt += _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
         tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)
+    if DDT:
+        tl.store(ddt + i_c * sg + cg, sdt)

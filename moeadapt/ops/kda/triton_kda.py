@@ -251,8 +251,8 @@ def _chunk_kda_bwd_impl(
     """Gradients of chunk_kda_fwd for the cotangents do [B,T,HV,V] and dht [N,HV,K,V] (None: zero), from its
     inputs and saved outputs: (dq, dk, dv, dg, dbeta in their inputs' dtypes, dh0 float32 [N,HV,K,V],
     dA_log [HV], ddt_bias like dt_bias); dh0 / dA_log / ddt_bias are shape [0] where h0 / A_log / dt_bias
-    is None, and where `gate_grads` is False (a frozen gate: LoRA). Then dg is stored in g's dtype by the
-    kernel that finishes it; with them, dg stays fp32 until ddt_bias (its sum over tokens) is taken."""
+    is None, and where `gate_grads` is False (a frozen gate: LoRA). dg is stored in g's dtype by the kernel
+    that finishes it, which also sums it over each chunk's tokens in float32 for ddt_bias."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     NC, N = gl.shape[0], cu.numel() - 1
@@ -300,16 +300,19 @@ def _chunk_kda_bwd_impl(
     dq_out = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) if HV == H else dq
     dk_out = torch.empty(Tt, HV, K, device=dev, dtype=k.dtype) if HV == H else dk
     gate_grads = gate and gate_grads
-    dg_out = dg if gate_grads else torch.empty(Tt, HV, K, device=dev, dtype=g.dtype)
+    dg_out = torch.empty(Tt, HV, K, device=dev, dtype=g.dtype)
+    # d dt_bias: each chunk's sum of dg over its tokens, from the kernel's float32 values
+    ddt_part = torch.empty(NC, HV, K, device=dev, dtype=torch.float32) if gate_grads and dt_bias is not None else None
     _bwd_intra[(NC, HV, K // BK2)](
         q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dq_out, dk_out, dg_out,
+        ddt_part if ddt_part is not None else dg,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
-        DIAG_SPREAD=cfg["diag_spread"],
+        DIAG_SPREAD=cfg["diag_spread"], DDT=ddt_part is not None,
     )
     del Gc
     dA_log = dA.sum((0, 1)).to(A_log.dtype) if gate_grads else _empty(q)
-    ddt = dg.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate_grads and dt_bias is not None else _empty(q)
+    ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if ddt_part is not None else _empty(q)
     dg = dg_out
     dbeta = db0 + db1.sum(0) + db2.sum(0)
     dq, dk = dq_out, dk_out
