@@ -100,11 +100,12 @@ def _bwd_dv(
 
 @triton.jit
 def _bwd_wy(
-    q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db, cu, cidx, scale, T_total, A_log, dt_bias,
+    q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db, Gc, cu, cidx, scale, T_total, A_log, dt_bias,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, USE_GATE: tl.constexpr,
 ):
-    """Per (chunk, head, K-block): state and WY terms of dq, dk, dg (partial), dbeta (partial)."""
+    """Per (chunk, head, K-block): state and WY terms of dq, dk (partial, in their buffers' dtype), dg (partial,
+    float32), dbeta (partial); also the in-chunk cumulative gate G into Gc (float32), which _bwd_intra reads."""
     i_c, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
@@ -151,9 +152,10 @@ def _bwd_wy(
     b_dk += b_beta[:, None] * eG * dRw
     dG += b_beta[:, None] * rw * dRw
     dG += tl.where((rows == L - 1)[:, None], dgam[None, :], 0.0)
-    tl.store(dq + o_g, b_dq, mask=rmask[:, None])
-    tl.store(dk + o_g, b_dk, mask=rmask[:, None])
+    tl.store(dq + o_g, b_dq.to(dq.dtype.element_ty), mask=rmask[:, None])
+    tl.store(dk + o_g, b_dk.to(dk.dtype.element_ty), mask=rmask[:, None])
     tl.store(dg + o_g, dG, mask=rmask[:, None])
+    tl.store(Gc + o_g, b_G, mask=rmask[:, None])
     tl.store(db + i_k * T_total * HV + tok * HV + i_hv, tl.sum(dRw * rw, axis=1), mask=rmask)
 
 
@@ -164,14 +166,14 @@ def _dA_block(A, o_r, m, cols):
 
 
 @triton.jit
-def _bwd_sub_add(dq, dk, dg, dq_out, dk_out, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
-    """One sub-chunk: dq + rq and dk + beta rk + cq + ckk stored into dq_out, dk_out (dq / dk themselves, or the
-    final gradients in their own dtype); returns dG = (partial dg) + q rq + k (beta rk - cq - ckk)."""
+def _bwd_sub_add(dq, dk, dg, tok, m, cg, sg, b_q, b_k, b_b, rq, rk, cq, ckk):
+    """One sub-chunk: dq += rq and dk += beta rk + cq + ckk in place, in their buffers' dtype (each element is read
+    and written by this program only); returns dG = (partial dg) + q rq + k (beta rk - cq - ckk)."""
     o = tok[:, None] * sg + cg[None, :]
     mm = m[:, None]
-    tl.store(dq_out + o, (tl.load(dq + o, mask=mm, other=0.0) + rq).to(dq_out.dtype.element_ty), mask=mm)
-    tl.store(dk_out + o, (tl.load(dk + o, mask=mm, other=0.0) + b_b * rk + cq + ckk).to(dk_out.dtype.element_ty),
-             mask=mm)
+    tl.store(dq + o, (tl.load(dq + o, mask=mm, other=0.0).to(tl.float32) + rq).to(dq.dtype.element_ty), mask=mm)
+    tl.store(dk + o, (tl.load(dk + o, mask=mm, other=0.0).to(tl.float32) + b_b * rk + cq + ckk)
+             .to(dk.dtype.element_ty), mask=mm)
     return tl.load(dg + o, mask=mm, other=0.0) + b_q * rq + b_k * (b_b * rk - cq - ckk)
 
 
@@ -196,7 +198,7 @@ def _bwd_sub_dg(dg_out, g, o_dA, tok, m, ck, cg, sg, s_from, dG, A_log, dt_bias,
 
 @triton.jit
 def _bwd_intra(
-    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dq_out, dk_out, dg_out,
+    q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db, cu, cidx, T_total, A_log, dt_bias, dA, dg_out,
     ddt, H, HV, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DPREC: tl.constexpr, USE_GATE: tl.constexpr,
     DIAG_SPREAD: tl.constexpr, DDT: tl.constexpr,
@@ -298,7 +300,7 @@ def _bwd_intra(
                 d_k = tl.load(dAkk + o_c, mask=ii < c, other=0.0) * tl.load(beta + t_c * HV + i_hv).to(tl.float32)
                 cqq += d_q[:, None] * E * q_c
                 ckk += d_k[:, None] * E * k_c
-        dG = _bwd_sub_add(dq, dk, dg, dq_out, dk_out, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
+        dG = _bwd_sub_add(dq, dk, dg, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
         s += tl.sum(dG, axis=0)
         sdt += _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
         tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)

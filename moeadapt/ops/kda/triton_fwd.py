@@ -373,21 +373,6 @@ def _fwd_o(
 
 
 @triton.jit
-def _fwd_gcum(
-    g, Gc, cu, cidx, A_log, dt_bias, HV, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr,
-):
-    """G = in-chunk cumulative sum of g (float32), per (chunk, head)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n, bos, eos, t0 = _chunk_span(cu, cidx, i_c, BT)
-    rows = tl.arange(0, BT)
-    rmask = rows < eos - t0
-    ck = tl.arange(0, K)
-    o_g = (t0 + rows)[:, None] * (HV * K) + i_hv * K + ck[None, :]
-    b_G = tl.cumsum(_load_g(g, o_g, rmask[:, None], A_log, dt_bias, i_hv, ck, K, USE_GATE), axis=0)
-    tl.store(Gc + o_g, b_G, mask=rmask[:, None])
-
-
-@triton.jit
 def _chunk_span(cu, cidx, i_c, BT: tl.constexpr):
     """Chunk i_c -> (its sequence i_n, the sequence's [bos, eos) in tokens, the chunk's first token t0)."""
     i_n = tl.load(cidx + 2 * i_c)

@@ -15,7 +15,7 @@ substitution). The diagonal blocks are inside the same kernels, by tensor-core d
 row where the gate's decay across the sub-chunk is at most KDALaunch.diag_spread (each factor then within
 e^(+-diag_spread/2)), elementwise where it is larger (H200, benchmarks/bench_kda.py: the backward kernel with the
 token-parallel diagonal kernel it replaced was 2.44 vs 1.48 ms). `_fwd_intra` also takes the in-chunk gate cumsum
-itself; the backward reads it stored (`_fwd_gcum`).
+itself; in the backward `_bwd_wy` stores it (float32) for `_bwd_intra`.
 
 Kernels (forward in triton_fwd.py, backward in triton_bwd.py): `_fwd_intra` (per chunk: Akk, Aqk, Ti),
 `_fwd_wu` (per chunk and K- or V-block: w, u, k e^(gam-G), q e^G; a separate kernel so that `_fwd_intra`
@@ -40,7 +40,7 @@ from torch import Tensor
 from ..custom import eager_or_op, impl_or_op
 from ..host import host_tensor
 from .triton_bwd import _bwd_dh, _bwd_dv, _bwd_intra, _bwd_wy
-from .triton_fwd import _fwd_gcum, _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
+from .triton_fwd import _fwd_h, _fwd_intra, _fwd_o, _fwd_wu
 from .triton_l2norm import l2norm_qk
 
 BT = 64
@@ -273,9 +273,12 @@ def _chunk_kda_bwd_impl(
         cu, coff, scale, H=H, HV=HV, K=K, V=V, KH=cfg["KHB"], BT=BT, BV=BVh, PREC=cfg["PREC"],
         HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, num_stages=cfg["stages"], num_warps=cfg["dh_warps"],
     )
-    dq = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
-    dk = torch.empty_like(dq)
-    dg = torch.empty_like(dq)
+    # dq / dk: _bwd_wy's partials, finished in place by _bwd_intra, in q's / k's dtype (where HV > H, float32:
+    # the value heads' gradients are summed after); dg's partial stays float32 (its in-chunk reverse cumsum)
+    dq = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype if HV == H else torch.float32)
+    dk = torch.empty(Tt, HV, K, device=dev, dtype=k.dtype if HV == H else torch.float32)
+    dg = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
+    Gc = torch.empty(Tt, HV, K, device=dev, dtype=torch.float32)
     dv = torch.empty(Tt, HV, V, device=dev, dtype=v.dtype)  # stored once, by _bwd_dv: in v's dtype there
     dRu = torch.empty(Tt, HV, V, device=dev, dtype=q.dtype)
     dAqk = torch.empty(Tt, HV, BT, device=dev, dtype=torch.float32)
@@ -289,22 +292,17 @@ def _chunk_kda_bwd_impl(
         HV=HV, V=V, BT=BT, BV=cfg["dv_BV"], PREC=cfg["PREC"], num_stages=cfg["stages"], num_warps=cfg["dv_warps"],
     )
     _bwd_wy[(NC, HV, K // BK)](
-        q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, cu, cidx, scale, Tt, A32, b32,
+        q, k, g, beta, h, dh, vn, dRu, do, dq, dk, dg, db1, Gc, cu, cidx, scale, Tt, A32, b32,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg["local_BV"], PREC=cfg["PREC"], USE_GATE=gate,
         num_stages=cfg["stages"], num_warps=cfg["local_warps"],
     )
-    Gc = _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate)
     dA = torch.empty(K // BK2, Tt, HV, device=dev, dtype=torch.float32) if gate else db2
-    # _bwd_intra adds the last terms of dq, dk and stores them in q's / k's dtype (no cast pass after it), except
-    # where HV > H sums them over the value heads first
-    dq_out = torch.empty(Tt, HV, K, device=dev, dtype=q.dtype) if HV == H else dq
-    dk_out = torch.empty(Tt, HV, K, device=dev, dtype=k.dtype) if HV == H else dk
     gate_grads = gate and gate_grads
     dg_out = torch.empty(Tt, HV, K, device=dev, dtype=g.dtype)
     # d dt_bias: each chunk's sum of dg over its tokens, from the kernel's float32 values
     ddt_part = torch.empty(NC, HV, K, device=dev, dtype=torch.float32) if gate_grads and dt_bias is not None else None
     _bwd_intra[(NC, HV, K // BK2)](
-        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dq_out, dk_out, dg_out,
+        q, k, g, Gc, beta, dAqk, dAkk, dq, dk, dg, db2, cu, cidx, Tt, A32, b32, dA, dg_out,
         ddt_part if ddt_part is not None else dg,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK2, DPREC=cfg["DPREC"],
         USE_GATE=gate, num_stages=cfg["stages"], num_warps=cfg["intra2_warps"],
@@ -315,7 +313,6 @@ def _chunk_kda_bwd_impl(
     ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if ddt_part is not None else _empty(q)
     dg = dg_out
     dbeta = db0 + db1.sum(0) + db2.sum(0)
-    dq, dk = dq_out, dk_out
     if HV != H:
         dq = dq.view(Tt, H, HV // H, K).sum(2)
         dk = dk.view(Tt, H, HV // H, K).sum(2)
@@ -379,12 +376,6 @@ def _state_bv(cfg, NH, V, device):
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         bv = 16 if 2 * NH * triton.cdiv(V, 32) <= sms else 32
     return min(bv, V)
-
-
-def _run_gcum(g, cu, cidx, NC, HV, K, A32, b32, gate):
-    Gc = torch.empty(g.shape, device=g.device, dtype=torch.float32)
-    _fwd_gcum[(NC, HV)](g, Gc, cu, cidx, A32, b32, HV=HV, K=K, BT=BT, USE_GATE=gate, num_warps=4)
-    return Gc
 
 
 def _run_fwd_h(kd, w, u, gl, h0, cu, coff, NC, N, HV, K, V, cfg, output_final_state):
