@@ -248,8 +248,8 @@ def test_triton_bf16_inputs_with_a_trained_gate(seed):
     """bf16 inputs with A_log and dt_bias trained (full fine-tuning's case): dk (and on the GPU dq) is finished in
     place in bf16 (no float32 copy), dg is stored in bf16 and d dt_bias is summed per chunk from its float32
     values. Every gradient against the float64 reference on the rounded inputs: bf16 rounding gives ~3e-3 here,
-    a wrong or missing term O(1). On the CPU q and v stay float32: the interpreter's tl.dot of two bf16 tiles is
-    wrong (garbage of ~1e10 in Triton 3.x's interpreter), and q / v are dot operands as loaded."""
+    a wrong or missing term O(1). On the CPU q and v stay float32: they are dot operands as loaded, and the
+    interpreter's tl.dot multiplies bf16 tiles' bit patterns (~1e10; triton-lang/triton#11584, not supported)."""
     B, T, H, HV, K, V = 1, 130, 2, 2, 16, 16
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = {"q", "k", "v", "g"} if dev == "cuda" else {"k", "g"}
