@@ -121,9 +121,10 @@ def attention_flops(spec: ModelSpec, seq_len: int, dsa_form: str = "model") -> d
     }
 
 
-def attention_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """Attention's model FLOPs per trained token, forward + backward: 3x the forward of every kind but the
-    indexer's, whose scores take no gradient (they only choose the keys). Add it to 6 N (flops_per_token) for
-    the MFU that counts attention."""
-    f = attention_flops(spec, seq_len)
-    return 3 * (f["dsa"] + f["kda"] + f["gdn"] + f["gqa"]) + f["indexer"]
+def attention_flops_per_token(spec: ModelSpec, seq_len: int, dsa_form: str = "model", passes: int = 3) -> float:
+    """Attention's FLOPs per trained token: `passes` x the forward of every kind but the indexer's (3: forward +
+    backward; 4 with a full recompute), the indexer's once, since its scores take no gradient (they only choose
+    the keys) and a recompute keeps its top-k. Add it to 6 N (flops_per_token) for the MFU that counts
+    attention. dsa_form: as in `attention_flops`."""
+    f = attention_flops(spec, seq_len, dsa_form)
+    return passes * (f["dsa"] + f["kda"] + f["gdn"] + f["gqa"]) + f["indexer"]

@@ -7,7 +7,7 @@ Stated hardware (H200 SXM nodes of 8 GPUs; override with `Hardware(...)`):
   * a collective whose group spans nodes runs at the inter-node rate (ring / all-to-all bottleneck);
     an all-to-all over ep ranks sends (ep - 8) / ep of its bytes over IB when ep > 8;
   * bf16 dense peak 989 TFLOP/s per GPU at 40% MFU, for the weights' GEMMs (6 N a token, 4 N under LoRA, + 2 N
-    under full recompute) and attention's own products (`models.stats.attention_flops`: DSA in the form its
+    under full recompute) and attention's own products (`models.stats.attention_flops_per_token`: DSA in the form its
     kernels take at that length, the indexer's scores once, the delta rule's products), one rate for all:
     measured, the indexer runs at ~90 TFLOP/s at 131k tokens (benchmarks/RESULTS.md), so long-context steps
     take longer than this predicts;
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import LoRASpec, ModelSpec
-from ..models.stats import attention_flops
+from ..models.stats import attention_flops_per_token
 from .memory import Plan, dsa_mha_form, ep_rows_per_token, param_counts
 
 
@@ -89,8 +89,7 @@ def comm_and_time(spec: ModelSpec, plan: Plan, lora: LoRASpec | None, hw: Hardwa
     # attention's own products (models/stats.py): DSA in the form its kernels take at this length, every kind
     # forward, backward (2x) and again under full recompute, the indexer once (a recompute keeps its top-k)
     form = "mha_dense" if dsa_mha_form(spec, plan.seq_len, plan.cp, plan.recompute == "selective") else "absorbed"
-    attn = attention_flops(spec, plan.seq_len, dsa_form=form)
-    attn_flops = (passes + 1) * (attn["dsa"] + attn["kda"] + attn["gdn"] + attn["gqa"]) + attn["indexer"]
+    attn_flops = attention_flops_per_token(spec, plan.seq_len, dsa_form=form, passes=passes + 1)
     compute_s = t * (flops_per_tok + attn_flops) / (hw.peak_tflops * 1e12 * hw.mfu) * straggler ** 0.5
     fsdp_s = ag / (_bw(n, hw) * 1e9) + rs / (_bw(n, hw) * 1e9) / grad_accum
     if ep > hw.gpus_per_node:
