@@ -165,8 +165,10 @@ def plot_report(metrics_path: str | Path, out_png: str | Path, title: str = "") 
     ax = axes[2]
     if moe_steps and layers:
         grid = [[next(m["max"] for m in r["moe"] if m["layer"] == layer) for r in moe_steps] for layer in layers]
+        # each column a logged step, centred on it (half a logging interval either side; one step: +-0.5)
+        half = (steps[-1] - steps[0]) / (2 * (len(steps) - 1)) if len(steps) > 1 else 0.5
         im = ax.imshow(grid, aspect="auto", origin="lower", cmap="magma",
-                       extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
+                       extent=(steps[0] - half, steps[-1] + half, -0.5, len(layers) - 0.5))
         ax.set_yticks(range(len(layers)), [f"L{layer}" for layer in layers])
         fig.colorbar(im, ax=ax, label="max / mean")
     ax.set_xlabel("step")

@@ -90,6 +90,35 @@ def test_load_quantiles():
     assert q["p50"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("steps", [[5], [2, 4, 6]])
+def test_report_heat_map_centres_each_logged_step(tmp_path, monkeypatch, steps):
+    """report.png's layer x step heat map: one column per logged step, centred on it (one step too, which
+    left the map's extent empty)."""
+    import warnings
+
+    from matplotlib.axes import Axes
+
+    from moeadapt.train.metrics import plot_report
+
+    moe = [{"layer": layer, "p50": 1.0, "p90": 1.2, "p99": 1.5, "max": 2.0} for layer in (1, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 3.0, "moe": moe}) + "\n" for s in steps))
+    seen, imshow = {}, Axes.imshow
+
+    def spy(self, *a, **k):
+        seen["extent"] = k["extent"]
+        return imshow(self, *a, **k)
+
+    monkeypatch.setattr(Axes, "imshow", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_report(path, tmp_path / "report.png")
+    lo, hi = seen["extent"][:2]
+    width = (hi - lo) / len(steps)
+    assert [lo + width * (i + 0.5) for i in range(len(steps))] == pytest.approx(steps)
+    assert (tmp_path / "report.png").stat().st_size > 0
+
+
 def test_init_from_wrong_model_is_clear(tmp_path):
     base = api.train(cfg(tmp_path, steps=1), quiet=True).output_dir / "model"
     c = build_run_config({"model": micro_spec(hidden_size=48).model_dump(),
