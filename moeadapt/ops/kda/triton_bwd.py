@@ -302,7 +302,9 @@ def _bwd_intra(
                 ckk += d_k[:, None] * E * k_c
         dG = _bwd_sub_add(dq, dk, dg, t_i, m_i, cg, sg, q_i, k_i, b_i[:, None], rq, rk, cqq, ckk)
         s += tl.sum(dG, axis=0)
-        sdt += _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+        dg_sum = _bwd_sub_dg(dg_out, g, o_dA, t_i, m_i, ck, cg, sg, s, dG, A_log, dt_bias, i_hv, HV, K, USE_GATE)
+        if DDT:  # (without it the sum is dead code: no loop-carried value for the compiler to keep)
+            sdt += dg_sum
         tl.store(o_db + t_i * HV, tl.sum(k_i * rk, axis=1), mask=m_i)
     if DDT:
         tl.store(ddt + i_c * sg + cg, sdt)
